@@ -115,6 +115,6 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "cpu": ["tensorflow-cpu"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["tfpsx-run=tfpsx.run:main"]},
     zip_safe=False,
 )

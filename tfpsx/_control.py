@@ -42,7 +42,7 @@ def wait_for_servers(addresses: Dict[str, str], timeout: float, log=None,
     """
     deadline = time.monotonic() + timeout
     pending = dict(addresses)
-    next_report = time.monotonic() + report_every
+    next_report = time.monotonic() + min(1.0, report_every)  # say early what we wait for
     channels = {task: grpc.insecure_channel(addr) for task, addr in pending.items()}
     futures = {task: grpc.channel_ready_future(ch) for task, ch in channels.items()}
     try:

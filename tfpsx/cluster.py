@@ -217,8 +217,9 @@ def _reject_duplicates(named: Sequence[Tuple[str, str]]) -> None:
     seen: Dict[str, str] = {}
     for what, ep in named:
         if ep in seen:
-            raise ValueError(f"duplicate endpoint {ep!r}: listed in {seen[ep]} and in {what}; "
-                             "every task needs its own host:port")
+            where = (f"twice in {what}" if seen[ep] == what else f"in {seen[ep]} and in {what}")
+            raise ValueError(f"duplicate endpoint {ep!r}: listed {where}; every task needs its "
+                             "own host:port")
         seen[ep] = what
 
 

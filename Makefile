@@ -1,0 +1,63 @@
+# tfpsx developer entry points. `make demo` and `make test` set everything up on a fresh
+# machine (virtualenv, TensorFlow, the op library built against it) and then run.
+#
+#   make test             tests against tensorflow-cpu 2.21 (what CI runs)
+#   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
+#   make demo             a local 1-PS 2-worker job training examples/ctr_demo
+#   make build            rebuild the op library after changing custom_ops/
+
+PYTHON ?= python3
+TF ?= 2.21
+PYTEST_ARGS ?=
+
+# A TF minor version maps to the newest patch release we test; pinned so that `make test`
+# means the same thing on every machine (tfpsx itself accepts any installed TF 2.16 .. 2.21).
+TF_SPEC_2.21 := tensorflow-cpu==2.21.0
+TF_SPEC_2.16 := tensorflow-cpu==2.16.2
+TF_SPEC ?= $(or $(TF_SPEC_$(TF)),tensorflow-cpu==$(TF).*)
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tfpsx-setup
+OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
+# Another TF gets its own copy of the tree (the editable install builds the op library
+# in place, and one tree holds one build).
+ALT_DIR := .tf$(TF)
+
+.PHONY: setup build test demo clean
+
+ifeq ($(TF),2.21)
+
+setup: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml $(OP_SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TF_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import tfpsx; tfpsx.load_ops(); print('tfpsx ops load with TensorFlow', __import__('tensorflow').__version__)"
+	touch $(STAMP)
+
+build: setup
+	$(PY) -m pip install -q -e ".[test]"
+
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+demo: setup
+	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --no_scheduler --server_num 1 --worker_num 2 \
+	    --log_dir logs/demo --timeout 600 examples/ctr_demo/train.py
+
+else
+
+setup test demo build:
+	mkdir -p $(ALT_DIR)/src
+	git ls-files -z --cached --others --exclude-standard | \
+	    tar --null -T - -cf - | tar -xf - -C $(ALT_DIR)/src
+	$(MAKE) -C $(ALT_DIR)/src $@ TF=2.21 TF_SPEC="$(TF_SPEC)" PYTHON=$(PYTHON) \
+	    PYTEST_ARGS="$(PYTEST_ARGS)"
+
+endif
+
+clean:
+	rm -rf build dist *.egg-info tfpsx/*.so logs .tf2.* .pytest_cache
