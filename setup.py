@@ -110,11 +110,13 @@ setup(
     # TensorFlow itself is not a dependency on purpose: tfpsx builds against whichever TF
     # (2.16 .. 2.21, CPU or GPU package) the user already has, and must never pull the
     # CUDA `tensorflow` wheel over a `tensorflow-cpu` install.
-    install_requires=["numpy", "grpcio", "portpicker", "absl-py"],
+    # protobuf >= 4.21: the committed scheduler_pb2 is protobuf 4.25 gencode (see the .proto).
+    install_requires=["numpy", "grpcio", "protobuf>=4.21", "portpicker"],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "cpu": ["tensorflow-cpu"],
     },
-    entry_points={"console_scripts": ["tfpsx-run=tfpsx.run:main"]},
+    entry_points={"console_scripts": ["tfpsx-run=tfpsx.run:main",
+                                      "tfpsx-scheduler=tfpsx.scheduler:main"]},
     zip_safe=False,
 )

@@ -1,0 +1,43 @@
+"""A minimal tfpsx job for the cluster tests: servers serve, workers register and stop.
+
+Behaviour knobs come from env so one script covers the scenarios:
+  JOB_BARRIERS=N      workers meet at N barriers
+  JOB_SLEEP=S         workers sleep S seconds before stopping
+  JOB_SKIP_STOP=1     workers exit without stop_worker()
+  JOB_BARE_SERVER=1   servers run a bare tf.distribute.Server without the tfpsx ops
+  JOB_PLACEMENT=1     the worker checks where counter ops run and prints JSON
+"""
+import os
+import sys
+import time
+
+import tfpsx
+
+tfpsx.init()
+if tfpsx.is_server() and os.environ.get("JOB_BARE_SERVER") == "1":
+    import tensorflow as tf
+
+    tf.distribute.Server(tfpsx.cluster_spec(), job_name="ps", task_index=tfpsx.server_index())
+    print("BARE_SERVER_UP", flush=True)
+    time.sleep(300)
+    sys.exit(0)
+if tfpsx.is_server():
+    report = tfpsx.run_server()
+    print(f"RUN_SERVER_RETURNED stopped={report.stopped} lost={report.lost}", flush=True)
+    sys.exit(0)
+
+tfpsx.init_worker()
+print(f"WORKER_READY {tfpsx.worker_index()}", flush=True)
+if os.environ.get("JOB_PLACEMENT") == "1":
+    import json
+
+    from placement import check_placement
+
+    print("PLACEMENT " + json.dumps(check_placement()), flush=True)
+for i in range(int(os.environ.get("JOB_BARRIERS", "0"))):
+    tfpsx.barrier_worker()
+    print(f"BARRIER_PASSED {i}", flush=True)
+time.sleep(float(os.environ.get("JOB_SLEEP", "0")))
+if os.environ.get("JOB_SKIP_STOP") != "1":
+    tfpsx.stop_worker()
+print("WORKER_DONE", flush=True)

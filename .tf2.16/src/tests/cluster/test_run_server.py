@@ -1,0 +1,100 @@
+"""run_server(), init_worker(), stop_worker() and barrier_worker() across real processes."""
+
+import json
+import re
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_run_server_returns_after_workers_stop(make_cluster):
+    c = make_cluster(server_num=2, worker_num=2, env={"JOB_BARRIERS": "3"})
+    codes = c.start().wait()
+    assert set(codes.values()) == {0}, c.logs()
+    for i in range(2):
+        assert "RUN_SERVER_RETURNED stopped=[0, 1] lost=[]" in c.log("server", i)
+        assert "BARRIER_PASSED 2" in c.log("worker", i)
+
+
+def test_tf_config_cluster(make_cluster):
+    c = make_cluster(server_num=1, worker_num=2, config_mode="tf_config")
+    assert set(c.start().wait().values()) == {0}, c.logs()
+    assert "RUN_SERVER_RETURNED stopped=[0, 1]" in c.log("server", 0)
+
+
+def test_op_runs_on_the_ps_it_is_placed_on(make_cluster):
+    c = make_cluster(server_num=2, worker_num=1, env={"JOB_PLACEMENT": "1"})
+    assert set(c.start().wait().values()) == {0}, c.logs()
+    line = next(l for l in c.log("worker", 0).splitlines() if l.startswith("PLACEMENT "))
+    result = json.loads(line[len("PLACEMENT "):])
+    assert result["values"] == [3, 7]
+    assert result["add_devices"] == ["/job:ps/replica:0/task:1/device:CPU:0"]
+    # The counter lives on ps:1 only; ps:0's counter of the same name was never touched.
+    assert result["held"] == {"0": 0, "1": 7}
+
+
+def test_server_without_op_library_gives_documented_error(make_cluster):
+    c = make_cluster(server_num=1, worker_num=1, env={"JOB_BARE_SERVER": "1"})
+    c.start()
+    codes = c.wait([("worker", 0)])
+    assert codes[("worker", 0)] != 0
+    log = c.log("worker", 0)
+    assert "OpsNotLoadedOnServerError" in log, log
+    assert re.search(r"ps:0 at 127\.0\.0\.1:\d+ has not loaded the tfpsx op library", log)
+    assert "tfpsx.run_server()" in log
+
+
+def test_worker_waits_for_a_late_server(make_cluster):
+    c = make_cluster(server_num=1, worker_num=1)
+    c.start([("worker", 0)])
+    deadline = time.monotonic() + 60
+    while "waiting for ps:0 at" not in c.log("worker", 0):
+        assert time.monotonic() < deadline, c.logs()
+        assert c.procs[("worker", 0)].poll() is None, c.logs()
+        time.sleep(0.2)
+    c.start([("server", 0)])
+    assert set(c.wait().values()) == {0}, c.logs()
+    assert f"waiting for ps:0 at {c.servers[0]}" in c.log("worker", 0)
+    assert "RUN_SERVER_RETURNED stopped=[0]" in c.log("server", 0)
+
+
+def test_worker_gives_up_on_a_missing_server(make_cluster):
+    c = make_cluster(server_num=2, worker_num=1, env={"TFPSX_CONNECT_TIMEOUT": "3"})
+    c.start([("server", 0), ("worker", 0)])
+    start = time.monotonic()
+    codes = c.wait([("worker", 0)], timeout=90)
+    assert codes[("worker", 0)] != 0
+    assert time.monotonic() - start < 60
+    log = c.log("worker", 0)
+    assert "ClusterTimeoutError" in log and "waited 3 s" in log, log
+    error = next(line for line in log.splitlines() if "still unreachable" in line)
+    assert f"ps:1 at {c.servers[1]}" in error and f"ps:0 at {c.servers[0]}" not in error
+
+
+def test_server_reports_a_worker_that_never_comes(make_cluster):
+    c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_REGISTER_TIMEOUT": "5"})
+    c.start([("server", 0), ("worker", 0)])
+    codes = c.wait([("server", 0), ("worker", 0)], timeout=90)
+    assert codes[("worker", 0)] == 0, c.logs()
+    assert codes[("server", 0)] != 0
+    log = c.log("server", 0)
+    assert "ClusterTimeoutError" in log
+    assert f"never came: worker 1 ({c.workers[1]})" in log, log
+
+
+def test_lost_worker_does_not_block_the_job_end(make_cluster):
+    c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_HEARTBEAT_TIMEOUT": "3",
+                                                      "JOB_SLEEP": "4"})
+    c.start()
+    deadline = time.monotonic() + 60
+    while "WORKER_READY" not in c.log("worker", 1):
+        assert time.monotonic() < deadline, c.logs()
+        time.sleep(0.2)
+    c.kill("worker", 1)
+    codes = c.wait([("server", 0), ("worker", 0)], timeout=90)
+    assert codes == {("server", 0): 0, ("worker", 0): 0}, c.logs()
+    log = c.log("server", 0)
+    assert "worker 1" in log and "reported lost" in log
+    assert "RUN_SERVER_RETURNED stopped=[0] lost=[1]" in log

@@ -1,0 +1,31 @@
+"""The demo end to end through the launcher, as `make demo` runs it."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = [sys.executable, "-m", "tfpsx.run"]
+
+
+@pytest.mark.timeout(300)
+def test_ctr_demo_trains_with_falling_loss(tmp_path):
+    proc = subprocess.run(
+        RUN + ["--no_scheduler", "--server_num", "1", "--worker_num", "2", "--log_dir",
+               str(tmp_path), "--timeout", "240", os.path.join(ROOT, "examples/ctr_demo/train.py"),
+               "--steps", "400"],
+        capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "job finished: 1 server(s), 2 worker(s) exited 0" in proc.stdout
+    for i in range(2):
+        log = (tmp_path / f"workerlog.{i}").read_text()
+        final, first = map(float, re.search(
+            r"final eval loss ([\d.]+) \(from ([\d.]+)\)", log).groups())
+        assert final < first, log
+        if i == 0:  # the chief's first eval comes before anyone trained
+            assert final < first - 0.05, log
+    # The chief's lines reach the console with their role prefix.
+    assert "[worker 0] worker 0: eval loss before training" in proc.stdout

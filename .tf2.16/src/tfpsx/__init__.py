@@ -1,0 +1,160 @@
+"""tfpsx: a TensorFlow-native parameter-server extension.
+
+Example:
+  >>> import tfpsx
+  >>> tfpsx.init()                 # role from TF_CONFIG or TFPSX_* env (or a role maker)
+  >>> if tfpsx.is_server():
+  ...     tfpsx.run_server()       # returns once every worker called stop_worker()
+  ... else:
+  ...     tfpsx.init_worker()
+  ...     ...                      # train: tf.compat.v1.train.replica_device_setter, sessions
+  ...     tfpsx.stop_worker()
+"""
+
+from typing import Optional
+
+from tfpsx import errors
+from tfpsx._loader import OpLibraryError, load_ops
+from tfpsx.cluster import ClusterConfig
+from tfpsx.fleet import FLEET as _FLEET
+from tfpsx.fleet import ServerReport
+from tfpsx.role_maker import (AutoRoleMaker, EnvRoleMaker, FlagsRoleMaker, RoleMaker,
+                              TFConfigRoleMaker, UserDefinedRoleMaker)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "is_server", "is_worker", "is_chief", "is_evaluator", "role", "worker_index",
+    "worker_num", "server_index", "server_num", "cluster_spec", "cluster_config",
+    "run_server", "init_worker", "stop_worker", "barrier_worker", "server_target",
+    "session_config", "load_ops", "ClusterConfig", "ServerReport", "RoleMaker",
+    "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker",
+    "FlagsRoleMaker", "OpLibraryError", "errors", "__version__",
+]
+
+
+def init(role_maker: Optional[RoleMaker] = None) -> ClusterConfig:
+    """Resolves this process's role, rank and cluster.
+
+    Args:
+      role_maker: where to read the cluster from. ``None`` reads TF_CONFIG, else the
+        TFPSX_* variables (``AutoRoleMaker``); pass ``UserDefinedRoleMaker``,
+        ``TFConfigRoleMaker``, ``EnvRoleMaker`` or ``FlagsRoleMaker`` to choose.
+
+    Returns:
+      The validated :class:`ClusterConfig`.
+
+    Raises:
+      ValueError: the configuration is missing or malformed (the message names the
+        variable, the bad value and what was expected).
+    """
+    return _FLEET.init(role_maker)
+
+
+def cluster_config() -> ClusterConfig:
+    """The resolved :class:`ClusterConfig` (after ``init()``)."""
+    return _FLEET.require("cluster_config")
+
+
+def role() -> str:
+    """"server", "worker", "scheduler" or "evaluator"."""
+    return _FLEET.require("role").role
+
+
+def is_server() -> bool:
+    """True in a parameter-server process."""
+    return _FLEET.require("is_server").role == "server"
+
+
+def is_worker() -> bool:
+    """True in a worker process (the chief included)."""
+    return _FLEET.require("is_worker").role == "worker"
+
+
+def is_evaluator() -> bool:
+    """True in a TF_CONFIG ``evaluator`` process (not part of the training cluster)."""
+    return _FLEET.require("is_evaluator").role == "evaluator"
+
+
+def is_chief() -> bool:
+    """True for worker 0 (TF_CONFIG's ``chief`` task when there is one)."""
+    return _FLEET.require("is_chief").is_chief
+
+
+def worker_index() -> int:
+    """This worker's rank, 0..worker_num()-1. Raises WrongRoleError elsewhere."""
+    return _FLEET.require_role("worker_index", "worker").index
+
+
+def worker_num() -> int:
+    """The number of workers (the chief included)."""
+    return _FLEET.require("worker_num").worker_num
+
+
+def server_index() -> int:
+    """This server's rank, 0..server_num()-1. Raises WrongRoleError elsewhere."""
+    return _FLEET.require_role("server_index", "server").index
+
+
+def server_num() -> int:
+    """The number of parameter servers."""
+    return _FLEET.require("server_num").server_num
+
+
+def cluster_spec():
+    """The training cluster as a ``tf.train.ClusterSpec`` (jobs ``ps``, ``worker``[, ``chief``])."""
+    return _FLEET.require("cluster_spec").cluster_spec()
+
+
+def run_server(register_timeout: Optional[float] = None,
+               heartbeat_timeout: Optional[float] = None) -> ServerReport:
+    """Serves this parameter server until every worker has called ``stop_worker()``.
+
+    Loads the tfpsx op library, starts ``tf.distribute.Server`` for this task and, unlike
+    ``server.join()``, returns when the job is over.
+
+    Args:
+      register_timeout: seconds every worker has to call ``init_worker()`` before this
+        raises ``ClusterTimeoutError`` naming the missing workers (TFPSX_REGISTER_TIMEOUT,
+        default 600).
+      heartbeat_timeout: seconds of heartbeat silence after which a started worker is
+        reported lost and no longer waited for (TFPSX_HEARTBEAT_TIMEOUT, default 60).
+
+    Returns:
+      A :class:`ServerReport` listing the workers that stopped and those lost.
+    """
+    return _FLEET.run_server(register_timeout, heartbeat_timeout)
+
+
+def init_worker(connect_timeout: Optional[float] = None) -> None:
+    """Waits (bounded) for every server, then registers this worker with them.
+
+    Args:
+      connect_timeout: seconds to wait for all servers to accept connections
+        (TFPSX_CONNECT_TIMEOUT, default 120); the wait logs what it waits for.
+
+    Raises:
+      ClusterTimeoutError: a server did not come up in time (named with its address).
+      OpsNotLoadedOnServerError: a server runs without the tfpsx op library.
+    """
+    _FLEET.init_worker(connect_timeout)
+
+
+def stop_worker() -> None:
+    """Tells the servers this worker is done; they return once all workers are."""
+    _FLEET.stop_worker()
+
+
+def barrier_worker(timeout: Optional[float] = None) -> None:
+    """Blocks until every worker reached the same barrier (TFPSX_BARRIER_TIMEOUT)."""
+    _FLEET.barrier_worker(timeout)
+
+
+def server_target() -> str:
+    """The session target of this worker's own ``tf.distribute.Server`` (started on first call)."""
+    return _FLEET.server_target()
+
+
+def session_config():
+    """A ``tf.compat.v1.ConfigProto`` with the device filters a between-graph worker needs."""
+    return _FLEET.session_config()

@@ -1,0 +1,168 @@
+"""``tfpsx-run``: start a whole PS job of one script on this machine.
+
+Usage::
+
+  tfpsx-run --server_num 2 --worker_num 2 [--log_dir logs] [--no_scheduler] train.py [args]
+
+Every server and worker is a separate process on a free 127.0.0.1 port, logging to
+``log_dir/serverlog.N`` and ``log_dir/workerlog.N``; the chief's output also streams to
+the console, prefixed with its role. The exit code is 0 when every worker exits 0,
+otherwise the first failing worker's code, after every process started here is gone
+(also on Ctrl-C / SIGTERM). With ``--no_scheduler`` each process gets its cluster from
+environment variables (``--config tf_config`` writes TF_CONFIG instead, so a plain TF
+script that reads TF_CONFIG runs unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import List, Optional
+
+from tfpsx import cluster as _cluster
+from tfpsx.testing import LocalCluster
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tfpsx-run", description="Run a tfpsx parameter-server job on this machine.")
+    p.add_argument("--server_num", type=str, default="1", help="number of parameter servers")
+    p.add_argument("--worker_num", type=str, default="1", help="number of workers")
+    p.add_argument("--log_dir", default="logs", help="folder for per-process logs")
+    p.add_argument("--no_scheduler", action="store_true",
+                   help="give each process its cluster directly instead of via a scheduler")
+    p.add_argument("--config", choices=("env", "tf_config"), default="env",
+                   help="with --no_scheduler: TFPSX_* variables (env) or TF_CONFIG")
+    p.add_argument("--timeout", type=str, default=None,
+                   help="seconds the job may run before it is killed (default: no limit)")
+    p.add_argument("--server_grace", type=str, default="60",
+                   help="seconds servers get to exit after the last worker did")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+class _Tail(threading.Thread):
+    """Streams a growing log file to stdout with a prefix until stopped."""
+
+    def __init__(self, path: str, prefix: str):
+        super().__init__(daemon=True, name=f"tfpsx-tail-{prefix}")
+        self.path, self.prefix = path, prefix
+        self._stop_event = threading.Event()
+
+    def run(self):
+        while not os.path.exists(self.path) and not self._stop_event.wait(0.05):
+            pass
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            buffer = ""
+            while True:
+                chunk = f.read()
+                if chunk:
+                    buffer += chunk
+                    *lines, buffer = buffer.split("\n")
+                    for line in lines:
+                        print(f"{self.prefix} {line}", flush=True)
+                elif self._stop_event.wait(0.05):
+                    if buffer:
+                        print(f"{self.prefix} {buffer}", flush=True)
+                    return
+
+    def stop(self):
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        server_num = _cluster.parse_int(args.server_num, "--server_num", minimum=1)
+        worker_num = _cluster.parse_int(args.worker_num, "--worker_num", minimum=1)
+        timeout = (None if args.timeout is None
+                   else _cluster.parse_float(args.timeout, "--timeout"))
+        grace = _cluster.parse_float(args.server_grace, "--server_grace")
+    except ValueError as e:
+        print(f"tfpsx-run: {e}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.script):
+        print(f"tfpsx-run: script {args.script!r} not found", file=sys.stderr)
+        return 2
+    if not args.no_scheduler:
+        print("tfpsx-run: the scheduler mode is not available in this build; "
+              "pass --no_scheduler", file=sys.stderr)
+        return 2
+
+    job = LocalCluster(args.script, server_num, worker_num, args=args.script_args,
+                       timeout=float("inf") if timeout is None else timeout,
+                       log_dir=args.log_dir, config_mode=args.config)
+    # Our own logs start fresh for this run.
+    for role, index in job.tasks():
+        open(job.log_path(role, index), "w").close()
+
+    interrupted = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    tail = _Tail(job.log_path("worker", 0), "[worker 0]")
+    tail.start()
+    start = time.monotonic()
+    failed = None  # (task, code)
+    try:
+        job.start()
+        workers = [("worker", i) for i in range(worker_num)]
+        while not interrupted:
+            for task in workers:
+                code = job.procs[task].poll()
+                if code not in (None, 0) and failed is None:
+                    failed = (task, code)
+            if failed or all(job.procs[t].poll() is not None for t in workers):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                failed = (("launcher", 0), 124)
+                print(f"tfpsx-run: job ran past --timeout {timeout:g} s; stopping it",
+                      file=sys.stderr)
+                break
+            time.sleep(0.1)
+        if not failed and not interrupted:
+            servers = [("server", i) for i in range(server_num)]
+            deadline = time.monotonic() + grace
+            while any(job.procs[t].poll() is None for t in servers) and not interrupted:
+                if time.monotonic() > deadline:
+                    stuck = [t for t in servers if job.procs[t].poll() is None]
+                    print(f"tfpsx-run: servers {stuck} still running {grace:g} s after the "
+                          "last worker exited; killing them", file=sys.stderr)
+                    break
+                time.sleep(0.1)
+            for task in servers:
+                code = job.procs[task].poll()
+                if code not in (None, 0) and failed is None:
+                    failed = (task, code)
+    finally:
+        job.stop()
+        tail.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    seconds = time.monotonic() - start
+    if interrupted:
+        print(f"tfpsx-run: interrupted by signal {interrupted[0]}; stopped all "
+              f"{server_num + worker_num} processes (logs in {job.log_dir})", file=sys.stderr)
+        return 128 + interrupted[0]
+    if failed:
+        (role, index), code = failed
+        where = job.log_path(role, index) if role != "launcher" else job.log_dir
+        print(f"tfpsx-run: FAILED: {role} {index} exited with code {code} after {seconds:.1f} s; "
+              f"see {where}", file=sys.stderr)
+        return code if 0 < code < 256 else (128 - code if code < 0 else 1)
+    print(f"tfpsx-run: job finished: {server_num} server(s), {worker_num} worker(s) exited 0 "
+          f"in {seconds:.1f} s (logs in {job.log_dir})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

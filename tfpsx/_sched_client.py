@@ -1,0 +1,251 @@
+"""A server's or worker's side of the scheduler protocol (see tfpsx/scheduler.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import List, Optional, Tuple
+
+import grpc
+import portpicker
+
+from tfpsx import cluster as _cluster
+from tfpsx import errors
+from tfpsx.proto import scheduler_pb2 as pb
+from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx.scheduler import TlsConfig
+
+logger = logging.getLogger("tfpsx")
+_LONG_POLL = 5.0
+
+
+def local_address_towards(target: str) -> str:
+    """The IP this host uses to reach ``target`` (host:port); no packet is sent."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            ip = s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+    return f"[{ip}]" if family == socket.AF_INET6 else ip
+
+
+def describe(nodes) -> str:
+    return ", ".join(f"{n.role} rank {n.rank} ({n.address})" for n in nodes)
+
+
+class SchedulerClient:
+    """Registers this node, fetches the cluster, heartbeats, barriers, and job end.
+
+    Args:
+      info: where the scheduler is and the counts it expects.
+      role: "server" or "worker".
+      rpc_timeout: seconds a plain call may take.
+      tls: TLS files, or None for a plaintext channel.
+      node_id: stable id of this process (TFPSX_NODE_ID, else host:pid).
+    """
+
+    def __init__(self, info: _cluster.SchedulerInfo, role: str, rpc_timeout: float = 30.0,
+                 tls: Optional[TlsConfig] = None, node_id: Optional[str] = None):
+        self.info, self.role, self.rpc_timeout = info, role, rpc_timeout
+        self.node_id = node_id or os.environ.get("TFPSX_NODE_ID") or \
+            f"{socket.gethostname()}:{os.getpid()}"
+        self.token = info.token or ""
+        self._channel = (grpc.secure_channel(info.address, tls.channel_credentials()) if tls
+                         else grpc.insecure_channel(info.address))
+        self._stub = pb_grpc.SchedulerStub(self._channel)
+        self._heartbeat: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.dead: List[pb.Node] = []
+        self.rank: Optional[int] = None
+
+    def _call(self, method: str, request, timeout: Optional[float] = None):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout or self.rpc_timeout)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and \
+                    "cluster not complete" not in (e.details() or ""):
+                raise errors.ServerUnavailableError(
+                    f"scheduler at {self.info.address} did not answer {method} within "
+                    f"{timeout or self.rpc_timeout:g} s: {e.details()}") from e
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise errors.ClusterTimeoutError(
+                    f"scheduler at {self.info.address}: {e.details()}") from e
+            raise errors.SchedulerRejectedError(
+                f"scheduler at {self.info.address} refused {method} from {self.role} "
+                f"(node {self.node_id}): {code.name}: {e.details()}") from e
+
+    # ------------------------------------------------------------------ registration
+    def register(self, address: str, requested_rank: Optional[int],
+                 connect_timeout: float) -> Tuple[int, str]:
+        """Registers (retrying while the scheduler is not up yet); returns (rank, address)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            raise errors.ClusterTimeoutError(
+                f"{self.role} waited {connect_timeout:g} s for the scheduler at "
+                f"{self.info.address} (TFPSX_SCHED_ADDR); it is not reachable. Raise the limit "
+                "with TFPSX_CONNECT_TIMEOUT.") from None
+        reply = self._call("Register", pb.RegisterRequest(
+            role=self.role, node_id=self.node_id, address=address, token=self.token,
+            requested_rank=-1 if requested_rank is None else requested_rank))
+        self.rank = reply.rank
+        logger.info("%s registered with the scheduler at %s: rank %d, %s", self.role,
+                    self.info.address, reply.rank, reply.address)
+        return reply.rank, reply.address
+
+    def wait_cluster(self, timeout: float) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """Waits until every node registered; returns (servers, workers) in rank order."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            reply = self._call("GetCluster", pb.ClusterRequest(
+                node_id=self.node_id, token=self.token, wait_seconds=max(0.0, min(_LONG_POLL, left))),
+                timeout=self.rpc_timeout + _LONG_POLL)
+            if reply.ready:
+                return tuple(reply.servers), tuple(reply.workers)
+            if time.monotonic() >= deadline:
+                raise errors.ClusterTimeoutError(
+                    f"{self.role} rank {self.rank} waited {timeout:g} s for the cluster to "
+                    f"complete (TFPSX_REGISTER_TIMEOUT); missing: "
+                    f"{_missing(reply)}; registered: {describe(reply.registered) or 'none'}")
+
+    # ------------------------------------------------------------------ heartbeats
+    def start_heartbeat(self, interval: float) -> None:
+        def loop():
+            failures = 0
+            while not self._stop.wait(interval):
+                try:
+                    reply = self._call("Heartbeat", pb.NodeRequest(node_id=self.node_id,
+                                                                   token=self.token))
+                    failures = 0
+                except (errors.ServerUnavailableError, errors.SchedulerRejectedError) as e:
+                    failures += 1
+                    logger.warning("heartbeat to the scheduler failed (%d in a row): %s",
+                                   failures, e)
+                    continue
+                new = [n for n in reply.dead if n not in self.dead]
+                if new:
+                    logger.warning("scheduler reports dead: %s", describe(new))
+                    self.dead.extend(new)
+
+        self._heartbeat = threading.Thread(target=loop, name="tfpsx-sched-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+
+    # ------------------------------------------------------------------ job
+    def barrier(self, generation: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            reply = self._call("Barrier", pb.NodeRequest(
+                node_id=self.node_id, token=self.token, generation=generation,
+                wait_seconds=max(0.0, min(_LONG_POLL, left))), timeout=self.rpc_timeout + _LONG_POLL)
+            if reply.passed:
+                if reply.dead:
+                    logger.warning("barrier %d passed without dead workers: %s", generation,
+                                   describe(reply.dead))
+                return
+            if time.monotonic() >= deadline:
+                raise errors.ClusterTimeoutError(
+                    f"barrier_worker() #{generation} on worker {self.rank} waited {timeout:g} s; "
+                    f"{reply.arrived} of {reply.expected} workers arrived")
+
+    def finish(self) -> pb.JobReply:
+        return self._call("Finish", pb.NodeRequest(node_id=self.node_id, token=self.token))
+
+    def wait_job_end(self) -> pb.JobReply:
+        """Blocks until every worker finished or died (heartbeats bound the wait)."""
+        while True:
+            reply = self._call("WaitJobEnd", pb.NodeRequest(
+                node_id=self.node_id, token=self.token, wait_seconds=_LONG_POLL),
+                timeout=self.rpc_timeout + _LONG_POLL)
+            if reply.over:
+                return reply
+
+    def status(self) -> pb.JobReply:
+        return self._call("Status", pb.NodeRequest(node_id=self.node_id, token=self.token))
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        self._channel.close()
+
+
+def _missing(reply: pb.ClusterReply) -> str:
+    parts = []
+    for role, num in (("server", reply.server_num), ("worker", reply.worker_num)):
+        have = {n.rank for n in reply.registered if n.role == role}
+        free = [r for r in range(num) if r not in have]
+        if free:
+            parts.append(f"{role} rank{'s' if len(free) > 1 else ''} {', '.join(map(str, free))} "
+                         f"({len(have)} of {num} {role}s registered)")
+    return "; ".join(parts) or "none"
+
+
+def register_node(config: _cluster.ClusterConfig, connect_timeout: float,
+                  register_timeout: float, rpc_timeout: float, heartbeat_interval: float
+                  ) -> Tuple[_cluster.ClusterConfig, SchedulerClient]:
+    """Registers a server or worker; returns its complete config and the live client."""
+    if config.role not in (_cluster.SERVER, _cluster.WORKER):
+        raise ValueError(f"TFPSX_ROLE={config.role!r} does not register with a scheduler; "
+                         "expected 'server' or 'worker' (the scheduler runs run_scheduler())")
+    host = os.environ.get("TFPSX_HOST") or local_address_towards(config.scheduler.address)
+    port_env = os.environ.get("TFPSX_PORT", "").strip()
+    port = (_cluster.parse_int(port_env, "TFPSX_PORT", minimum=0) if port_env
+            else portpicker.pick_unused_port())
+    client = SchedulerClient(config.scheduler, config.role, rpc_timeout,
+                             tls=TlsConfig.from_env())
+    try:
+        rank, address = client.register(f"{host}:{port}", config.index, connect_timeout)
+        client.start_heartbeat(heartbeat_interval)
+        servers, workers = client.wait_cluster(register_timeout)
+    except BaseException:
+        client.close()
+        raise
+    resolved = _cluster.ClusterConfig(role=config.role, index=rank, servers=servers,
+                                      workers=workers, scheduler=config.scheduler,
+                                      source="scheduler")
+    return resolved, client
+
+
+class SchedulerCoordinator:
+    """The job's control plane through the scheduler (heartbeats run since registration)."""
+
+    def __init__(self, config: _cluster.ClusterConfig, client: SchedulerClient):
+        self.config, self.client = config, client
+
+    def worker_start(self) -> None:
+        pass  # registered and heartbeating since tfpsx.init()
+
+    def worker_stop(self) -> None:
+        self.client.stop_heartbeat()
+        self.client.finish()
+        self.client.close()
+
+    def barrier(self, generation: int, timeout: float) -> None:
+        self.client.barrier(generation, timeout)
+
+    def serve(self, me: str, register_timeout: float, heartbeat_timeout: float,
+              connect_timeout: float):
+        try:
+            reply = self.client.wait_job_end()
+            self.client.stop_heartbeat()
+            self.client.finish()
+        finally:
+            self.client.close()
+        stopped = sorted(n.rank for n in reply.finished)
+        lost = sorted(n.rank for n in reply.dead if n.role == _cluster.WORKER)
+        return stopped, lost
+
+    def close(self) -> None:
+        self.client.close()

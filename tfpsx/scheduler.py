@@ -1,0 +1,395 @@
+"""The scheduler: assigns ranks to the servers and workers of a bare cluster.
+
+Servers and workers register with their role and the address they will serve TF on; the
+scheduler gives ranks in a stable order (servers 0..S-1, workers 0..W-1; a node that asks
+for a rank with TFPSX_RANK gets it, the others get the lowest free one; a retry with the
+same node id gets the same rank), answers every node with the full cluster once all have
+registered, runs barriers, watches heartbeats, and ends the job when every worker has
+finished (or died).
+
+Run it as ``python -m tfpsx.scheduler`` (or ``tfpsx-scheduler``) with ``TFPSX_ROLE=scheduler
+TFPSX_SCHED_ADDR=host:port TFPSX_SERVER_NUM=S TFPSX_WORKER_NUM=W`` [``TFPSX_TOKEN``], or
+from a script with ``tfpsx.init(); tfpsx.run_scheduler()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Dict, List, Optional
+
+import grpc
+import portpicker
+
+from tfpsx import cluster as _cluster
+from tfpsx import errors
+from tfpsx.proto import scheduler_pb2 as pb
+from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("tfpsx")
+
+REGISTERED, FINISHED, DEAD = "registered", "finished", "dead"
+_MAX_LONG_POLL = 10.0  # seconds one long-poll call may be held
+
+
+@dataclasses.dataclass
+class TlsConfig:
+    """PEM files for TLS: the scheduler needs cert+key, clients the CA (and may add cert+key)."""
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    ca: Optional[str] = None
+
+    @classmethod
+    def from_env(cls, env=None) -> Optional["TlsConfig"]:
+        import os
+
+        env = os.environ if env is None else env
+        values = {f: env.get(f"TFPSX_TLS_{f.upper()}") or None for f in ("cert", "key", "ca")}
+        if not any(values.values()):
+            return None
+        for field, path in values.items():
+            if path and not os.path.isfile(path):
+                raise ValueError(f"TFPSX_TLS_{field.upper()}: file {path!r} does not exist; "
+                                 "expected a PEM file")
+        if bool(values["cert"]) != bool(values["key"]):
+            raise ValueError("TFPSX_TLS_CERT and TFPSX_TLS_KEY go together; got only "
+                             f"{'TFPSX_TLS_CERT' if values['cert'] else 'TFPSX_TLS_KEY'}")
+        return cls(**values)
+
+    @staticmethod
+    def _read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    def server_credentials(self):
+        if not (self.cert and self.key):
+            raise ValueError("the scheduler needs TFPSX_TLS_CERT and TFPSX_TLS_KEY to serve TLS")
+        root = self._read(self.ca) if self.ca else None
+        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
+                                           root_certificates=root)
+
+    def channel_credentials(self):
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca) if self.ca else None,
+            private_key=self._read(self.key) if self.key else None,
+            certificate_chain=self._read(self.cert) if self.cert else None)
+
+
+@dataclasses.dataclass
+class _Node:
+    role: str
+    rank: int
+    address: str
+    node_id: str
+    state: str = REGISTERED
+    last_seen: float = 0.0
+
+    def proto(self) -> pb.Node:
+        return pb.Node(role=self.role, rank=self.rank, address=self.address,
+                       node_id=self.node_id, state=self.state)
+
+    def name(self) -> str:
+        return f"{self.role} rank {self.rank} ({self.address})"
+
+
+class SchedulerService(pb_grpc.SchedulerServicer):
+    """The scheduler's state and RPCs. Thread-safe; one condition guards everything."""
+
+    def __init__(self, server_num: int, worker_num: int, token: Optional[str] = None,
+                 heartbeat_timeout: float = 60.0):
+        self.nums = {_cluster.SERVER: server_num, _cluster.WORKER: worker_num}
+        self.token = token
+        self.heartbeat_timeout = heartbeat_timeout
+        self._cv = threading.Condition()
+        self.nodes: Dict[str, _Node] = {}
+        self._ranks: Dict[str, Dict[int, str]] = {_cluster.SERVER: {}, _cluster.WORKER: {}}
+        self._barriers: Dict[int, set] = {}
+        self.started = time.monotonic()
+        self.first_registration: Optional[float] = None
+        self.ready_at: Optional[float] = None
+        self.failure: Optional[str] = None
+
+    # ------------------------------------------------------------------ helpers
+    def _check(self, context, token: str, node_id: Optional[str] = None) -> Optional[_Node]:
+        if self.token is not None and not hmac.compare_digest(token.encode(), self.token.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "wrong or missing token: this scheduler requires the TFPSX_TOKEN it "
+                          "was started with")
+        if node_id is None:
+            return None
+        node = self.nodes.get(node_id)
+        if node is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"node id {node_id!r} never registered with this scheduler")
+        return node
+
+    def ready(self) -> bool:
+        return all(len(self._ranks[r]) == n for r, n in self.nums.items())
+
+    def missing(self) -> str:
+        parts = []
+        for role, num in self.nums.items():
+            free = [r for r in range(num) if r not in self._ranks[role]]
+            if free:
+                parts.append(f"{role} rank{'s' if len(free) > 1 else ''} "
+                             f"{', '.join(map(str, free))} ({num - len(free)} of {num} {role}s "
+                             "registered)")
+        return "; ".join(parts)
+
+    def _by_role(self, role: str) -> List[_Node]:
+        return [self.nodes[self._ranks[role][r]] for r in sorted(self._ranks[role])]
+
+    def _dead(self) -> List[pb.Node]:
+        return [n.proto() for n in self.nodes.values() if n.state == DEAD]
+
+    def job_over(self) -> bool:
+        workers = self._by_role(_cluster.WORKER)
+        return (self.ready_at is not None and
+                all(n.state in (FINISHED, DEAD) for n in workers))
+
+    def _wait(self, predicate, seconds: float) -> bool:
+        """Waits on the condition (held) until predicate() or ``seconds`` pass."""
+        deadline = time.monotonic() + max(0.0, min(seconds, _MAX_LONG_POLL))
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.failure:
+                return predicate()
+            self._cv.wait(left)
+        return True
+
+    # ------------------------------------------------------------------ RPCs
+    def Register(self, request, context):
+        self._check(context, request.token)
+        role, node_id = request.role, request.node_id
+        if role not in self.nums:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"role {role!r} cannot register; expected 'server' or 'worker'")
+        if not node_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+        try:
+            address = _cluster.parse_endpoint(request.address, "address")
+        except ValueError as e:
+            if not request.address.endswith(":0"):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            address = f"{request.address[:-2]}:{portpicker.pick_unused_port()}"
+        with self._cv:
+            now = time.monotonic()
+            node = self.nodes.get(node_id)
+            if node is not None:
+                if node.role != role:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"node id {node_id!r} registered as {node.role} rank "
+                                  f"{node.rank}; it cannot re-register as a {role}")
+                node.last_seen = now
+                logger.info("re-registration of %s (node %s): same rank", node.name(), node_id)
+                return pb.RegisterReply(rank=node.rank, address=node.address)
+            taken = self._ranks[role]
+            num = self.nums[role]
+            if len(taken) >= num:
+                holders = ", ".join(self.nodes[taken[r]].address for r in sorted(taken))
+                message = (f"too many {role}s: {role}_num is {num} and ranks 0..{num - 1} are "
+                           f"taken ({holders}); refused {address} (node {node_id})")
+                logger.error("refused registration: %s", message)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            for other in self.nodes.values():
+                if other.address == address:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"address {address} is already {other.name()}; each node "
+                                  "needs its own host:port")
+            rank = request.requested_rank
+            if rank >= 0:
+                if rank >= num:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"requested {role} rank {rank} is out of range for "
+                                  f"{role}_num {num}; expected 0..{num - 1}")
+                if rank in taken:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"{role} rank {rank} is already taken by "
+                                  f"{self.nodes[taken[rank]].address}")
+            else:
+                rank = min(set(range(num)) - set(taken))
+            node = _Node(role=role, rank=rank, address=address, node_id=node_id, last_seen=now)
+            self.nodes[node_id] = node
+            taken[rank] = node_id
+            self.first_registration = self.first_registration or now
+            logger.info("assigned %s rank %d to %s", role, rank, address)
+            if self.ready():
+                self.ready_at = now
+                logger.info("cluster ready: %d servers, %d workers in %.2f s",
+                            self.nums[_cluster.SERVER], self.nums[_cluster.WORKER],
+                            now - self.first_registration)
+            self._cv.notify_all()
+            return pb.RegisterReply(rank=rank, address=address)
+
+    def GetCluster(self, request, context):
+        self._check(context, request.token, request.node_id)
+        with self._cv:
+            ready = self._wait(self.ready, request.wait_seconds)
+            if self.failure:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.failure)
+            reply = pb.ClusterReply(ready=ready, server_num=self.nums[_cluster.SERVER],
+                                    worker_num=self.nums[_cluster.WORKER],
+                                    registered=[n.proto() for n in self.nodes.values()],
+                                    waited_seconds=time.monotonic() - self.started)
+            if ready:
+                reply.servers.extend(n.address for n in self._by_role(_cluster.SERVER))
+                reply.workers.extend(n.address for n in self._by_role(_cluster.WORKER))
+            return reply
+
+    def Heartbeat(self, request, context):
+        node = self._check(context, request.token, request.node_id)
+        with self._cv:
+            if node.state == DEAD:
+                logger.warning("heartbeat from %s, which was already reported dead", node.name())
+            node.last_seen = time.monotonic()
+            return pb.HeartbeatReply(dead=self._dead())
+
+    def Barrier(self, request, context):
+        node = self._check(context, request.token, request.node_id)
+        if node.role != _cluster.WORKER:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"barriers are for workers; {node.name()} is not one")
+        with self._cv:
+            arrived = self._barriers.setdefault(request.generation, set())
+            if node.node_id not in arrived:
+                arrived.add(node.node_id)
+                self._cv.notify_all()
+
+            def alive_arrived():
+                alive = {n.node_id for n in self._by_role(_cluster.WORKER) if n.state != DEAD}
+                return alive <= arrived
+
+            passed = self.ready_at is not None and self._wait(alive_arrived, request.wait_seconds)
+            return pb.BarrierReply(passed=passed, arrived=len(arrived),
+                                   expected=self.nums[_cluster.WORKER], dead=self._dead())
+
+    def Finish(self, request, context):
+        node = self._check(context, request.token, request.node_id)
+        with self._cv:
+            if node.state != FINISHED:
+                node.state = FINISHED
+                logger.info("%s finished", node.name())
+                self._cv.notify_all()
+            return self._job_reply()
+
+    def WaitJobEnd(self, request, context):
+        self._check(context, request.token, request.node_id)
+        with self._cv:
+            self._wait(self.job_over, request.wait_seconds)
+            return self._job_reply()
+
+    def Status(self, request, context):
+        self._check(context, request.token)
+        with self._cv:
+            return self._job_reply()
+
+    def _job_reply(self) -> pb.JobReply:
+        return pb.JobReply(
+            over=self.job_over(),
+            finished=[n.proto() for n in self.nodes.values()
+                      if n.state == FINISHED and n.role == _cluster.WORKER],
+            dead=self._dead(), nodes=[n.proto() for n in self.nodes.values()])
+
+    # ------------------------------------------------------------------ monitoring
+    def check_heartbeats(self) -> None:
+        """Marks nodes silent past the heartbeat timeout dead (call periodically)."""
+        with self._cv:
+            now = time.monotonic()
+            for node in self.nodes.values():
+                if node.state == REGISTERED and now - node.last_seen > self.heartbeat_timeout:
+                    node.state = DEAD
+                    logger.warning("%s is dead: no heartbeat for %.1f s "
+                                   "(TFPSX_HEARTBEAT_TIMEOUT=%g)", node.name(),
+                                   now - node.last_seen, self.heartbeat_timeout)
+                    self._cv.notify_all()
+
+    def fail(self, message: str) -> None:
+        with self._cv:
+            self.failure = message
+            self._cv.notify_all()
+
+
+def serve(address: str, server_num: int, worker_num: int, token: Optional[str] = None,
+          register_timeout: float = 600.0, heartbeat_timeout: float = 60.0,
+          tls: Optional[TlsConfig] = None, server_grace: Optional[float] = None) -> int:
+    """Runs the scheduler until the job ends; returns a process exit code.
+
+    Returns 0 when every worker finished or died and the servers confirmed the end (or the
+    grace ran out); raises ClusterTimeoutError when the cluster was not complete within
+    ``register_timeout`` (after telling every waiting node).
+    """
+    service = SchedulerService(server_num, worker_num, token, heartbeat_timeout)
+    server = grpc.server(futures.ThreadPoolExecutor(
+        max_workers=2 * (server_num + worker_num) + 8, thread_name_prefix="tfpsx-sched"))
+    pb_grpc.add_SchedulerServicer_to_server(service, server)
+    bound = (server.add_secure_port(address, tls.server_credentials()) if tls
+             else server.add_insecure_port(address))
+    if not bound:
+        raise OSError(f"scheduler could not bind {address}")
+    server.start()
+    logger.info("scheduler serving at %s%s for %d servers and %d workers", address,
+                " (TLS)" if tls else "", server_num, worker_num)
+    grace = heartbeat_timeout if server_grace is None else server_grace
+    try:
+        while True:
+            time.sleep(0.1)
+            service.check_heartbeats()
+            with service._cv:
+                ready, over = service.ready_at is not None, service.job_over()
+                missing = service.missing()
+            if not ready and time.monotonic() - service.started > register_timeout:
+                message = (f"cluster not complete after {register_timeout:g} s "
+                           f"(TFPSX_REGISTER_TIMEOUT); missing: {missing}")
+                logger.error("scheduler: %s", message)
+                service.fail(message)
+                time.sleep(1.0)  # lets waiting nodes read the failure
+                raise errors.ClusterTimeoutError(message)
+            if over:
+                break
+        with service._cv:
+            dead = [n.name() for n in service.nodes.values() if n.state == DEAD]
+        logger.info("job over: every worker finished%s; waiting for servers to confirm",
+                    f" or died ({', '.join(dead)})" if dead else "")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            service.check_heartbeats()
+            with service._cv:
+                if all(n.state in (FINISHED, DEAD) for n in service._by_role(_cluster.SERVER)):
+                    break
+            time.sleep(0.1)
+        logger.info("scheduler exiting")
+        return 0
+    finally:
+        server.stop(grace=1.0)
+
+
+def run_scheduler(config: Optional[_cluster.ClusterConfig] = None) -> int:
+    """Serves as the scheduler of ``config`` (the resolved cluster by default)."""
+    from tfpsx.fleet import FLEET, _setting, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT
+
+    config = config or FLEET.require_role("run_scheduler", _cluster.SCHEDULER)
+    info = config.scheduler
+    return serve(info.address, info.server_num, info.worker_num, token=info.token,
+                 register_timeout=_setting(None, REGISTER_TIMEOUT),
+                 heartbeat_timeout=_setting(None, HEARTBEAT_TIMEOUT),
+                 tls=TlsConfig.from_env())
+
+
+def main() -> int:
+    import tfpsx
+
+    config = tfpsx.init()
+    if config.role != _cluster.SCHEDULER:
+        print(f"python -m tfpsx.scheduler: TFPSX_ROLE is {config.role!r}; expected 'scheduler'",
+              file=sys.stderr)
+        return 2
+    return run_scheduler(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
