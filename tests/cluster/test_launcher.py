@@ -1,0 +1,154 @@
+"""tfpsx-run and the scheduler path, as users drive them: real processes on 127.0.0.1."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SCRIPTS
+
+pytestmark = pytest.mark.timeout(180)
+RUN = [sys.executable, "-m", "tfpsx.run"]
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SCRIPTS + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _launch(tmp_path, args, env, timeout=150):
+    return subprocess.run(RUN + ["--log_dir", str(tmp_path / "logs")] + args, env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", [[], ["--no_scheduler"], ["--no_scheduler", "--config", "tf_config"]],
+                         ids=["scheduler", "env", "tf_config"])
+def test_job_runs_to_the_end(tmp_path, mode):
+    proc = _launch(tmp_path, mode + ["--server_num", "2", "--worker_num", "2",
+                                     os.path.join(SCRIPTS, "job.py")],
+                   _env(JOB_BARRIERS="2", TFPSX_HEARTBEAT_INTERVAL="0.5"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "job finished: 2 server(s), 2 worker(s) exited 0" in proc.stdout
+    assert "[worker 0] BARRIER_PASSED 1" in proc.stdout
+    logs = tmp_path / "logs"
+    for i in range(2):
+        assert "RUN_SERVER_RETURNED stopped=[0, 1] lost=[]" in (logs / f"serverlog.{i}").read_text()
+    if not mode:
+        sched = (logs / "scheduler.log").read_text()
+        assert re.search(r"assigned server rank 1 to 127\.0\.0\.1:\d+", sched)
+        assert re.search(r"cluster ready: 2 servers, 2 workers in [\d.]+ s", sched)
+        assert "scheduler exiting" in sched
+
+
+@pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
+def test_failing_worker_code_propagates_and_nothing_is_left(tmp_path, mode):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    start = time.monotonic()
+    proc = _launch(tmp_path, mode + ["--server_num", "1", "--worker_num", "2",
+                                     os.path.join(SCRIPTS, "job.py")],
+                   _env(JOB_FAIL="1:3", JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert time.monotonic() - start < 100
+    assert re.search(r"FAILED: worker 1 exited with code 3 .*workerlog\.1", proc.stderr)
+    pids = [int(p.name) for p in pid_dir.iterdir()]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_sigterm_stops_every_process(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = subprocess.Popen(
+        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2",
+               os.path.join(SCRIPTS, "job.py")],
+        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(pid_dir.iterdir())) < 3:  # the server and both workers are up
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 128 + signal.SIGTERM, out + err
+    assert "interrupted by signal 15; stopped all 4 processes" in err
+    pids = [int(p.name) for p in pid_dir.iterdir()]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_plain_tf_config_script_runs_unchanged(tmp_path):
+    proc = _launch(tmp_path, ["--no_scheduler", "--config", "tf_config", "--server_grace", "1",
+                              "--server_num", "1", "--worker_num", "2",
+                              os.path.join(SCRIPTS, "plain_tf_config.py")], _env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[worker 0] PLAIN_TF worker 0 of 2: total" in proc.stdout
+    assert "PLAIN_TF worker 1 of 2" in (tmp_path / "logs" / "workerlog.1").read_text()
+
+
+def test_bad_launcher_arguments(tmp_path):
+    proc = _launch(tmp_path, ["--server_num", "two", "x.py"], _env(), timeout=30)
+    assert proc.returncode == 2 and "--server_num: expected an integer >= 1, got 'two'" in proc.stderr
+    proc = _launch(tmp_path, ["--worker_num", "0", "x.py"], _env(), timeout=30)
+    assert proc.returncode == 2 and "--worker_num" in proc.stderr
+    proc = _launch(tmp_path, ["missing.py"], _env(), timeout=30)
+    assert proc.returncode == 2 and "script 'missing.py' not found" in proc.stderr
+
+
+def test_killed_worker_reported_dead_within_heartbeat_timeout(make_cluster):
+    c = make_cluster(server_num=1, worker_num=2, config_mode="scheduler",
+                     env={"TFPSX_HEARTBEAT_TIMEOUT": "4", "JOB_SLEEP": "12"})
+    c.start()
+    deadline = time.monotonic() + 60
+    while "WORKER_READY" not in c.log("worker", 1):
+        assert time.monotonic() < deadline, c.logs()
+        time.sleep(0.1)
+    c.kill("worker", 1)
+    killed = time.monotonic()
+    while "worker rank 1" not in c.log("scheduler", 0) or "is dead" not in c.log("scheduler", 0):
+        assert time.monotonic() - killed < 15, c.logs()
+        time.sleep(0.1)
+    assert time.monotonic() - killed < 4 + 3  # the timeout plus polling slack
+    codes = c.wait([("scheduler", 0), ("server", 0), ("worker", 0)], timeout=90)
+    assert set(codes.values()) == {0}, c.logs()
+    assert "scheduler reports dead: worker rank 1" in c.log("worker", 0)
+    assert "RUN_SERVER_RETURNED stopped=[0] lost=[1]" in c.log("server", 0)
+
+
+def test_wrong_token_fails_the_node_clearly(make_cluster):
+    c = make_cluster(server_num=1, worker_num=1, config_mode="scheduler", token="right",
+                     env={"TFPSX_REGISTER_TIMEOUT": "20"})
+    c.start([("scheduler", 0), ("server", 0)])
+    c.start_task("worker", 0, {"TFPSX_TOKEN": "wrong"})
+    codes = c.wait([("worker", 0)], timeout=60)
+    assert codes[("worker", 0)] != 0
+    log = c.log("worker", 0)
+    assert "SchedulerRejectedError" in log and "UNAUTHENTICATED" in log, log

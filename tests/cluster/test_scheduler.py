@@ -1,0 +1,229 @@
+"""The scheduler service and its client, in one process over real gRPC on 127.0.0.1."""
+
+import logging
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+from concurrent import futures
+
+from tfpsx import cluster, errors
+from tfpsx._sched_client import SchedulerClient
+from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx.scheduler import SchedulerService, TlsConfig, serve
+from tfpsx.testing import pick_ports
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def sched():
+    """Starts a scheduler service; yields a factory of (service, client maker)."""
+    servers = []
+
+    def start(server_num=2, worker_num=2, token=None, heartbeat_timeout=60.0, tls=None):
+        service = SchedulerService(server_num, worker_num, token, heartbeat_timeout)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        pb_grpc.add_SchedulerServicer_to_server(service, server)
+        address = f"127.0.0.1:{pick_ports(1)[0]}"
+        if tls:
+            server.add_secure_port(address, tls.server_credentials())
+        else:
+            server.add_insecure_port(address)
+        server.start()
+        servers.append(server)
+        info = cluster.SchedulerInfo(address, server_num, worker_num, token)
+
+        def client(role, node_id, client_token=token, client_tls=tls):
+            return SchedulerClient(cluster.SchedulerInfo(address, server_num, worker_num,
+                                                         client_token),
+                                   role, rpc_timeout=5, tls=client_tls, node_id=node_id)
+        return service, client, info
+
+    yield start
+    for server in servers:
+        server.stop(grace=0)
+
+
+def _addr(i):
+    return f"127.0.0.1:{20000 + i}"
+
+
+def test_ranks_in_arrival_order_and_stable_on_retry(sched, caplog):
+    caplog.set_level(logging.INFO, logger="tfpsx")
+    service, client, _ = sched(server_num=2, worker_num=3)
+    got = [client(role, f"n{i}").register(_addr(i), None, 5)[0]
+           for i, role in enumerate(["worker", "server", "worker", "server"])]
+    assert got == [0, 0, 1, 1]
+    # A retry of node n2 (same id) keeps its rank even though worker rank 2 is still free.
+    assert client("worker", "n2").register(_addr(2), None, 5)[0] == 1
+    assert "assigned server rank 1 to 127.0.0.1:20003" in caplog.text
+    assert client("worker", "n4").register(_addr(4), None, 5)[0] == 2
+    assert "cluster ready: 2 servers, 3 workers in" in caplog.text
+    servers, workers = client("worker", "n0").wait_cluster(5)
+    assert servers == (_addr(1), _addr(3)) and workers == (_addr(0), _addr(2), _addr(4))
+
+
+def test_requested_ranks(sched):
+    _, client, _ = sched(server_num=1, worker_num=3)
+    assert client("worker", "a").register(_addr(0), 2, 5)[0] == 2
+    assert client("worker", "b").register(_addr(1), None, 5)[0] == 0
+    with pytest.raises(errors.SchedulerRejectedError, match="worker rank 2 is already taken"):
+        client("worker", "c").register(_addr(2), 2, 5)
+    with pytest.raises(errors.SchedulerRejectedError, match="rank 7 is out of range.*0..2"):
+        client("worker", "d").register(_addr(3), 7, 5)
+
+
+def test_too_many_nodes_refused_on_both_sides(sched, caplog):
+    caplog.set_level(logging.INFO, logger="tfpsx")
+    _, client, _ = sched(server_num=1, worker_num=1)
+    client("server", "s0").register(_addr(0), None, 5)
+    with pytest.raises(errors.SchedulerRejectedError) as info:
+        client("server", "s1").register(_addr(1), None, 5)
+    message = str(info.value)
+    assert "RESOURCE_EXHAUSTED" in message and "too many servers: server_num is 1" in message
+    assert _addr(1) in message and "node s1" in message
+    assert "refused registration: too many servers" in caplog.text
+
+
+def test_wrong_role_and_duplicate_address(sched):
+    _, client, _ = sched()
+    with pytest.raises(errors.SchedulerRejectedError, match="role 'trainer' cannot register"):
+        client("trainer", "t").register(_addr(0), None, 5)
+    client("server", "s0").register(_addr(0), None, 5)
+    with pytest.raises(errors.SchedulerRejectedError, match="cannot re-register as a worker"):
+        client("worker", "s0").register(_addr(5), None, 5)
+    with pytest.raises(errors.SchedulerRejectedError, match="address 127.0.0.1:20000 is already"):
+        client("worker", "w0").register(_addr(0), None, 5)
+
+
+def test_wrong_token_rejected(sched):
+    _, client, _ = sched(token="s3cret")
+    with pytest.raises(errors.SchedulerRejectedError, match="UNAUTHENTICATED.*token"):
+        client("server", "s0", client_token="guess").register(_addr(0), None, 5)
+    with pytest.raises(errors.SchedulerRejectedError, match="UNAUTHENTICATED"):
+        client("server", "s0", client_token=None).register(_addr(0), None, 5)
+    assert client("server", "s0").register(_addr(0), None, 5)[0] == 0
+
+
+def test_missing_nodes_time_out_with_their_ranks(sched):
+    _, client, _ = sched(server_num=2, worker_num=3)
+    c = client("worker", "w0")
+    c.register(_addr(0), None, 5)
+    client("server", "s0").register(_addr(1), None, 5)
+    start = time.monotonic()
+    with pytest.raises(errors.ClusterTimeoutError) as info:
+        c.wait_cluster(1.0)
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert "server rank 1 (1 of 2 servers registered)" in message
+    assert "worker ranks 1, 2 (1 of 3 workers registered)" in message
+
+
+def test_scheduler_register_timeout_fails_waiting_nodes():
+    address = f"127.0.0.1:{pick_ports(1)[0]}"
+    outcome = {}
+
+    def run():
+        try:
+            serve(address, 1, 2, register_timeout=2.0, heartbeat_timeout=30)
+        except errors.ClusterTimeoutError as e:
+            outcome["scheduler"] = str(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    c = SchedulerClient(cluster.SchedulerInfo(address, 1, 2), "worker", 5, node_id="w0")
+    c.register(_addr(0), None, 10)
+    with pytest.raises(errors.ClusterTimeoutError) as info:
+        c.wait_cluster(30)
+    thread.join(15)
+    c.close()
+    assert "missing: server rank 0 (0 of 1 servers registered); worker rank 1" in str(info.value)
+    assert "cluster not complete after 2 s" in outcome["scheduler"]
+
+
+def test_silent_node_reported_dead(sched, caplog):
+    caplog.set_level(logging.INFO, logger="tfpsx")
+    service, client, _ = sched(server_num=1, worker_num=2, heartbeat_timeout=0.5)
+    alive = client("worker", "w0")
+    alive.register(_addr(0), None, 5)
+    client("worker", "w1").register(_addr(1), None, 5)  # never heartbeats
+    server = client("server", "s0")
+    server.register(_addr(2), None, 5)
+    alive.start_heartbeat(0.1)
+    server.start_heartbeat(0.1)
+    deadline = time.monotonic() + 10
+    while not alive.dead:
+        service.check_heartbeats()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    alive.stop_heartbeat()
+    assert [(n.role, n.rank) for n in alive.dead] == [("worker", 1)]
+    assert "worker rank 1 (127.0.0.1:20001) is dead: no heartbeat" in caplog.text
+    # The barrier and the job end go on without the dead worker.
+    alive.barrier(1, timeout=5)
+    alive.finish()
+    assert server.status().over
+    server.close()
+
+
+def test_barrier_and_job_end(sched):
+    _, client, _ = sched(server_num=1, worker_num=2)
+    workers = [client("worker", f"w{i}") for i in range(2)]
+    server = client("server", "s0")
+    for i, c in enumerate(workers + [server]):
+        c.register(_addr(i), None, 5)
+    with pytest.raises(errors.ClusterTimeoutError, match="1 of 2 workers arrived"):
+        workers[0].barrier(1, timeout=0.5)
+    done = []
+    t = threading.Thread(target=lambda: (workers[0].barrier(2, 10), done.append(1)))
+    t.start()
+    workers[1].barrier(1, 10)  # worker 0 already arrived at barrier 1
+    workers[1].barrier(2, 10)
+    t.join(10)
+    assert done == [1]
+    ended = []
+    t = threading.Thread(target=lambda: ended.append(server.wait_job_end()))
+    t.start()
+    for c in workers:
+        c.finish()
+    t.join(10)
+    assert ended and ended[0].over and sorted(n.rank for n in ended[0].finished) == [0, 1]
+
+
+def test_unreachable_scheduler_is_a_bounded_error():
+    address = f"127.0.0.1:{pick_ports(1)[0]}"
+    c = SchedulerClient(cluster.SchedulerInfo(address, 1, 1), "worker", 5, node_id="w")
+    start = time.monotonic()
+    with pytest.raises(errors.ClusterTimeoutError, match=f"scheduler at {address}.*TFPSX_CONNECT"):
+        c.register(_addr(0), None, 1.0)
+    assert time.monotonic() - start < 10
+
+
+def _make_cert(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_tls(sched, tmp_path):
+    cert, key = _make_cert(tmp_path)
+    server_tls = TlsConfig(cert=cert, key=key)
+    _, client, _ = sched(server_num=1, worker_num=1, tls=server_tls)
+    assert client("server", "s0", client_tls=TlsConfig(ca=cert)).register(_addr(0), None, 5)[0] == 0
+    with pytest.raises(errors.ClusterTimeoutError):  # plaintext client never gets a channel
+        client("worker", "w0", client_tls=None).register(_addr(1), None, 1.0)
+
+
+def test_tls_env_validation(tmp_path):
+    with pytest.raises(ValueError, match="TFPSX_TLS_CA.*does not exist"):
+        TlsConfig.from_env({"TFPSX_TLS_CA": str(tmp_path / "nope.pem")})
+    (tmp_path / "c.pem").write_text("x")
+    with pytest.raises(ValueError, match="go together"):
+        TlsConfig.from_env({"TFPSX_TLS_CERT": str(tmp_path / "c.pem")})
+    assert TlsConfig.from_env({}) is None
