@@ -5,6 +5,9 @@
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
 #   make demo             a local 1-PS 2-worker job training examples/ctr_demo
 #   make build            rebuild the op library after changing custom_ops/
+#   make bench            benchmarks (ratios measured side by side in one run)
+#   make bazel            build the op library with Bazel (apt-get install bazel-bootstrap)
+#   make proto            regenerate tfpsx/proto/*_pb2*.py from scheduler.proto
 
 PYTHON ?= python3
 TF ?= 2.21
@@ -24,7 +27,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test demo clean
+.PHONY: setup build test demo bench bazel proto clean
 
 ifeq ($(TF),2.21)
 
@@ -48,9 +51,32 @@ demo: setup
 	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --no_scheduler --server_num 1 --worker_num 2 \
 	    --log_dir logs/demo --timeout 600 examples/ctr_demo/train.py
 
+bench: setup
+	$(PY) benchmarks/cluster_ready.py
+
+# Bazel 4 (Debian's bazel-bootstrap) builds the same library offline against the
+# installed wheel; the check loads it through tfpsx's loader and runs an op.
+bazel: setup
+	$(PY) configure.py
+	bazel build //:_tfpsx_ops.so
+	$(PY) -c "from tfpsx import _loader; import tensorflow as tf; \
+	    ops = _loader.load_ops('bazel-bin'); \
+	    h = ops.tfpsx_counter_handle_op(shared_name='bazel/check'); \
+	    assert int(ops.tfpsx_counter_add(h, tf.constant(2, tf.int64))) == 2; \
+	    print('Bazel-built', _loader.find_library('bazel-bin'), 'loads and runs on TF', tf.__version__)"
+
+# grpcio-tools 1.62 emits protobuf 4.25 gencode: the oldest that TF 2.16's protobuf 4.x
+# accepts and that newer protobuf runtimes (5.x .. 7.x) still load. It lives in its own
+# virtualenv because it needs protobuf 4.x.
+proto:
+	test -x .venv-proto/bin/python || $(PYTHON) -m venv .venv-proto
+	.venv-proto/bin/pip install -q "grpcio-tools==1.62.3"
+	.venv-proto/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
+	    tfpsx/proto/scheduler.proto
+
 else
 
-setup test demo build:
+setup test demo build bench:
 	mkdir -p $(ALT_DIR)/src
 	git ls-files -z --cached --others --exclude-standard | \
 	    tar --null -T - -cf - | tar -xf - -C $(ALT_DIR)/src

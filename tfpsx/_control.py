@@ -23,6 +23,12 @@ SERVERS_DONE = "servers_done"
 BARRIER = "worker_barrier"
 _PREFIX = "tfpsx/control/"
 
+# gRPC's default reconnect backoff starts at 1 s: a node that comes up a moment after
+# the one it dials would sit idle for a second. Nodes of one job start together.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50),
+                  ("grpc.min_reconnect_backoff_ms", 50),
+                  ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 def heartbeat_name(worker: int) -> str:
     return f"heartbeat/worker_{worker}"
@@ -43,7 +49,8 @@ def wait_for_servers(addresses: Dict[str, str], timeout: float, log=None,
     deadline = time.monotonic() + timeout
     pending = dict(addresses)
     next_report = time.monotonic() + min(1.0, report_every)  # say early what we wait for
-    channels = {task: grpc.insecure_channel(addr) for task, addr in pending.items()}
+    channels = {task: grpc.insecure_channel(addr, options=FAST_RECONNECT)
+                for task, addr in pending.items()}
     futures = {task: grpc.channel_ready_future(ch) for task, ch in channels.items()}
     try:
         while True:

@@ -14,6 +14,7 @@ import portpicker
 
 from tfpsx import cluster as _cluster
 from tfpsx import errors
+from tfpsx._control import FAST_RECONNECT
 from tfpsx.proto import scheduler_pb2 as pb
 from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
 from tfpsx.scheduler import TlsConfig
@@ -56,8 +57,9 @@ class SchedulerClient:
         self.node_id = node_id or os.environ.get("TFPSX_NODE_ID") or \
             f"{socket.gethostname()}:{os.getpid()}"
         self.token = info.token or ""
-        self._channel = (grpc.secure_channel(info.address, tls.channel_credentials()) if tls
-                         else grpc.insecure_channel(info.address))
+        options = FAST_RECONNECT
+        self._channel = (grpc.secure_channel(info.address, tls.channel_credentials(), options)
+                         if tls else grpc.insecure_channel(info.address, options))
         self._stub = pb_grpc.SchedulerStub(self._channel)
         self._heartbeat: Optional[threading.Thread] = None
         self._stop = threading.Event()
