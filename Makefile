@@ -27,7 +27,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test demo bench bazel proto clean
+.PHONY: setup build test native-test demo bench bazel proto clean
 
 ifeq ($(TF),2.21)
 
@@ -35,7 +35,6 @@ setup: $(STAMP)
 
 $(STAMP): setup.py pyproject.toml $(OP_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TF_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -c "import tfpsx; tfpsx.load_ops(); print('tfpsx ops load with TensorFlow', __import__('tensorflow').__version__)"
@@ -44,7 +43,17 @@ $(STAMP): setup.py pyproject.toml $(OP_SOURCES)
 build: setup
 	$(PY) -m pip install -q -e ".[test]"
 
-test: setup
+# The TF-free table core has its own native test binary (no TensorFlow needed).
+NATIVE_TEST := build/native/hash_table_test
+$(NATIVE_TEST): $(wildcard custom_ops/cc/core/*) $(wildcard custom_ops/tests/*.cc)
+	mkdir -p $(dir $@)
+	$(CXX) -O2 -g -pthread -std=c++17 -Wall -I. $(wildcard custom_ops/cc/core/*.cc) \
+	    custom_ops/tests/hash_table_test.cc -o $@
+
+native-test: $(NATIVE_TEST)
+	$(NATIVE_TEST)
+
+test: setup native-test
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 demo: setup

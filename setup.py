@@ -59,7 +59,7 @@ class TfOpBuildExt(build_ext):
         obj_dir = os.path.join(self.build_temp, "tfpsx_ops")
         os.makedirs(obj_dir, exist_ok=True)
         cxx = os.environ.get("CXX", "g++")
-        cflags = ["-fPIC", "-O3", "-Wno-deprecated-declarations",
+        cflags = ["-fPIC", "-O3", "-Wno-deprecated-declarations", f"-I{HERE}",
                   f'-DTFPSX_TF_VERSION="{tf["tf_version"]}"', *tf["compile_flags"]]
         # Objects are cached per flag set, so a different TF never reuses a stale object.
         flag_key = hashlib.sha1(" ".join([cxx, *cflags]).encode()).hexdigest()[:10]

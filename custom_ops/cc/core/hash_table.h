@@ -1,0 +1,148 @@
+// tfpsx dynamic embedding table: int64 keys -> float32 rows of `dim`, TF-free.
+//
+// The table is split into lock stripes (shards) chosen by the key's hash; each stripe
+// is an open-addressing index (linear probing, 32-bit row ids) over dense row arrays,
+// so a key costs its payload plus ~30 bytes (key, metadata, index slot). Rows are
+// kept compact: removing a key moves the last row into its place.
+//
+// Every row carries `num_slots` optimizer slot vectors of `dim` floats next to its
+// value, a frequency counter and the step of its last update. A missing key's initial
+// row is a pure function of (seed, key), so every PS and every restart draws the same
+// row. Admission: with min_frequency > 1 a key is only counted until it has been seen
+// that often; until then it has no row and lookups return its initial row.
+//
+// Thread safety: every public method may be called concurrently; readers of a stripe
+// share its lock, writers take it alone.
+
+#ifndef TFPSX_CORE_HASH_TABLE_H_
+#define TFPSX_CORE_HASH_TABLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace tfpsx {
+
+enum class InitKind { kZeros = 0, kConstant = 1, kUniform = 2, kNormal = 3 };
+
+struct TableOptions {
+  int64_t dim = 0;
+  int num_slots = 0;           // optimizer slot vectors per row
+  std::vector<float> slot_init;  // initial value of each slot (size num_slots)
+  InitKind init = InitKind::kZeros;
+  float init_a = 0.f;          // constant value / uniform low / normal mean
+  float init_b = 0.f;          // uniform high / normal stddev
+  uint64_t seed = 0;
+  int64_t min_frequency = 1;   // admission: sightings before a key gets a row
+  int num_stripes = 64;        // lock stripes (power of two)
+};
+
+// Returns "" when the options are usable, else what is wrong.
+std::string ValidateOptions(const TableOptions& options);
+
+struct ExportedRows {
+  std::vector<int64_t> keys;
+  std::vector<float> values;     // n * dim
+  std::vector<float> slots;      // n * num_slots * dim
+  std::vector<int64_t> freq;     // n
+  std::vector<int64_t> step;     // n: step of the last update
+};
+
+class HashTable {
+ public:
+  explicit HashTable(const TableOptions& options);
+  ~HashTable();
+  HashTable(const HashTable&) = delete;
+  HashTable& operator=(const HashTable&) = delete;
+
+  const TableOptions& options() const { return options_; }
+  int64_t dim() const { return options_.dim; }
+
+  // The initial row of `key` (deterministic in seed and key) into out[dim].
+  void InitialRow(int64_t key, float* out) const;
+
+  // Rows of keys[n] into out[n*dim]; a missing key gets its initial row (or zeros when
+  // use_initializer is false). found[n] (may be null) says which keys were present.
+  void Find(const int64_t* keys, int64_t n, float* out, bool* found,
+            bool use_initializer = true) const;
+
+  // Like Find, but a missing key is inserted with its initial row (subject to
+  // admission) and every key's frequency is counted.
+  void FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out);
+
+  // Sets the rows of keys[n] to values[n*dim], inserting missing keys.
+  void Insert(const int64_t* keys, int64_t n, const float* values, int64_t step);
+
+  // row += delta for keys[n]; a missing key starts from its initial row.
+  void Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step);
+
+  // Removes keys[n]; returns how many were present.
+  int64_t Remove(const int64_t* keys, int64_t n);
+
+  int64_t Size() const;
+
+  // Every row, with slots and metadata. Keys come out sorted, so exports are stable.
+  ExportedRows Export() const;
+  // Only rows whose last update step is >= since_step.
+  ExportedRows ExportSince(int64_t since_step) const;
+
+  // Replaces (clear_first) or merges rows. Sizes must match n, n*dim, n*num_slots*dim
+  // (slots may be empty: slots then start from slot_init). Returns "" or an error.
+  std::string Import(const int64_t* keys, int64_t n, const float* values, const float* slots,
+                     int64_t slots_len, const int64_t* freq, const int64_t* step,
+                     bool clear_first);
+
+  // Per-reader change tracking (sparse GEO): every update marks its keys changed for all
+  // registered readers; TakeChanged returns a reader's keys changed since its last call
+  // and resets them. Readers are registered by their first TakeChanged call.
+  std::vector<int64_t> TakeChanged(int64_t reader);
+
+  // Server-side optimizers: apply grads[n*dim] to keys[n] (expected unique). Missing keys
+  // are created from their initial row. Slots: Adagrad 1 (accumulator), Adam 2 (m, v),
+  // FTRL 2 (z, n accumulators).
+  void ApplySgd(const int64_t* keys, int64_t n, const float* grads, float lr, int64_t step);
+  void ApplyAdagrad(const int64_t* keys, int64_t n, const float* grads, float lr, float eps,
+                    int64_t step);
+  void ApplyAdam(const int64_t* keys, int64_t n, const float* grads, float lr, float beta1,
+                 float beta2, float eps, int64_t step);
+  void ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, float lr, float lr_power,
+                 float l1, float l2, int64_t step);
+
+  // Eviction: removes rows not updated since step < min_step; returns how many.
+  int64_t EvictOlderThan(int64_t min_step);
+  // Eviction: keeps the `keep` most frequent rows (ties: smaller key kept); returns removed.
+  int64_t EvictToTopN(int64_t keep);
+
+  // Counters since construction.
+  int64_t admitted() const;
+  int64_t evicted() const;
+  // Keys seen but not yet admitted.
+  int64_t pending_admission() const;
+
+  // Bytes held by the table's arrays (capacity), for memory accounting.
+  int64_t MemoryBytes() const;
+
+ private:
+  struct Stripe;
+  Stripe& StripeOf(uint64_t hash) const;
+  void MarkChanged(const int64_t* keys, int64_t n);
+  template <typename Fn>
+  void UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn);
+
+  TableOptions options_;
+  int64_t row_width_;  // dim * (1 + num_slots)
+  std::vector<std::unique_ptr<Stripe>> stripes_;
+  int stripe_shift_;
+
+  mutable std::mutex readers_mu_;
+  std::unordered_map<int64_t, std::unordered_set<int64_t>> changed_;
+};
+
+}  // namespace tfpsx
+
+#endif  // TFPSX_CORE_HASH_TABLE_H_

@@ -1,0 +1,230 @@
+// Native unit tests of the TF-free table core: g++ -O2 -pthread, no TensorFlow.
+// Built and run by `make test` (target native-test).
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "custom_ops/cc/core/hash_table.h"
+
+namespace {
+
+int failures = 0;
+#define CHECK(cond)                                                          \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                            \
+    }                                                                        \
+  } while (0)
+
+tfpsx::TableOptions Opts(int64_t dim, int slots = 0) {
+  tfpsx::TableOptions o;
+  o.dim = dim;
+  o.num_slots = slots;
+  o.slot_init.assign(slots, 0.f);
+  o.init = tfpsx::InitKind::kNormal;
+  o.init_b = 0.1f;
+  o.seed = 42;
+  return o;
+}
+
+void TestRandomOpsAgainstReference() {
+  tfpsx::HashTable t(Opts(3));
+  std::map<int64_t, std::vector<float>> ref;
+  std::mt19937_64 rng(7);
+  for (int it = 0; it < 200000; ++it) {
+    const int64_t key = static_cast<int64_t>(rng() % 5000) - 2500;  // negatives too
+    const int op = rng() % 3;
+    if (op == 0) {
+      std::vector<float> v = {float(it), float(-it), 0.5f};
+      t.Insert(&key, 1, v.data(), it);
+      ref[key] = v;
+    } else if (op == 1) {
+      CHECK(t.Remove(&key, 1) == static_cast<int64_t>(ref.erase(key)));
+    } else {
+      float out[3];
+      bool found;
+      t.Find(&key, 1, out, &found);
+      auto r = ref.find(key);
+      CHECK(found == (r != ref.end()));
+      if (found) CHECK(out[0] == r->second[0] && out[1] == r->second[1]);
+    }
+  }
+  CHECK(t.Size() == static_cast<int64_t>(ref.size()));
+  auto e = t.Export();
+  CHECK(e.keys.size() == ref.size());
+  size_t i = 0;
+  for (auto& kv : ref) {  // sorted like the export
+    CHECK(e.keys[i] == kv.first && e.values[i * 3 + 1] == kv.second[1]);
+    ++i;
+  }
+}
+
+void TestDeterministicInitializer() {
+  tfpsx::HashTable a(Opts(5)), b(Opts(5));
+  float ra[5], rb[5];
+  a.InitialRow(123456789, ra);
+  b.InitialRow(123456789, rb);
+  for (int j = 0; j < 5; ++j) CHECK(ra[j] == rb[j]);
+  int64_t keys[2] = {1, 2};
+  float out[10];
+  a.FindOrInsert(keys, 2, 0, out);
+  CHECK(out[0] != out[5]);  // different keys, different rows
+  // Statistics of the normal initializer over many keys: mean ~0, stddev ~0.1.
+  double sum = 0, sq = 0;
+  const int n = 20000;
+  for (int k = 0; k < n; ++k) {
+    a.InitialRow(k, ra);
+    for (int j = 0; j < 5; ++j) sum += ra[j], sq += ra[j] * ra[j];
+  }
+  const double mean = sum / (5 * n), sd = std::sqrt(sq / (5 * n) - mean * mean);
+  CHECK(std::fabs(mean) < 0.005 && std::fabs(sd - 0.1) < 0.005);
+}
+
+void TestAdmissionAndEviction() {
+  auto o = Opts(2);
+  o.min_frequency = 3;
+  tfpsx::HashTable t(o);
+  int64_t key = 9;
+  float out[2], init[2];
+  t.InitialRow(key, init);
+  for (int i = 0; i < 2; ++i) {
+    t.FindOrInsert(&key, 1, i, out);
+    CHECK(t.Size() == 0 && out[0] == init[0]);
+  }
+  CHECK(t.pending_admission() == 1);
+  t.FindOrInsert(&key, 1, 5, out);
+  CHECK(t.Size() == 1 && t.admitted() == 1 && t.pending_admission() == 0);
+  // A gradient for a key not yet admitted creates nothing.
+  int64_t fresh = 10;
+  float g[2] = {1, 1};
+  t.ApplySgd(&fresh, 1, g, 0.1f, 6);
+  CHECK(t.Size() == 1);
+
+  tfpsx::HashTable u(Opts(2));
+  std::vector<int64_t> keys;
+  for (int64_t k = 0; k < 100; ++k) keys.push_back(k);
+  std::vector<float> vals(200, 1.f);
+  u.Insert(keys.data(), 50, vals.data(), 1);        // keys 0..49 at step 1
+  u.Insert(keys.data() + 50, 50, vals.data(), 10);  // keys 50..99 at step 10
+  CHECK(u.EvictOlderThan(5) == 50 && u.Size() == 50 && u.evicted() == 50);
+  for (int rep = 0; rep < 3; ++rep) u.FindOrInsert(keys.data() + 90, 10, 11, vals.data());
+  CHECK(u.EvictToTopN(10) == 40 && u.Size() == 10 && u.evicted() == 90);
+  bool found[10];
+  float out10[20];
+  u.Find(keys.data() + 90, 10, out10, found);
+  for (bool f : found) CHECK(f);
+}
+
+void TestOptimizers() {
+  int64_t key = 1;
+  float g[1] = {0.5f};
+  {
+    tfpsx::HashTable t(Opts(1));
+    float w0;
+    t.InitialRow(key, &w0);
+    t.ApplySgd(&key, 1, g, 0.1f, 1);
+    float w;
+    t.Find(&key, 1, &w, nullptr);
+    CHECK(std::fabs(w - (w0 - 0.05f)) < 1e-7);
+  }
+  {
+    auto o = Opts(1, 1);
+    o.slot_init = {0.1f};
+    tfpsx::HashTable t(o);
+    float w0;
+    t.InitialRow(key, &w0);
+    t.ApplyAdagrad(&key, 1, g, 0.1f, 0.f, 1);
+    float w;
+    t.Find(&key, 1, &w, nullptr);
+    CHECK(std::fabs(w - (w0 - 0.1f * 0.5f / std::sqrt(0.1f + 0.25f))) < 1e-6);
+    auto e = t.Export();
+    CHECK(std::fabs(e.slots[0] - 0.35f) < 1e-6);
+  }
+}
+
+void TestConcurrentUpdates() {
+  tfpsx::HashTable t(Opts(4));
+  const int threads = 4, per = 20000;
+  std::vector<std::thread> pool;
+  for (int th = 0; th < threads; ++th) {
+    pool.emplace_back([&, th] {
+      std::vector<float> out(4), one(4, 1.f);
+      for (int i = 0; i < per; ++i) {
+        const int64_t key = i % 1000;  // all threads hit the same keys
+        t.Accumulate(&key, 1, one.data(), i);
+        t.Find(&key, 1, out.data(), nullptr);
+        const int64_t own = 1000000 + th * per + i;  // and each inserts its own
+        t.FindOrInsert(&own, 1, i, out.data());
+        if (i % 3 == 0) t.Remove(&own, 1);
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  int64_t removed_per_thread = (per + 2) / 3;
+  CHECK(t.Size() == 1000 + threads * (per - removed_per_thread));
+  // Each shared key received threads * per / 1000 accumulations of 1 on top of its init.
+  for (int64_t key = 0; key < 1000; key += 97) {
+    float row[4], init[4];
+    t.Find(&key, 1, row, nullptr);
+    t.InitialRow(key, init);
+    CHECK(std::fabs(row[2] - init[2] - threads * per / 1000) < 1e-3);
+  }
+}
+
+void TestImportAndChanged() {
+  tfpsx::HashTable a(Opts(2, 1));
+  std::vector<int64_t> keys = {5, 3, 8};
+  std::vector<float> vals = {1, 2, 3, 4, 5, 6};
+  a.Insert(keys.data(), 3, vals.data(), 7);
+  auto e = a.Export();
+  tfpsx::HashTable b(Opts(2, 1));
+  CHECK(b.Import(e.keys.data(), 3, e.values.data(), e.slots.data(), e.slots.size(),
+                 e.freq.data(), e.step.data(), true) == "");
+  auto f = b.Export();
+  CHECK(f.keys == e.keys && f.values == e.values && f.step == e.step && f.freq == e.freq);
+  CHECK(b.Import(e.keys.data(), 3, e.values.data(), e.slots.data(), 5, nullptr, nullptr,
+                 false) != "");
+  CHECK(a.TakeChanged(1).empty());  // registers reader 1
+  int64_t k = 3;
+  float d[2] = {1, 1};
+  a.Accumulate(&k, 1, d, 9);
+  std::vector<int64_t> changed = a.TakeChanged(1);
+  CHECK(changed.size() == 1 && changed[0] == 3);
+  CHECK(a.TakeChanged(1).empty());
+  CHECK(a.ExportSince(9).keys.size() == 1);
+}
+
+void TestValidate() {
+  auto o = Opts(0);
+  CHECK(tfpsx::ValidateOptions(o).find("dim must be > 0") != std::string::npos);
+  o = Opts(4);
+  o.num_stripes = 3;
+  CHECK(!tfpsx::ValidateOptions(o).empty());
+  CHECK(tfpsx::ValidateOptions(Opts(4)).empty());
+}
+
+}  // namespace
+
+int main() {
+  TestRandomOpsAgainstReference();
+  TestDeterministicInitializer();
+  TestAdmissionAndEviction();
+  TestOptimizers();
+  TestConcurrentUpdates();
+  TestImportAndChanged();
+  TestValidate();
+  if (failures) {
+    std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("hash_table_test: all checks passed\n");
+  return 0;
+}
