@@ -1,0 +1,182 @@
+// Op declarations for tfpsx dynamic embedding tables (kernels: ../kernels/hash_table_kernels.cc).
+// The table lives on the device its handle op runs on (a PS task); every client that
+// names the same shared_name there reaches the same table.
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tfpsx {
+
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace {
+
+// Output: keys' shape + [dim] (dim from the values input's last dimension is unknown here).
+absl::Status RowsLikeKeys(InferenceContext* c) {
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(InferenceContext::kUnknownDim), &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
+absl::Status NoOutputs(InferenceContext*) { return absl::OkStatus(); }
+
+}  // namespace
+
+REGISTER_OP("TfpsxHashTableHandleOp")
+    .Output("handle: resource")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string")
+    .Attr("dim: int")
+    .Attr("num_slots: int = 0")
+    .Attr("slot_init: list(float) = []")
+    .Attr("initializer: {'zeros', 'constant', 'uniform', 'normal'} = 'zeros'")
+    .Attr("init_a: float = 0.0")
+    .Attr("init_b: float = 0.0")
+    .Attr("seed: int = 0")
+    .Attr("min_frequency: int = 1")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+Creates (on first run) or finds the dynamic embedding table `shared_name` on this
+device and returns a handle to it. Running it for an existing table with another dim
+or slot count is an error.
+)doc");
+
+REGISTER_OP("TfpsxHashTableFind")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Output("values: float")
+    .Output("found: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(RowsLikeKeys(c));
+      c->set_output(1, c->input(1));
+      return absl::OkStatus();
+    })
+    .Doc("Rows of `keys`; a missing key gets its initial row and found=false.");
+
+REGISTER_OP("TfpsxHashTableFindOrInsert")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("step: int64")
+    .Output("values: float")
+    .SetShapeFn(RowsLikeKeys)
+    .Doc("Rows of `keys`, inserting missing keys (subject to admission) and counting frequency.");
+
+REGISTER_OP("TfpsxHashTableInsert")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("values: float")
+    .Input("step: int64")
+    .SetShapeFn(NoOutputs)
+    .Doc("Sets the rows of `keys` (values: keys' shape + [dim]).");
+
+REGISTER_OP("TfpsxHashTableAccumulate")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("deltas: float")
+    .Input("step: int64")
+    .SetShapeFn(NoOutputs)
+    .Doc("row += delta for `keys`; a missing key starts from its initial row.");
+
+REGISTER_OP("TfpsxHashTableRemove")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Output("removed: int64")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfpsxHashTableSize")
+    .Input("handle: resource")
+    .Output("size: int64")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfpsxHashTableExport")
+    .Input("handle: resource")
+    .Input("since_step: int64")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("freq: int64")
+    .Output("step: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle n = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, c->UnknownDim()));
+      c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
+      c->set_output(3, c->Vector(n));
+      c->set_output(4, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Rows whose last update step is >= since_step (all rows for the int64 minimum), sorted
+by key: values [n, dim], slots [n, num_slots, dim], frequency and last-update step.
+)doc");
+
+REGISTER_OP("TfpsxHashTableImport")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("values: float")
+    .Input("slots: float")
+    .Input("freq: int64")
+    .Input("step: int64")
+    .Attr("clear: bool = false")
+    .SetShapeFn(NoOutputs)
+    .Doc(R"doc(
+Writes exported rows back (clear=true replaces the table's contents). `slots` may be
+empty (slots then start from their initial value); freq and step may be empty.
+)doc");
+
+REGISTER_OP("TfpsxHashTableTakeChanged")
+    .Input("handle: resource")
+    .Input("reader: int64")
+    .Output("keys: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Keys changed since `reader`'s previous call (sorted), and resets them. A reader is
+registered by its first call, which returns nothing.
+)doc");
+
+#define TFPSX_APPLY_OP(Name, ExtraInputs)                                  \
+  REGISTER_OP(Name)                                                        \
+      .Input("handle: resource")                                           \
+      .Input("keys: int64")                                                \
+      .Input("grads: float")                                               \
+      .Input("lr: float") ExtraInputs                                      \
+      .Input("step: int64")                                                \
+      .SetShapeFn(NoOutputs)
+
+TFPSX_APPLY_OP("TfpsxHashTableApplySgd", );
+TFPSX_APPLY_OP("TfpsxHashTableApplyAdagrad", .Input("epsilon: float"));
+TFPSX_APPLY_OP("TfpsxHashTableApplyAdam",
+               .Input("beta1: float").Input("beta2: float").Input("epsilon: float"));
+TFPSX_APPLY_OP("TfpsxHashTableApplyFtrl",
+               .Input("lr_power: float").Input("l1: float").Input("l2: float"));
+#undef TFPSX_APPLY_OP
+
+REGISTER_OP("TfpsxHashTableEvict")
+    .Input("handle: resource")
+    .Input("min_step: int64")
+    .Input("keep_top_n: int64")
+    .Output("evicted: int64")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+Evicts rows last updated before min_step (skipped when min_step is the int64 minimum),
+then keeps only the keep_top_n most frequent rows (skipped when keep_top_n < 0).
+)doc");
+
+REGISTER_OP("TfpsxHashTableStats")
+    .Input("handle: resource")
+    .Output("stats: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(5));
+      return absl::OkStatus();
+    })
+    .Doc("[size, admitted, evicted, pending_admission, memory_bytes].");
+
+}  // namespace tfpsx
