@@ -143,6 +143,50 @@ HashTable::Stripe& HashTable::StripeOf(uint64_t hash) const {
   return *stripes_[stripe_shift_ == 64 ? 0 : (hash >> stripe_shift_)];
 }
 
+template <bool kExclusive, typename Fn>
+void HashTable::ForEachByStripe(const int64_t* keys, int64_t n, Fn&& fn) const {
+  const int stripes = options_.num_stripes;
+  std::vector<uint64_t> hashes(n);
+  std::vector<int64_t> start(stripes + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    hashes[i] = HashKey(keys[i]);
+    ++start[(stripe_shift_ == 64 ? 0 : hashes[i] >> stripe_shift_) + 1];
+  }
+  for (int s = 0; s < stripes; ++s) start[s + 1] += start[s];
+  std::vector<int64_t> order(n);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i)
+      order[fill[stripe_shift_ == 64 ? 0 : hashes[i] >> stripe_shift_]++] = i;
+  }
+  constexpr int64_t kAhead = 8;
+  // Threads working on parts of one batch start at different stripes, so they do not
+  // queue behind each other on stripe 0, 1, 2, ... in lockstep.
+  const int first = n > 0 ? static_cast<int>(hashes[0] & (stripes - 1)) : 0;
+  for (int t = 0; t < stripes; ++t) {
+    const int s = (first + t) & (stripes - 1);
+    const int64_t begin = start[s], end = start[s + 1];
+    if (begin == end) continue;
+    Stripe& stripe = *stripes_[s];
+    auto run = [&] {
+      for (int64_t j = begin; j < end; ++j) {
+        if (j + kAhead < end && !stripe.index.empty()) {
+          __builtin_prefetch(&stripe.index[hashes[order[j + kAhead]] & stripe.mask]);
+        }
+        const int64_t i = order[j];
+        fn(stripe, i, hashes[i]);
+      }
+    };
+    if (kExclusive) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      run();
+    } else {
+      std::shared_lock<std::shared_mutex> lock(stripe.mu);
+      run();
+    }
+  }
+}
+
 void HashTable::InitialRow(int64_t key, float* out) const {
   const int64_t dim = options_.dim;
   switch (options_.init) {
@@ -173,43 +217,33 @@ void HashTable::InitialRow(int64_t key, float* out) const {
 void HashTable::Find(const int64_t* keys, int64_t n, float* out, bool* found,
                      bool use_initializer) const {
   const int64_t dim = options_.dim;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = HashKey(keys[i]);
-    const Stripe& s = StripeOf(h);
-    int64_t r;
-    {
-      std::shared_lock<std::shared_mutex> lock(s.mu);
-      r = s.FindRow(keys[i], h);
-      if (r >= 0) std::memcpy(out + i * dim, &s.rows[r * row_width_], dim * sizeof(float));
-    }
-    if (r < 0) {
-      if (use_initializer) {
-        InitialRow(keys[i], out + i * dim);
-      } else {
-        std::fill(out + i * dim, out + (i + 1) * dim, 0.f);
-      }
+  ForEachByStripe<false>(keys, n, [&](const Stripe& s, int64_t i, uint64_t h) {
+    const int64_t r = s.FindRow(keys[i], h);
+    if (r >= 0) {
+      std::memcpy(out + i * dim, &s.rows[r * row_width_], dim * sizeof(float));
+    } else if (use_initializer) {
+      InitialRow(keys[i], out + i * dim);
+    } else {
+      std::fill(out + i * dim, out + (i + 1) * dim, 0.f);
     }
     if (found) found[i] = r >= 0;
-  }
+  });
 }
 
 void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out) {
   const int64_t dim = options_.dim;
   std::vector<int64_t> inserted;
-  for (int64_t i = 0; i < n; ++i) {
+  ForEachByStripe<true>(keys, n, [&](const Stripe& cs, int64_t i, uint64_t h) {
+    Stripe& s = const_cast<Stripe&>(cs);
     const int64_t key = keys[i];
-    const uint64_t h = HashKey(key);
-    Stripe& s = StripeOf(h);
-    std::unique_lock<std::shared_mutex> lock(s.mu);
     int64_t r = s.FindRow(key, h);
     if (r < 0) {
       uint32_t seen = 1;
       if (options_.min_frequency > 1) {
         seen = ++s.pending[key];
         if (seen < options_.min_frequency) {
-          lock.unlock();
           InitialRow(key, out + i * dim);
-          continue;
+          return;
         }
         s.pending.erase(key);
       }
@@ -226,24 +260,23 @@ void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float
       ++s.freq[r];
     }
     std::memcpy(out + i * dim, &s.rows[r * row_width_], dim * sizeof(float));
-  }
+  });
   if (!inserted.empty()) MarkChanged(inserted.data(), static_cast<int64_t>(inserted.size()));
 }
 
 template <typename Fn>
 void HashTable::UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn) {
   const int64_t dim = options_.dim;
+  const bool track = has_readers_.load(std::memory_order_acquire);
   std::vector<int64_t> changed;
-  changed.reserve(n);
-  for (int64_t i = 0; i < n; ++i) {
+  if (track) changed.reserve(n);
+  ForEachByStripe<true>(keys, n, [&](const Stripe& cs, int64_t i, uint64_t h) {
+    Stripe& s = const_cast<Stripe&>(cs);
     const int64_t key = keys[i];
-    const uint64_t h = HashKey(key);
-    Stripe& s = StripeOf(h);
-    std::unique_lock<std::shared_mutex> lock(s.mu);
     int64_t r = s.FindRow(key, h);
     if (r < 0) {
-      // fn decides with create=true whether a missing key gets a row (admission).
-      if (!fn(nullptr, i)) continue;
+      // fn(nullptr, i) decides whether a missing key gets a row (admission).
+      if (!fn(nullptr, i)) return;
       r = s.AddRow(key, h, row_width_);
       float* row = &s.rows[r * row_width_];
       InitialRow(key, row);
@@ -255,9 +288,9 @@ void HashTable::UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn
     }
     fn(&s.rows[r * row_width_], i);
     s.step[r] = step;
-    changed.push_back(key);
-  }
-  MarkChanged(changed.data(), static_cast<int64_t>(changed.size()));
+    if (track) changed.push_back(key);
+  });
+  if (track) MarkChanged(changed.data(), static_cast<int64_t>(changed.size()));
 }
 
 void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int64_t step) {
@@ -393,8 +426,8 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
 }
 
 void HashTable::MarkChanged(const int64_t* keys, int64_t n) {
+  if (!has_readers_.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lock(readers_mu_);
-  if (changed_.empty()) return;
   for (auto& reader : changed_) reader.second.insert(keys, keys + n);
 }
 
@@ -404,6 +437,7 @@ std::vector<int64_t> HashTable::TakeChanged(int64_t reader) {
   auto it = changed_.find(reader);
   if (it == changed_.end()) {
     changed_[reader];  // registered from now on
+    has_readers_.store(true, std::memory_order_release);
     return out;
   }
   out.assign(it->second.begin(), it->second.end());

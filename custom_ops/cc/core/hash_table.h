@@ -17,6 +17,7 @@
 #ifndef TFPSX_CORE_HASH_TABLE_H_
 #define TFPSX_CORE_HASH_TABLE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -130,6 +131,10 @@ class HashTable {
  private:
   struct Stripe;
   Stripe& StripeOf(uint64_t hash) const;
+  // Calls fn(stripe, i, hash) for every key, grouped by stripe so that each stripe is
+  // locked once per call (shared or exclusive), with the next keys' index slots prefetched.
+  template <bool kExclusive, typename Fn>
+  void ForEachByStripe(const int64_t* keys, int64_t n, Fn&& fn) const;
   void MarkChanged(const int64_t* keys, int64_t n);
   template <typename Fn>
   void UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn);
@@ -139,6 +144,7 @@ class HashTable {
   std::vector<std::unique_ptr<Stripe>> stripes_;
   int stripe_shift_;
 
+  std::atomic<bool> has_readers_{false};
   mutable std::mutex readers_mu_;
   std::unordered_map<int64_t, std::unordered_set<int64_t>> changed_;
 };
