@@ -29,8 +29,18 @@ __all__ = [
     "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker", "server_target",
     "session_config", "load_ops", "ClusterConfig", "ServerReport", "RoleMaker",
     "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker",
-    "FlagsRoleMaker", "OpLibraryError", "errors", "__version__",
+    "FlagsRoleMaker", "OpLibraryError", "errors", "embedding", "__version__",
 ]
+
+
+def __getattr__(name):
+    # tfpsx.embedding imports TensorFlow; the rest of tfpsx (scheduler, launcher, role
+    # resolution) starts without it, so it is loaded on first use.
+    if name == "embedding":
+        import importlib
+
+        return importlib.import_module("tfpsx.embedding")
+    raise AttributeError(f"module 'tfpsx' has no attribute {name!r}")
 
 
 def init(role_maker: Optional[RoleMaker] = None) -> ClusterConfig:

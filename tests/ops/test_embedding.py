@@ -1,0 +1,250 @@
+"""tfpsx.embedding.DynamicEmbedding and the table ops in one process (eager and graph)."""
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpsx
+from tfpsx import embedding as E
+
+_names = iter(range(10 ** 6))
+
+
+def table(dim=4, **kw):
+    kw.setdefault("initializer", E.normal(stddev=0.1))
+    kw.setdefault("devices", [None] * kw.pop("shards", 1))
+    return E.DynamicEmbedding(f"t{next(_names)}", dim, **kw)
+
+
+def sorted_export(emb):
+    rows = {k: v.numpy() for k, v in emb.export().items()}
+    order = np.argsort(rows["keys"])
+    return {k: v[order] for k, v in rows.items()}
+
+
+def test_lookup_shapes_dedup_and_determinism():
+    a, b = table(seed=7, shards=2), table(seed=7, shards=3)
+    ids = tf.constant([[5, -3, 5], [2 ** 40, 7, -3]])
+    looked = a.lookup_unique(ids)
+    assert looked.embeddings.shape == (2, 3, 4)
+    assert looked.unique_keys.shape == (4,)  # 5 and -3 were looked up once each
+    np.testing.assert_array_equal(looked.embeddings[0, 0], looked.embeddings[0, 2])
+    # Same seed and key: the same row, whatever the table, shard count or process.
+    np.testing.assert_array_equal(b.lookup(ids, train=True), looked.embeddings)
+    assert int(a.size()) == 4 and int(b.size()) == 4
+    # Read-only lookups store nothing.
+    table(seed=7).lookup(ids)
+    c = table(seed=7)
+    c.lookup(ids)
+    assert int(c.size()) == 0
+
+
+def test_insert_accumulate_remove_export_import():
+    t = table(dim=2, shards=2)
+    t.insert([1, 2, 3], [[1, 1], [2, 2], [3, 3]], step=4)
+    t.accumulate([2, 10], [[0.5, 0.5], [1, 1]], step=6)
+    rows = sorted_export(t)
+    np.testing.assert_array_equal(rows["keys"], [1, 2, 3, 10])
+    np.testing.assert_allclose(rows["values"][:3], [[1, 1], [2.5, 2.5], [3, 3]])
+    np.testing.assert_array_equal(rows["step"], [4, 6, 4, 6])
+    delta = {k: v.numpy() for k, v in t.export(since_step=5).items()}
+    assert sorted(delta["keys"]) == [2, 10]
+    assert int(t.remove([1, 99])) == 1 and int(t.size()) == 3
+    u = table(dim=2, shards=3)
+    u.import_rows(t.export())
+    for key, value in sorted_export(t).items():
+        np.testing.assert_array_equal(sorted_export(u)[key], value)
+
+
+def test_changed_keys_per_reader():
+    t = table(dim=2)
+    ops, handle = tfpsx.load_ops(), t.handles()[0]
+    assert ops.tfpsx_hash_table_take_changed(handle, tf.constant(0, tf.int64)).shape == (0,)
+    t.accumulate([4, 8], [[1, 1], [1, 1]])
+    t.lookup([9, 4], train=True)
+    np.testing.assert_array_equal(ops.tfpsx_hash_table_take_changed(handle, tf.constant(0, tf.int64)),
+                                  [4, 8, 9])
+    assert ops.tfpsx_hash_table_take_changed(handle, tf.constant(0, tf.int64)).shape == (0,)
+
+
+def _dense_reference(tf_optimizer, init, grads_per_step):
+    """The same update by TF's own optimizer on a dense variable."""
+    with tf.Graph().as_default():
+        var = tf.compat.v1.get_variable("v", initializer=tf.constant(init), use_resource=True)
+        grad = tf.compat.v1.placeholder(tf.float32, init.shape)
+        apply = tf_optimizer().apply_gradients([(grad, var)])
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for g in grads_per_step:
+                sess.run(apply, {grad: g})
+            return sess.run(var)
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (lambda: E.SGD(0.1), lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1)),
+    (lambda: E.Adagrad(0.1, 0.1), lambda: tf.compat.v1.train.AdagradOptimizer(0.1, 0.1)),
+    (lambda: E.Adam(0.01, 0.9, 0.999, 1e-8),
+     lambda: tf.compat.v1.train.AdamOptimizer(0.01, 0.9, 0.999, 1e-8)),
+    (lambda: E.Ftrl(0.1, -0.5, 0.01, 0.02, 0.1),
+     lambda: tf.compat.v1.train.FtrlOptimizer(0.1, -0.5, 0.1, 0.01, 0.02)),
+], ids=["sgd", "adagrad", "adam", "ftrl"])
+def test_server_side_optimizers_match_tf(ours, theirs):
+    rng = np.random.default_rng(0)
+    keys = np.array([3, 11, 42], np.int64)
+    t = table(dim=5, optimizer=ours(), shards=2)
+    init = t.lookup(keys, train=True).numpy()
+    grads = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(3)]
+    for step, g in enumerate(grads, start=1):
+        looked = t.lookup_unique(keys)
+        t.apply_gradients(looked, g, step=step)
+    ours_rows = t.lookup(keys).numpy()
+    np.testing.assert_allclose(ours_rows, _dense_reference(theirs, init, grads), rtol=2e-5, atol=2e-6)
+
+
+def test_graph_mode_training_lowers_the_loss():
+    target = np.random.default_rng(1).normal(size=(50, 3)).astype(np.float32)
+    with tf.Graph().as_default():
+        emb = table(dim=3, optimizer=E.Adagrad(0.5), shards=2)
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        goal = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        step = tf.compat.v1.placeholder(tf.int64, [])
+        looked = emb.lookup_unique(ids, step=step)
+        loss = tf.reduce_mean((looked.embeddings - goal) ** 2)
+        train = emb.minimize(loss, [looked], step=step)
+        with tf.compat.v1.Session() as sess:
+            feed = {ids: np.arange(50), goal: target}
+            first = sess.run(loss, {**feed, step: 0})
+            for s in range(1, 60):
+                sess.run(train, {**feed, step: s})
+            assert sess.run(loss, {**feed, step: 60}) < first * 0.2
+            assert sess.run(emb.size()) == 50
+
+
+def test_tf_function_training():
+    emb = table(dim=2, optimizer=E.SGD(0.1))
+
+    @tf.function
+    def train_step(ids, step):
+        with tf.GradientTape() as tape:
+            looked = emb.lookup_unique(ids, step=step, tape=tape)
+            loss = tf.reduce_sum((looked.embeddings - 1.0) ** 2)
+        emb.apply_gradients(looked, tape.gradient(loss, looked.unique_rows), step=step)
+        return loss
+
+    ids = tf.constant([1, 2, 2, 3], tf.int64)
+    losses = [float(train_step(ids, tf.constant(s, tf.int64))) for s in range(20)]
+    assert losses[-1] < losses[0] * 0.01
+
+
+def test_checkpoint_round_trip_bit_exact_with_resharding(tmp_path):
+    a = table(dim=3, optimizer=E.Adam(0.01), shards=2)
+    ids = tf.constant(np.arange(-20, 30), tf.int64)
+    for step in range(1, 4):
+        looked = a.lookup_unique(ids, step=step)
+        a.apply_gradients(looked, tf.ones_like(looked.unique_rows), step=step)
+    path = tf.train.Checkpoint(table=a).save(str(tmp_path / "ckpt"))
+    b = table(dim=3, optimizer=E.Adam(0.01), shards=3)
+    b.lookup([1000], train=True)  # restore replaces, it does not merge
+    tf.train.Checkpoint(table=b).restore(path).assert_consumed()
+    want, got = sorted_export(a), sorted_export(b)
+    for key in want:
+        assert want[key].tobytes() == got[key].tobytes(), key
+
+
+def test_saver_round_trip(tmp_path):
+    name = f"saved{next(_names)}"
+    with tf.Graph().as_default():
+        a = E.DynamicEmbedding(name, 2, optimizer=E.Adagrad(0.1), devices=[None, None])
+        train = a.apply_gradients(a.lookup_unique([1, 2, 3]), tf.ones([3, 2]), step=5)
+        saver = tf.compat.v1.train.Saver()  # the default saver finds the table itself
+        with tf.compat.v1.Session() as sess:
+            sess.run(train)
+            want = sess.run(a.export())
+            path = saver.save(sess, str(tmp_path / "model"))
+    assert f"{name}-values" in dict(tf.train.list_variables(path))
+    with tf.Graph().as_default():
+        b = E.DynamicEmbedding(name, 2, optimizer=E.Adagrad(0.1), devices=[None] * 3)
+        b.handles()
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            saver.restore(sess, path)
+            got = sess.run(b.export())
+    order_w, order_g = np.argsort(want["keys"]), np.argsort(got["keys"])
+    for key in want:
+        np.testing.assert_array_equal(want[key][order_w], got[key][order_g])
+
+
+def test_admission_and_eviction_counts():
+    t = table(dim=2, min_frequency=3, optimizer=E.SGD(0.1))
+    for _ in range(2):
+        t.lookup([1, 2], train=True)
+    size, admitted, evicted, pending, _ = t.stats().numpy()
+    assert (size, admitted, pending) == (0, 0, 2)
+    init = t.lookup([1]).numpy()
+    t.apply_gradients(t.lookup_unique([1, 2], train=False), tf.ones([2, 2]))  # not admitted: no row
+    assert int(t.size()) == 0
+    t.lookup([1], train=True)  # third sighting of key 1
+    np.testing.assert_array_equal(t.lookup([1]), init)
+    assert list(t.stats().numpy()[:4]) == [1, 1, 0, 1]
+
+    u = table(dim=2)
+    u.insert(np.arange(100), np.ones((100, 2)), step=1)
+    u.insert(np.arange(100, 150), np.ones((50, 2)), step=9)
+    assert int(u.evict(min_step=5)) == 100
+    for _ in range(3):
+        u.lookup(np.arange(140, 150), train=True)
+    assert int(u.evict(keep_top_n=10)) == 40
+    np.testing.assert_array_equal(np.sort(u.export()["keys"].numpy()), np.arange(140, 150))
+    assert int(u.stats()[2]) == 140
+
+
+def test_concurrent_lookups_and_updates():
+    t = table(dim=4, shards=2, initializer=E.zeros())
+    errors = []
+
+    def worker(w):
+        try:
+            for i in range(30):
+                t.accumulate(np.arange(100), np.ones((100, 4)), step=i)
+                t.lookup(np.arange(w * 1000, w * 1000 + 200), train=True)
+                t.lookup(np.arange(100))
+        except Exception as e:  # reported below: a thread's failure must fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(1, 5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors
+    assert int(t.size()) == 100 + 4 * 200 - 0  # keys 0..99 and each thread's 200
+    np.testing.assert_array_equal(t.lookup(np.arange(100)), np.full((100, 4), 4 * 30.0))
+
+
+def test_bad_inputs_are_clear():
+    with pytest.raises(TypeError, match="ids must be integers.*float32"):
+        table().lookup(tf.constant([1.5]))
+    with pytest.raises(ValueError, match="dim must be a positive int, got -2"):
+        E.DynamicEmbedding("neg", -2)
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'.*sgd, adagrad, adam, ftrl"):
+        E.DynamicEmbedding("opt", 2, optimizer="rmsprop")
+    name = f"reused{next(_names)}"
+    E.DynamicEmbedding(name, 4).lookup([1], train=True)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"'{name}/part_0' already exists on this device with dim=4.*dim=8"):
+        E.DynamicEmbedding(name, 8).lookup([1], train=True)
+    t = table(dim=3)
+    bad = {"keys": tf.constant([1, 2], tf.int64), "values": tf.zeros([2, 5]),
+           "slots": tf.zeros([2, 0, 5]), "freq": tf.zeros([2], tf.int64), "step": tf.zeros([2], tf.int64)}
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"imported values must have shape \[2,3\].*dim=3.*got \[2,5\]"):
+        t.import_rows(bad)
+    with pytest.raises(ValueError, match="has no optimizer"):
+        t.apply_gradients(t.lookup_unique([1]), tf.ones([1, 3]))
+    sgd_table = table(dim=2, optimizer=E.SGD())
+    ops = tfpsx.load_ops()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="has 0 optimizer slot.*needs 1"):
+        ops.tfpsx_hash_table_apply_adagrad(sgd_table.handles()[0], tf.constant([1], tf.int64),
+                                           tf.ones([1, 2]), 0.1, 0.0, tf.constant(0, tf.int64))
