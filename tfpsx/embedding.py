@@ -252,9 +252,10 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
                     min_frequency=self.min_frequency))
         if key is not None or not tf.inside_function():
             self._handle_cache[key] = handles
-        if key is not None and not self._saveable_added(key):
+        if key is not None and not key.building_function and not self._saveable_added(key):
             # A default tf.compat.v1.train.Saver (and MonitoredTrainingSession's) saves
-            # what this collection holds, as it does for TF's own MutableHashTable.
+            # what this collection holds, as it does for TF's own MutableHashTable. Not in
+            # a tf.function: its export ops would run on every call.
             key.add_to_collection(tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS, self.saveable())
         return handles
 

@@ -1,0 +1,147 @@
+"""Embedding table throughput and memory, side by side in one process with 2 threads.
+
+Same data for every candidate: 1M existing keys, dim 16, batches of 65,536 keys with 20%
+duplicates. Reports lookup and new-key insert Mkeys/s for tfpsx (the user-facing
+DynamicEmbedding.lookup: dedup + find + gather back), TF DenseHashTable, TF
+MutableHashTable, dense tf.gather on a [1M, 16] variable (the reference) and TFRA when
+importable; tfpsx bytes per key (RSS growth) and lookup at 1M and 10M keys.
+
+  python benchmarks/embedding_ops.py [--keys 1000000] [--rounds 3]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(2)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import tfpsx  # noqa: E402
+from tfpsx import embedding as E  # noqa: E402
+
+DIM, BATCH = 16, 65536
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def batches(rng, universe, count):
+    """Batches of existing keys: 80% distinct draws, 20% repeats of them."""
+    out = []
+    for _ in range(count):
+        distinct = rng.choice(universe, size=int(BATCH * 0.8), replace=False)
+        out.append(tf.constant(np.concatenate([distinct, rng.choice(distinct, BATCH - len(distinct))])))
+    return out
+
+
+def rate(fn, inputs, rounds):
+    fn(inputs[0])  # trace / warm up
+    results = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for x in inputs:
+            fn(x).numpy()
+        results.append(len(inputs) * BATCH / (time.perf_counter() - start) / 1e6)
+    return statistics.median(results)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--keys", type=int, default=1_000_000)
+    p.add_argument("--big_keys", type=int, default=10_000_000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", type=int, default=10)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    n = args.keys
+    keys_np = rng.choice(2 ** 62, size=n, replace=False).astype(np.int64)
+    values = tf.random.normal([n, DIM])
+    keys = tf.constant(keys_np)
+    lookups = batches(rng, keys_np, args.batches)
+    new_keys = [tf.constant(rng.integers(2 ** 62, 2 ** 63 - 1, BATCH)) for _ in range(args.batches)]
+    new_values = tf.random.normal([BATCH, DIM])
+    step = tf.constant(0, tf.int64)
+    results = {}
+
+    # Dense reference: tf.gather on a [n, dim] variable, indices of the same batches.
+    index_of = {k: i for i, k in enumerate(keys_np)}
+    dense_idx = [tf.constant([index_of[k] for k in b.numpy()]) for b in lookups]
+    var = tf.Variable(values)
+    results["dense tf.gather"] = (
+        rate(tf.function(lambda i: tf.reduce_sum(tf.gather(var, i))), dense_idx, args.rounds),
+        rate(tf.function(lambda i: tf.reduce_sum(var.scatter_nd_update(
+            tf.expand_dims(i % n, 1), new_values).read_value()[:1])), dense_idx, args.rounds))
+
+    # tfpsx, bytes per key measured on its own fresh table.
+    before = rss_bytes()
+    emb = E.DynamicEmbedding("bench", DIM, initializer=E.zeros())
+    emb.insert(keys, values)
+    per_key = (rss_bytes() - before) / n
+    lookup_fn = tf.function(lambda k: tf.reduce_sum(emb.lookup(k)))
+    ops, handle = tfpsx.load_ops(), emb.handles()[0]
+    insert_fn = tf.function(lambda k: (ops.tfpsx_hash_table_insert(handle, k, new_values, step),
+                                       tf.constant(0.0))[1])
+    results["tfpsx"] = (rate(lookup_fn, lookups, args.rounds), rate(insert_fn, new_keys, 1))
+
+    dense_table = tf.lookup.experimental.DenseHashTable(
+        tf.int64, tf.float32, default_value=tf.zeros([DIM]), empty_key=-1, deleted_key=-2)
+    dense_table.insert(keys, values)
+    results["TF DenseHashTable"] = (
+        rate(tf.function(lambda k: tf.reduce_sum(dense_table.lookup(k))), lookups, args.rounds),
+        rate(tf.function(lambda k: (dense_table.insert(k, new_values), tf.constant(0.0))[1]),
+             new_keys, 1))
+
+    mutable = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, tf.zeros([DIM]))
+    mutable.insert(keys, values)
+    results["TF MutableHashTable"] = (
+        rate(tf.function(lambda k: tf.reduce_sum(mutable.lookup(k))), lookups, args.rounds),
+        rate(tf.function(lambda k: (mutable.insert(k, new_values), tf.constant(0.0))[1]),
+             new_keys, 1))
+
+    try:
+        import tensorflow_recommenders_addons.dynamic_embedding as tfra  # noqa: F401
+        results["TFRA"] = None
+        tfra_note = "TFRA importable but not benchmarked by this script yet"
+    except ImportError as e:
+        tfra_note = f"TFRA not importable here ({e.__class__.__name__}: its ops load only with one TF build)"
+
+    gather_lookup, gather_insert = results["dense tf.gather"]
+    print(f"embedding_ops: {n:,} keys, dim {DIM}, batch {BATCH:,} (20% duplicates), 2 threads, "
+          f"median of {args.rounds} rounds")
+    print(f"{'candidate':22s} {'lookup Mkeys/s':>15s} {'x gather':>9s} {'insert Mkeys/s':>15s}")
+    for name, value in results.items():
+        if value is None:
+            continue
+        print(f"{name:22s} {value[0]:15.1f} {value[0] / gather_lookup:9.2f} {value[1]:15.1f}")
+    print(tfra_note)
+    tfpsx_lookup, tfpsx_insert = results["tfpsx"]
+    table_bytes = int(emb.stats()[4]) / n
+    print(f"tfpsx bytes per key at dim {DIM}: {per_key:.0f} by RSS growth (includes TF's "
+          f"temporaries), {table_bytes:.0f} held by the table; payload {DIM * 4 + 8}; target <= 100")
+    print(f"targets: lookup >= 0.55 x gather: {tfpsx_lookup / gather_lookup:.2f} "
+          f"({'met' if tfpsx_lookup >= 0.55 * gather_lookup else 'MISSED'}); insert >= 20 Mkeys/s: "
+          f"{tfpsx_insert:.1f} ({'met' if tfpsx_insert >= 20 else 'MISSED'})")
+
+    if args.big_keys:
+        big = E.DynamicEmbedding("bench_big", DIM, initializer=E.zeros())
+        chunk = 1_000_000
+        for start in range(0, args.big_keys, chunk):
+            big.insert(tf.range(start, start + chunk, dtype=tf.int64), tf.zeros([chunk, DIM]))
+        big_lookups = [tf.constant(rng.integers(0, args.big_keys, BATCH)) for _ in range(args.batches)]
+        big_rate = rate(tf.function(lambda k: tf.reduce_sum(big.lookup(k))), big_lookups, args.rounds)
+        print(f"tfpsx lookup at {args.big_keys:,} keys: {big_rate:.1f} Mkeys/s "
+              f"(at {n:,}: {tfpsx_lookup:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
