@@ -57,7 +57,7 @@ test: setup native-test
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 demo: setup
-	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --no_scheduler --server_num 1 --worker_num 2 \
+	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --server_num 1 --worker_num 2 \
 	    --log_dir logs/demo --timeout 600 examples/ctr_demo/train.py
 
 bench: setup

@@ -59,7 +59,7 @@ class TfOpBuildExt(build_ext):
         obj_dir = os.path.join(self.build_temp, "tfpsx_ops")
         os.makedirs(obj_dir, exist_ok=True)
         cxx = os.environ.get("CXX", "g++")
-        cflags = ["-fPIC", "-O3", "-Wno-deprecated-declarations",
+        cflags = ["-fPIC", "-O3", "-Wno-deprecated-declarations", f"-I{HERE}",
                   f'-DTFPSX_TF_VERSION="{tf["tf_version"]}"', *tf["compile_flags"]]
         # Objects are cached per flag set, so a different TF never reuses a stale object.
         flag_key = hashlib.sha1(" ".join([cxx, *cflags]).encode()).hexdigest()[:10]
@@ -110,11 +110,13 @@ setup(
     # TensorFlow itself is not a dependency on purpose: tfpsx builds against whichever TF
     # (2.16 .. 2.21, CPU or GPU package) the user already has, and must never pull the
     # CUDA `tensorflow` wheel over a `tensorflow-cpu` install.
-    install_requires=["numpy", "grpcio", "portpicker", "absl-py"],
+    # protobuf >= 4.21: the committed scheduler_pb2 is protobuf 4.25 gencode (see the .proto).
+    install_requires=["numpy", "grpcio", "protobuf>=4.21", "portpicker"],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "cpu": ["tensorflow-cpu"],
     },
-    entry_points={"console_scripts": ["tfpsx-run=tfpsx.run:main"]},
+    entry_points={"console_scripts": ["tfpsx-run=tfpsx.run:main",
+                                      "tfpsx-scheduler=tfpsx.scheduler:main"]},
     zip_safe=False,
 )

@@ -26,11 +26,21 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "is_server", "is_worker", "is_chief", "is_evaluator", "role", "worker_index",
     "worker_num", "server_index", "server_num", "cluster_spec", "cluster_config",
-    "run_server", "init_worker", "stop_worker", "barrier_worker", "server_target",
+    "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker", "server_target",
     "session_config", "load_ops", "ClusterConfig", "ServerReport", "RoleMaker",
     "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker",
-    "FlagsRoleMaker", "OpLibraryError", "errors", "__version__",
+    "FlagsRoleMaker", "OpLibraryError", "errors", "embedding", "__version__",
 ]
+
+
+def __getattr__(name):
+    # tfpsx.embedding imports TensorFlow; the rest of tfpsx (scheduler, launcher, role
+    # resolution) starts without it, so it is loaded on first use.
+    if name == "embedding":
+        import importlib
+
+        return importlib.import_module("tfpsx.embedding")
+    raise AttributeError(f"module 'tfpsx' has no attribute {name!r}")
 
 
 def init(role_maker: Optional[RoleMaker] = None) -> ClusterConfig:
@@ -124,6 +134,18 @@ def run_server(register_timeout: Optional[float] = None,
       A :class:`ServerReport` listing the workers that stopped and those lost.
     """
     return _FLEET.run_server(register_timeout, heartbeat_timeout)
+
+
+def run_scheduler() -> int:
+    """Serves as the scheduler (TFPSX_ROLE=scheduler) until the job ends; returns an exit code.
+
+    The scheduler assigns ranks, hands every node the full cluster, runs barriers and
+    heartbeats, and returns 0 once every worker has finished (or died) and the servers
+    confirmed the end. See :mod:`tfpsx.scheduler`.
+    """
+    from tfpsx.scheduler import run_scheduler as _run
+
+    return _run()
 
 
 def init_worker(connect_timeout: Optional[float] = None) -> None:

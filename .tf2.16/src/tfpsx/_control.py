@@ -23,6 +23,12 @@ SERVERS_DONE = "servers_done"
 BARRIER = "worker_barrier"
 _PREFIX = "tfpsx/control/"
 
+# gRPC's default reconnect backoff starts at 1 s: a node that comes up a moment after
+# the one it dials would sit idle for a second. Nodes of one job start together.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50),
+                  ("grpc.min_reconnect_backoff_ms", 50),
+                  ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 def heartbeat_name(worker: int) -> str:
     return f"heartbeat/worker_{worker}"
@@ -43,7 +49,8 @@ def wait_for_servers(addresses: Dict[str, str], timeout: float, log=None,
     deadline = time.monotonic() + timeout
     pending = dict(addresses)
     next_report = time.monotonic() + min(1.0, report_every)  # say early what we wait for
-    channels = {task: grpc.insecure_channel(addr) for task, addr in pending.items()}
+    channels = {task: grpc.insecure_channel(addr, options=FAST_RECONNECT)
+                for task, addr in pending.items()}
     futures = {task: grpc.channel_ready_future(ch) for task, ch in channels.items()}
     try:
         while True:
@@ -178,3 +185,112 @@ class Heartbeat:
     def stop(self, timeout: Optional[float] = None) -> None:
         self._stop.set()
         self._thread.join(timeout)
+
+
+class CounterCoordinator:
+    """The job's control plane without a scheduler: counters on PS 0."""
+
+    def __init__(self, config, rpc_timeout: float, heartbeat_interval: float, log):
+        self.config, self._rpc_timeout = config, rpc_timeout
+        self._heartbeat_interval, self._log = heartbeat_interval, log
+        self._client: Optional[ControlClient] = None
+        self._heartbeat: Optional[Heartbeat] = None
+
+    def _connect(self) -> ControlClient:
+        if self._client is None:
+            self._client = ControlClient(self.config.servers[0], self.config.worker_num,
+                                         self._rpc_timeout)
+        return self._client
+
+    # ---------------------------------------------------------------- worker side
+    def worker_start(self) -> None:
+        self._connect().mark(STARTED, self.config.index)
+        self._heartbeat = Heartbeat(self._client, self.config.index, self._heartbeat_interval,
+                                    self._log.warning).start()
+
+    def worker_stop(self) -> None:
+        self._heartbeat.stop(timeout=5)
+        self._client.mark(STOPPED, self.config.index)
+        self.close()
+
+    def barrier(self, generation: int, timeout: float) -> None:
+        num = self.config.worker_num
+        target = generation * num
+        arrived = self._client.add(BARRIER, 1)
+        deadline = time.monotonic() + timeout
+        while arrived < target:
+            if time.monotonic() > deadline:
+                raise errors.ClusterTimeoutError(
+                    f"barrier_worker() #{generation} on worker {self.config.index} waited "
+                    f"{timeout:g} s; {arrived - target + num} of {num} workers arrived")
+            time.sleep(0.05)
+            arrived = self._client.read(BARRIER)
+
+    # ---------------------------------------------------------------- server side
+    def serve(self, me: str, register_timeout: float, heartbeat_timeout: float,
+              connect_timeout: float, poll_interval: float = 0.25):
+        """Waits until every worker stopped or was lost; returns (stopped, lost)."""
+        config = self.config
+        start = time.monotonic()
+        if config.index != 0:
+            wait_for_servers({"ps:0": config.servers[0]}, connect_timeout,
+                             log=lambda m: self._log.info("%s %s", me, m))
+        control = self._connect()
+        everyone = set(range(config.worker_num))
+        heartbeat_names = [heartbeat_name(w) for w in range(config.worker_num)]
+        last_beat = {}   # worker -> (counter value, time it last changed)
+        lost: set = set()
+        next_report = start + 30
+        try:
+            while True:
+                started, stopped, beats = control.snapshot(heartbeat_names)
+                now = time.monotonic()
+                started, stopped = set(started), set(stopped)
+                for w in sorted(started - stopped - lost):
+                    if w not in last_beat or last_beat[w][0] != beats[w]:
+                        last_beat[w] = (beats[w], now)
+                    elif now - last_beat[w][1] > heartbeat_timeout:
+                        lost.add(w)
+                        self._log.warning(
+                            "%s: worker %d (%s) sent no heartbeat for %.0f s "
+                            "(TFPSX_HEARTBEAT_TIMEOUT=%g): reported lost", me, w,
+                            config.workers[w], now - last_beat[w][1], heartbeat_timeout)
+                if (stopped | lost) >= everyone:
+                    break
+                never = everyone - started
+                if never and now - start > register_timeout:
+                    missing = ", ".join(f"worker {w} ({config.workers[w]})" for w in sorted(never))
+                    raise errors.ClusterTimeoutError(
+                        f"{me} waited {register_timeout:g} s for every worker to call "
+                        f"tfpsx.init_worker(); never came: {missing}. Raise the limit with "
+                        "TFPSX_REGISTER_TIMEOUT.")
+                if now >= next_report:
+                    self._log.info("%s: %d/%d workers stopped, running: %s", me, len(stopped),
+                                   config.worker_num, sorted(started - stopped - lost))
+                    next_report = now + 30
+                time.sleep(poll_interval)
+            self._finish_servers(heartbeat_timeout)
+        finally:
+            self.close()
+        return sorted(stopped), sorted(lost)
+
+    def _finish_servers(self, timeout: float) -> None:
+        # PS 0 holds the counters the other servers read: it leaves only after they have
+        # seen the end (or the wait ran out, which it reports).
+        config, control = self.config, self._client
+        done = control.mark(SERVERS_DONE, config.index)
+        if config.index != 0:
+            return
+        deadline = time.monotonic() + timeout
+        while done < config.server_num:
+            if time.monotonic() > deadline:
+                gone = sorted(set(range(config.server_num)) - set(control.members(SERVERS_DONE)))
+                self._log.warning("server 0: servers %s did not confirm the job end within %g s",
+                                  gone, timeout)
+                return
+            time.sleep(0.1)
+            done = len(control.members(SERVERS_DONE))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

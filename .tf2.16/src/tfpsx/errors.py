@@ -25,3 +25,7 @@ class ClusterTimeoutError(TimeoutError):
 
 class ServerUnavailableError(ConnectionError):
     """A parameter server stopped answering."""
+
+
+class SchedulerRejectedError(RuntimeError):
+    """The scheduler refused a node: wrong token, wrong role, too many nodes, rank taken."""

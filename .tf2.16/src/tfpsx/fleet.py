@@ -55,8 +55,7 @@ class _Fleet:
         self.role_maker: Optional[RoleMaker] = None
         self._lock = threading.RLock()
         self._server = None
-        self._control: Optional[_control.ControlClient] = None
-        self._heartbeat: Optional[_control.Heartbeat] = None
+        self._coord = None  # _control.CounterCoordinator or _sched_client.SchedulerCoordinator
         self._barrier_generation = 0
         self._worker_state = "new"  # new -> started -> stopped
 
@@ -73,10 +72,22 @@ class _Fleet:
             _ensure_log_handler()
             role_maker = role_maker or AutoRoleMaker()
             config = role_maker.resolve()
-            if config.needs_scheduler:
-                config = _register_with_scheduler(config)
+            if self._coord is not None:
+                self._coord.close()
+            self._coord = None
+            if config.needs_scheduler and config.role != _cluster.SCHEDULER:
+                from tfpsx import _sched_client
+
+                config, client = _sched_client.register_node(
+                    config, _setting(None, CONNECT_TIMEOUT), _setting(None, REGISTER_TIMEOUT),
+                    _setting(None, RPC_TIMEOUT), _setting(None, HEARTBEAT_INTERVAL))
+                self._coord = _sched_client.SchedulerCoordinator(config, client)
+            elif config.role in (_cluster.SERVER, _cluster.WORKER):
+                self._coord = _control.CounterCoordinator(
+                    config, _setting(None, RPC_TIMEOUT), _setting(None, HEARTBEAT_INTERVAL),
+                    logger)
             self.config, self.role_maker = config, role_maker
-            self._server, self._control, self._heartbeat = None, None, None
+            self._server = None
             self._barrier_generation, self._worker_state = 0, "new"
             return config
 
@@ -127,12 +138,7 @@ class _Fleet:
                 {f"ps:{i}": addr for i, addr in enumerate(config.servers)},
                 _setting(connect_timeout, CONNECT_TIMEOUT),
                 log=lambda m: logger.info("worker %d %s", config.index, m))
-            self._control = _control.ControlClient(config.servers[0], config.worker_num,
-                                                   _setting(None, RPC_TIMEOUT))
-            self._control.mark(_control.STARTED, config.index)
-            self._heartbeat = _control.Heartbeat(
-                self._control, config.index, _setting(None, HEARTBEAT_INTERVAL),
-                log=logger.warning).start()
+            self._coord.worker_start()
             self._worker_state = "started"
             logger.info("worker %d connected to %d server(s) in %.2f s", config.index,
                         config.server_num, time.monotonic() - start)
@@ -145,9 +151,7 @@ class _Fleet:
             if self._worker_state == "new":
                 raise RuntimeError("tfpsx.stop_worker() before tfpsx.init_worker(): the servers "
                                    "never saw this worker start")
-            self._heartbeat.stop(timeout=5)
-            self._control.mark(_control.STOPPED, config.index)
-            self._control.close()
+            self._coord.worker_stop()
             self._worker_state = "stopped"
             logger.info("worker %d stopped", config.index)
 
@@ -157,22 +161,11 @@ class _Fleet:
             raise RuntimeError("tfpsx.barrier_worker() needs tfpsx.init_worker() first")
         timeout = _setting(timeout, BARRIER_TIMEOUT)
         self._barrier_generation += 1
-        target = self._barrier_generation * config.worker_num
-        arrived = self._control.add(_control.BARRIER, 1)
-        deadline = time.monotonic() + timeout
-        while arrived < target:
-            if time.monotonic() > deadline:
-                raise errors.ClusterTimeoutError(
-                    f"barrier_worker() #{self._barrier_generation} on worker {config.index} waited "
-                    f"{timeout:g} s; {arrived - target + config.worker_num} of "
-                    f"{config.worker_num} workers arrived")
-            time.sleep(0.05)
-            arrived = self._control.read(_control.BARRIER)
+        self._coord.barrier(self._barrier_generation, timeout)
 
     # ------------------------------------------------------------------ server side
     def run_server(self, register_timeout: Optional[float] = None,
-                   heartbeat_timeout: Optional[float] = None,
-                   poll_interval: float = 0.25) -> ServerReport:
+                   heartbeat_timeout: Optional[float] = None) -> ServerReport:
         import tensorflow as tf
 
         config = self.require_role("run_server", _cluster.SERVER)
@@ -185,47 +178,8 @@ class _Fleet:
         me = f"server {config.index}"
         logger.info("%s serving at %s; waiting for %d worker(s)", me,
                     config.servers[config.index], config.worker_num)
-        if config.index != 0:
-            _control.wait_for_servers({"ps:0": config.servers[0]}, register_timeout,
-                                      log=lambda m: logger.info("%s %s", me, m))
-        control = _control.ControlClient(config.servers[0], config.worker_num,
-                                         _setting(None, RPC_TIMEOUT))
-        everyone = set(range(config.worker_num))
-        heartbeat_names = [_control.heartbeat_name(w) for w in range(config.worker_num)]
-        last_beat = {}   # worker -> (counter value, time it last changed)
-        lost: set = set()
-        next_report = start + 30
-        try:
-            while True:
-                started, stopped, beats = control.snapshot(heartbeat_names)
-                now = time.monotonic()
-                started, stopped = set(started), set(stopped)
-                for w in sorted(started - stopped - lost):
-                    value = beats[w]
-                    if w not in last_beat or last_beat[w][0] != value:
-                        last_beat[w] = (value, now)
-                    elif now - last_beat[w][1] > heartbeat_timeout:
-                        lost.add(w)
-                        logger.warning("%s: worker %d (%s) sent no heartbeat for %.0f s "
-                                       "(TFPSX_HEARTBEAT_TIMEOUT=%g): reported lost", me, w,
-                                       config.workers[w], now - last_beat[w][1], heartbeat_timeout)
-                if (stopped | lost) >= everyone:
-                    break
-                never = everyone - started
-                if never and now - start > register_timeout:
-                    missing = ", ".join(f"worker {w} ({config.workers[w]})" for w in sorted(never))
-                    raise errors.ClusterTimeoutError(
-                        f"{me} waited {register_timeout:g} s for every worker to call "
-                        f"tfpsx.init_worker(); never came: {missing}. Raise the limit with "
-                        "TFPSX_REGISTER_TIMEOUT.")
-                if now >= next_report:
-                    logger.info("%s: %d/%d workers stopped, running: %s", me, len(stopped),
-                                config.worker_num, sorted(started - stopped - lost))
-                    next_report = now + 30
-                time.sleep(poll_interval)
-            self._finish_servers(control, config, heartbeat_timeout)
-        finally:
-            control.close()
+        stopped, lost = self._coord.serve(me, register_timeout, heartbeat_timeout,
+                                          _setting(None, CONNECT_TIMEOUT))
         report = ServerReport(stopped=sorted(stopped), lost=sorted(lost),
                               seconds=time.monotonic() - start)
         if lost:
@@ -233,32 +187,6 @@ class _Fleet:
         logger.info("%s: all %d workers done after %.1f s; returning", me, config.worker_num,
                     report.seconds)
         return report
-
-    @staticmethod
-    def _finish_servers(control, config, timeout: float) -> None:
-        # PS 0 holds the counters the other servers read: it leaves only after they have
-        # seen the end (or the wait ran out, which it reports).
-        done = control.mark(_control.SERVERS_DONE, config.index)
-        if config.index != 0:
-            return
-        deadline = time.monotonic() + timeout
-        while done < config.server_num:
-            if time.monotonic() > deadline:
-                gone = sorted(set(range(config.server_num)) - set(
-                    control.members(_control.SERVERS_DONE)))
-                logger.warning("server 0: servers %s did not confirm the job end within %g s",
-                               gone, timeout)
-                return
-            time.sleep(0.1)
-            done = len(control.members(_control.SERVERS_DONE))
-
-
-def _register_with_scheduler(config: _cluster.ClusterConfig) -> _cluster.ClusterConfig:
-    """Hook for scheduler-assigned clusters (TFPSX_SCHED_ADDR)."""
-    raise NotImplementedError(
-        f"TFPSX_SCHED_ADDR={config.scheduler.address}: this tfpsx build has no scheduler "
-        "client yet; list endpoints with TFPSX_SERVER_ENDPOINTS/TFPSX_WORKER_ENDPOINTS or "
-        "use TF_CONFIG")
 
 
 FLEET = _Fleet()

@@ -4,9 +4,11 @@ Usage::
 
   tfpsx-run --server_num 2 --worker_num 2 [--log_dir logs] [--no_scheduler] train.py [args]
 
-Every server and worker is a separate process on a free 127.0.0.1 port, logging to
-``log_dir/serverlog.N`` and ``log_dir/workerlog.N``; the chief's output also streams to
-the console, prefixed with its role. The exit code is 0 when every worker exits 0,
+A scheduler (``log_dir/scheduler.log``) assigns ranks; every server and worker is a
+separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` and
+``log_dir/workerlog.N``; the chief's output also streams to
+the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's token.
+The exit code is 0 when every worker exits 0,
 otherwise the first failing worker's code, after every process started here is gone
 (also on Ctrl-C / SIGTERM). With ``--no_scheduler`` each process gets its cluster from
 environment variables (``--config tf_config`` writes TF_CONFIG instead, so a plain TF
@@ -90,14 +92,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isfile(args.script):
         print(f"tfpsx-run: script {args.script!r} not found", file=sys.stderr)
         return 2
-    if not args.no_scheduler:
-        print("tfpsx-run: the scheduler mode is not available in this build; "
-              "pass --no_scheduler", file=sys.stderr)
-        return 2
-
     job = LocalCluster(args.script, server_num, worker_num, args=args.script_args,
                        timeout=float("inf") if timeout is None else timeout,
-                       log_dir=args.log_dir, config_mode=args.config)
+                       log_dir=args.log_dir,
+                       config_mode=args.config if args.no_scheduler else "scheduler",
+                       token=os.environ.get(_cluster.ENV_TOKEN) or None)
     # Our own logs start fresh for this run.
     for role, index in job.tasks():
         open(job.log_path(role, index), "w").close()
@@ -129,12 +128,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 break
             time.sleep(0.1)
         if not failed and not interrupted:
-            servers = [("server", i) for i in range(server_num)]
+            servers = [t for t in job.tasks() if t[0] != "worker"]
             deadline = time.monotonic() + grace
             while any(job.procs[t].poll() is None for t in servers) and not interrupted:
                 if time.monotonic() > deadline:
                     stuck = [t for t in servers if job.procs[t].poll() is None]
-                    print(f"tfpsx-run: servers {stuck} still running {grace:g} s after the "
+                    print(f"tfpsx-run: {stuck} still running {grace:g} s after the "
                           "last worker exited; killing them", file=sys.stderr)
                     break
                 time.sleep(0.1)
@@ -151,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     seconds = time.monotonic() - start
     if interrupted:
         print(f"tfpsx-run: interrupted by signal {interrupted[0]}; stopped all "
-              f"{server_num + worker_num} processes (logs in {job.log_dir})", file=sys.stderr)
+              f"{len(job.procs)} processes (logs in {job.log_dir})", file=sys.stderr)
         return 128 + interrupted[0]
     if failed:
         (role, index), code = failed

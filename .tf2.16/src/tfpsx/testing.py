@@ -65,16 +65,20 @@ class LocalCluster:
       env: extra environment for every process (overrides the defaults below).
       timeout: seconds the whole cluster may run before :meth:`wait` kills it and raises.
       log_dir: where ``serverlog.N`` / ``workerlog.N`` go (a temporary folder by default).
-      config_mode: "env" writes TFPSX_* variables, "tf_config" writes TF_CONFIG.
+      config_mode: "env" writes TFPSX_* endpoint variables, "tf_config" writes TF_CONFIG,
+        "scheduler" adds a scheduler process (``python -m tfpsx.scheduler``) that every
+        server and worker registers with (each asks for the rank of its log's number).
       host: the address every task binds; 127.0.0.1 by default.
+      token: the scheduler's TFPSX_TOKEN, in "scheduler" mode.
     """
 
     def __init__(self, script, server_num: int = 1, worker_num: int = 2,
                  args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 120.0, log_dir: Optional[str] = None,
-                 config_mode: str = "env", host: str = "127.0.0.1"):
-        if config_mode not in ("env", "tf_config"):
-            raise ValueError(f"config_mode: expected 'env' or 'tf_config', got {config_mode!r}")
+                 config_mode: str = "env", host: str = "127.0.0.1", token: Optional[str] = None):
+        if config_mode not in ("env", "tf_config", "scheduler"):
+            raise ValueError("config_mode: expected 'env', 'tf_config' or 'scheduler', got "
+                             f"{config_mode!r}")
         for name, value in (("server_num", server_num), ("worker_num", worker_num)):
             _cluster.parse_int(value, name, minimum=1)
         self.argv = [script] if isinstance(script, str) else list(script)
@@ -85,9 +89,11 @@ class LocalCluster:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="tfpsx-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.config_mode = config_mode
-        ports = pick_ports(server_num + worker_num)
+        self.token = token
+        ports = pick_ports(server_num + worker_num + 1)
         self.servers = [f"{host}:{p}" for p in ports[:server_num]]
-        self.workers = [f"{host}:{p}" for p in ports[server_num:]]
+        self.workers = [f"{host}:{p}" for p in ports[server_num:-1]]
+        self.scheduler_address = f"{host}:{ports[-1]}" if config_mode == "scheduler" else None
         self.procs: Dict[Task, subprocess.Popen] = {}
         self._logs: Dict[Task, object] = {}
         self._started_at: Optional[float] = None
@@ -98,7 +104,19 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items()
                if k != "TF_CONFIG" and k not in _cluster.CLUSTER_ENV_VARS}
         env.update({"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
-        if self.config_mode == "env":
+        if self.config_mode == "scheduler":
+            endpoint = (self.servers if role == _cluster.SERVER else self.workers)[index] \
+                if role != _cluster.SCHEDULER else self.scheduler_address
+            host, port = endpoint.rsplit(":", 1)
+            env.update({_cluster.ENV_ROLE: role, _cluster.ENV_SCHED_ADDR: self.scheduler_address,
+                        _cluster.ENV_SERVER_NUM: str(self.server_num),
+                        _cluster.ENV_WORKER_NUM: str(self.worker_num)})
+            if role != _cluster.SCHEDULER:
+                env.update({_cluster.ENV_RANK: str(index), "TFPSX_HOST": host,
+                            "TFPSX_PORT": port, "TFPSX_NODE_ID": f"local-{role}-{index}"})
+            if self.token is not None:
+                env[_cluster.ENV_TOKEN] = self.token
+        elif self.config_mode == "env":
             env.update({_cluster.ENV_ROLE: role, _cluster.ENV_RANK: str(index),
                         _cluster.ENV_SERVER_ENDPOINTS: ",".join(self.servers),
                         _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.workers)})
@@ -110,6 +128,8 @@ class LocalCluster:
         return env
 
     def log_path(self, role: str, index: int) -> str:
+        if role == _cluster.SCHEDULER:
+            return os.path.join(self.log_dir, "scheduler.log")
         return os.path.join(self.log_dir, f"{role}log.{index}")
 
     def start_task(self, role: str, index: int, extra_env: Optional[Mapping[str, str]] = None
@@ -123,7 +143,8 @@ class LocalCluster:
         env.update(extra_env or {})
         log = open(self.log_path(role, index), "ab")
         self._logs[task] = log
-        proc = subprocess.Popen([sys.executable, *self.argv], env=env, stdout=log,
+        argv = ["-m", "tfpsx.scheduler"] if role == _cluster.SCHEDULER else self.argv
+        proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         self.procs[task] = proc
@@ -132,7 +153,9 @@ class LocalCluster:
         return proc
 
     def tasks(self) -> List[Task]:
-        return ([(_cluster.SERVER, i) for i in range(self.server_num)] +
+        """Every task of the job; the scheduler (if any) first."""
+        return ([(_cluster.SCHEDULER, 0)] * (self.config_mode == "scheduler") +
+                [(_cluster.SERVER, i) for i in range(self.server_num)] +
                 [(_cluster.WORKER, i) for i in range(self.worker_num)])
 
     def start(self, tasks: Optional[Iterable[Task]] = None) -> "LocalCluster":

@@ -98,3 +98,14 @@ def test_lost_worker_does_not_block_the_job_end(make_cluster):
     log = c.log("server", 0)
     assert "worker 1" in log and "reported lost" in log
     assert "RUN_SERVER_RETURNED stopped=[0] lost=[1]" in log
+
+
+def test_embedding_shared_on_ps1_and_deterministic_across_servers(make_cluster):
+    c = make_cluster(server_num=2, worker_num=2, script="embedding_job.py")
+    assert set(c.start().wait().values()) == {0}, c.logs()
+    for i in range(2):
+        line = next(l for l in c.log("worker", i).splitlines() if l.startswith("EMBEDDING "))
+        result = json.loads(line[len("EMBEDDING "):])
+        # Both workers' pushes landed in the one table on ps:1 (key 500 got both).
+        assert result["seen"] == [1.0, 1.0, 2.0], result
+        assert result["same_rows"] and result["distinct"], result

@@ -6,12 +6,17 @@ Behaviour knobs come from env so one script covers the scenarios:
   JOB_SKIP_STOP=1     workers exit without stop_worker()
   JOB_BARE_SERVER=1   servers run a bare tf.distribute.Server without the tfpsx ops
   JOB_PLACEMENT=1     the worker checks where counter ops run and prints JSON
+  JOB_PID_DIR=D       every process writes its pid to D/<pid>
+  JOB_FAIL=I:C        worker I exits with code C right after init_worker()
 """
 import os
 import sys
 import time
 
 import tfpsx
+
+if os.environ.get("JOB_PID_DIR"):
+    open(os.path.join(os.environ["JOB_PID_DIR"], str(os.getpid())), "w").close()
 
 tfpsx.init()
 if tfpsx.is_server() and os.environ.get("JOB_BARE_SERVER") == "1":
@@ -28,6 +33,11 @@ if tfpsx.is_server():
 
 tfpsx.init_worker()
 print(f"WORKER_READY {tfpsx.worker_index()}", flush=True)
+if os.environ.get("JOB_FAIL"):
+    index, code = map(int, os.environ["JOB_FAIL"].split(":"))
+    if index == tfpsx.worker_index():
+        print(f"WORKER_FAILING with {code}", flush=True)
+        sys.exit(code)
 if os.environ.get("JOB_PLACEMENT") == "1":
     import json
 
