@@ -26,3 +26,14 @@ def make_cluster(tmp_path):
     yield make
     for c in made:
         c.stop()
+
+
+def wait_for_log(c, role, index, text, timeout=60.0):
+    """Waits until a task's log contains ``text``; fails (with every log) if it exits first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while text not in c.log(role, index):
+        assert c.procs[(role, index)].poll() is None, f"{role} {index} exited:\n{c.logs()}"
+        assert time.monotonic() < deadline, f"no {text!r} from {role} {index}:\n{c.logs()}"
+        time.sleep(0.1)

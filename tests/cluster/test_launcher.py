@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, wait_for_log
 
 pytestmark = pytest.mark.timeout(180)
 RUN = [sys.executable, "-m", "tfpsx.run"]
@@ -127,10 +127,7 @@ def test_killed_worker_reported_dead_within_heartbeat_timeout(make_cluster):
     c = make_cluster(server_num=1, worker_num=2, config_mode="scheduler",
                      env={"TFPSX_HEARTBEAT_TIMEOUT": "4", "JOB_SLEEP": "12"})
     c.start()
-    deadline = time.monotonic() + 60
-    while "WORKER_READY" not in c.log("worker", 1):
-        assert time.monotonic() < deadline, c.logs()
-        time.sleep(0.1)
+    wait_for_log(c, "worker", 1, "WORKER_READY")
     c.kill("worker", 1)
     killed = time.monotonic()
     while "worker rank 1" not in c.log("scheduler", 0) or "is dead" not in c.log("scheduler", 0):

@@ -5,6 +5,7 @@ import re
 import time
 
 import pytest
+from conftest import wait_for_log
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,11 +50,7 @@ def test_server_without_op_library_gives_documented_error(make_cluster):
 def test_worker_waits_for_a_late_server(make_cluster):
     c = make_cluster(server_num=1, worker_num=1)
     c.start([("worker", 0)])
-    deadline = time.monotonic() + 60
-    while "waiting for ps:0 at" not in c.log("worker", 0):
-        assert time.monotonic() < deadline, c.logs()
-        assert c.procs[("worker", 0)].poll() is None, c.logs()
-        time.sleep(0.2)
+    wait_for_log(c, "worker", 0, "waiting for ps:0 at")
     c.start([("server", 0)])
     assert set(c.wait().values()) == {0}, c.logs()
     assert f"waiting for ps:0 at {c.servers[0]}" in c.log("worker", 0)
@@ -88,10 +85,7 @@ def test_lost_worker_does_not_block_the_job_end(make_cluster):
     c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_HEARTBEAT_TIMEOUT": "3",
                                                       "JOB_SLEEP": "4"})
     c.start()
-    deadline = time.monotonic() + 60
-    while "WORKER_READY" not in c.log("worker", 1):
-        assert time.monotonic() < deadline, c.logs()
-        time.sleep(0.2)
+    wait_for_log(c, "worker", 1, "WORKER_READY")
     c.kill("worker", 1)
     codes = c.wait([("server", 0), ("worker", 0)], timeout=90)
     assert codes == {("server", 0): 0, ("worker", 0): 0}, c.logs()

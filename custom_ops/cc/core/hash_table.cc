@@ -313,6 +313,10 @@ void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, 
 }
 
 int64_t HashTable::Remove(const int64_t* keys, int64_t n) {
+  return RemoveKeys(keys, n, /*count_as_evicted=*/false);
+}
+
+int64_t HashTable::RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted) {
   int64_t removed = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t h = HashKey(keys[i]);
@@ -323,18 +327,10 @@ int64_t HashTable::Remove(const int64_t* keys, int64_t n) {
     if (r >= 0) {
       s.RemoveRow(r, row_width_);
       ++removed;
+      if (count_as_evicted) ++s.evicted;
     }
   }
   return removed;
-}
-
-int64_t HashTable::Size() const {
-  int64_t total = 0;
-  for (const auto& s : stripes_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    total += static_cast<int64_t>(s->keys.size());
-  }
-  return total;
 }
 
 ExportedRows HashTable::ExportSince(int64_t since_step) const {
@@ -553,53 +549,42 @@ int64_t HashTable::EvictToTopN(int64_t keep) {
   std::nth_element(all.begin(), all.begin() + keep, all.end(), better);
   std::vector<int64_t> victims;
   for (size_t i = keep; i < all.size(); ++i) victims.push_back(all[i].second);
-  const int64_t removed = Remove(victims.data(), static_cast<int64_t>(victims.size()));
-  // Remove() does not count evictions; attribute them to the stripes they came from.
-  for (int64_t key : victims) {
-    Stripe& s = StripeOf(HashKey(key));
-    std::unique_lock<std::shared_mutex> lock(s.mu);
-    ++s.evicted;
+  return RemoveKeys(victims.data(), static_cast<int64_t>(victims.size()),
+                    /*count_as_evicted=*/true);
+}
+
+template <typename Fn>
+int64_t HashTable::SumOverStripes(Fn&& fn) const {
+  int64_t total = 0;
+  for (const auto& s : stripes_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    total += fn(*s);
   }
-  return removed;
+  return total;
+}
+
+int64_t HashTable::Size() const {
+  return SumOverStripes([](const Stripe& s) { return static_cast<int64_t>(s.keys.size()); });
 }
 
 int64_t HashTable::admitted() const {
-  int64_t total = 0;
-  for (const auto& s : stripes_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    total += s->admitted;
-  }
-  return total;
+  return SumOverStripes([](const Stripe& s) { return s.admitted; });
 }
 
 int64_t HashTable::evicted() const {
-  int64_t total = 0;
-  for (const auto& s : stripes_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    total += s->evicted;
-  }
-  return total;
+  return SumOverStripes([](const Stripe& s) { return s.evicted; });
 }
 
 int64_t HashTable::pending_admission() const {
-  int64_t total = 0;
-  for (const auto& s : stripes_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    total += static_cast<int64_t>(s->pending.size());
-  }
-  return total;
+  return SumOverStripes([](const Stripe& s) { return static_cast<int64_t>(s.pending.size()); });
 }
 
 int64_t HashTable::MemoryBytes() const {
-  int64_t total = 0;
-  for (const auto& sp : stripes_) {
-    const Stripe& s = *sp;
-    std::shared_lock<std::shared_mutex> lock(s.mu);
-    total += s.index.capacity() * sizeof(uint32_t) + s.keys.capacity() * sizeof(int64_t) +
-             s.rows.capacity() * sizeof(float) + s.freq.capacity() * sizeof(uint32_t) +
-             s.step.capacity() * sizeof(int64_t);
-  }
-  return total;
+  return SumOverStripes([](const Stripe& s) -> int64_t {
+    return s.index.capacity() * sizeof(uint32_t) + s.keys.capacity() * sizeof(int64_t) +
+           s.rows.capacity() * sizeof(float) + s.freq.capacity() * sizeof(uint32_t) +
+           s.step.capacity() * sizeof(int64_t);
+  });
 }
 
 }  // namespace tfpsx

@@ -136,6 +136,9 @@ class HashTable {
   template <bool kExclusive, typename Fn>
   void ForEachByStripe(const int64_t* keys, int64_t n, Fn&& fn) const;
   void MarkChanged(const int64_t* keys, int64_t n);
+  int64_t RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted);
+  template <typename Fn>
+  int64_t SumOverStripes(Fn&& fn) const;
   template <typename Fn>
   void UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn);
 
