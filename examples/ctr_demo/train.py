@@ -60,6 +60,7 @@ def main(argv):
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--learning_rate", type=float, default=0.1)
     parser.add_argument("--log_every", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=1, help="graph-level seed of the model's init")
     args = parser.parse_args(argv)
 
     tf.get_logger().setLevel("ERROR")  # TF1 deprecation notices drown the progress lines
@@ -75,6 +76,7 @@ def main(argv):
 
     graph = tf.Graph()
     with graph.as_default():
+        tf.compat.v1.set_random_seed(args.seed)
         # tf.compat.v1.device, not tf.device: TF 2.x's tf.device rejects device functions.
         with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
                 cluster=tfpsx.cluster_spec(),
