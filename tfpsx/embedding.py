@@ -369,48 +369,39 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
                 ops.append(fn(handle, parts[i], shard_rows))
         return tf.group(ops) if not tf.executing_eagerly() else None
 
-    def remove(self, keys) -> tf.Tensor:
-        parts, _ = self._partition(tf.reshape(self._keys(keys), [-1]))
-        counts = []
-        for i, handle in enumerate(self.handles()):
-            with self._device(i):
-                counts.append(self._ops.tfpsx_hash_table_remove(handle, parts[i]))
-        return tf.add_n(counts)
-
-    def size(self) -> tf.Tensor:
-        sizes = []
-        for i, handle in enumerate(self.handles()):
-            with self._device(i):
-                sizes.append(self._ops.tfpsx_hash_table_size(handle))
-        return tf.add_n(sizes)
-
-    def stats(self) -> tf.Tensor:
-        """[size, admitted, evicted, pending_admission, memory_bytes], summed over shards."""
+    def _on_shards(self, fn) -> list:
+        """fn(shard index, handle) for every shard, each on its shard's device."""
         out = []
         for i, handle in enumerate(self.handles()):
             with self._device(i):
-                out.append(self._ops.tfpsx_hash_table_stats(handle))
-        return tf.add_n(out)
+                out.append(fn(i, handle))
+        return out
+
+    def remove(self, keys) -> tf.Tensor:
+        parts, _ = self._partition(tf.reshape(self._keys(keys), [-1]))
+        return tf.add_n(self._on_shards(
+            lambda i, h: self._ops.tfpsx_hash_table_remove(h, parts[i])))
+
+    def size(self) -> tf.Tensor:
+        return tf.add_n(self._on_shards(lambda i, h: self._ops.tfpsx_hash_table_size(h)))
+
+    def stats(self) -> tf.Tensor:
+        """[size, admitted, evicted, pending_admission, memory_bytes], summed over shards."""
+        return tf.add_n(self._on_shards(lambda i, h: self._ops.tfpsx_hash_table_stats(h)))
 
     def evict(self, min_step=None, keep_top_n=None) -> tf.Tensor:
         """Evicts rows last updated before ``min_step`` (TTL) and/or keeps the top-N most
         frequent rows per shard; returns how many rows went."""
         min_step = tf.constant(_INT64_MIN, tf.int64) if min_step is None else tf.cast(min_step, tf.int64)
         keep = tf.constant(-1, tf.int64) if keep_top_n is None else tf.cast(keep_top_n, tf.int64)
-        out = []
-        for i, handle in enumerate(self.handles()):
-            with self._device(i):
-                out.append(self._ops.tfpsx_hash_table_evict(handle, min_step, keep))
-        return tf.add_n(out)
+        return tf.add_n(self._on_shards(
+            lambda i, h: self._ops.tfpsx_hash_table_evict(h, min_step, keep)))
 
     def export(self, since_step=None) -> Dict[str, tf.Tensor]:
         """Every row (or those updated at ``since_step`` or later: a delta export), all
         shards merged: keys, values [n, dim], slots [n, num_slots, dim], freq, step."""
         since = tf.constant(_INT64_MIN, tf.int64) if since_step is None else tf.cast(since_step, tf.int64)
-        parts = []
-        for i, handle in enumerate(self.handles()):
-            with self._device(i):
-                parts.append(self._ops.tfpsx_hash_table_export(handle, since))
+        parts = self._on_shards(lambda i, h: self._ops.tfpsx_hash_table_export(h, since))
         names = ("keys", "values", "slots", "freq", "step")
         return {name: tf.concat([p[j] for p in parts], axis=0) for j, name in enumerate(names)}
 
