@@ -2,7 +2,8 @@
 
 Same data for every candidate: 1M existing keys, dim 16, batches of 65,536 keys with 20%
 duplicates. Reports lookup and new-key insert Mkeys/s for tfpsx (the user-facing
-DynamicEmbedding.lookup: dedup + find + gather back), TF DenseHashTable, TF
+DynamicEmbedding.lookup of a local table, and lookup_unique: dedup + find + gather back,
+the path of training and of tables on a PS), TF DenseHashTable, TF
 MutableHashTable, dense tf.gather on a [1M, 16] variable (the reference) and TFRA when
 importable; tfpsx bytes per key (RSS growth) and lookup at 1M and 10M keys.
 
@@ -10,6 +11,7 @@ importable; tfpsx bytes per key (RSS growth) and lookup at 1M and 10M keys.
 """
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -27,6 +29,9 @@ DIM, BATCH = 16, 65536
 
 
 def rss_bytes() -> int:
+    """Resident bytes after returning freed heap pages to the OS (glibc malloc_trim), so
+    that memory TF and the kernels freed again does not count as held."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -86,11 +91,14 @@ def main(argv=None):
     emb = E.DynamicEmbedding("bench", DIM, initializer=E.zeros())
     emb.insert(keys, values)
     per_key = (rss_bytes() - before) / n
+    table_bytes = int(emb.stats()[4]) / n
     lookup_fn = tf.function(lambda k: tf.reduce_sum(emb.lookup(k)))
     ops, handle = tfpsx.load_ops(), emb.handles()[0]
     insert_fn = tf.function(lambda k: (ops.tfpsx_hash_table_insert(handle, k, new_values, step),
                                        tf.constant(0.0))[1])
+    unique_fn = tf.function(lambda k: tf.reduce_sum(emb.lookup_unique(k, train=False).embeddings))
     results["tfpsx"] = (rate(lookup_fn, lookups, args.rounds), rate(insert_fn, new_keys, 1))
+    results["tfpsx lookup_unique"] = (rate(unique_fn, lookups, args.rounds), None)
 
     dense_table = tf.lookup.experimental.DenseHashTable(
         tf.int64, tf.float32, default_value=tf.zeros([DIM]), empty_key=-1, deleted_key=-2)
@@ -121,10 +129,10 @@ def main(argv=None):
     for name, value in results.items():
         if value is None:
             continue
-        print(f"{name:22s} {value[0]:15.1f} {value[0] / gather_lookup:9.2f} {value[1]:15.1f}")
+        insert = "-" if value[1] is None else f"{value[1]:.1f}"
+        print(f"{name:22s} {value[0]:15.1f} {value[0] / gather_lookup:9.2f} {insert:>15s}")
     print(tfra_note)
     tfpsx_lookup, tfpsx_insert = results["tfpsx"]
-    table_bytes = int(emb.stats()[4]) / n
     print(f"tfpsx bytes per key at dim {DIM}: {per_key:.0f} by RSS growth (includes TF's "
           f"temporaries), {table_bytes:.0f} held by the table; payload {DIM * 4 + 8}; target <= 100")
     print(f"targets: lookup >= 0.55 x gather: {tfpsx_lookup / gather_lookup:.2f} "

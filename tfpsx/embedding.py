@@ -316,9 +316,32 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
                                 tf.concat([tf.shape(keys), [self.dim]], axis=0))
         return EmbeddingLookup(unique, unique_rows, index, embeddings)
 
-    def lookup(self, ids, train: bool = False, step=None) -> tf.Tensor:
-        """Rows of ``ids`` (ids' shape + [dim]); read-only unless ``train``."""
-        return self.lookup_unique(ids, train=train, step=step).embeddings
+    def lookup(self, ids, train: bool = False, step=None,
+               dedup: Optional[bool] = None) -> tf.Tensor:
+        """Rows of ``ids`` (ids' shape + [dim]); read-only unless ``train``.
+
+        Args:
+          ids: integer tensor of any shape.
+          train: as in ``lookup_unique`` (training lookups always deduplicate, so that each
+            distinct id is counted and inserted once per batch).
+          step: as in ``lookup_unique``.
+          dedup: look each distinct id up once (unique, find, gather back). Default: yes
+            when a shard lives on a parameter server, where it cuts the rows sent; no for
+            a local table, whose kernel serves a repeated id from cache faster than the
+            unique + gather back would cost (measured in benchmarks/embedding_ops.py).
+        """
+        if dedup is None:
+            dedup = any(device is not None for device in self.devices)
+        if train or dedup:
+            return self.lookup_unique(ids, train=train, step=step).embeddings
+        keys = self._keys(ids)
+        parts, positions = self._partition(tf.reshape(keys, [-1]))
+        rows = []
+        for i, handle in enumerate(self.handles()):
+            with self._device(i):
+                rows.append(self._ops.tfpsx_hash_table_find(handle, parts[i])[0])
+        rows = rows[0] if self.num_shards == 1 else tf.dynamic_stitch(positions, rows)
+        return tf.reshape(rows, tf.concat([tf.shape(keys), [self.dim]], axis=0))
 
     # ------------------------------------------------------------------ training
     def apply_gradients(self, looked: EmbeddingLookup, grads, step=None):

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -211,6 +212,32 @@ void TestValidate() {
   CHECK(tfpsx::ValidateOptions(Opts(4)).empty());
 }
 
+void TestTableFull() {
+  auto o = Opts(2);
+  o.num_stripes = 1;
+  o.max_stripe_rows = 10;
+  tfpsx::HashTable t(o);
+  std::vector<int64_t> keys(10);
+  for (int i = 0; i < 10; ++i) keys[i] = i * 7;
+  std::vector<float> values(20, 1.f);
+  t.Insert(keys.data(), 10, values.data(), 1);
+  const int64_t extra = 1000;
+  bool threw = false;
+  try {
+    t.Insert(&extra, 1, values.data(), 2);
+  } catch (const std::length_error& e) {
+    threw = std::string(e.what()).find("at most 10 keys") != std::string::npos;
+  }
+  CHECK(threw);
+  CHECK(t.Size() == 10);
+  std::vector<float> out(20);
+  std::vector<char> found(10);
+  t.Find(keys.data(), 10, out.data(), reinterpret_cast<bool*>(found.data()));
+  CHECK(out[19] == 1.f && found[9]);
+  o.max_stripe_rows = 0;
+  CHECK(tfpsx::ValidateOptions(o).find("max_stripe_rows") != std::string::npos);
+}
+
 }  // namespace
 
 int main() {
@@ -221,6 +248,7 @@ int main() {
   TestConcurrentUpdates();
   TestImportAndChanged();
   TestValidate();
+  TestTableFull();
   if (failures) {
     std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
     return 1;

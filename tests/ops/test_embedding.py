@@ -41,6 +41,18 @@ def test_lookup_shapes_dedup_and_determinism():
     assert int(c.size()) == 0
 
 
+@pytest.mark.parametrize("shards", [1, 3])
+def test_lookup_without_dedup_equals_dedup(shards):
+    emb = table(seed=3, shards=shards)
+    ids = tf.constant([[9, 4, 9, -1], [4, 4, 2 ** 50, 0]])
+    emb.lookup(ids[:, :2], train=True)  # some stored rows, some initial rows
+    emb.accumulate(tf.constant([9, 4], tf.int64), tf.ones([2, 4]))
+    direct = emb.lookup(ids, dedup=False)
+    assert direct.shape == (2, 4, 4)
+    np.testing.assert_array_equal(direct, emb.lookup(ids, dedup=True))
+    np.testing.assert_array_equal(direct, emb.lookup_unique(ids, train=False).embeddings)
+
+
 def test_insert_accumulate_remove_export_import():
     t = table(dim=2, shards=2)
     t.insert([1, 2, 3], [[1, 1], [2, 2], [3, 3]], step=4)

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <stdexcept>
+#include <type_traits>
 
 namespace tfpsx {
 namespace {
@@ -23,6 +25,8 @@ inline float Uniform01(uint64_t bits) {  // (0, 1]: safe for log()
 }
 
 constexpr float kMaxLoad = 0.7f;
+// Row ids take 24 bits of an index slot (the other 8 are a hash tag).
+constexpr int64_t kMaxRowsPerStripe = (int64_t{1} << 24) - 2;
 
 }  // namespace
 
@@ -35,6 +39,9 @@ std::string ValidateOptions(const TableOptions& o) {
            std::to_string(o.slot_init.size());
   if (o.min_frequency < 1)
     return "min_frequency must be >= 1, got " + std::to_string(o.min_frequency);
+  if (o.max_stripe_rows < 1 || o.max_stripe_rows > kMaxRowsPerStripe)
+    return "max_stripe_rows must be in 1.." + std::to_string(kMaxRowsPerStripe) + ", got " +
+           std::to_string(o.max_stripe_rows);
   if (o.num_stripes < 1 || (o.num_stripes & (o.num_stripes - 1)) != 0)
     return "num_stripes must be a power of two, got " + std::to_string(o.num_stripes);
   if (o.init == InitKind::kUniform && !(o.init_a < o.init_b))
@@ -44,68 +51,150 @@ std::string ValidateOptions(const TableOptions& o) {
   return "";
 }
 
+// Rows live in fixed-size chunks of records [key int64 | step int64 | freq uint32 | value
+// and slot floats], so that (a) a lookup touches one index slot and one record, with the
+// key beside the value, and (b) growth never copies rows nor leaves a doubled vector's
+// spare half behind: the slack is at most one chunk per stripe.
+class RowStore {
+ public:
+  static constexpr int64_t kChunkShift = 9;  // 512 records per chunk
+  static constexpr int64_t kChunkRows = int64_t{1} << kChunkShift;
+  static constexpr int64_t kHeaderBytes = 20;
+
+  explicit RowStore(int64_t row_width)
+      : stride_(kHeaderBytes + row_width * static_cast<int64_t>(sizeof(float))) {}
+
+  int64_t size() const { return size_; }
+  char* record(int64_t r) const {
+    return chunks_[r >> kChunkShift].get() + (r & (kChunkRows - 1)) * stride_;
+  }
+  int64_t key(int64_t r) const { return Load<int64_t>(record(r)); }
+  int64_t step(int64_t r) const { return Load<int64_t>(record(r) + 8); }
+  uint32_t freq(int64_t r) const { return Load<uint32_t>(record(r) + 16); }
+  void set_key(int64_t r, int64_t v) { Store(record(r), v); }
+  void set_step(int64_t r, int64_t v) { Store(record(r) + 8, v); }
+  void set_freq(int64_t r, uint32_t v) { Store(record(r) + 16, v); }
+  float* row(int64_t r) const { return reinterpret_cast<float*>(record(r) + kHeaderBytes); }
+
+  // Appends a zeroed record; returns its id.
+  int64_t Append(int64_t key) {
+    if ((size_ >> kChunkShift) == static_cast<int64_t>(chunks_.size()))
+      chunks_.emplace_back(new char[kChunkRows * stride_]);
+    const int64_t r = size_++;
+    std::memset(record(r), 0, stride_);
+    set_key(r, key);
+    return r;
+  }
+  // Copies record src over dst (whole record: key, metadata, row).
+  void CopyRecord(int64_t dst, int64_t src) { std::memcpy(record(dst), record(src), stride_); }
+  void PopBack() {
+    --size_;
+    if (static_cast<int64_t>(chunks_.size()) > (size_ >> kChunkShift) + 1) chunks_.pop_back();
+  }
+  void Clear() {
+    chunks_.clear();
+    size_ = 0;
+  }
+  int64_t Bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkRows * stride_; }
+
+ private:
+  template <typename T>
+  static T Load(const char* p) {
+    T v;
+    std::memcpy(&v, p, sizeof(T));
+    return v;
+  }
+  template <typename T>
+  static void Store(char* p, T v) {
+    std::memcpy(p, &v, sizeof(T));
+  }
+
+  int64_t stride_;
+  int64_t size_ = 0;
+  std::vector<std::unique_ptr<char[]>> chunks_;
+};
+
 struct HashTable::Stripe {
+  explicit Stripe(int64_t row_width) : rows(row_width) {}
+
   mutable std::shared_mutex mu;
-  std::vector<uint32_t> index;  // 0: empty; else row + 1
+  // Index slots: 0 is empty, else (row + 1) << 8 | an 8-bit tag from the key's hash, so
+  // a probe passes over other keys' slots without touching their records (255 in 256
+  // mismatches are rejected by the tag).
+  std::vector<uint32_t> index;
   uint64_t mask = 0;
-  std::vector<int64_t> keys;
-  std::vector<float> rows;  // row_width floats per row: value, then slots
-  std::vector<uint32_t> freq;
-  std::vector<int64_t> step;
+  RowStore rows;
   std::unordered_map<int64_t, uint32_t> pending;  // admission: sightings so far
   int64_t admitted = 0;
   int64_t evicted = 0;
 
+  static uint32_t TagOf(uint64_t h) { return static_cast<uint32_t>(h >> 32) & 0xff; }
+  static uint32_t MakeSlot(int64_t r, uint64_t h) {
+    return static_cast<uint32_t>(r + 1) << 8 | TagOf(h);
+  }
+  static int64_t RowOf(uint32_t slot) { return static_cast<int64_t>(slot >> 8) - 1; }
+
+  int64_t size() const { return rows.size(); }
+
   int64_t FindRow(int64_t key, uint64_t h) const {
     if (index.empty()) return -1;
+    const uint32_t tag = TagOf(h);
     for (uint64_t pos = h & mask;; pos = (pos + 1) & mask) {
-      const uint32_t r = index[pos];
-      if (r == 0) return -1;
-      if (keys[r - 1] == key) return r - 1;
+      const uint32_t slot = index[pos];
+      if (slot == 0) return -1;
+      if ((slot & 0xff) == tag && rows.key(RowOf(slot)) == key) return RowOf(slot);
     }
+  }
+
+  // Second prefetch stage: the index slot was fetched earlier, now fetch the record.
+  void PrefetchRecord(uint64_t h) const {
+    if (index.empty()) return;
+    const uint32_t slot = index[h & mask];
+    if (slot != 0 && (slot & 0xff) == TagOf(h)) __builtin_prefetch(rows.record(RowOf(slot)));
   }
 
   void Rehash(uint64_t capacity) {
     index.assign(capacity, 0);
     mask = capacity - 1;
-    for (size_t r = 0; r < keys.size(); ++r) {
-      uint64_t pos = HashKey(keys[r]) & mask;
+    for (int64_t r = 0; r < rows.size(); ++r) {
+      const uint64_t h = HashKey(rows.key(r));
+      uint64_t pos = h & mask;
       while (index[pos] != 0) pos = (pos + 1) & mask;
-      index[pos] = static_cast<uint32_t>(r + 1);
+      index[pos] = MakeSlot(r, h);
     }
   }
 
-  // Appends a row for a key known to be absent; returns its row id.
-  int64_t AddRow(int64_t key, uint64_t h, int64_t width) {
-    if (static_cast<double>(keys.size() + 1) > kMaxLoad * static_cast<double>(index.size())) {
+  // Appends a zeroed row for a key known to be absent; returns its row id.
+  int64_t AddRow(int64_t key, uint64_t h, int64_t max_rows) {
+    if (rows.size() >= max_rows) {
+      throw std::length_error("table full: a stripe holds at most " + std::to_string(max_rows) +
+                              " keys (max_stripe_rows); use more shards, evict, or raise it");
+    }
+    const double need = static_cast<double>(rows.size() + 1);
+    if (need > kMaxLoad * static_cast<double>(index.size())) {
       uint64_t capacity = std::max<uint64_t>(16, index.size() * 2);
-      while (static_cast<double>(keys.size() + 1) > kMaxLoad * static_cast<double>(capacity))
-        capacity *= 2;
+      while (need > kMaxLoad * static_cast<double>(capacity)) capacity *= 2;
       Rehash(capacity);
     }
-    const int64_t r = static_cast<int64_t>(keys.size());
+    const int64_t r = rows.Append(key);
     uint64_t pos = h & mask;
     while (index[pos] != 0) pos = (pos + 1) & mask;
-    index[pos] = static_cast<uint32_t>(r + 1);
-    keys.push_back(key);
-    rows.resize(rows.size() + width);
-    freq.push_back(0);
-    step.push_back(0);
+    index[pos] = MakeSlot(r, h);
     return r;
   }
 
-  uint64_t SlotOf(int64_t key, uint32_t row_plus_one) const {
+  uint64_t SlotOf(int64_t key, int64_t r) const {
     for (uint64_t pos = HashKey(key) & mask;; pos = (pos + 1) & mask) {
-      if (index[pos] == row_plus_one) return pos;
+      if (RowOf(index[pos]) == r) return pos;
     }
   }
 
-  void RemoveRow(int64_t r, int64_t width) {
+  void RemoveRow(int64_t r) {
     // Backward-shift deletion keeps linear probing chains intact without tombstones.
-    uint64_t hole = SlotOf(keys[r], static_cast<uint32_t>(r + 1));
+    uint64_t hole = SlotOf(rows.key(r), r);
     index[hole] = 0;
     for (uint64_t j = (hole + 1) & mask; index[j] != 0; j = (j + 1) & mask) {
-      const uint64_t ideal = HashKey(keys[index[j] - 1]) & mask;
+      const uint64_t ideal = HashKey(rows.key(RowOf(index[j]))) & mask;
       const bool stays = hole <= j ? (hole < ideal && ideal <= j) : (hole < ideal || ideal <= j);
       if (!stays) {
         index[hole] = index[j];
@@ -114,25 +203,20 @@ struct HashTable::Stripe {
       }
     }
     // Keep rows dense: the last row takes the removed row's place.
-    const int64_t last = static_cast<int64_t>(keys.size()) - 1;
+    const int64_t last = rows.size() - 1;
     if (r != last) {
-      index[SlotOf(keys[last], static_cast<uint32_t>(last + 1))] = static_cast<uint32_t>(r + 1);
-      keys[r] = keys[last];
-      std::memcpy(&rows[r * width], &rows[last * width], width * sizeof(float));
-      freq[r] = freq[last];
-      step[r] = step[last];
+      uint32_t& slot = index[SlotOf(rows.key(last), last)];
+      slot = static_cast<uint32_t>(r + 1) << 8 | (slot & 0xff);
+      rows.CopyRecord(r, last);
     }
-    keys.pop_back();
-    rows.resize(rows.size() - width);
-    freq.pop_back();
-    step.pop_back();
+    rows.PopBack();
   }
 };
 
 HashTable::HashTable(const TableOptions& options)
     : options_(options), row_width_(options.dim * (1 + options.num_slots)) {
   stripes_.reserve(options.num_stripes);
-  for (int i = 0; i < options.num_stripes; ++i) stripes_.emplace_back(new Stripe());
+  for (int i = 0; i < options.num_stripes; ++i) stripes_.emplace_back(new Stripe(row_width_));
   stripe_shift_ = 64;
   for (int s = options.num_stripes; s > 1; s >>= 1) --stripe_shift_;
 }
@@ -144,7 +228,8 @@ HashTable::Stripe& HashTable::StripeOf(uint64_t hash) const {
 }
 
 template <bool kExclusive, typename Fn>
-void HashTable::ForEachByStripe(const int64_t* keys, int64_t n, Fn&& fn) const {
+void HashTable::ForEachByStripe(const int64_t* keys, int64_t n, const float* stream,
+                                Fn&& fn) const {
   const int stripes = options_.num_stripes;
   std::vector<uint64_t> hashes(n);
   std::vector<int64_t> start(stripes + 1, 0);
@@ -160,30 +245,38 @@ void HashTable::ForEachByStripe(const int64_t* keys, int64_t n, Fn&& fn) const {
       order[fill[stripe_shift_ == 64 ? 0 : hashes[i] >> stripe_shift_]++] = i;
   }
   constexpr int64_t kAhead = 8;
-  // Threads working on parts of one batch start at different stripes, so they do not
-  // queue behind each other on stripe 0, 1, 2, ... in lockstep.
+  auto run = [&](const Stripe& stripe, int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (j + kAhead < end && !stripe.index.empty()) {
+        __builtin_prefetch(&stripe.index[hashes[order[j + kAhead]] & stripe.mask]);
+      }
+      if (j + kAhead / 2 < end) {
+        stripe.PrefetchRecord(hashes[order[j + kAhead / 2]]);
+        if (stream != nullptr) __builtin_prefetch(stream + order[j + kAhead / 2] * options_.dim);
+      }
+      const int64_t i = order[j];
+      fn(stripe, i, hashes[i]);
+    }
+  };
+  // A stripe another thread holds is skipped and done after the others, so threads
+  // working on parts of one batch do not convoy behind each other from stripe to stripe.
+  using Lock = std::conditional_t<kExclusive, std::unique_lock<std::shared_mutex>,
+                                  std::shared_lock<std::shared_mutex>>;
+  std::vector<int> busy;
   const int first = n > 0 ? static_cast<int>(hashes[0] & (stripes - 1)) : 0;
   for (int t = 0; t < stripes; ++t) {
     const int s = (first + t) & (stripes - 1);
-    const int64_t begin = start[s], end = start[s + 1];
-    if (begin == end) continue;
-    Stripe& stripe = *stripes_[s];
-    auto run = [&] {
-      for (int64_t j = begin; j < end; ++j) {
-        if (j + kAhead < end && !stripe.index.empty()) {
-          __builtin_prefetch(&stripe.index[hashes[order[j + kAhead]] & stripe.mask]);
-        }
-        const int64_t i = order[j];
-        fn(stripe, i, hashes[i]);
-      }
-    };
-    if (kExclusive) {
-      std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      run();
-    } else {
-      std::shared_lock<std::shared_mutex> lock(stripe.mu);
-      run();
+    if (start[s] == start[s + 1]) continue;
+    Lock lock(stripes_[s]->mu, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      busy.push_back(s);
+      continue;
     }
+    run(*stripes_[s], start[s], start[s + 1]);
+  }
+  for (int s : busy) {
+    Lock lock(stripes_[s]->mu);
+    run(*stripes_[s], start[s], start[s + 1]);
   }
 }
 
@@ -217,10 +310,10 @@ void HashTable::InitialRow(int64_t key, float* out) const {
 void HashTable::Find(const int64_t* keys, int64_t n, float* out, bool* found,
                      bool use_initializer) const {
   const int64_t dim = options_.dim;
-  ForEachByStripe<false>(keys, n, [&](const Stripe& s, int64_t i, uint64_t h) {
+  ForEachByStripe<false>(keys, n, nullptr, [&](const Stripe& s, int64_t i, uint64_t h) {
     const int64_t r = s.FindRow(keys[i], h);
     if (r >= 0) {
-      std::memcpy(out + i * dim, &s.rows[r * row_width_], dim * sizeof(float));
+      std::memcpy(out + i * dim, s.rows.row(r), dim * sizeof(float));
     } else if (use_initializer) {
       InitialRow(keys[i], out + i * dim);
     } else {
@@ -233,7 +326,7 @@ void HashTable::Find(const int64_t* keys, int64_t n, float* out, bool* found,
 void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out) {
   const int64_t dim = options_.dim;
   std::vector<int64_t> inserted;
-  ForEachByStripe<true>(keys, n, [&](const Stripe& cs, int64_t i, uint64_t h) {
+  ForEachByStripe<true>(keys, n, nullptr, [&](const Stripe& cs, int64_t i, uint64_t h) {
     Stripe& s = const_cast<Stripe&>(cs);
     const int64_t key = keys[i];
     int64_t r = s.FindRow(key, h);
@@ -245,49 +338,50 @@ void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float
           InitialRow(key, out + i * dim);
           return;
         }
-        s.pending.erase(key);
       }
-      r = s.AddRow(key, h, row_width_);
-      float* row = &s.rows[r * row_width_];
+      r = s.AddRow(key, h, options_.max_stripe_rows);  // may throw: the count stays
+      if (options_.min_frequency > 1) s.pending.erase(key);
+      float* row = s.rows.row(r);
       InitialRow(key, row);
       for (int k = 0; k < options_.num_slots; ++k)
         std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
-      s.freq[r] = seen;
-      s.step[r] = step;
+      s.rows.set_freq(r, seen);
+      s.rows.set_step(r, step);
       ++s.admitted;
       inserted.push_back(key);
-    } else if (s.freq[r] != UINT32_MAX) {
-      ++s.freq[r];
+    } else if (s.rows.freq(r) != UINT32_MAX) {
+      s.rows.set_freq(r, s.rows.freq(r) + 1);
     }
-    std::memcpy(out + i * dim, &s.rows[r * row_width_], dim * sizeof(float));
+    std::memcpy(out + i * dim, s.rows.row(r), dim * sizeof(float));
   });
   if (!inserted.empty()) MarkChanged(inserted.data(), static_cast<int64_t>(inserted.size()));
 }
 
 template <typename Fn>
-void HashTable::UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn) {
+void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
+                           bool init_value, Fn&& fn) {
   const int64_t dim = options_.dim;
   const bool track = has_readers_.load(std::memory_order_acquire);
   std::vector<int64_t> changed;
   if (track) changed.reserve(n);
-  ForEachByStripe<true>(keys, n, [&](const Stripe& cs, int64_t i, uint64_t h) {
+  ForEachByStripe<true>(keys, n, stream, [&](const Stripe& cs, int64_t i, uint64_t h) {
     Stripe& s = const_cast<Stripe&>(cs);
     const int64_t key = keys[i];
     int64_t r = s.FindRow(key, h);
     if (r < 0) {
       // fn(nullptr, i) decides whether a missing key gets a row (admission).
       if (!fn(nullptr, i)) return;
-      r = s.AddRow(key, h, row_width_);
-      float* row = &s.rows[r * row_width_];
-      InitialRow(key, row);
+      r = s.AddRow(key, h, options_.max_stripe_rows);
+      float* row = s.rows.row(r);
+      if (init_value) InitialRow(key, row);  // else fn overwrites it
       for (int k = 0; k < options_.num_slots; ++k)
         std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
-      s.freq[r] = 1;
+      s.rows.set_freq(r, 1);
       ++s.admitted;
-      s.pending.erase(key);
+      if (!s.pending.empty()) s.pending.erase(key);
     }
-    fn(&s.rows[r * row_width_], i);
-    s.step[r] = step;
+    fn(s.rows.row(r), i);
+    s.rows.set_step(r, step);
     if (track) changed.push_back(key);
   });
   if (track) MarkChanged(changed.data(), static_cast<int64_t>(changed.size()));
@@ -295,7 +389,7 @@ void HashTable::UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn
 
 void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int64_t step) {
   const int64_t dim = options_.dim;
-  UpdateRows(keys, n, step, [&](float* row, int64_t i) {
+  UpdateRows(keys, n, values, step, /*init_value=*/false, [&](float* row, int64_t i) {
     if (row != nullptr) std::memcpy(row, values + i * dim, dim * sizeof(float));
     return true;
   });
@@ -303,7 +397,7 @@ void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int6
 
 void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step) {
   const int64_t dim = options_.dim;
-  UpdateRows(keys, n, step, [&](float* row, int64_t i) {
+  UpdateRows(keys, n, deltas, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row != nullptr) {
       const float* d = deltas + i * dim;
       for (int64_t j = 0; j < dim; ++j) row[j] += d[j];
@@ -325,7 +419,7 @@ int64_t HashTable::RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evic
     s.pending.erase(keys[i]);
     const int64_t r = s.FindRow(keys[i], h);
     if (r >= 0) {
-      s.RemoveRow(r, row_width_);
+      s.RemoveRow(r);
       ++removed;
       if (count_as_evicted) ++s.evicted;
     }
@@ -339,14 +433,14 @@ ExportedRows HashTable::ExportSince(int64_t since_step) const {
   for (const auto& sp : stripes_) {
     const Stripe& s = *sp;
     std::shared_lock<std::shared_mutex> lock(s.mu);
-    for (size_t r = 0; r < s.keys.size(); ++r) {
-      if (s.step[r] < since_step) continue;
-      raw.keys.push_back(s.keys[r]);
-      const float* row = &s.rows[r * row_width_];
+    for (int64_t r = 0; r < s.size(); ++r) {
+      if (s.rows.step(r) < since_step) continue;
+      raw.keys.push_back(s.rows.key(r));
+      const float* row = s.rows.row(r);
       raw.values.insert(raw.values.end(), row, row + dim);
       raw.slots.insert(raw.slots.end(), row + dim, row + row_width_);
-      raw.freq.push_back(s.freq[r]);
-      raw.step.push_back(s.step[r]);
+      raw.freq.push_back(s.rows.freq(r));
+      raw.step.push_back(s.rows.step(r));
     }
   }
   // Sort by key so that exports (and so checkpoints) are deterministic.
@@ -390,10 +484,7 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
       std::unique_lock<std::shared_mutex> lock(s.mu);
       s.index.clear();
       s.mask = 0;
-      s.keys.clear();
-      s.rows.clear();
-      s.freq.clear();
-      s.step.clear();
+      s.rows.Clear();
       s.pending.clear();
     }
   }
@@ -402,8 +493,8 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
     Stripe& s = StripeOf(h);
     std::unique_lock<std::shared_mutex> lock(s.mu);
     int64_t r = s.FindRow(keys[i], h);
-    if (r < 0) r = s.AddRow(keys[i], h, row_width_);
-    float* row = &s.rows[r * row_width_];
+    if (r < 0) r = s.AddRow(keys[i], h, options_.max_stripe_rows);
+    float* row = s.rows.row(r);
     std::memcpy(row, values + i * dim, dim * sizeof(float));
     for (int k = 0; k < num_slots; ++k) {
       if (slots_len) {
@@ -412,10 +503,10 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
         std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
       }
     }
-    s.freq[r] = freq ? static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(freq[i], 0),
+    s.rows.set_freq(r, freq ? static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(freq[i], 0),
                                                                UINT32_MAX))
-                     : 1;
-    s.step[r] = step ? step[i] : 0;
+                     : 1);
+    s.rows.set_step(r, step ? step[i] : 0);
   }
   MarkChanged(keys, n);
   return "";
@@ -446,7 +537,7 @@ void HashTable::ApplySgd(const int64_t* keys, int64_t n, const float* grads, flo
                          int64_t step) {
   const int64_t dim = options_.dim;
   const bool create = options_.min_frequency <= 1;
-  UpdateRows(keys, n, step, [&](float* row, int64_t i) {
+  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row == nullptr) return create;
     const float* g = grads + i * dim;
     for (int64_t j = 0; j < dim; ++j) row[j] -= lr * g[j];
@@ -458,7 +549,7 @@ void HashTable::ApplyAdagrad(const int64_t* keys, int64_t n, const float* grads,
                              float eps, int64_t step) {
   const int64_t dim = options_.dim;
   const bool create = options_.min_frequency <= 1;
-  UpdateRows(keys, n, step, [&](float* row, int64_t i) {
+  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row == nullptr) return create;
     const float* g = grads + i * dim;
     float* acc = row + dim;
@@ -478,7 +569,7 @@ void HashTable::ApplyAdam(const int64_t* keys, int64_t n, const float* grads, fl
   const double t = static_cast<double>(std::max<int64_t>(step, 1));
   const float lr_t = static_cast<float>(lr * std::sqrt(1.0 - std::pow(beta2, t)) /
                                         (1.0 - std::pow(beta1, t)));
-  UpdateRows(keys, n, step, [&](float* row, int64_t i) {
+  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row == nullptr) return create;
     const float* g = grads + i * dim;
     float* m = row + dim;
@@ -497,7 +588,7 @@ void HashTable::ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, fl
   // FTRL-Proximal (McMahan et al. 2013), as tf.compat.v1.train.FtrlOptimizer applies it.
   const int64_t dim = options_.dim;
   const bool create = options_.min_frequency <= 1;
-  UpdateRows(keys, n, step, [&](float* row, int64_t i) {
+  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row == nullptr) return create;
     const float* g = grads + i * dim;
     float* z = row + dim;
@@ -523,9 +614,9 @@ int64_t HashTable::EvictOlderThan(int64_t min_step) {
   for (auto& sp : stripes_) {
     Stripe& s = *sp;
     std::unique_lock<std::shared_mutex> lock(s.mu);
-    for (int64_t r = static_cast<int64_t>(s.keys.size()) - 1; r >= 0; --r) {
-      if (s.step[r] < min_step) {
-        s.RemoveRow(r, row_width_);
+    for (int64_t r = s.size() - 1; r >= 0; --r) {
+      if (s.rows.step(r) < min_step) {
+        s.RemoveRow(r);
         ++s.evicted;
         ++removed;
       }
@@ -538,7 +629,8 @@ int64_t HashTable::EvictToTopN(int64_t keep) {
   std::vector<std::pair<uint32_t, int64_t>> all;  // (freq, key)
   for (const auto& sp : stripes_) {
     std::shared_lock<std::shared_mutex> lock(sp->mu);
-    for (size_t r = 0; r < sp->keys.size(); ++r) all.emplace_back(sp->freq[r], sp->keys[r]);
+    for (int64_t r = 0; r < sp->size(); ++r)
+      all.emplace_back(sp->rows.freq(r), sp->rows.key(r));
   }
   if (keep < 0) keep = 0;
   if (static_cast<int64_t>(all.size()) <= keep) return 0;
@@ -564,7 +656,7 @@ int64_t HashTable::SumOverStripes(Fn&& fn) const {
 }
 
 int64_t HashTable::Size() const {
-  return SumOverStripes([](const Stripe& s) { return static_cast<int64_t>(s.keys.size()); });
+  return SumOverStripes([](const Stripe& s) { return s.size(); });
 }
 
 int64_t HashTable::admitted() const {
@@ -581,9 +673,7 @@ int64_t HashTable::pending_admission() const {
 
 int64_t HashTable::MemoryBytes() const {
   return SumOverStripes([](const Stripe& s) -> int64_t {
-    return s.index.capacity() * sizeof(uint32_t) + s.keys.capacity() * sizeof(int64_t) +
-           s.rows.capacity() * sizeof(float) + s.freq.capacity() * sizeof(uint32_t) +
-           s.step.capacity() * sizeof(int64_t);
+    return static_cast<int64_t>(s.index.capacity() * sizeof(uint32_t)) + s.rows.Bytes();
   });
 }
 

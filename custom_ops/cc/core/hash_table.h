@@ -1,9 +1,10 @@
 // tfpsx dynamic embedding table: int64 keys -> float32 rows of `dim`, TF-free.
 //
 // The table is split into lock stripes (shards) chosen by the key's hash; each stripe
-// is an open-addressing index (linear probing, 32-bit row ids) over dense row arrays,
-// so a key costs its payload plus ~30 bytes (key, metadata, index slot). Rows are
-// kept compact: removing a key moves the last row into its place.
+// is an open-addressing index (linear probing, 32-bit row ids) over chunked records
+// [key | step | freq | value | slots], so a key costs its payload plus ~26 bytes
+// (12 of metadata, 6-12 of index slot, chunk slack) and a lookup touches one slot and
+// one record. Records are kept dense: removing a key moves the last record into its place.
 //
 // Every row carries `num_slots` optimizer slot vectors of `dim` floats next to its
 // value, a frequency counter and the step of its last update. A missing key's initial
@@ -41,6 +42,10 @@ struct TableOptions {
   uint64_t seed = 0;
   int64_t min_frequency = 1;   // admission: sightings before a key gets a row
   int num_stripes = 64;        // lock stripes (power of two)
+  // Keys one stripe may hold (row ids take 24 bits of an index slot); lower it to cap a
+  // table's memory. A write that would pass it fails (std::length_error), storing nothing
+  // for that key.
+  int64_t max_stripe_rows = (int64_t{1} << 24) - 2;
 };
 
 // Returns "" when the options are usable, else what is wrong.
@@ -132,15 +137,20 @@ class HashTable {
   struct Stripe;
   Stripe& StripeOf(uint64_t hash) const;
   // Calls fn(stripe, i, hash) for every key, grouped by stripe so that each stripe is
-  // locked once per call (shared or exclusive), with the next keys' index slots prefetched.
+  // locked once per call (shared or exclusive), with the next keys' index slots, records
+  // and input rows (stream + i * dim, may be null) prefetched. Outputs are not prefetched:
+  // measured slower, the stores do not wait on them.
   template <bool kExclusive, typename Fn>
-  void ForEachByStripe(const int64_t* keys, int64_t n, Fn&& fn) const;
+  void ForEachByStripe(const int64_t* keys, int64_t n, const float* stream, Fn&& fn) const;
   void MarkChanged(const int64_t* keys, int64_t n);
   int64_t RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted);
   template <typename Fn>
   int64_t SumOverStripes(Fn&& fn) const;
   template <typename Fn>
-  void UpdateRows(const int64_t* keys, int64_t n, int64_t step, Fn&& fn);
+  // Runs fn(row, i) on the row of every key; a missing key is first asked fn(nullptr, i)
+  // whether it gets a row (admission), which starts from its initial row when init_value.
+  void UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
+                  bool init_value, Fn&& fn);
 
   TableOptions options_;
   int64_t row_width_;  // dim * (1 + num_slots)

@@ -3,7 +3,9 @@
 // the table, the expected shape and the one given.
 
 #include <climits>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -138,12 +140,27 @@ absl::Status CheckRows(const TableResource& table, const Tensor& keys, const Ten
 }
 
 // Splits [0, n) over the CPU worker threads; each range is processed independently
-// (the core table is thread-safe).
+// (the core table is thread-safe). The core reports a full table by throwing; that must
+// not escape into TF's thread pool, so the first failure becomes the op's error.
 template <typename Fn>
-void ParallelRanges(OpKernelContext* ctx, int64_t n, int64_t cost_per_key, Fn&& fn) {
+absl::Status ParallelRanges(OpKernelContext* ctx, const TableResource& table, int64_t n,
+                            int64_t cost_per_key, Fn&& fn) {
   auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+  std::mutex mu;
+  absl::Status status;
   ::tensorflow::Shard(threads->num_threads, threads->workers, n, cost_per_key,
-                      [&](int64_t begin, int64_t end) { fn(begin, end); });
+                      [&](int64_t begin, int64_t end) {
+                        try {
+                          fn(begin, end);
+                        } catch (const std::exception& e) {
+                          std::lock_guard<std::mutex> lock(mu);
+                          if (status.ok()) {
+                            status = absl::ResourceExhaustedError(
+                                absl::StrCat("tfpsx table '", table.name(), "': ", e.what()));
+                          }
+                        }
+                      });
+  return status;
 }
 
 }  // namespace
@@ -164,9 +181,9 @@ class FindOp : public OpKernel {
     float* v = values->flat<float>().data();
     bool* f = found->flat<bool>().data();
     const int64_t dim = t.dim();
-    ParallelRanges(ctx, keys.NumElements(), 20 + 2 * dim, [&](int64_t b, int64_t e) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, keys.NumElements(), 20 + 2 * dim, [&](int64_t b, int64_t e) {
       t.Find(k + b, e - b, v + b * dim, f + b);
-    });
+    }));
   }
 };
 
@@ -185,9 +202,9 @@ class FindOrInsertOp : public OpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     float* v = values->flat<float>().data();
     const int64_t dim = t.dim();
-    ParallelRanges(ctx, keys.NumElements(), 40 + 2 * dim, [&](int64_t b, int64_t e) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, keys.NumElements(), 40 + 2 * dim, [&](int64_t b, int64_t e) {
       t.FindOrInsert(k + b, e - b, step, v + b * dim);
-    });
+    }));
   }
 };
 
@@ -207,13 +224,13 @@ class WriteOp : public OpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     const float* r = rows.flat<float>().data();
     const int64_t dim = t.dim();
-    ParallelRanges(ctx, keys.NumElements(), 40 + 2 * dim, [&](int64_t b, int64_t e) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, keys.NumElements(), 40 + 2 * dim, [&](int64_t b, int64_t e) {
       if (kAccumulate) {
         t.Accumulate(k + b, e - b, r + b * dim, step);
       } else {
         t.Insert(k + b, e - b, r + b * dim, step);
       }
-    });
+    }));
   }
 };
 
@@ -292,11 +309,16 @@ class ImportOp : public OpKernel {
                       "tfpsx table '", table->name(), "': import ", what, " must be empty or hold ",
                       n, " values, got ", tensor->shape().DebugString())));
     }
-    const std::string problem = t.Import(
-        keys.flat<int64_t>().data(), n, values.flat<float>().data(),
-        slots.NumElements() ? slots.flat<float>().data() : nullptr, slots.NumElements(),
-        freq.NumElements() ? freq.flat<int64_t>().data() : nullptr,
-        step.NumElements() ? step.flat<int64_t>().data() : nullptr, clear_);
+    std::string problem;
+    try {
+      problem = t.Import(
+          keys.flat<int64_t>().data(), n, values.flat<float>().data(),
+          slots.NumElements() ? slots.flat<float>().data() : nullptr, slots.NumElements(),
+          freq.NumElements() ? freq.flat<int64_t>().data() : nullptr,
+          step.NumElements() ? step.flat<int64_t>().data() : nullptr, clear_);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
     OP_REQUIRES(ctx, problem.empty(),
                 absl::InvalidArgumentError(
                     absl::StrCat("tfpsx table '", table->name(), "': import: ", problem)));
@@ -351,7 +373,7 @@ class ApplyOp : public OpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();
     const int64_t n = keys.NumElements(), dim = t.dim();
-    ParallelRanges(ctx, n, 60 + 8 * dim, [&](int64_t begin, int64_t end) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, n, 60 + 8 * dim, [&](int64_t begin, int64_t end) {
       const int64_t m = end - begin;
       switch (kOpt) {
         case Optimizer::kSgd: t.ApplySgd(k + begin, m, g + begin * dim, lr, step); break;
@@ -359,7 +381,7 @@ class ApplyOp : public OpKernel {
         case Optimizer::kAdam: t.ApplyAdam(k + begin, m, g + begin * dim, lr, a, b, c, step); break;
         case Optimizer::kFtrl: t.ApplyFtrl(k + begin, m, g + begin * dim, lr, a, b, c, step); break;
       }
-    });
+    }));
   }
 };
 
