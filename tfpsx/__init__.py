@@ -29,17 +29,26 @@ __all__ = [
     "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker", "server_target",
     "session_config", "load_ops", "ClusterConfig", "ServerReport", "RoleMaker",
     "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker",
-    "FlagsRoleMaker", "OpLibraryError", "errors", "embedding", "__version__",
+    "FlagsRoleMaker", "OpLibraryError", "errors", "embedding", "training", "__version__",
+    "DistributedStrategy", "distributed_optimizer", "model_scope", "replica_device_setter",
+    "variable_partitioner", "MonitoredTrainingSession", "GeoOptimizer", "GeoCounters",
 ]
 
 
-def __getattr__(name):
-    # tfpsx.embedding imports TensorFlow; the rest of tfpsx (scheduler, launcher, role
-    # resolution) starts without it, so it is loaded on first use.
-    if name == "embedding":
-        import importlib
+_TRAINING_NAMES = ("DistributedStrategy", "distributed_optimizer", "model_scope",
+                   "replica_device_setter", "variable_partitioner", "MonitoredTrainingSession",
+                   "GeoOptimizer", "GeoCounters")
 
-        return importlib.import_module("tfpsx.embedding")
+
+def __getattr__(name):
+    # tfpsx.embedding and tfpsx.training import TensorFlow; the rest of tfpsx (scheduler,
+    # launcher, role resolution) starts without it, so they are loaded on first use.
+    import importlib
+
+    if name in ("embedding", "training"):
+        return importlib.import_module(f"tfpsx.{name}")
+    if name in _TRAINING_NAMES:
+        return getattr(importlib.import_module("tfpsx.training"), name)
     raise AttributeError(f"module 'tfpsx' has no attribute {name!r}")
 
 

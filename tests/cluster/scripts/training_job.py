@@ -1,0 +1,108 @@
+"""A linear regression trained between-graph with tfpsx.model_scope /
+distributed_optimizer / MonitoredTrainingSession; prints one TRAINING json line per worker.
+
+  training_job.py --mode async|geo [--k_steps K] [--deterministic] [--syncs T]
+                  [--steps S] [--checkpoint_dir D] [--save_steps N] [--partitioned]
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tfpsx
+
+DIM, BATCH, LR = 6, 16, 0.05
+W_TRUE = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
+
+
+def batches(worker: int, count: int):
+    """The batches worker ``worker`` trains on, in order (tests rebuild them)."""
+    rng = np.random.default_rng(1000 + worker)
+    for _ in range(count):
+        x = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+        y = (x @ W_TRUE + 0.3).astype(np.float32)
+        yield x, y
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", default="async")
+    p.add_argument("--k_steps", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--syncs", type=int, default=4, help="GEO deterministic: k-step rounds")
+    p.add_argument("--steps", type=int, default=300, help="last global step (StopAtStepHook)")
+    p.add_argument("--checkpoint_dir", default=None)
+    p.add_argument("--save_steps", type=int, default=None)
+    p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--partitioned", action="store_true")
+    args = p.parse_args(argv)
+
+    tfpsx.init()
+    if tfpsx.is_server():
+        tfpsx.run_server()
+        return 0
+    tfpsx.init_worker()
+    me = tfpsx.worker_index()
+    configs = {"k_steps": args.k_steps}
+    if args.deterministic:
+        configs["geo_sync_in_train_thread"] = True
+    strategy = tfpsx.DistributedStrategy(a_sync=True, a_sync_configs=configs)
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(strategy):
+            global_step = tf.compat.v1.train.get_or_create_global_step()
+            x = tf.compat.v1.placeholder(tf.float32, [None, DIM])
+            y = tf.compat.v1.placeholder(tf.float32, [None])
+            partitioner = (tfpsx.variable_partitioner(min_slice_bytes=8)
+                           if args.partitioned else None)
+            w = tf.compat.v1.get_variable("w", [DIM, 1], initializer=tf.zeros_initializer(),
+                                          partitioner=partitioner)
+            b = tf.compat.v1.get_variable("b", [], initializer=tf.zeros_initializer())
+            w_value = tf.convert_to_tensor(w) if args.partitioned else w
+            loss = tf.reduce_mean(tf.square(tf.squeeze(tf.matmul(x, w_value), 1) + b - y))
+            opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
+                                              strategy)
+            train_op = opt.minimize(loss, global_step=global_step)
+        placement = {v.op.name: v.device for v in tf.compat.v1.global_variables()
+                     + tf.compat.v1.local_variables()}
+        eval_x, eval_y = next(batches(99, 1))
+        local_steps = 0
+        fixed = args.mode == "geo" and args.deterministic
+        with tfpsx.MonitoredTrainingSession(
+                checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_steps,
+                last_step=None if fixed else args.steps) as sess:
+            ready = time.time()
+            print(f"session ready at {ready:.3f}", flush=True)
+            start_step = sess.run(global_step)
+            count = args.k_steps * args.syncs if fixed else 10 ** 9
+            for bx, by in batches(me, count):
+                if sess.should_stop():
+                    break
+                sess.run(train_op, {x: bx, y: by})
+                local_steps += 1
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+        report = {"worker": me, "local_steps": local_steps, "start_step": int(start_step),
+                  "ready": ready, "placement": placement}
+        if hasattr(opt, "counters"):
+            report["pushes"] = opt.counters.pushes
+            report["rows_sent"] = opt.counters.rows_sent
+        tfpsx.barrier_worker()  # every push is in before anyone reads the global state
+        with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
+            globals_ = {v.op.name: v for v in tf.compat.v1.global_variables()}
+            w_global = (tf.concat([globals_[n] for n in sorted(globals_) if n.startswith("w/")], 0)
+                        if args.partitioned else globals_["w"])
+            g_w, g_b, g_step = s.run([w_global, globals_["b"], global_step])
+            eval_loss = s.run(tf.reduce_mean(tf.square(
+                tf.squeeze(tf.matmul(eval_x, w_global), 1) + globals_["b"] - eval_y)))
+        report.update({"global_w": g_w.ravel().tolist(), "global_b": float(g_b),
+                       "global_step": int(g_step), "eval_loss": float(eval_loss)})
+    print("TRAINING " + json.dumps(report), flush=True)
+    tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Graph-mode training modes on local clusters (tests/cluster/scripts/training_job.py)."""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from conftest import wait_for_log
+import training_job as job
+
+FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
+
+
+def reports(c, workers):
+    out = {}
+    for i in range(workers):
+        lines = [l for l in c.log("worker", i).splitlines() if l.startswith("TRAINING ")]
+        assert lines, f"worker {i} printed no TRAINING line:\n{c.logs()}"
+        out[i] = json.loads(lines[-1][len("TRAINING "):])
+    return out
+
+
+def finish(c, timeout=150):
+    codes = c.wait(timeout=timeout)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.logs()}"
+
+
+def geo_reference(workers: int, k: int, syncs: int):
+    """The GEO update rule in numpy: k local SGD steps per worker, push (local-old)/N,
+    all pushes land, pull local += global - old, old = global."""
+    params = [np.zeros((job.DIM, 1), np.float32), np.zeros((), np.float32)]
+    glob = [p.copy() for p in params]
+    local = [[p.copy() for p in params] for _ in range(workers)]
+    old = [[p.copy() for p in params] for _ in range(workers)]
+    data = [list(job.batches(i, k * syncs)) for i in range(workers)]
+    n = np.float32(workers)
+    for s in range(syncs):
+        for i in range(workers):
+            w, b = local[i]
+            for x, y in data[i][s * k:(s + 1) * k]:
+                err = (x @ w)[:, 0] + b - y
+                gw = (2.0 / job.BATCH) * (x.T @ err[:, None])
+                gb = (2.0 / job.BATCH) * err.sum()
+                w = (w - np.float32(job.LR) * gw).astype(np.float32)
+                b = np.float32(b - np.float32(job.LR) * gb)
+            local[i] = [w, b]
+        for i in range(workers):
+            for j in range(2):
+                delta = (local[i][j] - old[i][j]) / n
+                old[i][j] = old[i][j] + delta
+                glob[j] = glob[j] + delta
+        for i in range(workers):
+            for j in range(2):
+                local[i][j] = local[i][j] + (glob[j] - old[i][j])
+                old[i][j] = glob[j].copy()
+    return glob
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
+    k, syncs = 5, 4
+    c = make_cluster(1, workers, script="training_job.py", env=FAST,
+                     args=["--mode", "geo", "--k_steps", str(k), "--deterministic",
+                           "--syncs", str(syncs)]).start()
+    finish(c)
+    want_w, want_b = geo_reference(workers, k, syncs)
+    for i, r in reports(c, workers).items():
+        assert r["pushes"] == syncs and r["local_steps"] == k * syncs
+        assert r["rows_sent"] == syncs * (job.DIM + 1)  # w's rows and b, once per push
+        assert r["global_step"] == workers * k * syncs
+        np.testing.assert_allclose(r["global_w"], want_w.ravel(), rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(r["global_b"], want_b, rtol=2e-5, atol=1e-6)
+        assert r["placement"]["w"].startswith("/job:ps/")
+        assert r["placement"]["w_geo_local"] == f"/job:worker/task:{i}"
+        assert r["placement"]["w_geo_old"] == f"/job:worker/task:{i}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
+def test_mode_trains_below_threshold(make_cluster, mode, extra):
+    c = make_cluster(1, 2, script="training_job.py", env=FAST,
+                     args=["--mode", mode, "--steps", "300"] + extra).start()
+    finish(c)
+    for r in reports(c, 2).values():
+        assert r["eval_loss"] < 0.01, r
+        assert r["global_step"] >= 300
+        assert r["placement"]["w"].startswith("/job:ps/")
+        if mode == "geo":
+            assert r["pushes"] >= 1  # the background communicator ran
+
+
+@pytest.mark.timeout(240)
+def test_partitioned_variable_spreads_over_servers(make_cluster):
+    c = make_cluster(2, 2, script="training_job.py", env=FAST,
+                     args=["--mode", "async", "--steps", "100", "--partitioned"]).start()
+    finish(c)
+    r = reports(c, 2)[0]
+    parts = {name: dev for name, dev in r["placement"].items() if name.startswith("w/part_")}
+    assert len(parts) == 2, r["placement"]
+    assert set(parts.values()) == {"/job:ps/task:0", "/job:ps/task:1"}
+    assert r["eval_loss"] < 0.05
+
+
+@pytest.mark.timeout(240)
+def test_non_chief_started_first_is_ready_soon_after_chief(make_cluster):
+    c = make_cluster(1, 2, script="training_job.py", env=FAST,
+                     args=["--mode", "async", "--steps", "50"])
+    c.start([("server", 0), ("worker", 1)])
+    wait_for_log(c, "worker", 1, "connected to 1 server")
+    time.sleep(2.0)  # worker 1 is now waiting for the chief's init
+    c.start([("worker", 0)])
+    finish(c)
+    r = reports(c, 2)
+    gap = r[1]["ready"] - r[0]["ready"]
+    print(f"non-chief ready {gap:+.2f} s after the chief")
+    assert gap < 5.0
+
+
+@pytest.mark.timeout(300)
+def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    c = make_cluster(1, 2, script="training_job.py",
+                     env={"TFPSX_HEARTBEAT_TIMEOUT": "30"},
+                     args=["--mode", "async", "--steps", "400", "--checkpoint_dir", ckpt,
+                           "--save_steps", "20", "--step_delay", "0.02"]).start()
+    deadline = time.monotonic() + 120
+    while not any(f.startswith("model.ckpt-") and f.endswith(".index")
+                  for f in (os.listdir(ckpt) if os.path.isdir(ckpt) else [])):
+        assert time.monotonic() < deadline, c.logs()
+        time.sleep(0.2)
+    time.sleep(0.5)
+    c.kill("worker", 0)
+    c.procs[("worker", 0)].wait(timeout=10)
+    c.start([("worker", 0)])
+    finish(c, timeout=200)
+    r = reports(c, 2)
+    assert r[0]["start_step"] >= 20, r[0]  # restored, not re-initialized
+    assert r[0]["global_step"] >= 400 and r[0]["eval_loss"] < 0.01

@@ -1,0 +1,558 @@
+"""Graph-mode (TF1 between-graph) training on a tfpsx cluster.
+
+Every worker builds the same graph. ``model_scope(strategy)`` places the model's
+variables (on the parameter servers, or, for GEO, on the PS plus a local copy on the
+worker); ``distributed_optimizer(optimizer, strategy)`` turns any
+``tf.compat.v1.train`` optimizer into the strategy's update; ``MonitoredTrainingSession``
+is TF's chief-worker session with tfpsx's hooks and a non-chief that is ready within a
+fraction of a second of the chief's init (TF's own polls every 30 s).
+
+Example (GEO, 100 local steps between syncs)::
+
+  tfpsx.init()
+  ...                                           # servers: tfpsx.run_server()
+  tfpsx.init_worker()
+  strategy = tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_steps": 100})
+  with tf.Graph().as_default():
+      with tfpsx.model_scope(strategy):
+          global_step = tf.compat.v1.train.get_or_create_global_step()
+          loss = build_model(...)
+          opt = tfpsx.distributed_optimizer(
+              tf.compat.v1.train.AdagradOptimizer(0.1), strategy)
+          train_op = opt.minimize(loss, global_step=global_step)
+      with tfpsx.MonitoredTrainingSession(checkpoint_dir=..., last_step=10000) as sess:
+          while not sess.should_stop():
+              sess.run(train_op, feed_dict=...)
+  tfpsx.stop_worker()
+
+Modes (Paddle Fleet's ``DistributedStrategy`` shape):
+  * async (``a_sync=True``, ``k_steps=0``): variables and the optimizer's apply ops live
+    on the parameter servers; no worker waits for another.
+  * GEO (``a_sync=True``, ``k_steps=K > 0``): each worker trains a local copy and keeps
+    an ``old`` snapshot; every K local steps it pushes ``delta = (local - old) / N``
+    (``old += delta``; the PS variable gets ``+= delta``), then pulls:
+    ``local += global - old``; ``old = global``. The push and pull run in a background
+    communicator thread while training goes on, or in the training thread between steps
+    with ``geo_sync_in_train_thread=True`` (deterministic: all workers push, meet at a
+    barrier, pull, meet again).
+"""
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+
+from tfpsx import errors
+from tfpsx.fleet import FLEET, RPC_TIMEOUT, _setting
+
+logger = logging.getLogger("tfpsx")
+
+_GEO_PAIRS = "tfpsx_geo_pairs"     # graph collection: _GeoVariable records
+_HOOKS = "tfpsx_session_hooks"     # graph collection: hooks MonitoredTrainingSession adds
+
+RECOVERY_WAIT = ("TFPSX_RECOVERY_WAIT", 0.25)  # a non-chief's poll for the chief's init
+SESSION_TIMEOUT = ("TFPSX_SESSION_TIMEOUT", 600.0)  # a non-chief waiting for the chief
+
+
+def _require_worker(what: str):
+    return FLEET.require_role(what, "worker")
+
+
+# ----------------------------------------------------------------------------- strategy
+
+_CONFIG_KEYS = {
+    "k_steps": "GEO: local steps between syncs (0: plain async)",
+    "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
+    "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
+    "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
+}
+
+
+class DistributedStrategy:
+    """How workers share their updates (Paddle Fleet's ``DistributedStrategy``).
+
+    Args:
+      a_sync: False for sync training, True for async / GEO / bounded staleness.
+      a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO), ``max_staleness``
+        (int >= 0), ``geo_sync_in_train_thread`` (bool), ``replicas_to_aggregate``
+        (sync only).
+
+    Raises:
+      ValueError: an unknown key or a bad value (the message names both).
+
+    Example:
+      >>> tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_steps": 100}).mode
+      'geo'
+    """
+
+    def __init__(self, a_sync: bool = True, a_sync_configs: Optional[Dict] = None):
+        if not isinstance(a_sync, bool):
+            raise ValueError(f"DistributedStrategy: a_sync must be True or False, got {a_sync!r}")
+        configs = dict(a_sync_configs or {})
+        unknown = sorted(set(configs) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"DistributedStrategy: unknown a_sync_configs key(s) {unknown}; "
+                             f"expected some of {sorted(_CONFIG_KEYS)}")
+        self.a_sync = a_sync
+        self.k_steps = _int_config(configs, "k_steps", 0)
+        self.max_staleness = _int_config(configs, "max_staleness", 0)
+        self.geo_sync_in_train_thread = configs.get("geo_sync_in_train_thread", False)
+        if not isinstance(self.geo_sync_in_train_thread, bool):
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_sync_in_train_thread'] "
+                             f"must be True or False, got {self.geo_sync_in_train_thread!r}")
+        self.replicas_to_aggregate = configs.get("replicas_to_aggregate")
+        if not a_sync and (self.k_steps or self.max_staleness):
+            raise ValueError("DistributedStrategy: k_steps and max_staleness need a_sync=True "
+                             f"(got a_sync=False with {configs})")
+        if self.k_steps and self.max_staleness:
+            raise ValueError("DistributedStrategy: GEO (k_steps > 0) and max_staleness are "
+                             "separate modes; set one of them")
+
+    @property
+    def mode(self) -> str:
+        """"sync", "async", "geo" or "staleness"."""
+        if not self.a_sync:
+            return "sync"
+        if self.k_steps > 0:
+            return "geo"
+        return "staleness" if self.max_staleness > 0 else "async"
+
+    def __repr__(self):
+        return (f"DistributedStrategy(mode={self.mode!r}, k_steps={self.k_steps}, "
+                f"max_staleness={self.max_staleness})")
+
+
+def _int_config(configs, key, default):
+    value = configs.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"DistributedStrategy: a_sync_configs[{key!r}] must be an int >= 0 "
+                         f"({_CONFIG_KEYS[key]}), got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- placement
+
+def replica_device_setter(ps_strategy=None, worker_device: Optional[str] = None):
+    """TF's ``replica_device_setter`` for the resolved cluster.
+
+    Variables go to the parameter servers, balanced by byte size (TF's
+    ``GreedyLoadBalancingStrategy``), everything else to this worker. Use it with
+    ``tf.compat.v1.device(...)``: TF 2.x's ``tf.device`` raises "tf.device does not support
+    functions". Large variables: create them with ``variable_partitioner()`` so that their
+    slices spread over the servers. ``tfpsx.session_config()`` holds the device filters
+    this placement needs (``MonitoredTrainingSession`` applies them).
+
+    Args:
+      ps_strategy: a TF ps strategy (default: greedy load balancing by bytes).
+      worker_device: default: this worker's ``/job:<job>/task:<i>``.
+    """
+    config = _require_worker("replica_device_setter")
+    if ps_strategy is None:
+        ps_strategy = GreedyByBytes(config.server_num)
+    return tf.compat.v1.train.replica_device_setter(
+        cluster=config.cluster_spec(), worker_device=worker_device or _worker_device(config),
+        ps_strategy=ps_strategy)
+
+
+class GreedyByBytes:
+    """A ps strategy: each variable goes to the server with the fewest bytes so far
+    (TF 1.x contrib's GreedyLoadBalancingStrategy, which TF 2 no longer ships)."""
+
+    def __init__(self, num_tasks: int):
+        self.loads = [0] * num_tasks
+
+    def __call__(self, op) -> int:
+        task = min(range(len(self.loads)), key=self.loads.__getitem__)
+        self.loads[task] += _variable_bytes(op)
+        return task
+
+
+def _variable_bytes(op) -> int:
+    try:
+        shape = tf.TensorShape(op.get_attr("shape"))
+        dtype = tf.as_dtype(op.get_attr("dtype"))
+    except ValueError:  # an op without shape / dtype attrs: count it as small
+        return 1
+    elements = 1
+    for dim in shape.as_list() if shape.rank is not None else []:
+        elements *= dim if dim is not None and dim > 0 else 1
+    return max(1, elements * dtype.size)
+
+
+def variable_partitioner(min_slice_bytes: int = 256 << 10, max_partitions: Optional[int] = None):
+    """A partitioner that cuts a variable along axis 0 into slices of at least
+    ``min_slice_bytes``, at most one per parameter server (``max_partitions``).
+
+    Example:
+      >>> with tf.compat.v1.variable_scope("emb", partitioner=tfpsx.variable_partitioner()):
+      ...     table = tf.compat.v1.get_variable("table", [1_000_000, 64])
+    """
+    config = FLEET.require("variable_partitioner")
+    if max_partitions is None:
+        max_partitions = config.server_num
+    if max_partitions < 1 or min_slice_bytes < 1:
+        raise ValueError(f"variable_partitioner: max_partitions ({max_partitions}) and "
+                         f"min_slice_bytes ({min_slice_bytes}) must be >= 1")
+    return tf.compat.v1.min_max_variable_partitioner(max_partitions=max_partitions,
+                                                      min_slice_size=min_slice_bytes)
+
+
+def _worker_device(config) -> str:
+    return f"/job:{config.job_name}/task:{config.task_index}"
+
+
+@dataclasses.dataclass
+class _GeoVariable:
+    local: tf.Variable     # trained by this worker
+    old: tf.Variable       # the global value at the last pull (plus this worker's pushes)
+    global_: tf.Variable   # on the parameter server
+
+
+@contextlib.contextmanager
+def model_scope(strategy: Optional[DistributedStrategy] = None):
+    """Places the variables of a model built inside it for ``strategy``.
+
+    sync / async / staleness: ``replica_device_setter()`` (variables on the PS). GEO: each
+    trainable variable is created on the PS under its own name (checkpoints are the same
+    as in async mode) and the model reads a local copy ``<name>_geo_local`` on this
+    worker, initialized from the PS value; ``distributed_optimizer`` trains the copies.
+    """
+    config = _require_worker("model_scope")
+    strategy = strategy or DistributedStrategy()
+    with tf.compat.v1.device(replica_device_setter()):
+        if strategy.mode != "geo":
+            yield
+            return
+        worker = _worker_device(config)
+        graph = tf.compat.v1.get_default_graph()
+
+        def creator(next_creator, **kwargs):
+            if not kwargs.get("trainable", True) or kwargs.get("name") is None:
+                return next_creator(**kwargs)
+            name = kwargs["name"]
+            global_ = next_creator(**dict(kwargs, trainable=False))  # on the PS
+            with tf.compat.v1.device(global_.device):
+                start = global_.read_value()  # read on the PS, then one transfer
+            local_kwargs = dict(
+                kwargs, initial_value=start, trainable=True,
+                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+                             tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES],
+                caching_device=None)
+            local_kwargs.pop("partitioner", None)
+            with tf.compat.v1.device(worker):
+                local = next_creator(**dict(local_kwargs, name=f"{name}_geo_local"))
+                old = next_creator(**dict(local_kwargs, name=f"{name}_geo_old", trainable=False,
+                                          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES]))
+            graph.add_to_collection(_GEO_PAIRS, _GeoVariable(local, old, global_))
+            return local
+
+        with tf.compat.v1.variable_creator_scope(creator):
+            yield
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = None):
+    """Wraps a ``tf.compat.v1.train`` optimizer for ``strategy`` (default: async).
+
+    Raises:
+      NotInitializedError: before ``tfpsx.init()``.
+      ValueError: an optimizer GEO cannot run locally, a strategy that is not a
+        ``DistributedStrategy``, a mode this release does not build yet.
+    """
+    config = FLEET.require("distributed_optimizer")
+    strategy = strategy or DistributedStrategy()
+    if not isinstance(strategy, DistributedStrategy):
+        raise ValueError("distributed_optimizer: strategy must be a tfpsx.DistributedStrategy, "
+                         f"got {type(strategy).__name__}")
+    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise ValueError("distributed_optimizer: optimizer must be a tf.compat.v1.train "
+                         f"optimizer (e.g. AdagradOptimizer), got {type(optimizer).__name__}")
+    if strategy.mode == "async":
+        return optimizer  # variables on the PS: its apply ops already run there
+    if strategy.mode == "geo":
+        if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
+            raise ValueError("distributed_optimizer: GEO trains a local copy on each worker, "
+                             "so it needs an optimizer with a local form; "
+                             "SyncReplicasOptimizer aggregates across workers and has none "
+                             "(wrap its inner optimizer instead)")
+        return GeoOptimizer(optimizer, strategy, config.worker_num)
+    raise ValueError(f"distributed_optimizer: mode {strategy.mode!r} is not built yet in this "
+                     "release; use async (a_sync=True) or GEO (k_steps > 0)")
+
+
+@dataclasses.dataclass
+class GeoCounters:
+    """What the GEO communicator did on this worker."""
+    pushes: int = 0
+    rows_sent: int = 0
+    rows_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sync_seconds: float = 0.0   # total time spent in push + pull
+
+    @property
+    def mean_sync_seconds(self) -> float:
+        return self.sync_seconds / self.pushes if self.pushes else 0.0
+
+
+class GeoOptimizer(tf.compat.v1.train.Optimizer):
+    """GEO k-step SGD around any ``tf.compat.v1.train`` optimizer (see the module doc).
+
+    The wrapped optimizer trains the local copies that ``model_scope`` made; its slots
+    stay on the worker (local variables). ``minimize`` / ``apply_gradients`` also count
+    local steps; the sync is a hook that ``tfpsx.MonitoredTrainingSession`` runs.
+    """
+
+    def __init__(self, optimizer, strategy: DistributedStrategy, worker_num: int):
+        super().__init__(use_locking=False, name=f"Geo{optimizer.get_name()}")
+        self._opt = optimizer
+        self.k_steps = strategy.k_steps
+        self.in_train_thread = strategy.geo_sync_in_train_thread
+        self.worker_num = worker_num
+        self.counters = GeoCounters()
+        self._sync_built = False
+
+    def compute_gradients(self, *args, **kwargs):
+        return self._opt.compute_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        return self._opt.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._opt.get_slot_names(*args, **kwargs)
+
+    def variables(self):
+        return self._opt.variables()
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        graph = tf.compat.v1.get_default_graph()
+        pairs = {id(p.local): p for p in graph.get_collection(_GEO_PAIRS)}
+        grads_and_vars = list(grads_and_vars)
+        stray = [v.name for g, v in grads_and_vars if g is not None and id(v) not in pairs]
+        if stray:
+            raise ValueError("GEO: these variables were not created inside "
+                             f"tfpsx.model_scope(strategy): {stray}; GEO can only train the "
+                             "local copies model_scope makes")
+        config = _require_worker("GeoOptimizer.apply_gradients")
+        global_vars = set(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+        with tf.compat.v1.device(_worker_device(config)):
+            apply = self._opt.apply_gradients(grads_and_vars, name=name)
+            # The optimizer's slots are worker state: only this worker can initialize them,
+            # and the chief's checkpoint must not expect them.
+            made = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+                    if v not in global_vars]
+            global_ref = graph.get_collection_ref(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+            for v in made:
+                global_ref.remove(v)
+                graph.add_to_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES, v)
+            local_step = tf.compat.v1.Variable(
+                0, dtype=tf.int64, trainable=False, name="geo_local_step",
+                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+            with tf.control_dependencies([apply]):
+                train = tf.group(local_step.assign_add(1), name="geo_train")
+            self._build_sync(list(pairs.values()), local_step, global_step, train)
+        return train
+
+    def _build_sync(self, pairs: List[_GeoVariable], local_step, global_step, train_op):
+        if self._sync_built:
+            raise ValueError("GEO: apply_gradients / minimize was called twice on one "
+                             "GeoOptimizer; build one train op per optimizer")
+        self._sync_built = True
+        n = float(self.worker_num)
+        last_pushed = tf.compat.v1.Variable(  # this worker's local step at its last push
+            0, dtype=tf.int64, trainable=False, name="geo_last_pushed_step",
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        pushes, pulls = [], []
+        for p in pairs:
+            with tf.compat.v1.device(p.local.device):
+                delta = (p.local.read_value() - p.old.read_value()) / n
+                bump_old = p.old.assign_add(delta)
+            with tf.compat.v1.device(p.global_.device):
+                push = p.global_.assign_add(delta)
+            pushes.append(tf.group(bump_old, push))
+        with tf.control_dependencies(pushes):
+            steps_done = local_step.read_value()
+            new_steps = steps_done - last_pushed.read_value()
+            reported = []
+            if global_step is not None:
+                # global_step counts every worker's local steps, reported at each push.
+                reported.append(tf.compat.v1.assign_add(global_step, new_steps))
+            with tf.control_dependencies(reported + [new_steps]):
+                push_op = tf.group(last_pushed.assign(steps_done), name="geo_push")
+        for p in pairs:
+            with tf.compat.v1.device(p.global_.device):
+                g = p.global_.read_value()
+            with tf.compat.v1.device(p.local.device):
+                g = tf.identity(g)  # one transfer, used twice
+                with tf.control_dependencies([p.local.assign_add(g - p.old.read_value())]):
+                    pulls.append(p.old.assign(g))
+        pull_op = tf.group(*pulls, name="geo_pull")
+        rows = sum(int(p.local.shape[0]) if p.local.shape.rank else 1 for p in pairs)
+        size = sum(int(p.local.shape.num_elements()) for p in pairs)
+        hook = _GeoSyncHook(self, push_op, pull_op, train_op, rows, 4 * size)
+        tf.compat.v1.add_to_collection(_HOOKS, hook)
+
+
+class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
+    """Runs GEO's push + pull every k local steps (background thread, or in line)."""
+
+    def __init__(self, opt: GeoOptimizer, push_op, pull_op, train_op, rows: int, size: int):
+        self._opt, self._push, self._pull, self._train_op = opt, push_op, pull_op, train_op
+        self._rows, self._bytes = rows, size
+        self._session = None
+        self._thread = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._steps = 0
+        self._lock = threading.Lock()
+
+    def after_create_session(self, session, coord):
+        self._session = session
+        if self._opt.in_train_thread:
+            # Deterministic mode: no worker trains (and pushes) before every worker has
+            # copied the initial global values; otherwise a late worker would start from
+            # a global that already holds an early worker's first push.
+            FLEET.barrier_worker()
+        if not self._opt.in_train_thread and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tfpsx-geo-communicator",
+                                            daemon=True)
+            self._thread.start()
+
+    def after_run(self, run_context, run_values):
+        if self._error is not None:
+            raise RuntimeError("GEO communicator failed") from self._error
+        fetched = tf.nest.flatten(run_context.original_args.fetches)
+        if not any(f is self._train_op for f in fetched):
+            return  # an eval or a global_step read, not a local step
+        self._steps += 1
+        if self._steps % self._opt.k_steps:
+            return
+        if self._opt.in_train_thread:
+            self._sync(barrier=True)
+        else:
+            self._wake.set()
+
+    def end(self, session):
+        # The last local steps must reach the PS before the worker stops.
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_setting(None, RPC_TIMEOUT))
+            if self._thread.is_alive():
+                raise errors.ClusterTimeoutError(
+                    "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT")
+        if self._steps % self._opt.k_steps and self._error is None:
+            self._sync(barrier=False, session=session)
+
+    def _loop(self):
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._sync(barrier=False)
+            except BaseException as e:  # noqa: BLE001 — re-raised in the training thread
+                self._error = e
+                logger.error("GEO communicator failed: %s", e)
+                return
+
+    def _sync(self, barrier: bool, session=None):
+        session = session or self._session
+        with self._lock:
+            start = time.monotonic()
+            session.run(self._push)
+            if barrier:
+                FLEET.barrier_worker()
+            session.run(self._pull)
+            if barrier:
+                FLEET.barrier_worker()
+            c = self._opt.counters
+            c.pushes += 1
+            c.rows_sent += self._rows
+            c.rows_received += self._rows
+            c.bytes_sent += self._bytes
+            c.bytes_received += self._bytes
+            c.sync_seconds += time.monotonic() - start
+
+
+# ----------------------------------------------------------------------------- session
+
+class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
+    """TF's worker session creator, polling for the chief's init every
+    TFPSX_RECOVERY_WAIT seconds instead of every 30."""
+
+    def __init__(self, recovery_wait_secs: float, **kwargs):
+        super().__init__(**kwargs)
+        self._recovery_wait_secs = recovery_wait_secs
+
+    def _get_session_manager(self):
+        if self._session_manager:
+            return self._session_manager
+        self._session_manager = tf.compat.v1.train.SessionManager(
+            local_init_op=self._scaffold.local_init_op,
+            local_init_feed_dict=self._scaffold.local_init_feed_dict,
+            ready_op=self._scaffold.ready_op,
+            ready_for_local_init_op=self._scaffold.ready_for_local_init_op,
+            graph=tf.compat.v1.get_default_graph(),
+            recovery_wait_secs=self._recovery_wait_secs)
+        return self._session_manager
+
+    def create_session(self):
+        try:
+            return super().create_session()
+        except tf.errors.DeadlineExceededError as e:
+            raise errors.ClusterTimeoutError(
+                f"worker waited {self._max_wait_secs:.0f} s (TFPSX_SESSION_TIMEOUT) for the "
+                "chief (worker 0) to initialize or restore the model; is it running?") from e
+
+
+def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  # noqa: N802
+                             chief_only_hooks=None, last_step: Optional[int] = None,
+                             save_checkpoint_steps=None, save_checkpoint_secs=None,
+                             save_summaries_steps=None, scaffold=None,
+                             log_step_count_steps: int = 0, session_timeout=None,
+                             stop_grace_period_secs: float = 10):
+    """TF's ``MonitoredTrainingSession`` for this worker of the tfpsx cluster.
+
+    The chief (worker 0) initializes, or restores from ``checkpoint_dir`` on a restart
+    (``global_step`` continues), saves checkpoints (every ``save_checkpoint_steps`` or
+    ``save_checkpoint_secs``; TF's default of 600 s when neither is set) and summaries.
+    A non-chief started before the chief's init is ready within ~TFPSX_RECOVERY_WAIT
+    (0.25 s) of it and raises ``ClusterTimeoutError`` after ``session_timeout``
+    (TFPSX_SESSION_TIMEOUT, 600 s). tfpsx's own hooks (the GEO communicator) and a
+    ``StopAtStepHook(last_step)`` are added. Master, ``is_chief`` and the session config
+    (device filters) come from the resolved cluster.
+    """
+    config = _require_worker("MonitoredTrainingSession")
+    graph = tf.compat.v1.get_default_graph()
+    hooks = list(hooks or []) + list(graph.get_collection(_HOOKS))
+    if last_step is not None:
+        hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
+    master = FLEET.server_target()
+    session_config = FLEET.session_config()
+    if not config.is_chief:
+        timeout = _setting(session_timeout, SESSION_TIMEOUT)
+        creator = _FastWorkerSessionCreator(
+            _setting(None, RECOVERY_WAIT), scaffold=scaffold, master=master,
+            config=session_config, max_wait_secs=timeout)
+        return tf.compat.v1.train.MonitoredSession(
+            session_creator=creator, hooks=hooks, stop_grace_period_secs=stop_grace_period_secs)
+    kwargs = {}
+    if save_checkpoint_steps is not None:
+        kwargs["save_checkpoint_steps"] = save_checkpoint_steps
+    if save_checkpoint_secs is not None:
+        kwargs["save_checkpoint_secs"] = save_checkpoint_secs
+    if save_summaries_steps is not None:
+        kwargs["save_summaries_steps"] = save_summaries_steps
+    return tf.compat.v1.train.MonitoredTrainingSession(
+        master=master, is_chief=True, checkpoint_dir=checkpoint_dir, scaffold=scaffold,
+        hooks=hooks, chief_only_hooks=chief_only_hooks, config=session_config,
+        log_step_count_steps=log_step_count_steps,
+        stop_grace_period_secs=stop_grace_period_secs, **kwargs)
