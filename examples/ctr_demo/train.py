@@ -1,12 +1,14 @@
 """A small CTR model trained between-graph on a tfpsx cluster (graph mode, TF1 style).
 
-Each worker builds the same graph; ``replica_device_setter`` puts the variables on the
-parameter servers and the computation on the worker; worker 0 (the chief) initializes
-the variables inside ``MonitoredTrainingSession``. The data is generated: clicks drawn
-from a planted logistic model over 8 categorical fields (hashed into an embedding
-table) and 8 dense features, so the loss has somewhere to fall to.
+Each worker builds the same graph. ``tfpsx.model_scope(strategy)`` puts the variables on
+the parameter servers (GEO: plus a local copy on each worker) and the computation on the
+worker; ``tfpsx.distributed_optimizer`` makes Adagrad the strategy's update (GEO by
+default: 10 local steps between syncs, the sync in a background thread); worker 0 (the
+chief) initializes the variables inside ``tfpsx.MonitoredTrainingSession``. The data is
+generated: clicks drawn from a planted logistic model over 8 categorical fields (an
+embedding table) and 8 dense features, so the loss has somewhere to fall to.
 
-Run it with:  tfpsx-run --no_scheduler --server_num 1 --worker_num 2 examples/ctr_demo/train.py
+Run it with:  tfpsx-run --server_num 1 --worker_num 2 examples/ctr_demo/train.py [--mode async]
 """
 
 import argparse
@@ -54,6 +56,20 @@ def build_model(ids, dense, clicks):
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=clicks, logits=logit))
 
 
+def global_eval_loss(feed):
+    """The eval loss of the model on the parameter servers (in GEO, the shared model
+    rather than this worker's copy): a graph that reaches the PS variables by name."""
+    with tf.Graph().as_default():
+        with tfpsx.model_scope():  # async placement: the PS variables themselves
+            tf.compat.v1.train.get_or_create_global_step()
+            ids = tf.compat.v1.placeholder(tf.int64, [None, FIELDS])
+            dense = tf.compat.v1.placeholder(tf.float32, [None, DENSE])
+            clicks = tf.compat.v1.placeholder(tf.float32, [None])
+            loss = build_model(ids, dense, clicks)
+        with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
+            return s.run(loss, {ids: feed[0], dense: feed[1], clicks: feed[2]})
+
+
 def main(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=600, help="global steps to train")
@@ -61,6 +77,8 @@ def main(argv):
     parser.add_argument("--learning_rate", type=float, default=0.1)
     parser.add_argument("--log_every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1, help="graph-level seed of the model's init")
+    parser.add_argument("--mode", choices=["async", "geo"], default="geo")
+    parser.add_argument("--k_steps", type=int, default=10, help="GEO: local steps per sync")
     args = parser.parse_args(argv)
 
     tf.get_logger().setLevel("ERROR")  # TF1 deprecation notices drown the progress lines
@@ -72,38 +90,28 @@ def main(argv):
     tfpsx.init_worker()
     index = tfpsx.worker_index()
     ids_np, dense_np, clicks_np = make_data(seed=100 + index, rows=50_000)
-    eval_ids, eval_dense, eval_clicks = make_data(seed=7, rows=5_000)  # same for all workers
+    eval_data = make_data(seed=7, rows=5_000)  # same for all workers
+    strategy = tfpsx.DistributedStrategy(
+        a_sync=True, a_sync_configs={"k_steps": args.k_steps if args.mode == "geo" else 0})
 
-    graph = tf.Graph()
-    with graph.as_default():
+    with tf.Graph().as_default():
         tf.compat.v1.set_random_seed(args.seed)
-        # tf.compat.v1.device, not tf.device: TF 2.x's tf.device rejects device functions.
-        with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
-                cluster=tfpsx.cluster_spec(),
-                worker_device=f"/job:{tfpsx.cluster_config().job_name}/task:"
-                              f"{tfpsx.cluster_config().task_index}")):
+        with tfpsx.model_scope(strategy):
             global_step = tf.compat.v1.train.get_or_create_global_step()
             ids = tf.compat.v1.placeholder(tf.int64, [None, FIELDS])
             dense = tf.compat.v1.placeholder(tf.float32, [None, DENSE])
             clicks = tf.compat.v1.placeholder(tf.float32, [None])
             loss = build_model(ids, dense, clicks)
-            train_op = tf.compat.v1.train.AdagradOptimizer(args.learning_rate).minimize(
-                loss, global_step=global_step)
+            optimizer = tfpsx.distributed_optimizer(
+                tf.compat.v1.train.AdagradOptimizer(args.learning_rate), strategy)
+            train_op = optimizer.minimize(loss, global_step=global_step)
 
-        hooks = [tf.compat.v1.train.StopAtStepHook(last_step=args.steps)]
-        eval_feed = {ids: eval_ids, dense: eval_dense, clicks: eval_clicks}
-        start, local_steps, first_loss = time.time(), 0, None
-        if not tfpsx.is_chief():
-            # Start after the chief has initialized the variables: TF's non-chief session
-            # would otherwise poll for them only every 30 s.
-            tfpsx.barrier_worker()
-        with tf.compat.v1.train.MonitoredTrainingSession(
-                master=tfpsx.server_target(), is_chief=tfpsx.is_chief(), hooks=hooks,
-                config=tfpsx.session_config(), log_step_count_steps=0) as sess:
+        eval_feed = {ids: eval_data[0], dense: eval_data[1], clicks: eval_data[2]}
+        start, local_steps = time.time(), 0
+        with tfpsx.MonitoredTrainingSession(last_step=args.steps) as sess:
             first_loss = sess.run(loss, feed_dict=eval_feed)
-            print(f"worker {index}: eval loss before training {first_loss:.4f}", flush=True)
-            if tfpsx.is_chief():
-                tfpsx.barrier_worker()  # the others start now: nobody trained before this eval
+            print(f"worker {index}: {strategy.mode} training; eval loss before training "
+                  f"{first_loss:.4f}", flush=True)
             rng = np.random.default_rng(index)
             while not sess.should_stop():
                 rows = rng.integers(0, len(clicks_np), size=args.batch_size)
@@ -114,13 +122,16 @@ def main(argv):
                     print(f"worker {index}: global step {step}, eval loss "
                           f"{sess.run(loss, feed_dict=eval_feed):.4f}", flush=True)
         seconds = time.time() - start
-        # The monitored session refuses runs once the stop step is reached; the variables
-        # live on the servers, so a plain session reads the final state.
-        with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as sess:
-            final_loss = sess.run(loss, feed_dict=eval_feed)
+    tfpsx.barrier_worker()  # every worker's last push is in
+    final_loss = global_eval_loss(eval_data)
+    sync = ""
+    if hasattr(optimizer, "counters"):
+        c = optimizer.counters
+        sync = (f"; GEO: {c.pushes} syncs, {c.bytes_sent / 1e6:.1f} MB sent, "
+                f"{1000 * c.mean_sync_seconds:.1f} ms per sync")
     print(f"worker {index}: {local_steps} local steps in {seconds:.1f} s "
           f"({local_steps / seconds:.0f} steps/s); final eval loss {final_loss:.4f} "
-          f"(from {first_loss:.4f})", flush=True)
+          f"(from {first_loss:.4f}){sync}", flush=True)
     tfpsx.stop_worker()
     return 0
 

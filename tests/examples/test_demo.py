@@ -28,4 +28,4 @@ def test_ctr_demo_trains_with_falling_loss(tmp_path):
         if i == 0:  # the chief's first eval comes before anyone trained (seeded init: 0.677)
             assert final < first - 0.02, log
     # The chief's lines reach the console with their role prefix.
-    assert "[worker 0] worker 0: eval loss before training" in proc.stdout
+    assert "[worker 0] worker 0: geo training; eval loss before training" in proc.stdout

@@ -1,0 +1,102 @@
+"""tfpsx.training's API in one process: strategy validation, misuse errors, placement."""
+
+import pytest
+import tensorflow as tf
+
+import tfpsx
+from tfpsx.fleet import FLEET
+
+PS = ["127.0.0.1:2001", "127.0.0.1:2002"]
+WK = ["127.0.0.1:2003", "127.0.0.1:2004"]
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """This process as worker 1 of a 2 PS + 2 worker cluster (nothing is started)."""
+    monkeypatch.setattr(FLEET, "config", None)
+    tfpsx.init(tfpsx.UserDefinedRoleMaker("worker", 1, PS, WK))
+    yield
+    FLEET.config = None
+
+
+def test_strategy_modes():
+    assert tfpsx.DistributedStrategy().mode == "async"
+    assert tfpsx.DistributedStrategy(a_sync=False).mode == "sync"
+    assert tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 100}).mode == "geo"
+    assert tfpsx.DistributedStrategy(a_sync_configs={"max_staleness": 3}).mode == "staleness"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"a_sync_configs": {"k_steps": -1}}, ["k_steps", "-1", ">= 0"]),
+    ({"a_sync_configs": {"k_steps": 2.5}}, ["k_steps", "2.5"]),
+    ({"a_sync_configs": {"k_step": 10}}, ["unknown", "'k_step'", "k_steps"]),
+    ({"a_sync_configs": {"max_staleness": True}}, ["max_staleness", "True"]),
+    ({"a_sync": "yes"}, ["a_sync", "'yes'"]),
+    ({"a_sync": False, "a_sync_configs": {"k_steps": 5}}, ["a_sync=True"]),
+    ({"a_sync_configs": {"k_steps": 5, "max_staleness": 2}}, ["separate modes"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_sync_in_train_thread": 1}},
+     ["geo_sync_in_train_thread", "True or False"]),
+])
+def test_bad_strategy_is_a_clear_error(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        tfpsx.DistributedStrategy(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_distributed_optimizer_before_init(monkeypatch):
+    monkeypatch.setattr(FLEET, "config", None)
+    with pytest.raises(tfpsx.errors.NotInitializedError, match=r"tfpsx.init\(\)"):
+        tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+
+
+def test_geo_needs_an_optimizer_with_a_local_form(worker):
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
+    with tf.Graph().as_default():
+        sync = tf.compat.v1.train.SyncReplicasOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1), replicas_to_aggregate=2)
+        with pytest.raises(ValueError, match="local form.*SyncReplicasOptimizer"):
+            tfpsx.distributed_optimizer(sync, geo)
+    with pytest.raises(ValueError, match="tf.compat.v1.train optimizer.*str"):
+        tfpsx.distributed_optimizer("sgd", geo)
+    with pytest.raises(ValueError, match="DistributedStrategy.*dict"):
+        tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                    {"k_steps": 10})
+
+
+def test_geo_rejects_variables_made_outside_model_scope(worker):
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
+    with tf.Graph().as_default():
+        stray = tf.compat.v1.get_variable("stray", [3], initializer=tf.zeros_initializer())
+        loss = tf.reduce_sum(tf.square(stray))
+        opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), geo)
+        with pytest.raises(ValueError, match="stray.*model_scope"):
+            opt.minimize(loss)
+
+
+def test_placement_balances_bytes_and_geo_copies_stay_local(worker):
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(geo):
+            big = tf.compat.v1.get_variable("big", [1000, 8])
+            small = [tf.compat.v1.get_variable(f"s{i}", [10]) for i in range(3)]
+            step = tf.compat.v1.train.get_or_create_global_step()
+            loss = tf.reduce_sum(big) + tf.add_n([tf.reduce_sum(s) for s in small])
+            opt = tfpsx.distributed_optimizer(tf.compat.v1.train.AdamOptimizer(0.1), geo)
+            opt.minimize(loss, global_step=step)
+        devices = {v.op.name: v.device for v in tf.compat.v1.global_variables()}
+        local = {v.op.name: v.device for v in tf.compat.v1.local_variables()}
+    # The big table alone on one server, the small ones and the step on the other.
+    assert devices["big"] != devices["s0"] == devices["s1"] == devices["s2"]
+    assert set(devices) == {"big", "s0", "s1", "s2", "global_step"}  # no slot on the PS
+    assert local["big_geo_local"] == local["big_geo_old"] == "/job:worker/task:1"
+    assert all(d == "/job:worker/task:1" for d in local.values()), local
+    assert any("Adam" in name for name in local)  # the slots are worker-local
+
+
+def test_modes_not_built_yet_say_so(worker):
+    for strategy in (tfpsx.DistributedStrategy(a_sync=False),
+                     tfpsx.DistributedStrategy(a_sync_configs={"max_staleness": 2})):
+        with pytest.raises(ValueError, match=f"mode '{strategy.mode}' is not built yet"):
+            tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                        strategy)
