@@ -189,7 +189,7 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
 
     def __init__(self, name: str, dim: int, initializer: Initializer = None, optimizer=None,
                  shards: Optional[int] = None, devices: Optional[Sequence[str]] = None,
-                 seed: int = 0, min_frequency: int = 1):
+                 seed: int = 0, min_frequency: int = 1, _geo_copy: bool = False):
         if not isinstance(name, str) or not name:
             raise ValueError(f"DynamicEmbedding: name must be a non-empty string, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
@@ -215,6 +215,23 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
         self.devices = devices
         self._ops = load_ops()
         self._handle_cache: Dict[object, List[tf.Tensor]] = {}
+        self._checkpointed = not _geo_copy  # GEO's worker copies are not model state
+        self._geo = None
+        if not _geo_copy:
+            from tfpsx import training  # here: tfpsx.training imports TF's training stack
+
+            self._geo = training.geo_state_in_scope()
+        if self._geo is not None:
+            # GEO (built inside tfpsx.model_scope with k_steps > 0): this worker trains a
+            # local copy and keeps the old snapshot; the communicator syncs changed rows.
+            copy = dict(initializer=self.initializer, seed=self.seed,
+                        devices=[self._geo.worker_device], _geo_copy=True)
+            me = self._geo.worker_index
+            self._local = DynamicEmbedding(f"{name}/geo_local_w{me}", dim,
+                                           optimizer=self.optimizer,
+                                           min_frequency=min_frequency, **copy)
+            self._old = DynamicEmbedding(f"{name}/geo_old_w{me}", dim, **copy)
+            self._geo.tables.append(self)
 
     @staticmethod
     def _default_devices(shards: Optional[int]) -> List[Optional[str]]:
@@ -252,7 +269,8 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
                     min_frequency=self.min_frequency))
         if key is not None or not tf.inside_function():
             self._handle_cache[key] = handles
-        if key is not None and not key.building_function and not self._saveable_added(key):
+        if (key is not None and self._checkpointed and not key.building_function
+                and not self._saveable_added(key)):
             # A default tf.compat.v1.train.Saver (and MonitoredTrainingSession's) saves
             # what this collection holds, as it does for TF's own MutableHashTable. Not in
             # a tf.function: its export ops would run on every call.
@@ -296,6 +314,8 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
           step: the training step recorded as a new row's last-update step.
           tape: a GradientTape to watch ``unique_rows`` on (eager training).
         """
+        if self._geo is not None:
+            return self._local.lookup_unique(ids, train=train, step=step, tape=tape)
         keys = self._keys(ids)
         flat = tf.reshape(keys, [-1])
         unique, index = tf.unique(flat)
@@ -330,6 +350,8 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
             a local table, whose kernel serves a repeated id from cache faster than the
             unique + gather back would cost (measured in benchmarks/embedding_ops.py).
         """
+        if self._geo is not None:
+            return self._local.lookup(ids, train=train, step=step, dedup=dedup)
         if dedup is None:
             dedup = any(device is not None for device in self.devices)
         if train or dedup:
@@ -345,7 +367,12 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
 
     # ------------------------------------------------------------------ training
     def apply_gradients(self, looked: EmbeddingLookup, grads, step=None):
-        """Sends (unique keys, row gradients) to the server-side optimizer of each shard."""
+        """Sends (unique keys, row gradients) to the server-side optimizer of each shard
+        (in GEO: to this worker's copy; the communicator pushes the changed rows)."""
+        if self._geo is not None:
+            op = self._local.apply_gradients(looked, grads, step)
+            self._geo.train_ops.append(op)
+            return op
         if self.optimizer is None:
             raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
@@ -369,6 +396,40 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
         """Graph mode: the op that applies d(loss)/d(rows) of ``lookups`` on the servers."""
         grads = tf.gradients(loss, [l.unique_rows for l in lookups])
         return tf.group([self.apply_gradients(l, g, step) for l, g in zip(lookups, grads)])
+
+    def _geo_sync_ops(self, n: float, state):
+        """GEO's sparse push and pull for this table (built by the communicator hook).
+
+        Push: the keys changed in the local copy since the last push, delta = (local -
+        old) / n, old += delta, the PS shards += delta. Pull: the keys any worker changed
+        on the PS since this worker's last pull, local += global - old, old = global.
+        Returns (push op, rows pushed, pull op, rows pulled, reader registrations).
+        """
+        ops = self._ops
+        local, old = self._local.handles()[0], self._old.handles()[0]
+        me = tf.constant(state.worker_index, tf.int64)
+        zero = tf.constant(0, tf.int64)
+        step = _step(tf.compat.v1.train.get_global_step())
+        with tf.compat.v1.device(state.worker_device):
+            keys = ops.tfpsx_hash_table_take_changed(local, zero)
+            delta = (ops.tfpsx_hash_table_find(local, keys)[0]
+                     - ops.tfpsx_hash_table_find(old, keys)[0]) / n
+            bump_old = ops.tfpsx_hash_table_accumulate(old, keys, delta, zero)
+        push = tf.group(bump_old, self.accumulate(keys, delta, step))
+        got_keys, got_rows, register = [], [], [ops.tfpsx_hash_table_take_changed(local, zero)]
+        for i, handle in enumerate(self.handles()):
+            with self._device(i):
+                changed = ops.tfpsx_hash_table_take_changed(handle, me)
+                got_keys.append(changed)
+                got_rows.append(ops.tfpsx_hash_table_find(handle, changed)[0])
+                register.append(ops.tfpsx_hash_table_take_changed(handle, me))
+        with tf.compat.v1.device(state.worker_device):
+            keys_in, rows_in = tf.concat(got_keys, 0), tf.concat(got_rows, 0)
+            moved = ops.tfpsx_hash_table_accumulate(
+                local, keys_in, rows_in - ops.tfpsx_hash_table_find(old, keys_in)[0], zero)
+            with tf.control_dependencies([moved]):
+                pull = ops.tfpsx_hash_table_insert(old, keys_in, rows_in, zero)
+        return push, tf.size(keys), pull, tf.size(keys_in), register
 
     # ------------------------------------------------------------------ plain table ops
     def insert(self, keys, values, step=None):

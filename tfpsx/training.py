@@ -51,7 +51,7 @@ from tfpsx.fleet import FLEET, RPC_TIMEOUT, _setting
 
 logger = logging.getLogger("tfpsx")
 
-_GEO_PAIRS = "tfpsx_geo_pairs"     # graph collection: _GeoVariable records
+_GEO_STATE = "tfpsx_geo_state"     # graph collection: the graph's one _GeoState
 _HOOKS = "tfpsx_session_hooks"     # graph collection: hooks MonitoredTrainingSession adds
 
 RECOVERY_WAIT = ("TFPSX_RECOVERY_WAIT", 0.25)  # a non-chief's poll for the chief's init
@@ -229,6 +229,7 @@ def model_scope(strategy: Optional[DistributedStrategy] = None):
             return
         worker = _worker_device(config)
         graph = tf.compat.v1.get_default_graph()
+        state = _GeoState.of(graph, create_for=(strategy, config))
 
         def creator(next_creator, **kwargs):
             if not kwargs.get("trainable", True) or kwargs.get("name") is None:
@@ -247,11 +248,15 @@ def model_scope(strategy: Optional[DistributedStrategy] = None):
                 local = next_creator(**dict(local_kwargs, name=f"{name}_geo_local"))
                 old = next_creator(**dict(local_kwargs, name=f"{name}_geo_old", trainable=False,
                                           collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES]))
-            graph.add_to_collection(_GEO_PAIRS, _GeoVariable(local, old, global_))
+            state.dense.append(_GeoVariable(local, old, global_))
             return local
 
-        with tf.compat.v1.variable_creator_scope(creator):
-            yield
+        state.scopes += 1
+        try:
+            with tf.compat.v1.variable_creator_scope(creator):
+                yield
+        finally:
+            state.scopes -= 1
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -300,22 +305,65 @@ class GeoCounters:
         return self.sync_seconds / self.pushes if self.pushes else 0.0
 
 
+class _GeoState:
+    """The GEO bookkeeping of one graph: what to sync (dense pairs, sparse tables), which
+    train ops count as local steps, the counters, and the one communicator hook."""
+
+    def __init__(self, strategy: DistributedStrategy, config):
+        self.k_steps = strategy.k_steps
+        self.in_train_thread = strategy.geo_sync_in_train_thread
+        self.worker_num = config.worker_num
+        self.worker_index = config.index
+        self.worker_device = _worker_device(config)
+        self.dense: List[_GeoVariable] = []
+        self.tables = []  # tfpsx.embedding.DynamicEmbedding in GEO mode
+        self.train_ops = []
+        self.counters = GeoCounters()
+        self.scopes = 0  # open model_scope(geo) blocks
+        self.hook = _GeoSyncHook(self)
+
+    @staticmethod
+    def of(graph, create_for=None) -> Optional["_GeoState"]:
+        found = graph.get_collection(_GEO_STATE)
+        if found:
+            return found[0]
+        if create_for is None:
+            return None
+        state = _GeoState(*create_for)
+        graph.add_to_collection(_GEO_STATE, state)
+        graph.add_to_collection(_HOOKS, state.hook)
+        return state
+
+
+def geo_state_in_scope() -> Optional[_GeoState]:
+    """The GEO state when called inside ``model_scope(geo strategy)`` in graph mode."""
+    if tf.executing_eagerly():
+        return None
+    state = _GeoState.of(tf.compat.v1.get_default_graph())
+    return state if state is not None and state.scopes > 0 else None
+
+
 class GeoOptimizer(tf.compat.v1.train.Optimizer):
     """GEO k-step SGD around any ``tf.compat.v1.train`` optimizer (see the module doc).
 
     The wrapped optimizer trains the local copies that ``model_scope`` made; its slots
-    stay on the worker (local variables). ``minimize`` / ``apply_gradients`` also count
-    local steps; the sync is a hook that ``tfpsx.MonitoredTrainingSession`` runs.
+    stay on the worker (local variables). The sync is a hook that
+    ``tfpsx.MonitoredTrainingSession`` runs; ``counters`` says what it did.
     """
 
     def __init__(self, optimizer, strategy: DistributedStrategy, worker_num: int):
         super().__init__(use_locking=False, name=f"Geo{optimizer.get_name()}")
         self._opt = optimizer
-        self.k_steps = strategy.k_steps
-        self.in_train_thread = strategy.geo_sync_in_train_thread
+        self._strategy = strategy
         self.worker_num = worker_num
-        self.counters = GeoCounters()
-        self._sync_built = False
+        self._state: Optional[_GeoState] = None
+
+    @property
+    def counters(self) -> GeoCounters:
+        if self._state is None:
+            raise ValueError("GEO: counters exist once minimize / apply_gradients built the "
+                             "train op")
+        return self._state.counters
 
     def compute_gradients(self, *args, **kwargs):
         return self._opt.compute_gradients(*args, **kwargs)
@@ -331,16 +379,17 @@ class GeoOptimizer(tf.compat.v1.train.Optimizer):
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         graph = tf.compat.v1.get_default_graph()
-        pairs = {id(p.local): p for p in graph.get_collection(_GEO_PAIRS)}
+        state = _GeoState.of(graph)
+        pairs = {id(p.local) for p in state.dense} if state else set()
         grads_and_vars = list(grads_and_vars)
         stray = [v.name for g, v in grads_and_vars if g is not None and id(v) not in pairs]
         if stray:
             raise ValueError("GEO: these variables were not created inside "
                              f"tfpsx.model_scope(strategy): {stray}; GEO can only train the "
                              "local copies model_scope makes")
-        config = _require_worker("GeoOptimizer.apply_gradients")
+        self._state = state
         global_vars = set(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
-        with tf.compat.v1.device(_worker_device(config)):
+        with tf.compat.v1.device(state.worker_device):
             apply = self._opt.apply_gradients(grads_and_vars, name=name)
             # The optimizer's slots are worker state: only this worker can initialize them,
             # and the chief's checkpoint must not expect them.
@@ -350,76 +399,90 @@ class GeoOptimizer(tf.compat.v1.train.Optimizer):
             for v in made:
                 global_ref.remove(v)
                 graph.add_to_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES, v)
-            local_step = tf.compat.v1.Variable(
-                0, dtype=tf.int64, trainable=False, name="geo_local_step",
-                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-            with tf.control_dependencies([apply]):
-                train = tf.group(local_step.assign_add(1), name="geo_train")
-            self._build_sync(list(pairs.values()), local_step, global_step, train)
+            train = tf.group(apply, name="geo_train")
+        state.train_ops.append(train)
         return train
 
-    def _build_sync(self, pairs: List[_GeoVariable], local_step, global_step, train_op):
-        if self._sync_built:
-            raise ValueError("GEO: apply_gradients / minimize was called twice on one "
-                             "GeoOptimizer; build one train op per optimizer")
-        self._sync_built = True
-        n = float(self.worker_num)
-        last_pushed = tf.compat.v1.Variable(  # this worker's local step at its last push
-            0, dtype=tf.int64, trainable=False, name="geo_last_pushed_step",
-            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-        pushes, pulls = [], []
-        for p in pairs:
+
+class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
+    """Runs GEO's push + pull every k local steps (background thread, or in line)."""
+
+    def __init__(self, state: _GeoState):
+        self._state = state
+        self._session = None
+        self._thread = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._steps = 0          # local steps run
+        self._pushed_steps = 0   # local steps reported to global_step
+        self._lock = threading.Lock()
+        self._built = False
+
+    # -------------------------------------------------------------- graph
+    def begin(self):
+        # Called before the session finalizes the graph: build the sync ops now, when
+        # every GEO variable and table of the model exists.
+        if self._built:
+            return
+        self._built = True
+        st = self._state
+        n = float(st.worker_num)
+        pushes, pulls, sent, received = [], [], [], []
+        for p in st.dense:
             with tf.compat.v1.device(p.local.device):
                 delta = (p.local.read_value() - p.old.read_value()) / n
                 bump_old = p.old.assign_add(delta)
             with tf.compat.v1.device(p.global_.device):
                 push = p.global_.assign_add(delta)
             pushes.append(tf.group(bump_old, push))
-        with tf.control_dependencies(pushes):
-            steps_done = local_step.read_value()
-            new_steps = steps_done - last_pushed.read_value()
-            reported = []
-            if global_step is not None:
-                # global_step counts every worker's local steps, reported at each push.
-                reported.append(tf.compat.v1.assign_add(global_step, new_steps))
-            with tf.control_dependencies(reported + [new_steps]):
-                push_op = tf.group(last_pushed.assign(steps_done), name="geo_push")
-        for p in pairs:
             with tf.compat.v1.device(p.global_.device):
                 g = p.global_.read_value()
             with tf.compat.v1.device(p.local.device):
                 g = tf.identity(g)  # one transfer, used twice
                 with tf.control_dependencies([p.local.assign_add(g - p.old.read_value())]):
                     pulls.append(p.old.assign(g))
-        pull_op = tf.group(*pulls, name="geo_pull")
-        rows = sum(int(p.local.shape[0]) if p.local.shape.rank else 1 for p in pairs)
-        size = sum(int(p.local.shape.num_elements()) for p in pairs)
-        hook = _GeoSyncHook(self, push_op, pull_op, train_op, rows, 4 * size)
-        tf.compat.v1.add_to_collection(_HOOKS, hook)
+        dense_rows = sum(int(p.local.shape[0]) if p.local.shape.rank else 1 for p in st.dense)
+        dense_bytes = sum(4 * int(p.local.shape.num_elements()) for p in st.dense)
+        registrations, sent_bytes, received_bytes = [], [], []
+        for table in st.tables:
+            push, rows_sent, pull, rows_received, register = table._geo_sync_ops(n, st)
+            pushes.append(push)
+            pulls.append(pull)
+            sent.append(rows_sent)
+            received.append(rows_received)
+            row_bytes = tf.constant(8 + 4 * table.dim, tf.int64)  # key + row
+            sent_bytes.append(tf.cast(rows_sent, tf.int64) * row_bytes)
+            received_bytes.append(tf.cast(rows_received, tf.int64) * row_bytes)
+            registrations.extend(register)
+        self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
+        global_step = tf.compat.v1.train.get_global_step()
+        with tf.control_dependencies(pushes):
+            # global_step counts every worker's local steps, reported at each push.
+            report = ([tf.compat.v1.assign_add(global_step, self._new_steps)]
+                      if global_step is not None else [])
+            self._push = {"done": tf.group(*report, name="geo_push"),
+                          "rows": tf.add_n([tf.constant(0)] + sent),
+                          "bytes": tf.add_n([tf.constant(0, tf.int64)] + sent_bytes)}
+        self._pull = {"done": tf.group(*pulls, name="geo_pull"),
+                      "rows": tf.add_n([tf.constant(0)] + received),
+                      "bytes": tf.add_n([tf.constant(0, tf.int64)] + received_bytes)}
+        self._register = tf.group(*registrations, name="geo_register")
+        self._dense_rows, self._dense_bytes = dense_rows, dense_bytes
+        self._train_names = {op.name for op in st.train_ops}
+        self._train_cache: Dict[str, bool] = {}
 
-
-class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
-    """Runs GEO's push + pull every k local steps (background thread, or in line)."""
-
-    def __init__(self, opt: GeoOptimizer, push_op, pull_op, train_op, rows: int, size: int):
-        self._opt, self._push, self._pull, self._train_op = opt, push_op, pull_op, train_op
-        self._rows, self._bytes = rows, size
-        self._session = None
-        self._thread = None
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._steps = 0
-        self._lock = threading.Lock()
-
+    # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
         self._session = session
-        if self._opt.in_train_thread:
+        # Sparse tables: this worker's reader of changed keys must exist before anyone
+        # pushes (the table tracks changes only for readers it knows).
+        session.run(self._register)
+        if self._state.in_train_thread:
             # Deterministic mode: no worker trains (and pushes) before every worker has
-            # copied the initial global values; otherwise a late worker would start from
-            # a global that already holds an early worker's first push.
+            # copied the initial global values and registered its readers.
             FLEET.barrier_worker()
-        if not self._opt.in_train_thread and self._thread is None:
+        elif self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tfpsx-geo-communicator",
                                             daemon=True)
             self._thread.start()
@@ -427,16 +490,30 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
     def after_run(self, run_context, run_values):
         if self._error is not None:
             raise RuntimeError("GEO communicator failed") from self._error
-        fetched = tf.nest.flatten(run_context.original_args.fetches)
-        if not any(f is self._train_op for f in fetched):
+        if not any(self._is_train(f) for f in
+                   tf.nest.flatten(run_context.original_args.fetches)):
             return  # an eval or a global_step read, not a local step
         self._steps += 1
-        if self._steps % self._opt.k_steps:
+        if self._steps % self._state.k_steps:
             return
-        if self._opt.in_train_thread:
+        if self._state.in_train_thread:
             self._sync(barrier=True)
         else:
             self._wake.set()
+
+    def _is_train(self, fetch) -> bool:
+        """Whether a fetch runs a GEO train op: one itself, or a group (tf.group, a
+        NoOp's control inputs) around one. Answers are cached per op."""
+        op = getattr(fetch, "op", fetch)
+        if not isinstance(op, tf.Operation):
+            return False
+        cache = self._train_cache
+        if op.name not in cache:
+            cache[op.name] = False  # cycles cannot happen; this bounds the recursion anyway
+            cache[op.name] = (op.name in self._train_names
+                              or (op.type == "NoOp" and any(
+                                  self._is_train(c) for c in op.control_inputs)))
+        return cache[op.name]
 
     def end(self, session):
         # The last local steps must reach the PS before the worker stops.
@@ -447,7 +524,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             if self._thread.is_alive():
                 raise errors.ClusterTimeoutError(
                     "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT")
-        if self._steps % self._opt.k_steps and self._error is None:
+        if self._steps > self._pushed_steps and self._error is None:
             self._sync(barrier=False, session=session)
 
     def _loop(self):
@@ -467,18 +544,20 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         session = session or self._session
         with self._lock:
             start = time.monotonic()
-            session.run(self._push)
+            steps = self._steps
+            pushed = session.run(self._push, {self._new_steps: steps - self._pushed_steps})
+            self._pushed_steps = steps
             if barrier:
                 FLEET.barrier_worker()
-            session.run(self._pull)
+            pulled = session.run(self._pull)
             if barrier:
                 FLEET.barrier_worker()
-            c = self._opt.counters
+            c = self._state.counters
             c.pushes += 1
-            c.rows_sent += self._rows
-            c.rows_received += self._rows
-            c.bytes_sent += self._bytes
-            c.bytes_received += self._bytes
+            c.rows_sent += self._dense_rows + int(pushed["rows"])
+            c.rows_received += self._dense_rows + int(pulled["rows"])
+            c.bytes_sent += self._dense_bytes + int(pushed["bytes"])
+            c.bytes_received += self._dense_bytes + int(pulled["bytes"])
             c.sync_seconds += time.monotonic() - start
 
 

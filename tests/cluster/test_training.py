@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_for_log
+import sparse_geo_job as sparse
 import training_job as job
 
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
@@ -139,3 +140,66 @@ def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
     r = reports(c, 2)
     assert r[0]["start_step"] >= 20, r[0]  # restored, not re-initialized
     assert r[0]["global_step"] >= 400 and r[0]["eval_loss"] < 0.01
+
+
+def sparse_geo_reference(workers: int, k: int, syncs: int):
+    """Sparse GEO in numpy: rows changed in a worker's copy since its last push (by
+    training or by a pull) are pushed as (local-old)/N; a pull brings every row any
+    worker pushed since this worker's last pull."""
+    zero = np.zeros(sparse.DIM, np.float32)
+    local = [{} for _ in range(workers)]
+    old = [{} for _ in range(workers)]
+    glob = {}
+    changed = [set() for _ in range(workers)]
+    to_pull = [set() for _ in range(workers)]
+    data = [list(sparse.batches(i, k * syncs)) for i in range(workers)]
+    rows_sent = [0] * workers
+    n = np.float32(workers)
+    for s in range(syncs):
+        for i in range(workers):
+            for ids in data[i][s * k:(s + 1) * k]:
+                uniq, inv = np.unique(ids, return_inverse=True)
+                rows = np.stack([local[i].get(u, zero) for u in uniq])
+                grad = np.zeros_like(rows)
+                np.add.at(grad, inv, 2 * (rows[inv] - sparse.targets(ids))
+                          / np.float32(sparse.BATCH * sparse.DIM))
+                for j, u in enumerate(uniq):
+                    local[i][u] = (rows[j] - np.float32(sparse.LR) * grad[j]).astype(np.float32)
+                    changed[i].add(u)
+        for i in range(workers):
+            for u in changed[i]:
+                delta = (local[i][u] - old[i].get(u, zero)) / n
+                old[i][u] = old[i].get(u, zero) + delta
+                glob[u] = glob.get(u, zero) + delta
+                for r in range(workers):
+                    to_pull[r].add(u)
+            rows_sent[i] += len(changed[i])
+            changed[i] = set()
+        for i in range(workers):
+            for u in to_pull[i]:
+                local[i][u] = local[i].get(u, zero) + (glob[u] - old[i].get(u, zero))
+                old[i][u] = glob[u].copy()
+                changed[i].add(u)
+            to_pull[i] = set()
+    return glob, rows_sent
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster, workers):
+    k, syncs = 3, 4
+    c = make_cluster(2, workers, script="sparse_geo_job.py", env=FAST,
+                     args=["--k_steps", str(k), "--syncs", str(syncs)]).start()
+    finish(c)
+    want, rows_sent = sparse_geo_reference(workers, k, syncs)
+    for i in range(workers):
+        line = [l for l in c.log("worker", i).splitlines() if l.startswith("SPARSE ")][-1]
+        r = json.loads(line[len("SPARSE "):])
+        assert r["pushes"] == syncs
+        assert r["rows_sent"] == rows_sent[i]  # only changed rows travelled
+        assert r["rows_sent"] < syncs * sparse.VOCAB
+        assert r["bytes_sent"] == r["rows_sent"] * (8 + 4 * sparse.DIM)
+        got = {int(key): np.array(v, np.float32) for key, v in r["rows"].items()}
+        assert sorted(got) == sorted(int(u) for u in want)
+        for u, row in want.items():
+            np.testing.assert_allclose(got[int(u)], row, rtol=1e-5, atol=1e-6)
