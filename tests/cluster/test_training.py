@@ -203,3 +203,19 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
         assert sorted(got) == sorted(int(u) for u in want)
         for u, row in want.items():
             np.testing.assert_allclose(got[int(u)], row, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
+def test_training_goes_on_when_a_worker_is_killed(make_cluster, mode, extra):
+    c = make_cluster(1, 2, script="training_job.py", env=FAST,
+                     args=["--mode", mode, "--steps", "400", "--step_delay", "0.01",
+                           "--no_final_barrier"] + extra).start()
+    wait_for_log(c, "worker", 1, "session ready")
+    time.sleep(1.0)
+    c.kill("worker", 1)
+    codes = c.wait(timeout=180)
+    assert codes[("worker", 0)] == 0 and codes[("server", 0)] == 0, f"{codes}\n{c.logs()}"
+    r = reports(c, 1)[0]
+    assert r["global_step"] >= 400 and r["eval_loss"] < 0.01, r
+    assert "worker 1" in c.log("server", 0) and "reported lost" in c.log("server", 0)

@@ -38,6 +38,8 @@ def main(argv):
     p.add_argument("--save_steps", type=int, default=None)
     p.add_argument("--step_delay", type=float, default=0.0)
     p.add_argument("--partitioned", action="store_true")
+    p.add_argument("--no_final_barrier", action="store_true",
+                   help="a worker may have been killed: do not wait for everyone at the end")
     args = p.parse_args(argv)
 
     tfpsx.init()
@@ -89,7 +91,8 @@ def main(argv):
         if hasattr(opt, "counters"):
             report["pushes"] = opt.counters.pushes
             report["rows_sent"] = opt.counters.rows_sent
-        tfpsx.barrier_worker()  # every push is in before anyone reads the global state
+        if not args.no_final_barrier:
+            tfpsx.barrier_worker()  # every push is in before anyone reads the global state
         with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
             globals_ = {v.op.name: v for v in tf.compat.v1.global_variables()}
             w_global = (tf.concat([globals_[n] for n in sorted(globals_) if n.startswith("w/")], 0)
