@@ -63,6 +63,7 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/cluster_ready.py
 	$(PY) benchmarks/embedding_ops.py
+	$(PY) benchmarks/geo_vs_async.py
 
 # Bazel 4 (Debian's bazel-bootstrap) builds the same library offline against the
 # installed wheel; the check loads it through tfpsx's loader and runs an op.

@@ -1,0 +1,206 @@
+"""Skip-gram word2vec with negative sampling over tfpsx DynamicEmbedding tables.
+
+Graph mode, between-graph: every worker reads the corpus, draws (center, context)
+pairs and negatives from its own random stream, and trains two tables (input and
+output vectors) whose ids are hashes of the words, so no vocabulary is built. Modes:
+
+  async  the tables live on the parameter servers; lookups and the Adagrad updates run
+         there every step.
+  geo    each worker trains local copies and syncs the changed rows every k steps
+         (tfpsx.DistributedStrategy k_steps), the sync in a background thread.
+  local  no sharing at all: each worker trains its own tables (the communication-free
+         ceiling that benchmarks/geo_vs_async.py compares against).
+
+At the end every worker evaluates the shared tables (its own in local mode): the loss on
+a fixed set of pairs, and how much closer words of one planted topic are than words of
+different topics. Run it with
+
+  tfpsx-run --server_num 1 --worker_num 2 examples/word2vec/train.py --mode geo --k_steps 100
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import tfpsx
+from tfpsx import embedding as E
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "geo", ["async", "geo", "local"], "how workers share the tables")
+flags.DEFINE_integer("k_steps", 100, "geo: local steps between syncs")
+flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
+flags.DEFINE_integer("steps", 1000, "local steps per worker")
+flags.DEFINE_integer("batch_size", 512, "(center, context) pairs per step")
+flags.DEFINE_integer("negatives", 5, "negative samples per pair")
+flags.DEFINE_integer("window", 2, "context window on each side")
+flags.DEFINE_integer("dim", 64, "embedding width")
+flags.DEFINE_float("learning_rate", 0.1, "Adagrad learning rate")
+flags.DEFINE_integer("log_every", 0, "print the training loss every N steps (0: never)")
+flags.DEFINE_integer("seed", 0, "seed of the sampling streams (each worker adds its rank)")
+
+
+def word_id(word: str) -> int:
+    """A stable 63-bit id per word (Python's hash() changes between processes)."""
+    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class Corpus:
+    """Token ids and skip-gram sampling over a text file."""
+
+    def __init__(self, path: str, window: int):
+        with open(path) as f:
+            sentences = [line.split() for line in f if line.strip()]
+        if not sentences:
+            raise ValueError(f"word2vec: corpus {path!r} has no words")
+        self.words = sorted({w for s in sentences for w in s})
+        ids = {w: word_id(w) for w in self.words}
+        tokens, sentence = [], []
+        for i, s in enumerate(sentences):
+            tokens.extend(ids[w] for w in s)
+            sentence.extend([i] * len(s))
+        self.tokens = np.asarray(tokens, np.int64)
+        self.sentence = np.asarray(sentence, np.int64)
+        self.window = window
+        self.ids = ids
+
+    def pairs(self, rng, count: int):
+        """(center, context) ids: a random token and a neighbour in its sentence."""
+        n = len(self.tokens)
+        center = rng.integers(0, n, size=count)
+        offset = rng.integers(1, self.window + 1, size=count) * rng.choice([-1, 1], size=count)
+        context = np.clip(center + offset, 0, n - 1)
+        same = self.sentence[context] == self.sentence[center]
+        context = np.where(same, context, center - offset.clip(-1, 1))  # stay in the sentence
+        context = np.clip(context, 0, n - 1)
+        return self.tokens[center], self.tokens[context]
+
+    def negatives(self, rng, shape):
+        """Negatives from the unigram distribution (random token positions)."""
+        return self.tokens[rng.integers(0, len(self.tokens), size=shape)]
+
+
+def evaluate(rows_in, rows_out, corpus: Corpus, dim: int):
+    """(loss on fixed pairs, within-topic minus across-topic cosine similarity)."""
+    table_in = dict(zip(rows_in["keys"].tolist(), rows_in["values"]))
+    table_out = dict(zip(rows_out["keys"].tolist(), rows_out["values"]))
+    zero = np.zeros(dim, np.float32)
+    rng = np.random.default_rng(12345)
+    center, context = corpus.pairs(rng, 4096)
+    negs = corpus.negatives(rng, (4096, FLAGS.negatives))
+    vin = np.stack([table_in.get(int(c), zero) for c in center])
+    out_ids = np.concatenate([context[:, None], negs], axis=1)
+    vout = np.stack([[table_out.get(int(o), zero) for o in row] for row in out_ids])
+    logits = np.einsum("bd,bkd->bk", vin, vout)
+    labels = np.zeros_like(logits)
+    labels[:, 0] = 1
+    loss = np.mean(np.sum(
+        np.maximum(logits, 0) - logits * labels + np.log1p(np.exp(-np.abs(logits))), axis=1))
+    # Planted structure: words named tTTwRRR belong to topic TT.
+    words = [w for w in corpus.words if corpus.ids[w] in table_in][:400]
+    if len(words) < 2:
+        return float(loss), 0.0
+    vectors = np.stack([table_in[corpus.ids[w]] for w in words])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True) + 1e-9
+    sims = vectors @ vectors.T
+    topic = np.array([w[:3] for w in words])
+    same = topic[:, None] == topic[None, :]
+    off_diagonal = ~np.eye(len(words), dtype=bool)
+    gap = sims[same & off_diagonal].mean() - sims[~same].mean()
+    return float(loss), float(gap)
+
+
+def main(argv):
+    del argv
+    tf.get_logger().setLevel("ERROR")
+    tfpsx.init()
+    if tfpsx.is_server():
+        tfpsx.run_server()
+        return 0
+    tfpsx.init_worker()
+    me = tfpsx.worker_index()
+    corpus = Corpus(FLAGS.corpus, FLAGS.window)
+    rng = np.random.default_rng(FLAGS.seed + me)
+    k_steps = FLAGS.k_steps if FLAGS.mode == "geo" else 0
+    strategy = tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_steps": k_steps})
+    local_device = [f"/job:{tfpsx.cluster_config().job_name}/task:{me}"]
+
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(strategy):
+            global_step = tf.compat.v1.train.get_or_create_global_step()
+            devices = local_device if FLAGS.mode == "local" else None
+            opt = E.Adagrad(FLAGS.learning_rate)
+            emb_in = E.DynamicEmbedding("w2v_in", FLAGS.dim, optimizer=opt, devices=devices,
+                                        initializer=E.normal(stddev=0.1))
+            emb_out = E.DynamicEmbedding("w2v_out", FLAGS.dim, optimizer=opt, devices=devices,
+                                         initializer=E.normal(stddev=0.1))
+            center = tf.compat.v1.placeholder(tf.int64, [None], name="center")
+            targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],
+                                               name="targets")
+            # The step stamps rows for TTL eviction; GEO's local copies need no PS read.
+            step = global_step if FLAGS.mode == "async" else None
+            looked_in = emb_in.lookup_unique(center, step=step)
+            looked_out = emb_out.lookup_unique(targets, step=step)
+            logits = tf.einsum("bd,bkd->bk", looked_in.embeddings, looked_out.embeddings)
+            labels = tf.one_hot(tf.zeros_like(center, tf.int32), 1 + FLAGS.negatives)
+            # word2vec's objective: per pair, the positive's and the negatives' terms
+            # summed; trained on the batch sum (each pair moves its rows as in the original
+            # per-example SGD), reported as the mean per pair.
+            per_pair = tf.reduce_sum(
+                tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits), axis=1)
+            objective = tf.reduce_sum(per_pair)
+            loss = tf.reduce_mean(per_pair)
+            train = [emb_in.minimize(objective, [looked_in], step=step),
+                     emb_out.minimize(objective, [looked_out], step=step)]
+            if FLAGS.mode == "async":  # GEO reports local steps to global_step when it
+                train.append(tf.compat.v1.assign_add(global_step, 1))  # pushes; local: never
+            train_op = tf.group(*train)
+            export_in, export_out = emb_in.export(), emb_out.export()
+
+        # Sampling happens before the clock starts: the benchmark times training.
+        batches = []
+        for _ in range(FLAGS.steps):
+            c, ctx = corpus.pairs(rng, FLAGS.batch_size)
+            negs = corpus.negatives(rng, (FLAGS.batch_size, FLAGS.negatives))
+            batches.append((c, np.concatenate([ctx[:, None], negs], axis=1)))
+        losses = []
+        with tfpsx.MonitoredTrainingSession() as sess:
+            start = time.perf_counter()
+            for i, (c, t) in enumerate(batches):
+                _, value = sess.run([train_op, loss], {center: c, targets: t})
+                losses.append(value)
+                if FLAGS.log_every and (i + 1) % FLAGS.log_every == 0:
+                    print(f"worker {me}: step {i + 1}, loss {np.mean(losses[-50:]):.4f}",
+                          flush=True)
+            seconds = time.perf_counter() - start
+            if FLAGS.mode == "local":
+                rows_in, rows_out = sess.run([export_in, export_out])
+        tfpsx.barrier_worker()  # every worker's last push is in
+        if FLAGS.mode != "local":
+            with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
+                rows_in, rows_out = s.run([export_in, export_out])
+    eval_loss, gap = evaluate(rows_in, rows_out, corpus, FLAGS.dim)
+    report = {"worker": me, "mode": FLAGS.mode, "k_steps": k_steps, "steps": FLAGS.steps,
+              "seconds": seconds, "examples_per_sec": FLAGS.steps * FLAGS.batch_size / seconds,
+              "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
+              "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"]))}
+    if FLAGS.mode == "geo":
+        c = emb_in._geo.counters
+        report.update(pushes=c.pushes, rows_sent=c.rows_sent, mb_sent=c.bytes_sent / 1e6,
+                      ms_per_sync=1000 * c.mean_sync_seconds)
+    print(f"worker {me}: {FLAGS.mode} {report['examples_per_sec']:.0f} examples/s, "
+          f"eval loss {eval_loss:.4f}, within-topic minus across-topic similarity {gap:.3f}",
+          flush=True)
+    print("WORD2VEC " + json.dumps(report), flush=True)
+    tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,32 @@
+"""The word2vec example end to end through the launcher (1 PS + 2 workers)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = [sys.executable, "-m", "tfpsx.run"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["geo", "async"])
+def test_word2vec_learns_the_planted_topics(tmp_path, mode):
+    proc = subprocess.run(
+        RUN + ["--server_num", "1", "--worker_num", "2", "--log_dir", str(tmp_path),
+               "--timeout", "240", os.path.join(ROOT, "examples/word2vec/train.py"),
+               "--mode", mode, "--k_steps", "50", "--steps", "300"],
+        capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for i in range(2):
+        log = (tmp_path / f"workerlog.{i}").read_text()
+        line = [l for l in log.splitlines() if l.startswith("WORD2VEC ")][-1]
+        r = json.loads(line[len("WORD2VEC "):])
+        # Before training: loss 6 x log(2) = 4.16 per pair, topic similarity gap ~0.
+        assert r["eval_loss"] < 3.0, r
+        assert r["similarity_gap"] > 0.2, r
+        assert r["vocab_rows"] == 2000  # every word got a row: ids are word hashes
+        if mode == "geo":
+            assert r["pushes"] >= 300 // 50
