@@ -26,6 +26,10 @@ Example (GEO, 100 local steps between syncs)::
   tfpsx.stop_worker()
 
 Modes (Paddle Fleet's ``DistributedStrategy`` shape):
+  * sync (``a_sync=False``): TF's SyncReplicasOptimizer, without its end-of-training
+    hang and with a bounded step (``SyncOptimizer``).
+  * bounded staleness (``max_staleness=S``): async, no worker more than S steps ahead of
+    the slowest (``StalenessOptimizer``).
   * async (``a_sync=True``, ``k_steps=0``): variables and the optimizer's apply ops live
     on the parameter servers; no worker waits for another.
   * GEO (``a_sync=True``, ``k_steps=K > 0``): each worker trains a local copy and keeps
@@ -286,8 +290,23 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
                              "SyncReplicasOptimizer aggregates across workers and has none "
                              "(wrap its inner optimizer instead)")
         return GeoOptimizer(optimizer, strategy, config.worker_num)
-    raise ValueError(f"distributed_optimizer: mode {strategy.mode!r} is not built yet in this "
-                     "release; use async (a_sync=True) or GEO (k_steps > 0)")
+    if strategy.mode == "staleness":
+        return StalenessOptimizer(optimizer, strategy.max_staleness, config)
+    # sync
+    n = config.worker_num
+    if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
+        if optimizer._total_num_replicas != n:  # noqa: SLF001 — TF keeps it private
+            raise ValueError(
+                f"distributed_optimizer: the SyncReplicasOptimizer was built for "
+                f"total_num_replicas={optimizer._total_num_replicas}, but the cluster has "
+                f"{n} workers; pass the plain optimizer and let tfpsx wrap it")
+        optimizer = optimizer._opt  # noqa: SLF001
+    replicas = strategy.replicas_to_aggregate
+    replicas = n if replicas is None else replicas
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= n:
+        raise ValueError(f"distributed_optimizer: sync needs replicas_to_aggregate in 1..{n} "
+                         f"(the cluster's worker count), got {replicas!r}")
+    return SyncOptimizer(optimizer, replicas, n, config.is_chief)
 
 
 @dataclasses.dataclass
@@ -303,6 +322,139 @@ class GeoCounters:
     @property
     def mean_sync_seconds(self) -> float:
         return self.sync_seconds / self.pushes if self.pushes else 0.0
+
+
+SYNC_STEP_TIMEOUT = ("TFPSX_SYNC_STEP_TIMEOUT", 300.0)  # one sync step, gradients included
+STALENESS_TIMEOUT = ("TFPSX_STALENESS_TIMEOUT", 300.0)  # a worker waiting for the slowest
+
+
+class SyncOptimizer(tf.compat.v1.train.SyncReplicasOptimizer):
+    """Sync training: TF's SyncReplicasOptimizer (gradients of ``replicas_to_aggregate``
+    workers averaged per step on the PS, applied once by the chief's queue runner, tokens
+    release the workers) without its two hangs:
+
+    * at the end of training the chief closes the token queue, so a worker blocked on a
+      token ends its session (OutOfRange, a normal stop) instead of waiting forever;
+    * a step that waits longer than TFPSX_SYNC_STEP_TIMEOUT (300 s; a dead worker with
+      ``replicas_to_aggregate`` = every worker) fails with ``ClusterTimeoutError``.
+
+    Stragglers: with ``replicas_to_aggregate`` < the worker count, a step goes on with
+    the first gradients in; late ones for an old step are dropped (TF's staleness check).
+    """
+
+    def __init__(self, optimizer, replicas_to_aggregate: int, total_num_replicas: int,
+                 is_chief: bool):
+        super().__init__(optimizer, replicas_to_aggregate=replicas_to_aggregate,
+                         total_num_replicas=total_num_replicas)
+        self._tfpsx_is_chief = is_chief
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        if global_step is None:
+            raise ValueError("sync training needs a global step: minimize(loss, global_step="
+                             "tf.compat.v1.train.get_or_create_global_step())")
+        train_op = super().apply_gradients(grads_and_vars, global_step, name)
+        tf.compat.v1.add_to_collection(_HOOKS, self.make_session_run_hook(self._tfpsx_is_chief))
+        tf.compat.v1.add_to_collection(_HOOKS, _SyncEndHook(self, self._tfpsx_is_chief))
+        return train_op
+
+
+class _SyncEndHook(tf.compat.v1.train.SessionRunHook):
+    def __init__(self, opt: SyncOptimizer, is_chief: bool):
+        self._opt, self._is_chief = opt, is_chief
+        self._timeout_ms = int(1000 * _setting(None, SYNC_STEP_TIMEOUT))
+
+    def begin(self):
+        self._close = self._opt._sync_token_queue.close(  # noqa: SLF001
+            cancel_pending_enqueues=True)
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(
+            None, options=tf.compat.v1.RunOptions(timeout_in_ms=self._timeout_ms))
+
+    def end(self, session):
+        if self._is_chief:
+            session.run(self._close)
+
+
+class StalenessOptimizer(tf.compat.v1.train.Optimizer):
+    """Async training with bounded staleness (SSP): no worker runs more than
+    ``max_staleness`` steps ahead of the slowest. Every worker's step count is a slot of a
+    clock vector on PS 0; after each step a worker waits (polling, bounded by
+    TFPSX_STALENESS_TIMEOUT: then ``ClusterTimeoutError`` naming the slowest workers)
+    while it is too far ahead. A worker that ends sets its clock out of the way, so
+    finished workers hold nobody back; a dead one does until the timeout."""
+
+    def __init__(self, optimizer, max_staleness: int, config):
+        super().__init__(use_locking=False, name=f"Staleness{optimizer.get_name()}")
+        self._opt, self.max_staleness, self._config = optimizer, max_staleness, config
+
+    def compute_gradients(self, *args, **kwargs):
+        return self._opt.compute_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        return self._opt.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._opt.get_slot_names(*args, **kwargs)
+
+    def variables(self):
+        return self._opt.variables()
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        train_op = self._opt.apply_gradients(grads_and_vars, global_step, name)
+        n, me = self._config.worker_num, self._config.index
+        with tf.compat.v1.device("/job:ps/task:0"):
+            clocks = tf.compat.v1.get_variable(
+                "tfpsx_worker_clocks", [n], tf.int64, initializer=tf.zeros_initializer(),
+                trainable=False, use_resource=True)
+        with tf.compat.v1.device(clocks.device):
+            tick = tf.compat.v1.scatter_add(clocks, [me], tf.constant([1], tf.int64))
+            done = tf.compat.v1.scatter_update(clocks, [me], tf.constant([2 ** 62], tf.int64))
+            read = clocks.read_value()
+        tf.compat.v1.add_to_collection(
+            _HOOKS, _StalenessHook(train_op, tick, read, done, self.max_staleness, me))
+        return train_op
+
+
+class _StalenessHook(tf.compat.v1.train.SessionRunHook):
+    def __init__(self, train_op, tick, read, done, max_staleness: int, me: int):
+        self._train, self._tick, self._read, self._done = train_op, tick, read, done
+        self._s, self._me = max_staleness, me
+        self._timeout = _setting(None, STALENESS_TIMEOUT)
+        self.waits = 0  # steps this worker had to wait for the slowest
+
+    def after_run(self, run_context, run_values):
+        fetched = tf.nest.flatten(run_context.original_args.fetches)
+        if not any(_runs(f, self._train) for f in fetched):
+            return
+        session = run_context.session
+        clocks = session.run(self._tick)
+        deadline = time.monotonic() + self._timeout
+        waited = False
+        while clocks[self._me] - clocks.min() > self._s:
+            waited = True
+            if time.monotonic() > deadline:
+                slow = [int(w) for w in (clocks == clocks.min()).nonzero()[0]]
+                raise errors.ClusterTimeoutError(
+                    f"bounded staleness: worker {self._me} at step {clocks[self._me]} waited "
+                    f"{self._timeout:g} s (TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at "
+                    f"step {clocks.min()} (max_staleness={self._s}); are they alive?")
+            time.sleep(0.005)
+            clocks = session.run(self._read)
+        self.waits += waited
+
+    def end(self, session):
+        session.run(self._done)
+
+
+def _runs(fetch, train_op) -> bool:
+    """Whether fetching ``fetch`` runs ``train_op`` (itself, or a tf.group around it)."""
+    op = getattr(fetch, "op", fetch)
+    if not isinstance(op, tf.Operation):
+        return False
+    if op is train_op or op is getattr(train_op, "op", None):
+        return True
+    return op.type == "NoOp" and any(_runs(c, train_op) for c in op.control_inputs)
 
 
 class _GeoState:
@@ -610,6 +762,46 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     (device filters) come from the resolved cluster.
     """
     config = _require_worker("MonitoredTrainingSession")
+    session = _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_step,
+                                 save_checkpoint_steps, save_checkpoint_secs,
+                                 save_summaries_steps, scaffold, log_step_count_steps,
+                                 session_timeout, stop_grace_period_secs)
+    if any(isinstance(h, _SyncEndHook) for h in
+           tf.compat.v1.get_default_graph().get_collection(_HOOKS)):
+        return _SyncTimeoutMessages(session, config.worker_num)
+    return session
+
+
+class _SyncTimeoutMessages:
+    """A monitored session whose step timeouts say what a sync step waited for."""
+
+    def __init__(self, session, workers: int):
+        self._session, self._workers = session, workers
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def __enter__(self):
+        self._session.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._session.__exit__(*exc)
+
+    def run(self, *args, **kwargs):
+        try:
+            return self._session.run(*args, **kwargs)
+        except tf.errors.DeadlineExceededError as e:
+            raise errors.ClusterTimeoutError(
+                f"a sync step waited TFPSX_SYNC_STEP_TIMEOUT="
+                f"{_setting(None, SYNC_STEP_TIMEOUT):g} s for the gradients of the other "
+                f"workers (of {self._workers}) or for its token; is a worker dead? Lower "
+                "replicas_to_aggregate to go on without stragglers") from e
+
+
+def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_step,
+                       save_checkpoint_steps, save_checkpoint_secs, save_summaries_steps,
+                       scaffold, log_step_count_steps, session_timeout, stop_grace_period_secs):
     graph = tf.compat.v1.get_default_graph()
     hooks = list(hooks or []) + list(graph.get_collection(_HOOKS))
     if last_step is not None:

@@ -80,7 +80,9 @@ def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"]),
+                                        ("sync", []), ("sync", ["--replicas", "1"]),
+                                        ("staleness", ["--max_staleness", "2"])])
 def test_mode_trains_below_threshold(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--steps", "300"] + extra).start()
@@ -88,6 +90,8 @@ def test_mode_trains_below_threshold(make_cluster, mode, extra):
     for r in reports(c, 2).values():
         assert r["eval_loss"] < 0.01, r
         assert r["global_step"] >= 300
+        if mode == "sync" and not extra:  # one global step = one gradient of each worker
+            assert 295 <= r["local_steps"] <= 305, r
         assert r["placement"]["w"].startswith("/job:ps/")
         if mode == "geo":
             assert r["pushes"] >= 1  # the background communicator ran
@@ -219,3 +223,35 @@ def test_training_goes_on_when_a_worker_is_killed(make_cluster, mode, extra):
     r = reports(c, 1)[0]
     assert r["global_step"] >= 400 and r["eval_loss"] < 0.01, r
     assert "worker 1" in c.log("server", 0) and "reported lost" in c.log("server", 0)
+
+
+@pytest.mark.timeout(240)
+def test_bounded_staleness_holds_the_fast_worker_back(make_cluster):
+    c = make_cluster(1, 2, script="training_job.py", env=FAST,
+                     args=["--mode", "staleness", "--max_staleness", "3", "--steps", "200",
+                           "--step_delay", "0.03", "--slow_worker", "1"]).start()
+    finish(c)
+    fast, slow = reports(c, 2)[0], reports(c, 2)[1]
+    # Unbounded, worker 0 would run ~10x the slow worker's steps; here at most 3 ahead.
+    assert fast["local_steps"] <= slow["local_steps"] + 3 + 1, (fast, slow)
+    assert fast["staleness_waits"] > 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,env", [("staleness", {"TFPSX_STALENESS_TIMEOUT": "4"}),
+                                      ("sync", {"TFPSX_SYNC_STEP_TIMEOUT": "4"})])
+def test_a_dead_worker_is_a_clear_timeout_not_a_hang(make_cluster, mode, env):
+    c = make_cluster(1, 2, script="training_job.py", env=dict(FAST, **env),
+                     args=["--mode", mode, "--max_staleness", "1", "--steps", "100000",
+                           "--step_delay", "0.01", "--no_final_barrier"]).start()
+    wait_for_log(c, "worker", 1, "session ready")
+    time.sleep(1.0)
+    c.kill("worker", 1)
+    codes = c.wait(timeout=120)
+    assert codes[("worker", 0)] != 0
+    log = c.log("worker", 0)
+    assert "ClusterTimeoutError" in log, log[-3000:]
+    if mode == "staleness":
+        assert "waited 4 s (TFPSX_STALENESS_TIMEOUT) for worker(s) [1]" in log
+    else:
+        assert "TFPSX_SYNC_STEP_TIMEOUT=4 s" in log

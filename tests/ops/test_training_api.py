@@ -94,9 +94,23 @@ def test_placement_balances_bytes_and_geo_copies_stay_local(worker):
     assert any("Adam" in name for name in local)  # the slots are worker-local
 
 
-def test_modes_not_built_yet_say_so(worker):
-    for strategy in (tfpsx.DistributedStrategy(a_sync=False),
-                     tfpsx.DistributedStrategy(a_sync_configs={"max_staleness": 2})):
-        with pytest.raises(ValueError, match=f"mode '{strategy.mode}' is not built yet"):
-            tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                        strategy)
+def test_sync_with_another_worker_count_than_the_cluster(worker):
+    plain = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match=r"replicas_to_aggregate in 1..2.*got 3"):
+            tfpsx.distributed_optimizer(plain, tfpsx.DistributedStrategy(
+                a_sync=False, a_sync_configs={"replicas_to_aggregate": 3}))
+        theirs = tf.compat.v1.train.SyncReplicasOptimizer(plain, replicas_to_aggregate=3,
+                                                          total_num_replicas=3)
+        with pytest.raises(ValueError, match="total_num_replicas=3.*cluster has 2 workers"):
+            tfpsx.distributed_optimizer(theirs, tfpsx.DistributedStrategy(a_sync=False))
+
+
+def test_sync_needs_a_global_step(worker):
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(tfpsx.DistributedStrategy(a_sync=False)):
+            v = tf.compat.v1.get_variable("v", [2])
+            opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                              tfpsx.DistributedStrategy(a_sync=False))
+            with pytest.raises(ValueError, match="sync training needs a global step"):
+                opt.minimize(tf.reduce_sum(v))

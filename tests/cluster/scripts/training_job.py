@@ -31,12 +31,16 @@ def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="async")
     p.add_argument("--k_steps", type=int, default=0)
+    p.add_argument("--max_staleness", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=None, help="sync: replicas_to_aggregate")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--syncs", type=int, default=4, help="GEO deterministic: k-step rounds")
     p.add_argument("--steps", type=int, default=300, help="last global step (StopAtStepHook)")
     p.add_argument("--checkpoint_dir", default=None)
     p.add_argument("--save_steps", type=int, default=None)
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--slow_worker", type=int, default=None,
+                   help="only this worker sleeps --step_delay after each step")
     p.add_argument("--partitioned", action="store_true")
     p.add_argument("--no_final_barrier", action="store_true",
                    help="a worker may have been killed: do not wait for everyone at the end")
@@ -51,7 +55,11 @@ def main(argv):
     configs = {"k_steps": args.k_steps}
     if args.deterministic:
         configs["geo_sync_in_train_thread"] = True
-    strategy = tfpsx.DistributedStrategy(a_sync=True, a_sync_configs=configs)
+    if args.mode == "staleness":
+        configs = {"max_staleness": args.max_staleness}
+    if args.mode == "sync":
+        configs = {} if args.replicas is None else {"replicas_to_aggregate": args.replicas}
+    strategy = tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs)
     with tf.Graph().as_default():
         with tfpsx.model_scope(strategy):
             global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -84,10 +92,14 @@ def main(argv):
                     break
                 sess.run(train_op, {x: bx, y: by})
                 local_steps += 1
-                if args.step_delay:
+                if args.step_delay and args.slow_worker in (None, me):
                     time.sleep(args.step_delay)
         report = {"worker": me, "local_steps": local_steps, "start_step": int(start_step),
                   "ready": ready, "placement": placement}
+        stale = [h for h in tf.compat.v1.get_collection("tfpsx_session_hooks")
+                 if hasattr(h, "waits")]
+        if stale:
+            report["staleness_waits"] = stale[0].waits
         if hasattr(opt, "counters"):
             report["pushes"] = opt.counters.pushes
             report["rows_sent"] = opt.counters.rows_sent
