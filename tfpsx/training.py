@@ -376,17 +376,13 @@ class _SyncEndHook(tf.compat.v1.train.SessionRunHook):
             session.run(self._close)
 
 
-class StalenessOptimizer(tf.compat.v1.train.Optimizer):
-    """Async training with bounded staleness (SSP): no worker runs more than
-    ``max_staleness`` steps ahead of the slowest. Every worker's step count is a slot of a
-    clock vector on PS 0; after each step a worker waits (polling, bounded by
-    TFPSX_STALENESS_TIMEOUT: then ``ClusterTimeoutError`` naming the slowest workers)
-    while it is too far ahead. A worker that ends sets its clock out of the way, so
-    finished workers hold nobody back; a dead one does until the timeout."""
+class _WrappedOptimizer(tf.compat.v1.train.Optimizer):
+    """An optimizer around a ``tf.compat.v1.train`` one: gradients, slots and variables
+    are the wrapped optimizer's; subclasses change only ``apply_gradients``."""
 
-    def __init__(self, optimizer, max_staleness: int, config):
-        super().__init__(use_locking=False, name=f"Staleness{optimizer.get_name()}")
-        self._opt, self.max_staleness, self._config = optimizer, max_staleness, config
+    def __init__(self, optimizer, name: str):
+        super().__init__(use_locking=False, name=f"{name}{optimizer.get_name()}")
+        self._opt = optimizer
 
     def compute_gradients(self, *args, **kwargs):
         return self._opt.compute_gradients(*args, **kwargs)
@@ -399,6 +395,19 @@ class StalenessOptimizer(tf.compat.v1.train.Optimizer):
 
     def variables(self):
         return self._opt.variables()
+
+
+class StalenessOptimizer(_WrappedOptimizer):
+    """Async training with bounded staleness (SSP): no worker runs more than
+    ``max_staleness`` steps ahead of the slowest. Every worker's step count is a slot of a
+    clock vector on PS 0; after each step a worker waits (polling, bounded by
+    TFPSX_STALENESS_TIMEOUT: then ``ClusterTimeoutError`` naming the slowest workers)
+    while it is too far ahead. A worker that ends sets its clock out of the way, so
+    finished workers hold nobody back; a dead one does until the timeout."""
+
+    def __init__(self, optimizer, max_staleness: int, config):
+        super().__init__(optimizer, "Staleness")
+        self.max_staleness, self._config = max_staleness, config
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         train_op = self._opt.apply_gradients(grads_and_vars, global_step, name)
@@ -418,14 +427,16 @@ class StalenessOptimizer(tf.compat.v1.train.Optimizer):
 
 class _StalenessHook(tf.compat.v1.train.SessionRunHook):
     def __init__(self, train_op, tick, read, done, max_staleness: int, me: int):
-        self._train, self._tick, self._read, self._done = train_op, tick, read, done
+        self._tick, self._read, self._done = tick, read, done
+        self._train_names = {getattr(train_op, "op", train_op).name}
+        self._cache: Dict[str, bool] = {}
         self._s, self._me = max_staleness, me
         self._timeout = _setting(None, STALENESS_TIMEOUT)
         self.waits = 0  # steps this worker had to wait for the slowest
 
     def after_run(self, run_context, run_values):
         fetched = tf.nest.flatten(run_context.original_args.fetches)
-        if not any(_runs(f, self._train) for f in fetched):
+        if not any(_runs_train(f, self._train_names, self._cache) for f in fetched):
             return
         session = run_context.session
         clocks = session.run(self._tick)
@@ -447,14 +458,17 @@ class _StalenessHook(tf.compat.v1.train.SessionRunHook):
         session.run(self._done)
 
 
-def _runs(fetch, train_op) -> bool:
-    """Whether fetching ``fetch`` runs ``train_op`` (itself, or a tf.group around it)."""
+def _runs_train(fetch, train_names, cache: Dict[str, bool]) -> bool:
+    """Whether fetching ``fetch`` runs one of the ops named ``train_names``: itself, or a
+    group (a NoOp's control inputs, as tf.group makes) around one. Cached per op."""
     op = getattr(fetch, "op", fetch)
     if not isinstance(op, tf.Operation):
         return False
-    if op is train_op or op is getattr(train_op, "op", None):
-        return True
-    return op.type == "NoOp" and any(_runs(c, train_op) for c in op.control_inputs)
+    if op.name not in cache:
+        cache[op.name] = False  # bounds the recursion
+        cache[op.name] = op.name in train_names or (op.type == "NoOp" and any(
+            _runs_train(c, train_names, cache) for c in op.control_inputs))
+    return cache[op.name]
 
 
 class _GeoState:
@@ -495,7 +509,7 @@ def geo_state_in_scope() -> Optional[_GeoState]:
     return state if state is not None and state.scopes > 0 else None
 
 
-class GeoOptimizer(tf.compat.v1.train.Optimizer):
+class GeoOptimizer(_WrappedOptimizer):
     """GEO k-step SGD around any ``tf.compat.v1.train`` optimizer (see the module doc).
 
     The wrapped optimizer trains the local copies that ``model_scope`` made; its slots
@@ -504,8 +518,7 @@ class GeoOptimizer(tf.compat.v1.train.Optimizer):
     """
 
     def __init__(self, optimizer, strategy: DistributedStrategy, worker_num: int):
-        super().__init__(use_locking=False, name=f"Geo{optimizer.get_name()}")
-        self._opt = optimizer
+        super().__init__(optimizer, "Geo")
         self._strategy = strategy
         self.worker_num = worker_num
         self._state: Optional[_GeoState] = None
@@ -516,18 +529,6 @@ class GeoOptimizer(tf.compat.v1.train.Optimizer):
             raise ValueError("GEO: counters exist once minimize / apply_gradients built the "
                              "train op")
         return self._state.counters
-
-    def compute_gradients(self, *args, **kwargs):
-        return self._opt.compute_gradients(*args, **kwargs)
-
-    def get_slot(self, *args, **kwargs):
-        return self._opt.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        return self._opt.get_slot_names(*args, **kwargs)
-
-    def variables(self):
-        return self._opt.variables()
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         graph = tf.compat.v1.get_default_graph()
@@ -642,7 +643,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
     def after_run(self, run_context, run_values):
         if self._error is not None:
             raise RuntimeError("GEO communicator failed") from self._error
-        if not any(self._is_train(f) for f in
+        if not any(_runs_train(f, self._train_names, self._train_cache) for f in
                    tf.nest.flatten(run_context.original_args.fetches)):
             return  # an eval or a global_step read, not a local step
         self._steps += 1
@@ -652,20 +653,6 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._sync(barrier=True)
         else:
             self._wake.set()
-
-    def _is_train(self, fetch) -> bool:
-        """Whether a fetch runs a GEO train op: one itself, or a group (tf.group, a
-        NoOp's control inputs) around one. Answers are cached per op."""
-        op = getattr(fetch, "op", fetch)
-        if not isinstance(op, tf.Operation):
-            return False
-        cache = self._train_cache
-        if op.name not in cache:
-            cache[op.name] = False  # cycles cannot happen; this bounds the recursion anyway
-            cache[op.name] = (op.name in self._train_names
-                              or (op.type == "NoOp" and any(
-                                  self._is_train(c) for c in op.control_inputs)))
-        return cache[op.name]
 
     def end(self, session):
         # The last local steps must reach the PS before the worker stops.

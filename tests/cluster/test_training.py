@@ -90,8 +90,11 @@ def test_mode_trains_below_threshold(make_cluster, mode, extra):
     for r in reports(c, 2).values():
         assert r["eval_loss"] < 0.01, r
         assert r["global_step"] >= 300
-        if mode == "sync" and not extra:  # one global step = one gradient of each worker
-            assert 295 <= r["local_steps"] <= 305, r
+        if mode == "sync" and not extra:
+            # One global step takes a gradient of each worker, so each runs about as many
+            # steps as the job (async: about half). Tokens are not per worker, so a fast
+            # worker may run a few extra steps whose stale gradients are dropped.
+            assert 270 <= r["local_steps"] <= 330, r
         assert r["placement"]["w"].startswith("/job:ps/")
         if mode == "geo":
             assert r["pushes"] >= 1  # the background communicator ran
