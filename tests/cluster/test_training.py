@@ -87,14 +87,16 @@ def test_mode_trains_below_threshold(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--steps", "300"] + extra).start()
     finish(c)
-    for r in reports(c, 2).values():
+    got = reports(c, 2)
+    for r in got.values():
         assert r["eval_loss"] < 0.01, r
         assert r["global_step"] >= 300
-        if mode == "sync" and not extra:
-            # One global step takes a gradient of each worker, so each runs about as many
-            # steps as the job (async: about half). Tokens are not per worker, so a fast
-            # worker may run a few extra steps whose stale gradients are dropped.
-            assert 270 <= r["local_steps"] <= 330, r
+    if mode == "sync" and not extra:
+        # Each global step averages 2 gradients, so the workers ran ~2 x 300 steps in all
+        # (async: ~300). Tokens are not per worker (SyncReplicasOptimizer), so how they
+        # split between the workers varies; stale gradients add a few.
+        total = sum(r["local_steps"] for r in got.values())
+        assert 570 <= total <= 680, got
         assert r["placement"]["w"].startswith("/job:ps/")
         if mode == "geo":
             assert r["pushes"] >= 1  # the background communicator ran
