@@ -271,7 +271,8 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
     Raises:
       NotInitializedError: before ``tfpsx.init()``.
       ValueError: an optimizer GEO cannot run locally, a strategy that is not a
-        ``DistributedStrategy``, a mode this release does not build yet.
+        ``DistributedStrategy``, a sync ``replicas_to_aggregate`` or SyncReplicasOptimizer
+        that does not fit the cluster's worker count.
     """
     config = FLEET.require("distributed_optimizer")
     strategy = strategy or DistributedStrategy()
@@ -289,7 +290,7 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
                              "so it needs an optimizer with a local form; "
                              "SyncReplicasOptimizer aggregates across workers and has none "
                              "(wrap its inner optimizer instead)")
-        return GeoOptimizer(optimizer, strategy, config.worker_num)
+        return GeoOptimizer(optimizer, strategy)
     if strategy.mode == "staleness":
         return StalenessOptimizer(optimizer, strategy.max_staleness, config)
     # sync
@@ -361,15 +362,15 @@ class SyncOptimizer(tf.compat.v1.train.SyncReplicasOptimizer):
 class _SyncEndHook(tf.compat.v1.train.SessionRunHook):
     def __init__(self, opt: SyncOptimizer, is_chief: bool):
         self._opt, self._is_chief = opt, is_chief
-        self._timeout_ms = int(1000 * _setting(None, SYNC_STEP_TIMEOUT))
+        self._bounded = tf.compat.v1.train.SessionRunArgs(None, options=tf.compat.v1.RunOptions(
+            timeout_in_ms=int(1000 * _setting(None, SYNC_STEP_TIMEOUT))))
 
     def begin(self):
         self._close = self._opt._sync_token_queue.close(  # noqa: SLF001
             cancel_pending_enqueues=True)
 
     def before_run(self, run_context):
-        return tf.compat.v1.train.SessionRunArgs(
-            None, options=tf.compat.v1.RunOptions(timeout_in_ms=self._timeout_ms))
+        return self._bounded
 
     def end(self, session):
         if self._is_chief:
@@ -517,10 +518,9 @@ class GeoOptimizer(_WrappedOptimizer):
     ``tfpsx.MonitoredTrainingSession`` runs; ``counters`` says what it did.
     """
 
-    def __init__(self, optimizer, strategy: DistributedStrategy, worker_num: int):
+    def __init__(self, optimizer, strategy: DistributedStrategy):
         super().__init__(optimizer, "Geo")
         self._strategy = strategy
-        self.worker_num = worker_num
         self._state: Optional[_GeoState] = None
 
     @property
@@ -540,6 +540,13 @@ class GeoOptimizer(_WrappedOptimizer):
             raise ValueError("GEO: these variables were not created inside "
                              f"tfpsx.model_scope(strategy): {stray}; GEO can only train the "
                              "local copies model_scope makes")
+        ours = (self._strategy.k_steps, self._strategy.geo_sync_in_train_thread)
+        if (state.k_steps, state.in_train_thread) != ours:
+            raise ValueError(
+                f"GEO: model_scope was built with k_steps={state.k_steps}, "
+                f"geo_sync_in_train_thread={state.in_train_thread} but distributed_optimizer "
+                f"with k_steps={ours[0]}, geo_sync_in_train_thread={ours[1]}; pass both the "
+                "same DistributedStrategy")
         self._state = state
         global_vars = set(graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
         with tf.compat.v1.device(state.worker_device):

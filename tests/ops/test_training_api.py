@@ -114,3 +114,14 @@ def test_sync_needs_a_global_step(worker):
                                               tfpsx.DistributedStrategy(a_sync=False))
             with pytest.raises(ValueError, match="sync training needs a global step"):
                 opt.minimize(tf.reduce_sum(v))
+
+
+def test_geo_optimizer_and_model_scope_must_share_the_strategy(worker):
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})):
+            v = tf.compat.v1.get_variable("v", [2])
+            opt = tfpsx.distributed_optimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 50}))
+            with pytest.raises(ValueError, match="k_steps=10.*k_steps=50"):
+                opt.minimize(tf.reduce_sum(v))

@@ -533,31 +533,36 @@ std::vector<int64_t> HashTable::TakeChanged(int64_t reader) {
   return out;
 }
 
-void HashTable::ApplySgd(const int64_t* keys, int64_t n, const float* grads, float lr,
-                         int64_t step) {
+template <typename Fn>
+void HashTable::ApplyGrads(const int64_t* keys, int64_t n, const float* grads, int64_t step,
+                           Fn&& update) {
   const int64_t dim = options_.dim;
+  // With admission on, only admitted keys train; an unseen key's gradient is dropped.
   const bool create = options_.min_frequency <= 1;
   UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row == nullptr) return create;
-    const float* g = grads + i * dim;
-    for (int64_t j = 0; j < dim; ++j) row[j] -= lr * g[j];
+    update(row, grads + i * dim);
     return true;
+  });
+}
+
+void HashTable::ApplySgd(const int64_t* keys, int64_t n, const float* grads, float lr,
+                         int64_t step) {
+  const int64_t dim = options_.dim;
+  ApplyGrads(keys, n, grads, step, [&](float* row, const float* g) {
+    for (int64_t j = 0; j < dim; ++j) row[j] -= lr * g[j];
   });
 }
 
 void HashTable::ApplyAdagrad(const int64_t* keys, int64_t n, const float* grads, float lr,
                              float eps, int64_t step) {
   const int64_t dim = options_.dim;
-  const bool create = options_.min_frequency <= 1;
-  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
-    if (row == nullptr) return create;
-    const float* g = grads + i * dim;
+  ApplyGrads(keys, n, grads, step, [&](float* row, const float* g) {
     float* acc = row + dim;
     for (int64_t j = 0; j < dim; ++j) {
       acc[j] += g[j] * g[j];
       row[j] -= lr * g[j] / (std::sqrt(acc[j]) + eps);
     }
-    return true;
   });
 }
 
@@ -565,13 +570,10 @@ void HashTable::ApplyAdam(const int64_t* keys, int64_t n, const float* grads, fl
                           float beta1, float beta2, float eps, int64_t step) {
   // Lazy Adam as TF applies it to sparse rows: bias correction from the global step.
   const int64_t dim = options_.dim;
-  const bool create = options_.min_frequency <= 1;
   const double t = static_cast<double>(std::max<int64_t>(step, 1));
   const float lr_t = static_cast<float>(lr * std::sqrt(1.0 - std::pow(beta2, t)) /
                                         (1.0 - std::pow(beta1, t)));
-  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
-    if (row == nullptr) return create;
-    const float* g = grads + i * dim;
+  ApplyGrads(keys, n, grads, step, [&](float* row, const float* g) {
     float* m = row + dim;
     float* v = row + 2 * dim;
     for (int64_t j = 0; j < dim; ++j) {
@@ -579,7 +581,6 @@ void HashTable::ApplyAdam(const int64_t* keys, int64_t n, const float* grads, fl
       v[j] = beta2 * v[j] + (1 - beta2) * g[j] * g[j];
       row[j] -= lr_t * m[j] / (std::sqrt(v[j]) + eps);
     }
-    return true;
   });
 }
 
@@ -587,10 +588,7 @@ void HashTable::ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, fl
                           float lr_power, float l1, float l2, int64_t step) {
   // FTRL-Proximal (McMahan et al. 2013), as tf.compat.v1.train.FtrlOptimizer applies it.
   const int64_t dim = options_.dim;
-  const bool create = options_.min_frequency <= 1;
-  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
-    if (row == nullptr) return create;
-    const float* g = grads + i * dim;
+  ApplyGrads(keys, n, grads, step, [&](float* row, const float* g) {
     float* z = row + dim;
     float* acc = row + 2 * dim;
     for (int64_t j = 0; j < dim; ++j) {
@@ -605,7 +603,6 @@ void HashTable::ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, fl
         row[j] = -(z[j] - sign * l1) / (std::pow(new_acc, -lr_power) / lr + 2 * l2);
       }
     }
-    return true;
   });
 }
 

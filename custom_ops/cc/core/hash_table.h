@@ -146,6 +146,9 @@ class HashTable {
   int64_t RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted);
   template <typename Fn>
   int64_t SumOverStripes(Fn&& fn) const;
+  // The optimizers' shared loop: update(row, grad) for every key's row (admission aside).
+  template <typename Fn>
+  void ApplyGrads(const int64_t* keys, int64_t n, const float* grads, int64_t step, Fn&& update);
   template <typename Fn>
   // Runs fn(row, i) on the row of every key; a missing key is first asked fn(nullptr, i)
   // whether it gets a row (admission), which starts from its initial row when init_value.

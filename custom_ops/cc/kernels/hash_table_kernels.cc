@@ -165,14 +165,26 @@ absl::Status ParallelRanges(OpKernelContext* ctx, const TableResource& table, in
 
 }  // namespace
 
-class FindOp : public OpKernel {
+// Base of the kernels that work on a table: input 0 is its handle.
+class TableOpKernel : public OpKernel {
  public:
   using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) final {
     ::tensorflow::core::RefCountPtr<TableResource> table;
     OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+    ComputeOn(ctx, *table);
+  }
+
+ protected:
+  virtual void ComputeOn(OpKernelContext* ctx, TableResource& table) = 0;
+};
+
+class FindOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
-    HashTable& t = table->table();
+    HashTable& t = table.table();
     Tensor* values = nullptr;
     Tensor* found = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), t.dim()), &values));
@@ -181,50 +193,49 @@ class FindOp : public OpKernel {
     float* v = values->flat<float>().data();
     bool* f = found->flat<bool>().data();
     const int64_t dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, keys.NumElements(), 20 + 2 * dim, [&](int64_t b, int64_t e) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 20 + 2 * dim,
+                                       [&](int64_t b, int64_t e) {
       t.Find(k + b, e - b, v + b * dim, f + b);
     }));
   }
 };
 
-class FindOrInsertOp : public OpKernel {
+class FindOrInsertOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
     int64_t step = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "step", &step));
-    HashTable& t = table->table();
+    HashTable& t = table.table();
     Tensor* values = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), t.dim()), &values));
     const int64_t* k = keys.flat<int64_t>().data();
     float* v = values->flat<float>().data();
     const int64_t dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, keys.NumElements(), 40 + 2 * dim, [&](int64_t b, int64_t e) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
+                                       [&](int64_t b, int64_t e) {
       t.FindOrInsert(k + b, e - b, step, v + b * dim);
     }));
   }
 };
 
 template <bool kAccumulate>
-class WriteOp : public OpKernel {
+class WriteOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
     const Tensor& rows = ctx->input(2);
-    OP_REQUIRES_OK(ctx, CheckRows(*table, keys, rows, kAccumulate ? "deltas" : "values"));
+    OP_REQUIRES_OK(ctx, CheckRows(table, keys, rows, kAccumulate ? "deltas" : "values"));
     int64_t step = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "step", &step));
-    HashTable& t = table->table();
+    HashTable& t = table.table();
     const int64_t* k = keys.flat<int64_t>().data();
     const float* r = rows.flat<float>().data();
     const int64_t dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, keys.NumElements(), 40 + 2 * dim, [&](int64_t b, int64_t e) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
+                                       [&](int64_t b, int64_t e) {
       if (kAccumulate) {
         t.Accumulate(k + b, e - b, r + b * dim, step);
       } else {
@@ -234,41 +245,35 @@ class WriteOp : public OpKernel {
   }
 };
 
-class RemoveOp : public OpKernel {
+class RemoveOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() =
-        table->table().Remove(keys.flat<int64_t>().data(), keys.NumElements());
+        table.table().Remove(keys.flat<int64_t>().data(), keys.NumElements());
   }
 };
 
-class SizeOp : public OpKernel {
+class SizeOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = table->table().Size();
+    out->scalar<int64_t>()() = table.table().Size();
   }
 };
 
-class ExportOp : public OpKernel {
+class ExportOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t since = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "since_step", &since));
-    HashTable& t = table->table();
+    HashTable& t = table.table();
     ExportedRows rows = t.ExportSince(since);
     const int64_t n = static_cast<int64_t>(rows.keys.size()), dim = t.dim(),
                   slots = t.options().num_slots;
@@ -286,27 +291,25 @@ class ExportOp : public OpKernel {
   }
 };
 
-class ImportOp : public OpKernel {
+class ImportOp : public TableOpKernel {
  public:
-  explicit ImportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit ImportOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("clear", &clear_));
   }
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
-    HashTable& t = table->table();
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    HashTable& t = table.table();
     const Tensor &keys = ctx->input(1), &values = ctx->input(2), &slots = ctx->input(3),
                  &freq = ctx->input(4), &step = ctx->input(5);
     OP_REQUIRES(ctx, keys.dims() == 1,
                 absl::InvalidArgumentError(absl::StrCat(
-                    "tfpsx table '", table->name(), "': import keys must be a vector, got shape ",
+                    "tfpsx table '", table.name(), "': import keys must be a vector, got shape ",
                     keys.shape().DebugString())));
     const int64_t n = keys.NumElements();
-    OP_REQUIRES_OK(ctx, CheckRows(*table, keys, values, "imported values"));
+    OP_REQUIRES_OK(ctx, CheckRows(table, keys, values, "imported values"));
     for (const auto& [tensor, what] : {std::make_pair(&freq, "freq"), std::make_pair(&step, "step")}) {
       OP_REQUIRES(ctx, tensor->NumElements() == 0 || tensor->NumElements() == n,
                   absl::InvalidArgumentError(absl::StrCat(
-                      "tfpsx table '", table->name(), "': import ", what, " must be empty or hold ",
+                      "tfpsx table '", table.name(), "': import ", what, " must be empty or hold ",
                       n, " values, got ", tensor->shape().DebugString())));
     }
     std::string problem;
@@ -321,22 +324,20 @@ class ImportOp : public OpKernel {
     }
     OP_REQUIRES(ctx, problem.empty(),
                 absl::InvalidArgumentError(
-                    absl::StrCat("tfpsx table '", table->name(), "': import: ", problem)));
+                    absl::StrCat("tfpsx table '", table.name(), "': import: ", problem)));
   }
 
  private:
   bool clear_ = false;
 };
 
-class TakeChangedOp : public OpKernel {
+class TakeChangedOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t reader = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "reader", &reader));
-    const std::vector<int64_t> keys = table->table().TakeChanged(reader);
+    const std::vector<int64_t> keys = table.table().TakeChanged(reader);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({static_cast<int64_t>(keys.size())}), &out));
@@ -347,22 +348,20 @@ class TakeChangedOp : public OpKernel {
 enum class Optimizer { kSgd, kAdagrad, kAdam, kFtrl };
 
 template <Optimizer kOpt>
-class ApplyOp : public OpKernel {
+class ApplyOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
-    HashTable& t = table->table();
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    HashTable& t = table.table();
     const int needed = kOpt == Optimizer::kSgd ? 0 : kOpt == Optimizer::kAdagrad ? 1 : 2;
     OP_REQUIRES(ctx, t.options().num_slots == needed,
                 absl::InvalidArgumentError(absl::StrCat(
-                    "tfpsx table '", table->name(), "' has ", t.options().num_slots,
+                    "tfpsx table '", table.name(), "' has ", t.options().num_slots,
                     " optimizer slot(s) but ", type_string(), " needs ", needed,
                     "; create the table with the optimizer it is trained with")));
     const Tensor& keys = ctx->input(1);
     const Tensor& grads = ctx->input(2);
-    OP_REQUIRES_OK(ctx, CheckRows(*table, keys, grads, "grads"));
+    OP_REQUIRES_OK(ctx, CheckRows(table, keys, grads, "grads"));
     float lr = 0, a = 0, b = 0, c = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "lr", &lr));
     const int extra = kOpt == Optimizer::kSgd ? 0 : kOpt == Optimizer::kAdagrad ? 1 : 3;
@@ -373,7 +372,8 @@ class ApplyOp : public OpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();
     const int64_t n = keys.NumElements(), dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, *table, n, 60 + 8 * dim, [&](int64_t begin, int64_t end) {
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, n, 60 + 8 * dim,
+                                       [&](int64_t begin, int64_t end) {
       const int64_t m = end - begin;
       switch (kOpt) {
         case Optimizer::kSgd: t.ApplySgd(k + begin, m, g + begin * dim, lr, step); break;
@@ -385,31 +385,27 @@ class ApplyOp : public OpKernel {
   }
 };
 
-class EvictOp : public OpKernel {
+class EvictOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t min_step = 0, keep = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "min_step", &min_step));
     OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "keep_top_n", &keep));
     int64_t evicted = 0;
-    if (min_step != INT64_MIN) evicted += table->table().EvictOlderThan(min_step);
-    if (keep >= 0) evicted += table->table().EvictToTopN(keep);
+    if (min_step != INT64_MIN) evicted += table.table().EvictOlderThan(min_step);
+    if (keep >= 0) evicted += table.table().EvictToTopN(keep);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = evicted;
   }
 };
 
-class StatsOp : public OpKernel {
+class StatsOp : public TableOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<TableResource> table;
-    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
-    HashTable& t = table->table();
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    HashTable& t = table.table();
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
     auto s = out->flat<int64_t>();
