@@ -216,11 +216,14 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
         self._ops = load_ops()
         self._handle_cache: Dict[object, List[tf.Tensor]] = {}
         self._checkpointed = not _geo_copy  # GEO's worker copies are not model state
-        self._geo = None
+        self._geo = self._sync = None
         if not _geo_copy:
             from tfpsx import training  # here: tfpsx.training imports TF's training stack
 
             self._geo = training.geo_state_in_scope()
+            # Sync (built inside model_scope(a_sync=False)): gradients are aggregated
+            # over the workers on the PS and applied once per step by the chief.
+            self._sync = training.sync_state_in_scope()
         if self._geo is not None:
             # GEO (built inside tfpsx.model_scope with k_steps > 0): this worker trains a
             # local copy and keeps the old snapshot; the communicator syncs changed rows.
@@ -384,6 +387,10 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
                                                  tf.shape(looked.unique_keys)[0])
         grads = tf.reshape(tf.cast(grads, tf.float32), [-1, self.dim])
         keys, positions = self._partition(looked.unique_keys)
+        if self._sync is not None:
+            shard_grads = [grads if self.num_shards == 1 else tf.gather(grads, positions[i])
+                           for i in range(self.num_shards)]
+            return self._sync.push(self, keys, shard_grads, self._device)
         step = _step(step)
         ops = []
         for i, handle in enumerate(self.handles()):

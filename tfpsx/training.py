@@ -27,7 +27,8 @@ Example (GEO, 100 local steps between syncs)::
 
 Modes (Paddle Fleet's ``DistributedStrategy`` shape):
   * sync (``a_sync=False``): TF's SyncReplicasOptimizer, without its end-of-training
-    hang and with a bounded step (``SyncOptimizer``).
+    hang and with a bounded step (``SyncOptimizer``); ``DynamicEmbedding`` tables built
+    in the scope aggregate their row gradients sparsely on the PS (``_TableSyncState``).
   * bounded staleness (``max_staleness=S``): async, no worker more than S steps ahead of
     the slowest (``StalenessOptimizer``).
   * async (``a_sync=True``, ``k_steps=0``): variables and the optimizer's apply ops live
@@ -56,6 +57,7 @@ from tfpsx.fleet import FLEET, RPC_TIMEOUT, _setting
 logger = logging.getLogger("tfpsx")
 
 _GEO_STATE = "tfpsx_geo_state"     # graph collection: the graph's one _GeoState
+_SYNC_STATE = "tfpsx_table_sync_state"  # graph collection: the graph's _TableSyncState
 _HOOKS = "tfpsx_session_hooks"     # graph collection: hooks MonitoredTrainingSession adds
 
 RECOVERY_WAIT = ("TFPSX_RECOVERY_WAIT", 0.25)  # a non-chief's poll for the chief's init
@@ -228,6 +230,15 @@ def model_scope(strategy: Optional[DistributedStrategy] = None):
     config = _require_worker("model_scope")
     strategy = strategy or DistributedStrategy()
     with tf.compat.v1.device(replica_device_setter()):
+        if strategy.mode == "sync":
+            state = _TableSyncState.of(tf.compat.v1.get_default_graph(),
+                                       create_for=(strategy, config))
+            state.scopes += 1
+            try:
+                yield
+            finally:
+                state.scopes -= 1
+            return
         if strategy.mode != "geo":
             yield
             return
@@ -374,6 +385,196 @@ class _SyncEndHook(tf.compat.v1.train.SessionRunHook):
 
     def end(self, session):
         if self._is_chief:
+            session.run(self._close)
+
+
+class _TableSyncState:
+    """Sync mode for the ``DynamicEmbedding`` tables of one graph (built inside
+    ``model_scope(sync strategy)``).
+
+    A training lookup's row gradients go, per shard, into a SparseConditionalAccumulator
+    on that shard's PS (stamped with the worker's local step; stale ones are dropped).
+    The chief's update thread takes ``replicas_to_aggregate`` gradients per shard, sums
+    the rows of each key, divides by ``replicas_to_aggregate`` and applies the table's
+    server-side optimizer once, bumps the sync step (and ``global_step``, unless a dense
+    ``SyncOptimizer`` in the same graph counts the steps) and releases one token per
+    worker. After each training run a worker takes a token (bounded by
+    TFPSX_SYNC_STEP_TIMEOUT) before its next step; at the end the chief closes the token
+    queue, so waiting workers stop normally.
+    """
+
+    def __init__(self, strategy: DistributedStrategy, config):
+        self.total = config.worker_num
+        replicas = strategy.replicas_to_aggregate
+        replicas = self.total if replicas is None else replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or \
+                not 1 <= replicas <= self.total:
+            raise ValueError(f"sync: replicas_to_aggregate must be in 1..{self.total} (the "
+                             f"cluster's worker count), got {replicas!r}")
+        self.replicas = replicas
+        self.is_chief = config.is_chief
+        self.worker_device = _worker_device(config)
+        self.accumulators = []   # (table, shard, SparseConditionalAccumulator)
+        self.train_ops = []
+        self.scopes = 0          # open model_scope(sync) blocks
+        self._counter = None
+        self._local_step = None
+        self.hook = _TableSyncHook(self)
+
+    @staticmethod
+    def of(graph, create_for=None) -> Optional["_TableSyncState"]:
+        found = graph.get_collection(_SYNC_STATE)
+        if found:
+            return found[0]
+        if create_for is None:
+            return None
+        state = _TableSyncState(*create_for)
+        graph.add_to_collection(_SYNC_STATE, state)
+        graph.add_to_collection(_HOOKS, state.hook)
+        return state
+
+    def _steps(self):
+        """(sync step on PS 0, this worker's local step): made on the first push."""
+        if self._counter is None:
+            with tf.compat.v1.device("/job:ps/task:0"):
+                self._counter = tf.compat.v1.get_variable(
+                    "tfpsx_table_sync_step", [], tf.int64, initializer=tf.zeros_initializer(),
+                    trainable=False, use_resource=True)
+            with tf.compat.v1.device(self.worker_device):
+                # Like SyncReplicasOptimizer's local step: starts at the sync step (a
+                # restarted worker's gradients are not stale), then follows the tokens.
+                self._local_step = tf.compat.v1.get_variable(
+                    "tfpsx_table_sync_local_step", initializer=self._counter.read_value(),
+                    trainable=False, use_resource=True,
+                    collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        return self._counter, self._local_step
+
+    def push(self, table, keys, grads, devices):
+        """The op that sends (keys[i], grads[i]) to shard i's accumulator."""
+        _, local_step = self._steps()
+        pushes = []
+        for i, (shard_keys, shard_grads) in enumerate(zip(keys, grads)):
+            with devices(i):
+                serial = sum(1 for t, s, _ in self.accumulators if t is table and s == i)
+                acc = tf.compat.v1.SparseConditionalAccumulator(
+                    tf.float32, shape=tf.TensorShape([None, table.dim]), reduction_type="SUM",
+                    shared_name=f"{table.name}/part_{i}/sync_grads_{serial}")
+                self.accumulators.append((table, i, acc))
+                pushes.append(acc.apply_grad(shard_keys, shard_grads,
+                                             local_step=local_step.read_value()))
+        train = tf.group(*pushes, name="table_sync_push")
+        self.train_ops.append(train)
+        return train
+
+
+def sync_state_in_scope() -> Optional[_TableSyncState]:
+    """The table sync state when called inside ``model_scope(sync strategy)`` (graph)."""
+    if tf.executing_eagerly():
+        return None
+    state = _TableSyncState.of(tf.compat.v1.get_default_graph())
+    return state if state is not None and state.scopes > 0 else None
+
+
+class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
+    """Workers: a token after each training run. Chief: the update thread."""
+
+    def __init__(self, state: _TableSyncState):
+        self._state = state
+        self._built = False
+        self._thread = None
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._timeout = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(1000 * _setting(None, SYNC_STEP_TIMEOUT)))
+
+    def begin(self):
+        if self._built or not self._state.accumulators:
+            return
+        self._built = True
+        st = self._state
+        graph = tf.compat.v1.get_default_graph()
+        counter, local_step = st._steps()
+        updates, chief_init = [], []
+        for table, i, acc in st.accumulators:
+            handle = table.handles()[i]
+            with tf.compat.v1.device(table.devices[i]):
+                taken = acc.take_indexed_slices_grad(st.replicas)
+                # A key may come from several workers (the accumulator keeps each
+                # gradient's rows): one summed row per key, then one optimizer step.
+                keys, where = tf.unique(taken.indices)
+                grads = tf.math.unsorted_segment_sum(taken.values, where, tf.size(keys))
+                updates.append(table.optimizer.apply(table._ops, handle, keys,
+                                                     grads / float(st.replicas),
+                                                     counter.read_value()))
+                chief_init.append(acc.set_global_step(counter.read_value()))
+        dense_sync = any(isinstance(h, _SyncEndHook) for h in graph.get_collection(_HOOKS))
+        global_step = tf.compat.v1.train.get_global_step()
+        with tf.compat.v1.device(counter.device):
+            queue = tf.queue.FIFOQueue(-1, tf.int64, shapes=[],
+                                       shared_name="tfpsx_table_sync_tokens",
+                                       name="tfpsx_table_sync_tokens")
+            with tf.control_dependencies(updates):
+                bump = [counter.assign_add(1)]
+                if global_step is not None and not dense_sync:
+                    bump.append(tf.compat.v1.assign_add(global_step, 1))
+            with tf.control_dependencies(bump):
+                tokens = tf.fill([max(st.total, st.replicas)], counter.read_value())
+                step_op = queue.enqueue_many(tokens)
+            self._close = queue.close(cancel_pending_enqueues=True)
+        with tf.compat.v1.device(st.worker_device):
+            self._wait = local_step.assign(queue.dequeue())
+        self._step_op = step_op
+        self._chief_init = tf.group(*chief_init)
+        self._train_names = {op.name for op in st.train_ops}
+        self._cache: Dict[str, bool] = {}
+
+    def after_create_session(self, session, coord):
+        if self._built and self._state.is_chief and self._thread is None:
+            session.run(self._chief_init)
+            self._thread = threading.Thread(target=self._update_loop, args=(session,),
+                                            name="tfpsx-table-sync-chief", daemon=True)
+            self._thread.start()
+
+    def _update_loop(self, session):
+        # Blocks in the accumulators' take until the gradients are in; the session's close
+        # at the end cancels the last, unfinished take.
+        while not self._stop.is_set():
+            try:
+                session.run(self._step_op)
+            except (tf.errors.CancelledError, tf.errors.OutOfRangeError):
+                if not self._stop.is_set():
+                    self._error = RuntimeError("sync (tables): the chief's update was "
+                                               "cancelled before training ended")
+                return
+            except Exception as e:  # noqa: BLE001 — re-raised in the training thread
+                if not self._stop.is_set():
+                    self._error = e
+                    logger.error("sync (tables): the chief's update failed: %s", e)
+                return
+
+    def after_run(self, run_context, run_values):
+        if self._error is not None:
+            raise RuntimeError("sync (tables): the chief's update thread failed") \
+                from self._error
+        if not self._built or not any(
+                _runs_train(f, self._train_names, self._cache)
+                for f in tf.nest.flatten(run_context.original_args.fetches)):
+            return
+        try:
+            run_context.session.run(self._wait, options=self._timeout)
+        except tf.errors.OutOfRangeError:
+            run_context.request_stop()  # the chief ended training
+        except tf.errors.DeadlineExceededError as e:
+            raise errors.ClusterTimeoutError(
+                f"sync (tables): worker waited TFPSX_SYNC_STEP_TIMEOUT="
+                f"{_setting(None, SYNC_STEP_TIMEOUT):g} s for its token, i.e. for "
+                f"{self._state.replicas} of the {self._state.total} workers' gradients and "
+                "the chief's update; is a worker or the chief dead? Lower "
+                "replicas_to_aggregate to go on without stragglers") from e
+
+    def end(self, session):
+        if self._built and self._state.is_chief:
+            self._stop.set()
             session.run(self._close)
 
 

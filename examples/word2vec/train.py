@@ -4,8 +4,12 @@ Graph mode, between-graph: every worker reads the corpus, draws (center, context
 pairs and negatives from its own random stream, and trains two tables (input and
 output vectors) whose ids are hashes of the words, so no vocabulary is built. Modes:
 
+  sync   the tables live on the parameter servers; each step the row gradients of all
+         workers are summed per row on the PS, averaged and applied once (by the chief),
+         and every worker waits for that before its next step. --steps counts these
+         global steps.
   async  the tables live on the parameter servers; lookups and the Adagrad updates run
-         there every step.
+         there every step, no worker waits for another.
   geo    each worker trains local copies and syncs the changed rows every k steps
          (tfpsx.DistributedStrategy k_steps), the sync in a background thread.
   local  no sharing at all: each worker trains its own tables (the communication-free
@@ -33,10 +37,11 @@ from tfpsx import embedding as E
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "geo", ["async", "geo", "local"], "how workers share the tables")
+flags.DEFINE_enum("mode", "geo", ["sync", "async", "geo", "local"],
+                  "how workers share the tables")
 flags.DEFINE_integer("k_steps", 100, "geo: local steps between syncs")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
-flags.DEFINE_integer("steps", 1000, "local steps per worker")
+flags.DEFINE_integer("steps", 1000, "local steps per worker (sync: global steps)")
 flags.DEFINE_integer("batch_size", 512, "(center, context) pairs per step")
 flags.DEFINE_integer("negatives", 5, "negative samples per pair")
 flags.DEFINE_integer("window", 2, "context window on each side")
@@ -128,7 +133,8 @@ def main(argv):
     corpus = Corpus(FLAGS.corpus, FLAGS.window)
     rng = np.random.default_rng(FLAGS.seed + me)
     k_steps = FLAGS.k_steps if FLAGS.mode == "geo" else 0
-    strategy = tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_steps": k_steps})
+    strategy = tfpsx.DistributedStrategy(a_sync=FLAGS.mode != "sync",
+                                         a_sync_configs={"k_steps": k_steps})
     local_device = [f"/job:{tfpsx.cluster_config().job_name}/task:{me}"]
 
     with tf.Graph().as_default():
@@ -144,7 +150,7 @@ def main(argv):
             targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],
                                                name="targets")
             # The step stamps rows for TTL eviction; GEO's local copies need no PS read.
-            step = global_step if FLAGS.mode == "async" else None
+            step = global_step if FLAGS.mode in ("async", "sync") else None
             looked_in = emb_in.lookup_unique(center, step=step)
             looked_out = emb_out.lookup_unique(targets, step=step)
             logits = tf.einsum("bd,bkd->bk", looked_in.embeddings, looked_out.embeddings)
@@ -159,7 +165,8 @@ def main(argv):
             train = [emb_in.minimize(objective, [looked_in], step=step),
                      emb_out.minimize(objective, [looked_out], step=step)]
             if FLAGS.mode == "async":  # GEO reports local steps to global_step when it
-                train.append(tf.compat.v1.assign_add(global_step, 1))  # pushes; local: never
+                train.append(tf.compat.v1.assign_add(global_step, 1))  # pushes, sync counts
+                # its global steps itself; local: never
             train_op = tf.group(*train)
             export_in, export_out = emb_in.export(), emb_out.export()
 
@@ -170,13 +177,19 @@ def main(argv):
             negs = corpus.negatives(rng, (FLAGS.batch_size, FLAGS.negatives))
             batches.append((c, np.concatenate([ctx[:, None], negs], axis=1)))
         losses = []
-        with tfpsx.MonitoredTrainingSession() as sess:
+        # Sync: run until the global step reaches --steps (a worker may take more or fewer
+        # of the steps than another: tokens are not per worker, as in TF).
+        last_step = FLAGS.steps if FLAGS.mode == "sync" else None
+        with tfpsx.MonitoredTrainingSession(last_step=last_step) as sess:
             start = time.perf_counter()
-            for i, (c, t) in enumerate(batches):
+            i = 0
+            while not sess.should_stop() and (last_step or i < FLAGS.steps):
+                c, t = batches[i % len(batches)]
                 _, value = sess.run([train_op, loss], {center: c, targets: t})
                 losses.append(value)
-                if FLAGS.log_every and (i + 1) % FLAGS.log_every == 0:
-                    print(f"worker {me}: step {i + 1}, loss {np.mean(losses[-50:]):.4f}",
+                i += 1
+                if FLAGS.log_every and i % FLAGS.log_every == 0:
+                    print(f"worker {me}: step {i}, loss {np.mean(losses[-50:]):.4f}",
                           flush=True)
             seconds = time.perf_counter() - start
             if FLAGS.mode == "local":
@@ -186,8 +199,8 @@ def main(argv):
             with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
                 rows_in, rows_out = s.run([export_in, export_out])
     eval_loss, gap = evaluate(rows_in, rows_out, corpus, FLAGS.dim)
-    report = {"worker": me, "mode": FLAGS.mode, "k_steps": k_steps, "steps": FLAGS.steps,
-              "seconds": seconds, "examples_per_sec": FLAGS.steps * FLAGS.batch_size / seconds,
+    report = {"worker": me, "mode": FLAGS.mode, "k_steps": k_steps, "steps": len(losses),
+              "seconds": seconds, "examples_per_sec": len(losses) * FLAGS.batch_size / seconds,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
               "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"]))}
     if FLAGS.mode == "geo":

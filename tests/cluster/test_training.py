@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_for_log
-import sparse_geo_job as sparse
+import sparse_job as sparse
 import training_job as job
 
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
@@ -82,6 +82,7 @@ def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"]),
                                         ("sync", []), ("sync", ["--replicas", "1"]),
+                                        ("sync", ["--table"]),
                                         ("staleness", ["--max_staleness", "2"])])
 def test_mode_trains_below_threshold(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
@@ -91,15 +92,16 @@ def test_mode_trains_below_threshold(make_cluster, mode, extra):
     for r in got.values():
         assert r["eval_loss"] < 0.01, r
         assert r["global_step"] >= 300
-    if mode == "sync" and not extra:
-        # Each global step averages 2 gradients, so the workers ran ~2 x 300 steps in all
-        # (async: ~300). Tokens are not per worker (SyncReplicasOptimizer), so how they
-        # split between the workers varies; stale gradients add a few.
-        total = sum(r["local_steps"] for r in got.values())
-        assert 570 <= total <= 680, got
         assert r["placement"]["w"].startswith("/job:ps/")
         if mode == "geo":
             assert r["pushes"] >= 1  # the background communicator ran
+    if mode == "sync" and extra != ["--replicas", "1"]:
+        # Each global step averages 2 gradients, so the workers ran ~2 x 300 steps in all
+        # (async: ~300). Tokens are not per worker (SyncReplicasOptimizer), so how they
+        # split between the workers varies; stale gradients add a few. With a table
+        # (--table) its sync steps must not count twice in global_step.
+        total = sum(r["local_steps"] for r in got.values())
+        assert 570 <= total <= 680, got
 
 
 @pytest.mark.timeout(240)
@@ -197,7 +199,7 @@ def sparse_geo_reference(workers: int, k: int, syncs: int):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster, workers):
     k, syncs = 3, 4
-    c = make_cluster(2, workers, script="sparse_geo_job.py", env=FAST,
+    c = make_cluster(2, workers, script="sparse_job.py", env=FAST,
                      args=["--k_steps", str(k), "--syncs", str(syncs)]).start()
     finish(c)
     want, rows_sent = sparse_geo_reference(workers, k, syncs)
@@ -212,6 +214,61 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
         assert sorted(got) == sorted(int(u) for u in want)
         for u, row in want.items():
             np.testing.assert_allclose(got[int(u)], row, rtol=1e-5, atol=1e-6)
+
+
+def sparse_sync_reference(steps: int):
+    """Sync Adagrad in numpy on the one batch every worker trains on: each step averages
+    the workers' (equal) row gradients and applies them once per row."""
+    ids = next(sparse.batches(0, 1))
+    want = sparse.targets(ids)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    rows = np.zeros((len(uniq), sparse.DIM), np.float32)
+    accum = np.full_like(rows, 0.1)
+    for _ in range(steps):
+        grad = np.zeros_like(rows)
+        np.add.at(grad, inv, 2 * (rows[inv] - want) / np.float32(sparse.BATCH * sparse.DIM))
+        accum += grad * grad
+        rows -= np.float32(sparse.LR) * grad / np.sqrt(accum)
+    return dict(zip(uniq.tolist(), rows))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, workers):
+    steps = 30
+    c = make_cluster(2, workers, script="sparse_job.py", env=FAST,
+                     args=["--mode", "sync", "--syncs", str(steps)]).start()
+    finish(c)
+    want = sparse_sync_reference(steps)
+    runs = 0
+    for i in range(workers):
+        line = [l for l in c.log("worker", i).splitlines() if l.startswith("SPARSE ")][-1]
+        r = json.loads(line[len("SPARSE "):])
+        assert r["global_step"] == steps, r
+        runs += r["runs"]
+        got = {int(key): np.array(v, np.float32) for key, v in r["rows"].items()}
+        assert sorted(got) == sorted(want)  # rows on both PS shards
+        for u, row in want.items():
+            # Summing a key's rows from two workers, then dividing, rounds differently
+            # from one worker's row: not bit-exact, far tighter than a second apply.
+            np.testing.assert_allclose(got[u], row, rtol=1e-5, atol=1e-6)
+    # Every step took one gradient per worker (a fast worker may give two of a step's).
+    assert runs >= steps * workers
+    if workers == 1:
+        assert runs == steps
+
+
+@pytest.mark.timeout(240)
+def test_sparse_sync_dead_worker_is_a_clear_timeout(make_cluster):
+    c = make_cluster(2, 2, script="sparse_job.py", env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="4"),
+                     args=["--mode", "sync", "--syncs", "1000000"]).start()
+    wait_for_log(c, "worker", 1, "session ready")
+    time.sleep(1.0)
+    c.kill("worker", 1)
+    codes = c.wait(timeout=120)
+    assert codes[("worker", 0)] != 0
+    log = c.log("worker", 0)
+    assert "ClusterTimeoutError" in log and "TFPSX_SYNC_STEP_TIMEOUT=4 s" in log, log[-3000:]
 
 
 @pytest.mark.timeout(240)

@@ -12,7 +12,7 @@ RUN = [sys.executable, "-m", "tfpsx.run"]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["geo", "async"])
+@pytest.mark.parametrize("mode", ["geo", "async", "sync"])
 def test_word2vec_learns_the_planted_topics(tmp_path, mode):
     proc = subprocess.run(
         RUN + ["--server_num", "1", "--worker_num", "2", "--log_dir", str(tmp_path),

@@ -42,6 +42,8 @@ def main(argv):
     p.add_argument("--slow_worker", type=int, default=None,
                    help="only this worker sleeps --step_delay after each step")
     p.add_argument("--partitioned", action="store_true")
+    p.add_argument("--table", action="store_true",
+                   help="add a per-id bias from a DynamicEmbedding (id: the sign of x[0])")
     p.add_argument("--no_final_barrier", action="store_true",
                    help="a worker may have been killed: do not wait for everyone at the end")
     args = p.parse_args(argv)
@@ -71,10 +73,19 @@ def main(argv):
                                           partitioner=partitioner)
             b = tf.compat.v1.get_variable("b", [], initializer=tf.zeros_initializer())
             w_value = tf.convert_to_tensor(w) if args.partitioned else w
-            loss = tf.reduce_mean(tf.square(tf.squeeze(tf.matmul(x, w_value), 1) + b - y))
+            pred = tf.squeeze(tf.matmul(x, w_value), 1) + b
+            if args.table:
+                emb = tfpsx.embedding.DynamicEmbedding(
+                    "bias", 1, initializer=tfpsx.embedding.zeros(),
+                    optimizer=tfpsx.embedding.SGD(LR))
+                looked = emb.lookup_unique(tf.cast(x[:, 0] > 0, tf.int64))
+                pred += tf.squeeze(looked.embeddings, 1)
+            loss = tf.reduce_mean(tf.square(pred - y))
             opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
                                               strategy)
             train_op = opt.minimize(loss, global_step=global_step)
+            if args.table:
+                train_op = tf.group(train_op, emb.minimize(loss, [looked]))
         placement = {v.op.name: v.device for v in tf.compat.v1.global_variables()
                      + tf.compat.v1.local_variables()}
         eval_x, eval_y = next(batches(99, 1))

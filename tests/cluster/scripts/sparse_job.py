@@ -1,0 +1,90 @@
+"""A DynamicEmbedding trained on 2 PS shards; prints one SPARSE json line per worker with
+the global rows.
+
+  sparse_job.py --mode geo --k_steps K --syncs T
+      k-step GEO (SGD), syncing in the training thread (deterministic).
+  sparse_job.py --mode sync --syncs T
+      sync (Adagrad) for T global steps; every worker trains on the same batch, so each
+      step's update is deterministic whichever worker's gradients it aggregates.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import tfpsx
+from tfpsx import embedding as E
+
+VOCAB, BATCH, DIM, LR = 40, 6, 2, 0.1
+
+
+def batches(worker: int, count: int):
+    """Ids worker ``worker`` trains on, in order: a few of the vocab, with repeats."""
+    rng = np.random.default_rng(500 + worker)
+    for _ in range(count):
+        yield rng.integers(0, VOCAB // 2 + 10 * worker, size=BATCH).astype(np.int64)
+
+
+def targets(ids):
+    ids = np.asarray(ids, np.float32)
+    return np.stack([ids / 10.0, -ids / 20.0], axis=-1).astype(np.float32)
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["geo", "sync"], default="geo")
+    p.add_argument("--k_steps", type=int, default=3)
+    p.add_argument("--syncs", type=int, default=4)
+    args = p.parse_args(argv)
+    tfpsx.init()
+    if tfpsx.is_server():
+        tfpsx.run_server()
+        return 0
+    tfpsx.init_worker()
+    me = tfpsx.worker_index()
+    geo = args.mode == "geo"
+    strategy = tfpsx.DistributedStrategy(a_sync=geo, a_sync_configs={
+        "k_steps": args.k_steps, "geo_sync_in_train_thread": True} if geo else {})
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(strategy):
+            step = tf.compat.v1.train.get_or_create_global_step()
+            emb = E.DynamicEmbedding("sparse", DIM, initializer=E.zeros(),
+                                     optimizer=E.SGD(LR) if geo else E.Adagrad(LR))
+            ids = tf.compat.v1.placeholder(tf.int64, [None])
+            want = tf.compat.v1.placeholder(tf.float32, [None, DIM])
+            looked = emb.lookup_unique(ids)
+            loss = tf.reduce_mean(tf.square(looked.embeddings - want))
+            train_op = tf.group(emb.minimize(loss, [looked]), name="user_group")
+            exported_rows = emb.export()  # the PS shards' rows, read at the end
+        runs = 0
+        if geo:
+            with tfpsx.MonitoredTrainingSession() as sess:
+                for batch in batches(me, args.k_steps * args.syncs):
+                    sess.run(train_op, {ids: batch, want: targets(batch)})
+            counters = emb._geo.counters
+        else:
+            batch = next(batches(0, 1))
+            with tfpsx.MonitoredTrainingSession(last_step=args.syncs) as sess:
+                print("session ready", flush=True)
+                while not sess.should_stop():
+                    sess.run(train_op, {ids: batch, want: targets(batch)})
+                    runs += 1
+            counters = None
+        tfpsx.barrier_worker()
+        exported = {}
+        with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
+            rows, global_step = s.run([exported_rows, step])
+            exported = {int(k): v.tolist() for k, v in zip(rows["keys"], rows["values"])}
+    report = {"worker": me, "rows": exported, "global_step": int(global_step), "runs": runs}
+    if counters is not None:
+        report.update(pushes=counters.pushes, rows_sent=counters.rows_sent,
+                      rows_received=counters.rows_received, bytes_sent=counters.bytes_sent)
+    print("SPARSE " + json.dumps(report), flush=True)
+    tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
