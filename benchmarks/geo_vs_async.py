@@ -1,8 +1,9 @@
 """GEO vs async vs the communication-free ceiling on the word2vec example.
 
-Graph mode, 1 PS + 2 workers on this machine, launched with tfpsx-run. Modes: async,
-GEO at k in {10, 100, 400}, and "local" (the same 2 workers training alone: no sync at
-all, the ceiling). Modes are interleaved and repeated, so machine drift hits all alike;
+Graph mode, 1 PS + 2 workers on this machine, launched with tfpsx-run. Modes: sync
+(--steps global steps, each averaging both workers' gradients), async, GEO at k in
+{10, 100, 400}, and "local" (the same 2 workers training alone: no sync at all, the
+ceiling). Modes are interleaved and repeated, so machine drift hits all alike;
 each run reports examples/s summed over the workers (training loop only) and the final
 eval loss of the shared tables. Targets: GEO at k >= 100 reaches >= 4x async and
 >= 0.9x the ceiling, at a final loss within 2% of async.
@@ -20,7 +21,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "word2vec", "train.py")
-MODES = [("async", 0), ("geo", 10), ("geo", 100), ("geo", 400), ("local", 0)]
+MODES = [("sync", 0), ("async", 0), ("geo", 10), ("geo", 100), ("geo", 400), ("local", 0)]
 
 
 def run(mode: str, k: int, steps: int, workers: int = 2):

@@ -404,17 +404,13 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
         grads = tf.gradients(loss, [l.unique_rows for l in lookups])
         return tf.group([self.apply_gradients(l, g, step) for l, g in zip(lookups, grads)])
 
-    def _geo_sync_ops(self, n: float, state):
-        """GEO's sparse push and pull for this table (built by the communicator hook).
-
-        Push: the keys changed in the local copy since the last push, delta = (local -
-        old) / n, old += delta, the PS shards += delta. Pull: the keys any worker changed
-        on the PS since this worker's last pull, local += global - old, old = global.
-        Returns (push op, rows pushed, pull op, rows pulled, reader registrations).
-        """
+    def _geo_push_ops(self, n: float, state):
+        """GEO's sparse push for this table (built by the communicator hook): the keys
+        changed in the local copy since the last push, delta = (local - old) / n,
+        old += delta, the PS shards += delta. Returns (push op, rows pushed, reader
+        registrations)."""
         ops = self._ops
         local, old = self._local.handles()[0], self._old.handles()[0]
-        me = tf.constant(state.worker_index, tf.int64)
         zero = tf.constant(0, tf.int64)
         step = _step(tf.compat.v1.train.get_global_step())
         with tf.compat.v1.device(state.worker_device):
@@ -423,20 +419,35 @@ class DynamicEmbedding(tf.__internal__.tracking.Trackable):
                      - ops.tfpsx_hash_table_find(old, keys)[0]) / n
             bump_old = ops.tfpsx_hash_table_accumulate(old, keys, delta, zero)
         push = tf.group(bump_old, self.accumulate(keys, delta, step))
-        got_keys, got_rows, register = [], [], [ops.tfpsx_hash_table_take_changed(local, zero)]
+        me = tf.constant(state.worker_index, tf.int64)
+        register = [ops.tfpsx_hash_table_take_changed(local, zero)]
         for i, handle in enumerate(self.handles()):
             with self._device(i):
-                changed = ops.tfpsx_hash_table_take_changed(handle, me)
-                got_keys.append(changed)
-                got_rows.append(ops.tfpsx_hash_table_find(handle, changed)[0])
                 register.append(ops.tfpsx_hash_table_take_changed(handle, me))
+        return push, tf.size(keys), register
+
+    def _geo_pull_ops(self, state, after=()):
+        """GEO's sparse pull, run after the ops ``after``: the keys any worker changed on
+        the PS since this worker's last pull, local += global - old, old = global.
+        Returns (pull op, rows pulled)."""
+        ops = self._ops
+        local, old = self._local.handles()[0], self._old.handles()[0]
+        me = tf.constant(state.worker_index, tf.int64)
+        zero = tf.constant(0, tf.int64)
+        got_keys, got_rows = [], []
+        with tf.control_dependencies(list(after)):
+            for i, handle in enumerate(self.handles()):
+                with self._device(i):
+                    changed = ops.tfpsx_hash_table_take_changed(handle, me)
+                    got_keys.append(changed)
+                    got_rows.append(ops.tfpsx_hash_table_find(handle, changed)[0])
         with tf.compat.v1.device(state.worker_device):
             keys_in, rows_in = tf.concat(got_keys, 0), tf.concat(got_rows, 0)
             moved = ops.tfpsx_hash_table_accumulate(
                 local, keys_in, rows_in - ops.tfpsx_hash_table_find(old, keys_in)[0], zero)
             with tf.control_dependencies([moved]):
                 pull = ops.tfpsx_hash_table_insert(old, keys_in, rows_in, zero)
-        return push, tf.size(keys), pull, tf.size(keys_in), register
+        return pull, tf.size(keys_in)
 
     # ------------------------------------------------------------------ plain table ops
     def insert(self, keys, values, step=None):

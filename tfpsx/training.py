@@ -789,7 +789,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._built = True
         st = self._state
         n = float(st.worker_num)
-        pushes, pulls, sent, received = [], [], [], []
+        pushes, sent, sent_bytes, registrations = [], [], [], []
         for p in st.dense:
             with tf.compat.v1.device(p.local.device):
                 delta = (p.local.read_value() - p.old.read_value()) / n
@@ -797,24 +797,11 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             with tf.compat.v1.device(p.global_.device):
                 push = p.global_.assign_add(delta)
             pushes.append(tf.group(bump_old, push))
-            with tf.compat.v1.device(p.global_.device):
-                g = p.global_.read_value()
-            with tf.compat.v1.device(p.local.device):
-                g = tf.identity(g)  # one transfer, used twice
-                with tf.control_dependencies([p.local.assign_add(g - p.old.read_value())]):
-                    pulls.append(p.old.assign(g))
-        dense_rows = sum(int(p.local.shape[0]) if p.local.shape.rank else 1 for p in st.dense)
-        dense_bytes = sum(4 * int(p.local.shape.num_elements()) for p in st.dense)
-        registrations, sent_bytes, received_bytes = [], [], []
         for table in st.tables:
-            push, rows_sent, pull, rows_received, register = table._geo_sync_ops(n, st)
+            push, rows_sent, register = table._geo_push_ops(n, st)
             pushes.append(push)
-            pulls.append(pull)
             sent.append(rows_sent)
-            received.append(rows_received)
-            row_bytes = tf.constant(8 + 4 * table.dim, tf.int64)  # key + row
-            sent_bytes.append(tf.cast(rows_sent, tf.int64) * row_bytes)
-            received_bytes.append(tf.cast(rows_received, tf.int64) * row_bytes)
+            sent_bytes.append(tf.cast(rows_sent, tf.int64) * (8 + 4 * table.dim))  # key + row
             registrations.extend(register)
         self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
         global_step = tf.compat.v1.train.get_global_step()
@@ -825,13 +812,41 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._push = {"done": tf.group(*report, name="geo_push"),
                           "rows": tf.add_n([tf.constant(0)] + sent),
                           "bytes": tf.add_n([tf.constant(0, tf.int64)] + sent_bytes)}
-        self._pull = {"done": tf.group(*pulls, name="geo_pull"),
-                      "rows": tf.add_n([tf.constant(0)] + received),
-                      "bytes": tf.add_n([tf.constant(0, tf.int64)] + received_bytes)}
+        self._push_pull = None
+        if st.in_train_thread:
+            # Deterministic: push, a barrier (every worker's push is in), then the pull.
+            self._pull = self._pull_ops([])
+        else:
+            # Background: the pull runs right after the push in the same step (one
+            # round of RPCs less per sync).
+            self._pull = self._pull_ops(list(self._push.values()))
+            self._push_pull = {"push": self._push, "pull": self._pull}
         self._register = tf.group(*registrations, name="geo_register")
-        self._dense_rows, self._dense_bytes = dense_rows, dense_bytes
+        self._dense_rows = sum(int(p.local.shape[0]) if p.local.shape.rank else 1
+                               for p in st.dense)
+        self._dense_bytes = sum(4 * int(p.local.shape.num_elements()) for p in st.dense)
         self._train_names = {op.name for op in st.train_ops}
         self._train_cache: Dict[str, bool] = {}
+
+    def _pull_ops(self, after):
+        """The pull of every GEO variable and table, after the ops ``after``."""
+        pulls, received, received_bytes = [], [], []
+        with tf.control_dependencies(after):
+            for p in self._state.dense:
+                with tf.compat.v1.device(p.global_.device):
+                    g = p.global_.read_value()
+                with tf.compat.v1.device(p.local.device):
+                    g = tf.identity(g)  # one transfer, used twice
+                    with tf.control_dependencies([p.local.assign_add(g - p.old.read_value())]):
+                        pulls.append(p.old.assign(g))
+        for table in self._state.tables:
+            pull, rows = table._geo_pull_ops(self._state, after)
+            pulls.append(pull)
+            received.append(rows)
+            received_bytes.append(tf.cast(rows, tf.int64) * (8 + 4 * table.dim))
+        return {"done": tf.group(*pulls, name="geo_pull"),
+                "rows": tf.add_n([tf.constant(0)] + received),
+                "bytes": tf.add_n([tf.constant(0, tf.int64)] + received_bytes)}
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
@@ -892,13 +907,18 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         with self._lock:
             start = time.monotonic()
             steps = self._steps
-            pushed = session.run(self._push, {self._new_steps: steps - self._pushed_steps})
+            new_steps = {self._new_steps: steps - self._pushed_steps}
+            if barrier or self._push_pull is None:
+                pushed = session.run(self._push, new_steps)
+                if barrier:
+                    FLEET.barrier_worker()
+                pulled = session.run(self._pull)
+                if barrier:
+                    FLEET.barrier_worker()
+            else:
+                done = session.run(self._push_pull, new_steps)
+                pushed, pulled = done["push"], done["pull"]
             self._pushed_steps = steps
-            if barrier:
-                FLEET.barrier_worker()
-            pulled = session.run(self._pull)
-            if barrier:
-                FLEET.barrier_worker()
             c = self._state.counters
             c.pushes += 1
             c.rows_sent += self._dense_rows + int(pushed["rows"])
