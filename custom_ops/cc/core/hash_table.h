@@ -51,6 +51,8 @@ struct TableOptions {
 // Returns "" when the options are usable, else what is wrong.
 std::string ValidateOptions(const TableOptions& options);
 
+class ChunkPool;  // where a table's row chunks come from (hash_table.cc)
+
 struct ExportedRows {
   std::vector<int64_t> keys;
   std::vector<float> values;     // n * dim
@@ -157,6 +159,7 @@ class HashTable {
 
   TableOptions options_;
   int64_t row_width_;  // dim * (1 + num_slots)
+  std::unique_ptr<ChunkPool> pool_;  // before stripes_: outlives the chunks they hold
   std::vector<std::unique_ptr<Stripe>> stripes_;
   int stripe_shift_;
 
