@@ -2,8 +2,10 @@
 
 Graph mode, 1 PS + 2 workers on this machine, launched with tfpsx-run. Modes: sync
 (--steps global steps, each averaging both workers' gradients), async, GEO at k in
-{10, 100, 400}, and "local" (the same 2 workers training alone: no sync at all, the
-ceiling). Modes are interleaved and repeated, so machine drift hits all alike;
+{10, 100, 400}, "local" (the same 2 workers training alone: no sync at all, the
+ceiling), and "tf_async": the same model in plain TF (two [vocab, dim] variables on the
+PS, TF's Adagrad; benchmarks/word2vec_tf_async.py), the async baseline the issue's
+reference figures were taken with. Modes are interleaved and repeated, so machine drift hits all alike;
 each run reports examples/s summed over the workers (training loop only) and the final
 eval loss of the shared tables. Targets: GEO at k >= 100 reaches >= 4x async and
 >= 0.9x the ceiling, at a final loss within 2% of async.
@@ -21,15 +23,18 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "word2vec", "train.py")
-MODES = [("sync", 0), ("async", 0), ("geo", 10), ("geo", 100), ("geo", 400), ("local", 0)]
+TF_ASYNC = os.path.join(ROOT, "benchmarks", "word2vec_tf_async.py")
+MODES = [("tf_async", 0), ("sync", 0), ("async", 0), ("geo", 10), ("geo", 100), ("geo", 400),
+         ("local", 0)]
 
 
 def run(mode: str, k: int, steps: int, workers: int = 2):
     with tempfile.TemporaryDirectory() as logs:
         proc = subprocess.run(
             [sys.executable, "-m", "tfpsx.run", "--server_num", "1", "--worker_num",
-             str(workers), "--log_dir", logs, "--timeout", "900", EXAMPLE, "--mode", mode,
-             "--k_steps", str(max(k, 1)), "--steps", str(steps)],
+             str(workers), "--log_dir", logs, "--timeout", "900"]
+            + ([TF_ASYNC] if mode == "tf_async" else [EXAMPLE, "--mode", mode])
+            + ["--k_steps", str(max(k, 1)), "--steps", str(steps)],
             capture_output=True, text=True, timeout=1000)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} k={k} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -67,12 +72,19 @@ def main(argv=None):
         name = f"geo k={k}" if mode == "geo" else mode
         print(f"{name:12s} {rate:11.0f} {rate / async_rate:8.2f} {rate / ceiling:10.2f} "
               f"{loss:10.4f} {100 * (loss - async_loss) / async_loss:+8.1f}%")
+    tf_async_rate = med[("tf_async", 0)][0]
     for k in (100, 400):
         rate, loss = med[("geo", k)]
-        ok = rate >= 4 * async_rate and rate >= 0.9 * ceiling and loss <= 1.02 * async_loss
-        print(f"target GEO k={k}: >= 4x async ({rate / async_rate:.2f}), >= 0.9x ceiling "
-              f"({rate / ceiling:.2f}), loss within 2% of async "
-              f"({100 * (loss - async_loss) / async_loss:+.1f}%): {'met' if ok else 'MISSED'}")
+        checks = [(f">= 4x async ({rate / async_rate:.2f}x tfpsx async, "
+                   f"{rate / tf_async_rate:.2f}x plain TF async)", rate >= 4 * async_rate),
+                  (f">= 0.9x ceiling ({rate / ceiling:.2f})", rate >= 0.9 * ceiling),
+                  (f"loss within 2% of async ({100 * (loss - async_loss) / async_loss:+.1f}%)",
+                   abs(loss - async_loss) <= 0.02 * async_loss)]
+        print(f"target GEO k={k}: " + "; ".join(
+            f"{what}: {'met' if ok else 'MISSED'}" for what, ok in checks))
+    print(f"async / ceiling: tfpsx {async_rate / ceiling:.2f}, plain TF "
+          f"{tf_async_rate / ceiling:.2f}; GEO cannot pass the ceiling, so 4x async needs "
+          "async <= 0.25x ceiling")
     return 0
 
 
