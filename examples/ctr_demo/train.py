@@ -118,7 +118,8 @@ def main(argv):
                 _, step = sess.run([train_op, global_step], feed_dict={
                     ids: ids_np[rows], dense: dense_np[rows], clicks: clicks_np[rows]})
                 local_steps += 1
-                if local_steps % args.log_every == 0:
+                # The step may have ended training (StopAtStepHook): no more runs then.
+                if local_steps % args.log_every == 0 and not sess.should_stop():
                     print(f"worker {index}: global step {step}, eval loss "
                           f"{sess.run(loss, feed_dict=eval_feed):.4f}", flush=True)
         seconds = time.time() - start
