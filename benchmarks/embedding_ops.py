@@ -48,28 +48,23 @@ def batches(rng, universe, count):
     return out
 
 
+def _mkeys_per_sec(fn, inputs) -> float:
+    start = time.perf_counter()
+    for x in inputs:
+        fn(x).numpy()
+    return len(inputs) * BATCH / (time.perf_counter() - start) / 1e6
+
+
 def insert_rate(fn, warmup, rounds_of_keys):
     """Median Mkeys/s of inserting keys a table has never seen: every round inserts its
     own batches (so each key is new when it is timed) after one untimed warm-up batch."""
     fn(warmup)
-    results = []
-    for inputs in rounds_of_keys:
-        start = time.perf_counter()
-        for x in inputs:
-            fn(x).numpy()
-        results.append(len(inputs) * BATCH / (time.perf_counter() - start) / 1e6)
-    return statistics.median(results)
+    return statistics.median(_mkeys_per_sec(fn, inputs) for inputs in rounds_of_keys)
 
 
 def rate(fn, inputs, rounds):
     fn(inputs[0])  # trace / warm up
-    results = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for x in inputs:
-            fn(x).numpy()
-        results.append(len(inputs) * BATCH / (time.perf_counter() - start) / 1e6)
-    return statistics.median(results)
+    return statistics.median(_mkeys_per_sec(fn, inputs) for _ in range(rounds))
 
 
 def main(argv=None):

@@ -313,12 +313,19 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
                 f"total_num_replicas={optimizer._total_num_replicas}, but the cluster has "
                 f"{n} workers; pass the plain optimizer and let tfpsx wrap it")
         optimizer = optimizer._opt  # noqa: SLF001
-    replicas = strategy.replicas_to_aggregate
-    replicas = n if replicas is None else replicas
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= n:
-        raise ValueError(f"distributed_optimizer: sync needs replicas_to_aggregate in 1..{n} "
-                         f"(the cluster's worker count), got {replicas!r}")
+    replicas = _sync_replicas(strategy, n, "distributed_optimizer")
     return SyncOptimizer(optimizer, replicas, n, config.is_chief)
+
+
+def _sync_replicas(strategy: DistributedStrategy, workers: int, what: str) -> int:
+    """The strategy's replicas_to_aggregate (default: every worker), checked."""
+    replicas = strategy.replicas_to_aggregate
+    replicas = workers if replicas is None else replicas
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or \
+            not 1 <= replicas <= workers:
+        raise ValueError(f"{what}: sync needs replicas_to_aggregate in 1..{workers} (the "
+                         f"cluster's worker count), got {replicas!r}")
+    return replicas
 
 
 @dataclasses.dataclass
@@ -405,13 +412,7 @@ class _TableSyncState:
 
     def __init__(self, strategy: DistributedStrategy, config):
         self.total = config.worker_num
-        replicas = strategy.replicas_to_aggregate
-        replicas = self.total if replicas is None else replicas
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or \
-                not 1 <= replicas <= self.total:
-            raise ValueError(f"sync: replicas_to_aggregate must be in 1..{self.total} (the "
-                             f"cluster's worker count), got {replicas!r}")
-        self.replicas = replicas
+        self.replicas = _sync_replicas(strategy, self.total, "model_scope")
         self.is_chief = config.is_chief
         self.worker_device = _worker_device(config)
         self.accumulators = []   # (table, shard, SparseConditionalAccumulator)

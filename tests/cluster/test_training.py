@@ -14,12 +14,13 @@ import training_job as job
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
 
 
-def reports(c, workers):
+def reports(c, workers, tag="TRAINING"):
+    """Each worker's last '<tag> {json}' line, parsed."""
     out = {}
     for i in range(workers):
-        lines = [l for l in c.log("worker", i).splitlines() if l.startswith("TRAINING ")]
-        assert lines, f"worker {i} printed no TRAINING line:\n{c.logs()}"
-        out[i] = json.loads(lines[-1][len("TRAINING "):])
+        lines = [l for l in c.log("worker", i).splitlines() if l.startswith(tag + " ")]
+        assert lines, f"worker {i} printed no {tag} line:\n{c.logs()}"
+        out[i] = json.loads(lines[-1][len(tag) + 1:])
     return out
 
 
@@ -203,9 +204,7 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
                      args=["--k_steps", str(k), "--syncs", str(syncs)]).start()
     finish(c)
     want, rows_sent = sparse_geo_reference(workers, k, syncs)
-    for i in range(workers):
-        line = [l for l in c.log("worker", i).splitlines() if l.startswith("SPARSE ")][-1]
-        r = json.loads(line[len("SPARSE "):])
+    for i, r in reports(c, workers, "SPARSE").items():
         assert r["pushes"] == syncs
         assert r["rows_sent"] == rows_sent[i]  # only changed rows travelled
         assert r["rows_sent"] < syncs * sparse.VOCAB
@@ -241,9 +240,7 @@ def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, worke
     finish(c)
     want = sparse_sync_reference(steps)
     runs = 0
-    for i in range(workers):
-        line = [l for l in c.log("worker", i).splitlines() if l.startswith("SPARSE ")][-1]
-        r = json.loads(line[len("SPARSE "):])
+    for r in reports(c, workers, "SPARSE").values():
         assert r["global_step"] == steps, r
         runs += r["runs"]
         got = {int(key): np.array(v, np.float32) for key, v in r["rows"].items()}

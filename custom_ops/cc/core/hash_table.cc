@@ -445,6 +445,20 @@ void HashTable::Find(const int64_t* keys, int64_t n, float* out, bool* found,
   });
 }
 
+int64_t HashTable::NewRow(Stripe& s, int64_t key, uint64_t h, uint64_t empty, bool init_value,
+                          uint32_t freq) {
+  const int64_t dim = options_.dim;
+  const int64_t r = s.AddRow(key, h, options_.max_stripe_rows, empty);
+  float* row = s.rows.row(r);
+  if (init_value) InitialRow(key, row);
+  for (int k = 0; k < options_.num_slots; ++k)
+    std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
+  s.rows.set_freq(r, freq);
+  ++s.admitted;
+  if (!s.pending.empty()) s.pending.erase(key);  // admitted: no longer counted
+  return r;
+}
+
 void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out) {
   const int64_t dim = options_.dim;
   std::vector<int64_t> inserted;
@@ -462,15 +476,8 @@ void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float
           return;
         }
       }
-      r = s.AddRow(key, h, options_.max_stripe_rows, empty);  // may throw: the count stays
-      if (options_.min_frequency > 1) s.pending.erase(key);
-      float* row = s.rows.row(r);
-      InitialRow(key, row);
-      for (int k = 0; k < options_.num_slots; ++k)
-        std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
-      s.rows.set_freq(r, seen);
+      r = NewRow(s, key, h, empty, /*init_value=*/true, seen);  // may throw: the count stays
       s.rows.set_step(r, step);
-      ++s.admitted;
       inserted.push_back(key);
     } else if (s.rows.freq(r) != UINT32_MAX) {
       s.rows.set_freq(r, s.rows.freq(r) + 1);
@@ -483,7 +490,6 @@ void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float
 template <typename Fn>
 void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
                            bool init_value, Fn&& fn) {
-  const int64_t dim = options_.dim;
   const bool track = has_readers_.load(std::memory_order_acquire);
   std::vector<int64_t> changed;
   if (track) changed.reserve(n);
@@ -495,14 +501,7 @@ void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, 
     if (r < 0) {
       // fn(nullptr, i) decides whether a missing key gets a row (admission).
       if (!fn(nullptr, i)) return;
-      r = s.AddRow(key, h, options_.max_stripe_rows, empty);
-      float* row = s.rows.row(r);
-      if (init_value) InitialRow(key, row);  // else fn overwrites it
-      for (int k = 0; k < options_.num_slots; ++k)
-        std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
-      s.rows.set_freq(r, 1);
-      ++s.admitted;
-      if (!s.pending.empty()) s.pending.erase(key);
+      r = NewRow(s, key, h, empty, init_value, 1);  // without init_value fn overwrites it
     }
     fn(s.rows.row(r), i);
     s.rows.set_step(r, step);

@@ -145,6 +145,11 @@ class HashTable {
   template <bool kExclusive, typename Fn>
   void ForEachByStripe(const int64_t* keys, int64_t n, const float* stream, Fn&& fn) const;
   void MarkChanged(const int64_t* keys, int64_t n);
+  // Adds a missing key's row at the probe's free slot `empty`: its initial value (when
+  // init_value), slots at slot_init, frequency `freq`, admission bookkeeping. May throw
+  // std::length_error (a full stripe).
+  int64_t NewRow(Stripe& s, int64_t key, uint64_t h, uint64_t empty, bool init_value,
+                 uint32_t freq);
   int64_t RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted);
   template <typename Fn>
   int64_t SumOverStripes(Fn&& fn) const;
