@@ -404,16 +404,24 @@ class _TableSyncState:
     The chief's update thread takes ``replicas_to_aggregate`` gradients per shard, sums
     the rows of each key, divides by ``replicas_to_aggregate`` and applies the table's
     server-side optimizer once, bumps the sync step (and ``global_step``, unless a dense
-    ``SyncOptimizer`` in the same graph counts the steps) and releases one token per
-    worker. After each training run a worker takes a token (bounded by
-    TFPSX_SYNC_STEP_TIMEOUT) before its next step; at the end the chief closes the token
-    queue, so waiting workers stop normally.
+    ``SyncOptimizer`` in the same graph counts the steps) and puts one token into each
+    worker's own token queue. After each training run a worker takes its token (bounded
+    by TFPSX_SYNC_STEP_TIMEOUT) before its next step; at the end the chief closes the
+    token queues, so waiting workers stop normally.
+
+    Tokens are per worker (unlike TF's SyncReplicasOptimizer, whose shared tokens let a
+    fast worker supply two gradients of one step): with ``replicas_to_aggregate`` equal
+    to the worker count every step has one gradient from each worker, and a dead worker
+    stops the step, which the others report as ``ClusterTimeoutError``. A straggler
+    (fewer replicas than workers) that finds several tokens takes them all and goes on
+    from the newest step; at most 2 wait for any worker.
     """
 
     def __init__(self, strategy: DistributedStrategy, config):
         self.total = config.worker_num
         self.replicas = _sync_replicas(strategy, self.total, "model_scope")
         self.is_chief = config.is_chief
+        self.index = config.index
         self.worker_device = _worker_device(config)
         self.accumulators = []   # (table, shard, SparseConditionalAccumulator)
         self.train_ops = []
@@ -511,19 +519,30 @@ class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
         dense_sync = any(isinstance(h, _SyncEndHook) for h in graph.get_collection(_HOOKS))
         global_step = tf.compat.v1.train.get_global_step()
         with tf.compat.v1.device(counter.device):
-            queue = tf.queue.FIFOQueue(-1, tf.int64, shapes=[],
-                                       shared_name="tfpsx_table_sync_tokens",
-                                       name="tfpsx_table_sync_tokens")
+            queues = [tf.queue.FIFOQueue(-1, tf.int64, shapes=[],
+                                         shared_name=f"tfpsx_table_sync_tokens_{w}",
+                                         name=f"tfpsx_table_sync_tokens_{w}")
+                      for w in range(st.total)]
             with tf.control_dependencies(updates):
                 bump = [counter.assign_add(1)]
                 if global_step is not None and not dense_sync:
                     bump.append(tf.compat.v1.assign_add(global_step, 1))
             with tf.control_dependencies(bump):
-                tokens = tf.fill([max(st.total, st.replicas)], counter.read_value())
-                step_op = queue.enqueue_many(tokens)
-            self._close = queue.close(cancel_pending_enqueues=True)
+                token = counter.read_value()
+                # At most 2 tokens wait per worker, so the queue of a dead backup worker
+                # (fewer replicas than workers) does not grow by one token every step.
+                step_op = tf.group(*[q.enqueue_many(tf.fill(
+                    [tf.cast(q.size() < 2, tf.int32)], token)) for q in queues])
+            self._close = tf.group(*[q.close(cancel_pending_enqueues=True) for q in queues])
+            # This worker's token (waits for it), then any older ones a straggler left:
+            # only this worker dequeues its queue, so size-then-dequeue does not race.
+            mine = queues[st.index]
+            first = mine.dequeue()
+            with tf.control_dependencies([first]):
+                rest = mine.dequeue_many(mine.size())
+            newest = tf.maximum(first, tf.reduce_max(rest))  # max of none: int64 min
         with tf.compat.v1.device(st.worker_device):
-            self._wait = local_step.assign(queue.dequeue())
+            self._wait = local_step.assign(newest)
         self._step_op = step_op
         self._chief_init = tf.group(*chief_init)
         self._train_names = {op.name for op in st.train_ops}

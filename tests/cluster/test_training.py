@@ -84,6 +84,10 @@ def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
 @pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"]),
                                         ("sync", []), ("sync", ["--replicas", "1"]),
                                         ("sync", ["--table"]),
+                                        # a straggler among 2 workers, 1 replica per step
+                                        ("sync", ["--table", "--replicas", "1",
+                                                  "--step_delay", "0.05",
+                                                  "--slow_worker", "1"]),
                                         ("staleness", ["--max_staleness", "2"])])
 def test_mode_trains_below_threshold(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
@@ -96,13 +100,15 @@ def test_mode_trains_below_threshold(make_cluster, mode, extra):
         assert r["placement"]["w"].startswith("/job:ps/")
         if mode == "geo":
             assert r["pushes"] >= 1  # the background communicator ran
-    if mode == "sync" and extra != ["--replicas", "1"]:
+    if mode == "sync" and "--replicas" not in extra:
         # Each global step averages 2 gradients, so the workers ran ~2 x 300 steps in all
         # (async: ~300). Tokens are not per worker (SyncReplicasOptimizer), so how they
         # split between the workers varies; stale gradients add a few. With a table
         # (--table) its sync steps must not count twice in global_step.
         total = sum(r["local_steps"] for r in got.values())
         assert 570 <= total <= 680, got
+    if "--slow_worker" in extra:  # the straggler held nobody back
+        assert got[0]["local_steps"] > 2 * got[1]["local_steps"], got
 
 
 @pytest.mark.timeout(240)

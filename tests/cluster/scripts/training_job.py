@@ -121,8 +121,11 @@ def main(argv):
             w_global = (tf.concat([globals_[n] for n in sorted(globals_) if n.startswith("w/")], 0)
                         if args.partitioned else globals_["w"])
             g_w, g_b, g_step = s.run([w_global, globals_["b"], global_step])
-            eval_loss = s.run(tf.reduce_mean(tf.square(
-                tf.squeeze(tf.matmul(eval_x, w_global), 1) + globals_["b"] - eval_y)))
+            eval_pred = tf.squeeze(tf.matmul(eval_x, w_global), 1) + globals_["b"]
+            if args.table:  # the model's per-id bias, from the table's PS shards
+                eval_ids = tf.constant((eval_x[:, 0] > 0).astype(np.int64))
+                eval_pred += tf.squeeze(emb.lookup(eval_ids), 1)
+            eval_loss = s.run(tf.reduce_mean(tf.square(eval_pred - eval_y)))
         report.update({"global_w": g_w.ravel().tolist(), "global_b": float(g_b),
                        "global_step": int(g_step), "eval_loss": float(eval_loss)})
     print("TRAINING " + json.dumps(report), flush=True)
