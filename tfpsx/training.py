@@ -395,7 +395,36 @@ class _SyncEndHook(tf.compat.v1.train.SessionRunHook):
             session.run(self._close)
 
 
-class _TableSyncState:
+class _GraphState:
+    """A graph's one state of a training mode (kept in the graph collection
+    ``COLLECTION``; its ``hook`` joins the graph's tfpsx hooks), built by
+    ``model_scope`` and found by the tables created inside it."""
+
+    COLLECTION = ""
+
+    @classmethod
+    def of(cls, graph, create_for=None):
+        """The graph's state; made from ``create_for`` (constructor args) when absent."""
+        found = graph.get_collection(cls.COLLECTION)
+        if found:
+            return found[0]
+        if create_for is None:
+            return None
+        state = cls(*create_for)
+        graph.add_to_collection(cls.COLLECTION, state)
+        graph.add_to_collection(_HOOKS, state.hook)
+        return state
+
+    @classmethod
+    def in_scope(cls):
+        """The state when called inside ``model_scope`` of its mode (graph mode only)."""
+        if tf.executing_eagerly():
+            return None
+        state = cls.of(tf.compat.v1.get_default_graph())
+        return state if state is not None and state.scopes > 0 else None
+
+
+class _TableSyncState(_GraphState):
     """Sync mode for the ``DynamicEmbedding`` tables of one graph (built inside
     ``model_scope(sync strategy)``).
 
@@ -417,6 +446,8 @@ class _TableSyncState:
     from the newest step; at most 2 wait for any worker.
     """
 
+    COLLECTION = _SYNC_STATE
+
     def __init__(self, strategy: DistributedStrategy, config):
         self.total = config.worker_num
         self.replicas = _sync_replicas(strategy, self.total, "model_scope")
@@ -429,18 +460,6 @@ class _TableSyncState:
         self._counter = None
         self._local_step = None
         self.hook = _TableSyncHook(self)
-
-    @staticmethod
-    def of(graph, create_for=None) -> Optional["_TableSyncState"]:
-        found = graph.get_collection(_SYNC_STATE)
-        if found:
-            return found[0]
-        if create_for is None:
-            return None
-        state = _TableSyncState(*create_for)
-        graph.add_to_collection(_SYNC_STATE, state)
-        graph.add_to_collection(_HOOKS, state.hook)
-        return state
 
     def _steps(self):
         """(sync step on PS 0, this worker's local step): made on the first push."""
@@ -478,10 +497,7 @@ class _TableSyncState:
 
 def sync_state_in_scope() -> Optional[_TableSyncState]:
     """The table sync state when called inside ``model_scope(sync strategy)`` (graph)."""
-    if tf.executing_eagerly():
-        return None
-    state = _TableSyncState.of(tf.compat.v1.get_default_graph())
-    return state if state is not None and state.scopes > 0 else None
+    return _TableSyncState.in_scope()
 
 
 class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
@@ -693,9 +709,11 @@ def _runs_train(fetch, train_names, cache: Dict[str, bool]) -> bool:
     return cache[op.name]
 
 
-class _GeoState:
+class _GeoState(_GraphState):
     """The GEO bookkeeping of one graph: what to sync (dense pairs, sparse tables), which
     train ops count as local steps, the counters, and the one communicator hook."""
+
+    COLLECTION = _GEO_STATE
 
     def __init__(self, strategy: DistributedStrategy, config):
         self.k_steps = strategy.k_steps
@@ -710,25 +728,10 @@ class _GeoState:
         self.scopes = 0  # open model_scope(geo) blocks
         self.hook = _GeoSyncHook(self)
 
-    @staticmethod
-    def of(graph, create_for=None) -> Optional["_GeoState"]:
-        found = graph.get_collection(_GEO_STATE)
-        if found:
-            return found[0]
-        if create_for is None:
-            return None
-        state = _GeoState(*create_for)
-        graph.add_to_collection(_GEO_STATE, state)
-        graph.add_to_collection(_HOOKS, state.hook)
-        return state
-
 
 def geo_state_in_scope() -> Optional[_GeoState]:
     """The GEO state when called inside ``model_scope(geo strategy)`` in graph mode."""
-    if tf.executing_eagerly():
-        return None
-    state = _GeoState.of(tf.compat.v1.get_default_graph())
-    return state if state is not None and state.scopes > 0 else None
+    return _GeoState.in_scope()
 
 
 class GeoOptimizer(_WrappedOptimizer):

@@ -29,6 +29,15 @@ def finish(c, timeout=150):
     assert all(code == 0 for code in codes.values()), f"{codes}\n{c.logs()}"
 
 
+def kill_worker_1_once_training(c, timeout):
+    """Kills worker 1 a second after its session is ready; returns the exit codes of the
+    rest (waiting at most ``timeout`` s)."""
+    wait_for_log(c, "worker", 1, "session ready")
+    time.sleep(1.0)
+    c.kill("worker", 1)
+    return c.wait(timeout=timeout)
+
+
 def geo_reference(workers: int, k: int, syncs: int):
     """The GEO update rule in numpy: k local SGD steps per worker, push (local-old)/N,
     all pushes land, pull local += global - old, old = global."""
@@ -265,10 +274,7 @@ def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, worke
 def test_sparse_sync_dead_worker_is_a_clear_timeout(make_cluster):
     c = make_cluster(2, 2, script="sparse_job.py", env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="4"),
                      args=["--mode", "sync", "--syncs", "1000000"]).start()
-    wait_for_log(c, "worker", 1, "session ready")
-    time.sleep(1.0)
-    c.kill("worker", 1)
-    codes = c.wait(timeout=120)
+    codes = kill_worker_1_once_training(c, timeout=120)
     assert codes[("worker", 0)] != 0
     log = c.log("worker", 0)
     assert "ClusterTimeoutError" in log and "TFPSX_SYNC_STEP_TIMEOUT=4 s" in log, log[-3000:]
@@ -280,10 +286,7 @@ def test_training_goes_on_when_a_worker_is_killed(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--steps", "400", "--step_delay", "0.01",
                            "--no_final_barrier"] + extra).start()
-    wait_for_log(c, "worker", 1, "session ready")
-    time.sleep(1.0)
-    c.kill("worker", 1)
-    codes = c.wait(timeout=180)
+    codes = kill_worker_1_once_training(c, timeout=180)
     assert codes[("worker", 0)] == 0 and codes[("server", 0)] == 0, f"{codes}\n{c.logs()}"
     r = reports(c, 1)[0]
     assert r["global_step"] >= 400 and r["eval_loss"] < 0.01, r
@@ -310,10 +313,7 @@ def test_a_dead_worker_is_a_clear_timeout_not_a_hang(make_cluster, mode, env):
     c = make_cluster(1, 2, script="training_job.py", env=dict(FAST, **env),
                      args=["--mode", mode, "--max_staleness", "1", "--steps", "100000",
                            "--step_delay", "0.01", "--no_final_barrier"]).start()
-    wait_for_log(c, "worker", 1, "session ready")
-    time.sleep(1.0)
-    c.kill("worker", 1)
-    codes = c.wait(timeout=120)
+    codes = kill_worker_1_once_training(c, timeout=120)
     assert codes[("worker", 0)] != 0
     log = c.log("worker", 0)
     assert "ClusterTimeoutError" in log, log[-3000:]
