@@ -238,6 +238,34 @@ void TestTableFull() {
   CHECK(tfpsx::ValidateOptions(o).find("max_stripe_rows") != std::string::npos);
 }
 
+void TestReservedCapacity() {
+  auto o = Opts(4);
+  o.capacity = 20000;
+  tfpsx::HashTable t(o);
+  const int64_t reserved = t.MemoryBytes();
+  CHECK(reserved >= 20000 * (20 + 4 * 4));  // index plus the rows' memory, mapped up front
+  std::vector<int64_t> keys(20000);
+  for (int64_t i = 0; i < 20000; ++i) keys[i] = i * 1000003 + 7;
+  std::vector<float> values(keys.size() * 4);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
+  t.Insert(keys.data(), 20000, values.data(), 1);
+  CHECK(t.Size() == 20000);
+  CHECK(t.MemoryBytes() == reserved);  // neither an index nor a row block grew
+  std::vector<float> out(values.size());
+  t.Find(keys.data(), 20000, out.data(), nullptr);
+  CHECK(out == values);
+  // Past the reservation the table grows as any other.
+  std::vector<int64_t> more(40000);
+  for (int64_t i = 0; i < 40000; ++i) more[i] = -(i + 1);
+  std::vector<float> zeros(more.size() * 4, 0.f);
+  t.Insert(more.data(), 40000, zeros.data(), 2);
+  CHECK(t.Size() == 60000 && t.MemoryBytes() > reserved);
+  t.Find(keys.data(), 20000, out.data(), nullptr);
+  CHECK(out == values);
+  o.capacity = -1;
+  CHECK(tfpsx::ValidateOptions(o).find("capacity must be in 0..") != std::string::npos);
+}
+
 }  // namespace
 
 int main() {
@@ -249,6 +277,7 @@ int main() {
   TestImportAndChanged();
   TestValidate();
   TestTableFull();
+  TestReservedCapacity();
   if (failures) {
     std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
     return 1;

@@ -235,7 +235,28 @@ def test_concurrent_lookups_and_updates():
     np.testing.assert_array_equal(t.lookup(np.arange(100)), np.full((100, 4), 4 * 30.0))
 
 
+def test_capacity_reserves_rows_up_front():
+    # 2 shards, 3000 rows each reserved: the index and the row memory of the first 6000
+    # keys exist before any key does, so inserting them grows nothing.
+    t = table(dim=4, shards=2, capacity=6000)
+    reserved = int(t.stats()[4])
+    assert reserved >= 6000 * (20 + 4 * 4)  # at least the rows' records [key|step|freq|row]
+    keys = np.arange(6000, dtype=np.int64) * 7919
+    rows = np.arange(6000 * 4, dtype=np.float32).reshape(6000, 4)
+    t.insert(keys, rows)
+    size, _, _, _, held = t.stats().numpy()
+    assert size == 6000 and held == reserved
+    np.testing.assert_array_equal(t.lookup(keys), rows)
+    t.insert(-keys[1:], rows[1:])  # past the reservation the table grows as any other
+    assert int(t.size()) == 11999 and int(t.stats()[4]) > reserved
+    np.testing.assert_array_equal(t.lookup(keys), rows)
+
+
 def test_bad_inputs_are_clear():
+    with pytest.raises(ValueError, match="capacity must be None or an int >= 0.*got -5"):
+        E.DynamicEmbedding("cap", 2, capacity=-5)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="capacity must be in 0..1073741696"):
+        E.DynamicEmbedding(f"hugecap{next(_names)}", 2, capacity=2 ** 40).lookup([1])
     with pytest.raises(TypeError, match="ids must be integers.*float32"):
         table().lookup(tf.constant([1.5]))
     with pytest.raises(ValueError, match="dim must be a positive int, got -2"):

@@ -49,6 +49,9 @@ std::string ValidateOptions(const TableOptions& o) {
            std::to_string(o.max_stripe_rows);
   if (o.num_stripes < 1 || (o.num_stripes & (o.num_stripes - 1)) != 0)
     return "num_stripes must be a power of two, got " + std::to_string(o.num_stripes);
+  if (o.capacity < 0 || o.capacity / o.num_stripes > o.max_stripe_rows)
+    return "capacity must be in 0.." + std::to_string(o.num_stripes * o.max_stripe_rows) +
+           " (num_stripes * max_stripe_rows), got " + std::to_string(o.capacity);
   if (o.init == InitKind::kUniform && !(o.init_a < o.init_b))
     return "uniform initializer needs low < high";
   if (o.init == InitKind::kNormal && !(o.init_b >= 0))
@@ -99,6 +102,25 @@ class ChunkPool {
     std::lock_guard<std::mutex> lock(mu_);
     free_.push_back(chunk);
   }
+  // Maps blocks for at least `chunks` more chunks (whole blocks) and faults their pages
+  // in now, so that the chunks Get hands out later cost no page faults.
+  void Reserve(int64_t chunks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t per_block = static_cast<int64_t>(block_bytes_ / chunk_bytes_);
+    std::vector<char*> reserved;
+    for (int64_t left = chunks; left > 0; left -= per_block) {
+      char* block = AllocBlock();
+      blocks_.push_back(block);
+      Populate(block, block_bytes_);
+      for (int64_t c = 0; c < per_block; ++c) reserved.push_back(block + c * chunk_bytes_);
+    }
+    // Get pops from the back: hand the chunks out in address order.
+    free_.insert(free_.end(), reserved.rbegin(), reserved.rend());
+  }
+  int64_t MappedBytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(blocks_.size() * block_bytes_);
+  }
 
  private:
   char* AllocBlock() {
@@ -119,6 +141,17 @@ class ChunkPool {
     if (p == nullptr) throw std::bad_alloc();
     return p;
 #endif
+  }
+  static void Populate(char* p, size_t bytes) {
+#ifdef __linux__
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux >= 5.14
+#endif
+    // One call faults the whole range in (cheaper than a trap per page); older kernels
+    // say EINVAL, then the pages are touched one by one.
+    if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return;
+#endif
+    for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
   }
   void FreeBlock(char* b) {
 #ifdef __linux__
@@ -198,7 +231,6 @@ class RowStore {
     chunks_.clear();
     size_ = 0;
   }
-  int64_t Bytes() const { return static_cast<int64_t>(chunks_.size()) * kChunkRows * stride_; }
 
  private:
   template <typename T>
@@ -336,6 +368,25 @@ HashTable::HashTable(const TableOptions& options)
   for (auto& s : stripes_) s->rows.set_pool(pool_.get());
   stripe_shift_ = 64;
   for (int s = options.num_stripes; s > 1; s >>= 1) --stripe_shift_;
+  if (options.capacity > 0) Reserve();
+}
+
+void HashTable::Reserve() {
+  // Keys fall into stripes binomially: give each stripe its share plus 4 standard
+  // deviations, so that no stripe outgrows its index before the table holds capacity.
+  const double share = static_cast<double>(options_.capacity) / options_.num_stripes;
+  const int64_t rows = static_cast<int64_t>(std::ceil(share + 4 * std::sqrt(share)));
+  uint64_t slots = 16;
+  while (static_cast<double>(rows) > kMaxLoad * static_cast<double>(slots)) slots *= 2;
+  reserved_slots_ = slots;
+  for (auto& s : stripes_) {
+    s->index.assign(slots, 0);
+    s->mask = slots - 1;
+  }
+  // Row memory for capacity rows, plus one chunk per stripe: each stripe's last chunk is
+  // partly filled.
+  pool_->Reserve((options_.capacity + RowStore::kChunkRows - 1) / RowStore::kChunkRows +
+                 options_.num_stripes);
 }
 
 HashTable::~HashTable() = default;
@@ -605,8 +656,8 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
     for (auto& sp : stripes_) {
       Stripe& s = *sp;
       std::unique_lock<std::shared_mutex> lock(s.mu);
-      s.index.clear();
-      s.mask = 0;
+      s.index.assign(reserved_slots_, 0);  // a reserved table keeps its index size
+      s.mask = reserved_slots_ == 0 ? 0 : reserved_slots_ - 1;
       s.rows.Clear();
       s.pending.clear();
     }
@@ -792,9 +843,12 @@ int64_t HashTable::pending_admission() const {
 }
 
 int64_t HashTable::MemoryBytes() const {
+  // The indexes plus every block the pool mapped (rows held, chunks reserved or given
+  // back, the current block's rest).
   return SumOverStripes([](const Stripe& s) -> int64_t {
-    return static_cast<int64_t>(s.index.capacity() * sizeof(uint32_t)) + s.rows.Bytes();
-  });
+           return static_cast<int64_t>(s.index.capacity() * sizeof(uint32_t));
+         }) +
+         pool_->MappedBytes();
 }
 
 }  // namespace tfpsx

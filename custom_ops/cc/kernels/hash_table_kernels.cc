@@ -60,6 +60,7 @@ class HashTableHandleOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("init_b", &options_.init_b));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("min_frequency", &min_frequency));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacity", &options_.capacity));
     options_.dim = dim;
     options_.num_slots = num_slots;
     options_.seed = static_cast<uint64_t>(seed);

@@ -38,12 +38,14 @@ REGISTER_OP("TfpsxHashTableHandleOp")
     .Attr("init_b: float = 0.0")
     .Attr("seed: int = 0")
     .Attr("min_frequency: int = 1")
+    .Attr("capacity: int = 0")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
     .Doc(R"doc(
 Creates (on first run) or finds the dynamic embedding table `shared_name` on this
 device and returns a handle to it. Running it for an existing table with another dim
-or slot count is an error.
+or slot count is an error. capacity > 0 reserves that many rows when the table is
+created (index sized, row memory faulted in); it is a hint, ignored for an existing table.
 )doc");
 
 REGISTER_OP("TfpsxHashTableFind")
