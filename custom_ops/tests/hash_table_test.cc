@@ -254,6 +254,14 @@ void TestReservedCapacity() {
   std::vector<float> out(values.size());
   t.Find(keys.data(), 20000, out.data(), nullptr);
   CHECK(out == values);
+  // A restore (import replacing every row) keeps the reservation.
+  const tfpsx::ExportedRows e = t.Export();
+  CHECK(t.Import(e.keys.data(), 20000, e.values.data(), nullptr, 0, e.freq.data(),
+                 e.step.data(), /*clear_first=*/true)
+            .empty());
+  CHECK(t.Size() == 20000 && t.MemoryBytes() == reserved);
+  t.Find(keys.data(), 20000, out.data(), nullptr);
+  CHECK(out == values);
   // Past the reservation the table grows as any other.
   std::vector<int64_t> more(40000);
   for (int64_t i = 0; i < 40000; ++i) more[i] = -(i + 1);
