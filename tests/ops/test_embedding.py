@@ -1,5 +1,8 @@
 """tfpsx.embedding.DynamicEmbedding and the table ops in one process (eager and graph)."""
 
+import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -250,6 +253,31 @@ def test_capacity_reserves_rows_up_front():
     t.insert(-keys[1:], rows[1:])  # past the reservation the table grows as any other
     assert int(t.size()) == 11999 and int(t.stats()[4]) > reserved
     np.testing.assert_array_equal(t.lookup(keys), rows)
+
+
+_RESERVE_BEYOND_MEMORY = """
+import resource
+import tensorflow as tf
+from tfpsx import embedding as E
+E.DynamicEmbedding("warm", 2).lookup([1])  # TF's threads and the op library are up
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+try:
+    E.DynamicEmbedding("big", 16, capacity=100_000_000).lookup([1])
+except tf.errors.ResourceExhaustedError as e:
+    print("ERROR:", e.message)
+"""
+
+
+def test_capacity_beyond_memory_is_a_clear_error():
+    # 100M rows (~9 GiB) in a process allowed 1 GiB more address space: the table is not
+    # created, and the error says which table, what it reserved and why it failed.
+    out = subprocess.run([sys.executable, "-c", _RESERVE_BEYOND_MEMORY], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"ERROR: .*tfpsx table 'big/part_0' with capacity=100000000: reserving "
+                     r"100000000 rows \(\d+ MiB\) failed", out.stdout), out.stdout + out.stderr[-2000:]
 
 
 def test_bad_inputs_are_clear():

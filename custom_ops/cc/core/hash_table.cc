@@ -1,6 +1,7 @@
 #include "custom_ops/cc/core/hash_table.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -128,7 +129,10 @@ class ChunkPool {
     // Over-map by one huge page so the block can start on a huge-page boundary.
     const size_t span = block_bytes_ + kHugePage;
     void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) throw std::bad_alloc();
+    if (m == MAP_FAILED) {
+      throw std::runtime_error("could not map " + std::to_string(span) +
+                               " bytes for rows: " + std::strerror(errno));
+    }
     const uintptr_t base = reinterpret_cast<uintptr_t>(m);
     const uintptr_t start = (base + kHugePage - 1) & ~(uintptr_t{kHugePage} - 1);
     if (start > base) munmap(m, start - base);
@@ -148,8 +152,13 @@ class ChunkPool {
 #define MADV_POPULATE_WRITE 23  // Linux >= 5.14
 #endif
     // One call faults the whole range in (cheaper than a trap per page); older kernels
-    // say EINVAL, then the pages are touched one by one.
+    // say EINVAL, then the pages are touched one by one. Out of memory is an error here
+    // rather than a kill later.
     if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return;
+    if (errno != EINVAL) {
+      throw std::runtime_error("could not fault in " + std::to_string(bytes) +
+                               " bytes of reserved rows: " + std::strerror(errno));
+    }
 #endif
     for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
   }
@@ -378,15 +387,23 @@ void HashTable::Reserve() {
   const int64_t rows = static_cast<int64_t>(std::ceil(share + 4 * std::sqrt(share)));
   uint64_t slots = 16;
   while (static_cast<double>(rows) > kMaxLoad * static_cast<double>(slots)) slots *= 2;
-  reserved_slots_ = slots;
-  for (auto& s : stripes_) {
-    s->index.assign(slots, 0);
-    s->mask = slots - 1;
-  }
   // Row memory for capacity rows, plus one chunk per stripe: each stripe's last chunk is
   // partly filled.
-  pool_->Reserve((options_.capacity + RowStore::kChunkRows - 1) / RowStore::kChunkRows +
-                 options_.num_stripes);
+  const int64_t chunks =
+      (options_.capacity + RowStore::kChunkRows - 1) / RowStore::kChunkRows + options_.num_stripes;
+  try {
+    for (auto& s : stripes_) {
+      s->index.assign(slots, 0);
+      s->mask = slots - 1;
+    }
+    pool_->Reserve(chunks);
+  } catch (const std::exception& e) {
+    const int64_t bytes = static_cast<int64_t>(slots * sizeof(uint32_t)) * options_.num_stripes +
+                          chunks * stripes_[0]->rows.chunk_bytes();
+    throw std::runtime_error("reserving " + std::to_string(options_.capacity) + " rows (" +
+                             std::to_string(bytes >> 20) + " MiB) failed: " + e.what());
+  }
+  reserved_slots_ = slots;
 }
 
 HashTable::~HashTable() = default;

@@ -80,7 +80,13 @@ class HashTableHandleOp : public OpKernel {
         container_.empty() ? ctx->resource_manager()->default_container() : container_;
     OP_REQUIRES_OK(ctx, ctx->resource_manager()->LookupOrCreate<TableResource>(
                             container, name_, &table, [this](TableResource** out) {
-                              *out = new TableResource(name_, options_);
+                              try {
+                                *out = new TableResource(name_, options_);
+                              } catch (const std::exception& e) {  // reserving capacity
+                                return absl::ResourceExhaustedError(absl::StrCat(
+                                    "tfpsx table '", name_, "' with capacity=",
+                                    options_.capacity, ": ", e.what()));
+                              }
                               return absl::OkStatus();
                             }));
     ::tensorflow::core::ScopedUnref unref(table);
