@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "custom_ops/cc/core/hash_table.h"
@@ -27,19 +28,22 @@ using ::tensorflow::TensorShape;
 
 class TableResource : public ::tensorflow::ResourceBase {
  public:
-  TableResource(const std::string& name, const TableOptions& options)
-      : name_(name), table_(options) {}
+  // The table is built before the resource: a HashTable constructor that throws (a
+  // capacity the process cannot reserve) must not unwind a RefCounted (TF 2.16 aborts on
+  // destroying one whose count is still 1).
+  TableResource(const std::string& name, std::unique_ptr<HashTable> table)
+      : name_(name), table_(std::move(table)) {}
   std::string DebugString() const override {
-    return absl::StrCat("TfpsxHashTable(", name_, ", dim=", table_.dim(),
-                        ", size=", table_.Size(), ")");
+    return absl::StrCat("TfpsxHashTable(", name_, ", dim=", table_->dim(),
+                        ", size=", table_->Size(), ")");
   }
-  int64_t MemoryUsed() const override { return table_.MemoryBytes(); }
-  HashTable& table() { return table_; }
+  int64_t MemoryUsed() const override { return table_->MemoryBytes(); }
+  HashTable& table() { return *table_; }
   const std::string& name() const { return name_; }
 
  private:
   std::string name_;
-  HashTable table_;
+  std::unique_ptr<HashTable> table_;
 };
 
 class HashTableHandleOp : public OpKernel {
@@ -80,13 +84,15 @@ class HashTableHandleOp : public OpKernel {
         container_.empty() ? ctx->resource_manager()->default_container() : container_;
     OP_REQUIRES_OK(ctx, ctx->resource_manager()->LookupOrCreate<TableResource>(
                             container, name_, &table, [this](TableResource** out) {
+                              std::unique_ptr<HashTable> t;
                               try {
-                                *out = new TableResource(name_, options_);
+                                t = std::make_unique<HashTable>(options_);
                               } catch (const std::exception& e) {  // reserving capacity
                                 return absl::ResourceExhaustedError(absl::StrCat(
                                     "tfpsx table '", name_, "' with capacity=",
                                     options_.capacity, ": ", e.what()));
                               }
+                              *out = new TableResource(name_, std::move(t));
                               return absl::OkStatus();
                             }));
     ::tensorflow::core::ScopedUnref unref(table);
