@@ -89,6 +89,16 @@ def main(argv=None):
 
     new_values = tf.random.normal([BATCH, DIM])
     step = tf.constant(0, tf.int64)
+    ops = tfpsx.load_ops()
+
+    def new_key_insert_rate(insert):
+        """insert_rate of insert(keys, new_values), one tf.function per candidate."""
+        fn = tf.function(lambda k: (insert(k, new_values), tf.constant(0.0))[1])
+        return insert_rate(fn, *new_key_rounds())
+
+    def tfpsx_insert(table_handle):
+        return lambda k, v: ops.tfpsx_hash_table_insert(table_handle, k, v, step)
+
     results = {}
 
     # Dense reference: tf.gather on a [n, dim] variable, indices of the same batches.
@@ -107,12 +117,9 @@ def main(argv=None):
     per_key = (rss_bytes() - before) / n
     table_bytes = int(emb.stats()[4]) / n
     lookup_fn = tf.function(lambda k: tf.reduce_sum(emb.lookup(k)))
-    ops, handle = tfpsx.load_ops(), emb.handles()[0]
-    insert_fn = tf.function(lambda k: (ops.tfpsx_hash_table_insert(handle, k, new_values, step),
-                                       tf.constant(0.0))[1])
     unique_fn = tf.function(lambda k: tf.reduce_sum(emb.lookup_unique(k, train=False).embeddings))
     results["tfpsx"] = (rate(lookup_fn, lookups, args.rounds),
-                        insert_rate(insert_fn, *new_key_rounds()))
+                        new_key_insert_rate(tfpsx_insert(emb.handles()[0])))
     results["tfpsx lookup_unique"] = (rate(unique_fn, lookups, args.rounds), None)
 
     # Inserts into tables told their size up front (tfpsx capacity, DenseHashTable
@@ -120,33 +127,29 @@ def main(argv=None):
     total = n + (1 + args.rounds * args.batches) * BATCH
     reserved = E.DynamicEmbedding("bench_reserved", DIM, initializer=E.zeros(), capacity=total)
     reserved.insert(keys, values)
-    reserved_handle = reserved.handles()[0]
-    results["tfpsx, capacity reserved"] = (None, insert_rate(tf.function(
-        lambda k: (ops.tfpsx_hash_table_insert(reserved_handle, k, new_values, step),
-                   tf.constant(0.0))[1]), *new_key_rounds()))
+    results["tfpsx, capacity reserved"] = (
+        None, new_key_insert_rate(tfpsx_insert(reserved.handles()[0])))
 
     dense_table = tf.lookup.experimental.DenseHashTable(
         tf.int64, tf.float32, default_value=tf.zeros([DIM]), empty_key=-1, deleted_key=-2)
     dense_table.insert(keys, values)
     results["TF DenseHashTable"] = (
         rate(tf.function(lambda k: tf.reduce_sum(dense_table.lookup(k))), lookups, args.rounds),
-        insert_rate(tf.function(lambda k: (dense_table.insert(k, new_values),
-                                           tf.constant(0.0))[1]), *new_key_rounds()))
+        new_key_insert_rate(dense_table.insert))
 
     dense_reserved = tf.lookup.experimental.DenseHashTable(
         tf.int64, tf.float32, default_value=tf.zeros([DIM]), empty_key=-1, deleted_key=-2,
         initial_num_buckets=1 << int(np.ceil(np.log2(total / 0.8))))  # its max load: 0.8
     dense_reserved.insert(keys, values)
-    results["TF DenseHashTable, buckets reserved"] = (None, insert_rate(tf.function(
-        lambda k: (dense_reserved.insert(k, new_values), tf.constant(0.0))[1]), *new_key_rounds()))
+    results["TF DenseHashTable, buckets reserved"] = (
+        None, new_key_insert_rate(dense_reserved.insert))
     del dense_reserved  # its buckets go with it (a tfpsx table lives as long as the process)
 
     mutable = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, tf.zeros([DIM]))
     mutable.insert(keys, values)
     results["TF MutableHashTable"] = (
         rate(tf.function(lambda k: tf.reduce_sum(mutable.lookup(k))), lookups, args.rounds),
-        insert_rate(tf.function(lambda k: (mutable.insert(k, new_values), tf.constant(0.0))[1]),
-                    *new_key_rounds()))
+        new_key_insert_rate(mutable.insert))
 
     try:
         import tensorflow_recommenders_addons.dynamic_embedding as tfra  # noqa: F401

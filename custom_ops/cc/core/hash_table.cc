@@ -308,9 +308,14 @@ struct HashTable::Stripe {
     if (slot != 0 && (slot & 0xff) == TagOf(h)) __builtin_prefetch(rows.record(RowOf(slot)));
   }
 
+  // An empty index of `slots` slots (a power of two, or 0: none yet).
+  void ResetIndex(uint64_t slots) {
+    index.assign(slots, 0);
+    mask = slots == 0 ? 0 : slots - 1;
+  }
+
   void Rehash(uint64_t capacity) {
-    index.assign(capacity, 0);
-    mask = capacity - 1;
+    ResetIndex(capacity);
     for (int64_t r = 0; r < rows.size(); ++r) {
       const uint64_t h = HashKey(rows.key(r));
       uint64_t pos = h & mask;
@@ -392,10 +397,7 @@ void HashTable::Reserve() {
   const int64_t chunks =
       (options_.capacity + RowStore::kChunkRows - 1) / RowStore::kChunkRows + options_.num_stripes;
   try {
-    for (auto& s : stripes_) {
-      s->index.assign(slots, 0);
-      s->mask = slots - 1;
-    }
+    for (auto& s : stripes_) s->ResetIndex(slots);
     pool_->Reserve(chunks);
   } catch (const std::exception& e) {
     const int64_t bytes = static_cast<int64_t>(slots * sizeof(uint32_t)) * options_.num_stripes +
@@ -673,8 +675,7 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
     for (auto& sp : stripes_) {
       Stripe& s = *sp;
       std::unique_lock<std::shared_mutex> lock(s.mu);
-      s.index.assign(reserved_slots_, 0);  // a reserved table keeps its index size
-      s.mask = reserved_slots_ == 0 ? 0 : reserved_slots_ - 1;
+      s.ResetIndex(reserved_slots_);  // a reserved table keeps its index size
       s.rows.Clear();
       s.pending.clear();
     }
