@@ -7,7 +7,7 @@
 #   make build            rebuild the op library after changing custom_ops/
 #   make bench            benchmarks (ratios measured side by side in one run)
 #   make bazel            build the op library with Bazel (apt-get install bazel-bootstrap)
-#   make proto            regenerate tfpsx/proto/*_pb2*.py from scheduler.proto
+#   make proto            regenerate tfpsx/control/proto/*_pb2*.py from scheduler.proto
 
 PYTHON ?= python3
 TF ?= 2.21
@@ -83,7 +83,7 @@ proto:
 	test -x .venv-proto/bin/python || $(PYTHON) -m venv .venv-proto
 	.venv-proto/bin/pip install -q "grpcio-tools==1.62.3"
 	.venv-proto/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
-	    tfpsx/proto/scheduler.proto
+	    tfpsx/control/proto/scheduler.proto
 
 else
 

@@ -113,10 +113,10 @@ setup(
     # protobuf >= 4.21: the committed scheduler_pb2 is protobuf 4.25 gencode (see the .proto).
     install_requires=["numpy", "grpcio", "protobuf>=4.21", "portpicker"],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "import-linter"],
         "cpu": ["tensorflow-cpu"],
     },
-    entry_points={"console_scripts": ["tfpsx-run=tfpsx.run:main",
-                                      "tfpsx-scheduler=tfpsx.scheduler:main"]},
+    entry_points={"console_scripts": ["tfpsx-run=tfpsx.launcher.run:main",
+                                      "tfpsx-scheduler=tfpsx.control.scheduler:main"]},
     zip_safe=False,
 )

@@ -7,48 +7,68 @@ Example:
   ...     tfpsx.run_server()       # returns once every worker called stop_worker()
   ... else:
   ...     tfpsx.init_worker()
-  ...     ...                      # train: tf.compat.v1.train.replica_device_setter, sessions
+  ...     ...                      # train: tfpsx.model_scope, distributed_optimizer, ...
   ...     tfpsx.stop_worker()
+
+This module is a facade. The package is layered, each layer importing only the ones
+below it (``make test`` checks it with import-linter):
+
+  launcher, testing           tfpsx-run and LocalCluster
+  training                    strategy -> Mode (async, sync, staleness, GEO), sessions
+  embedding                   DynamicEmbedding over sharded storage backends
+  runtime                     the process state machine behind init() / run_server() ...
+  control                     scheduler, PS-0 counters, their client side
+  cluster | ops | metrics     config resolution; the op library; counters and sinks
+  errors | settings | background
 """
 
+import importlib
 from typing import Optional
 
-from tfpsx import errors
-from tfpsx._loader import OpLibraryError, load_ops
-from tfpsx.cluster import ClusterConfig
-from tfpsx.fleet import FLEET as _FLEET
-from tfpsx.fleet import ServerReport
-from tfpsx.role_maker import (AutoRoleMaker, EnvRoleMaker, FlagsRoleMaker, RoleMaker,
-                              TFConfigRoleMaker, UserDefinedRoleMaker)
+from tfpsx import cluster as _cluster
+from tfpsx import errors, metrics, settings
+from tfpsx.cluster import (AutoRoleMaker, ClusterConfig, EnvRoleMaker, FlagsRoleMaker,
+                           RoleMaker, TFConfigRoleMaker, UserDefinedRoleMaker)
+from tfpsx.errors import OpLibraryError
+from tfpsx.ops import library_info as op_library_info
+from tfpsx.ops import load_ops
+from tfpsx.runtime import RUNTIME as _RUNTIME
+from tfpsx.runtime import ServerReport
 
 __version__ = "0.1.0"
+
+# Names loaded on first use: these modules import TensorFlow's training stack, which the
+# scheduler, the launcher and role resolution never need. name -> module holding it (a
+# module name maps to itself).
+_LAZY = {
+    "embedding": "tfpsx.embedding",
+    "training": "tfpsx.training",
+    "testing": "tfpsx.testing",
+    "DistributedStrategy": "tfpsx.training",
+    "distributed_optimizer": "tfpsx.training",
+    "model_scope": "tfpsx.training",
+    "replica_device_setter": "tfpsx.training",
+    "variable_partitioner": "tfpsx.training",
+    "MonitoredTrainingSession": "tfpsx.training",
+    "GeoOptimizer": "tfpsx.training",
+    "GeoCounters": "tfpsx.training",
+}
 
 __all__ = [
     "init", "is_server", "is_worker", "is_chief", "is_evaluator", "role", "worker_index",
     "worker_num", "server_index", "server_num", "cluster_spec", "cluster_config",
-    "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker", "server_target",
-    "session_config", "load_ops", "ClusterConfig", "ServerReport", "RoleMaker",
-    "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker",
-    "FlagsRoleMaker", "OpLibraryError", "errors", "embedding", "training", "__version__",
-    "DistributedStrategy", "distributed_optimizer", "model_scope", "replica_device_setter",
-    "variable_partitioner", "MonitoredTrainingSession", "GeoOptimizer", "GeoCounters",
+    "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker",
+    "server_target", "session_config", "load_ops", "op_library_info", "ClusterConfig",
+    "ServerReport", "RoleMaker", "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker",
+    "UserDefinedRoleMaker", "FlagsRoleMaker", "OpLibraryError", "errors", "metrics",
+    "settings", "__version__", *_LAZY,
 ]
 
 
-_TRAINING_NAMES = ("DistributedStrategy", "distributed_optimizer", "model_scope",
-                   "replica_device_setter", "variable_partitioner", "MonitoredTrainingSession",
-                   "GeoOptimizer", "GeoCounters")
-
-
 def __getattr__(name):
-    # tfpsx.embedding and tfpsx.training import TensorFlow; the rest of tfpsx (scheduler,
-    # launcher, role resolution) starts without it, so they are loaded on first use.
-    import importlib
-
-    if name in ("embedding", "training"):
-        return importlib.import_module(f"tfpsx.{name}")
-    if name in _TRAINING_NAMES:
-        return getattr(importlib.import_module("tfpsx.training"), name)
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        return module if _LAZY[name].endswith("." + name) else getattr(module, name)
     raise AttributeError(f"module 'tfpsx' has no attribute {name!r}")
 
 
@@ -67,62 +87,62 @@ def init(role_maker: Optional[RoleMaker] = None) -> ClusterConfig:
       ValueError: the configuration is missing or malformed (the message names the
         variable, the bad value and what was expected).
     """
-    return _FLEET.init(role_maker)
+    return _RUNTIME.init(role_maker)
 
 
 def cluster_config() -> ClusterConfig:
     """The resolved :class:`ClusterConfig` (after ``init()``)."""
-    return _FLEET.require("cluster_config")
+    return _RUNTIME.require("cluster_config")
 
 
 def role() -> str:
     """"server", "worker", "scheduler" or "evaluator"."""
-    return _FLEET.require("role").role
+    return _RUNTIME.require("role").role
 
 
 def is_server() -> bool:
     """True in a parameter-server process."""
-    return _FLEET.require("is_server").role == "server"
+    return _RUNTIME.require("is_server").role == _cluster.SERVER
 
 
 def is_worker() -> bool:
     """True in a worker process (the chief included)."""
-    return _FLEET.require("is_worker").role == "worker"
+    return _RUNTIME.require("is_worker").role == _cluster.WORKER
 
 
 def is_evaluator() -> bool:
     """True in a TF_CONFIG ``evaluator`` process (not part of the training cluster)."""
-    return _FLEET.require("is_evaluator").role == "evaluator"
+    return _RUNTIME.require("is_evaluator").role == _cluster.EVALUATOR
 
 
 def is_chief() -> bool:
     """True for worker 0 (TF_CONFIG's ``chief`` task when there is one)."""
-    return _FLEET.require("is_chief").is_chief
+    return _RUNTIME.require("is_chief").is_chief
 
 
 def worker_index() -> int:
     """This worker's rank, 0..worker_num()-1. Raises WrongRoleError elsewhere."""
-    return _FLEET.require_role("worker_index", "worker").index
+    return _RUNTIME.require_role("worker_index", _cluster.WORKER).index
 
 
 def worker_num() -> int:
     """The number of workers (the chief included)."""
-    return _FLEET.require("worker_num").worker_num
+    return _RUNTIME.require("worker_num").worker_num
 
 
 def server_index() -> int:
     """This server's rank, 0..server_num()-1. Raises WrongRoleError elsewhere."""
-    return _FLEET.require_role("server_index", "server").index
+    return _RUNTIME.require_role("server_index", _cluster.SERVER).index
 
 
 def server_num() -> int:
     """The number of parameter servers."""
-    return _FLEET.require("server_num").server_num
+    return _RUNTIME.require("server_num").server_num
 
 
 def cluster_spec():
     """The training cluster as a ``tf.train.ClusterSpec`` (jobs ``ps``, ``worker``[, ``chief``])."""
-    return _FLEET.require("cluster_spec").cluster_spec()
+    return _RUNTIME.require("cluster_spec").cluster_spec()
 
 
 def run_server(register_timeout: Optional[float] = None,
@@ -142,7 +162,7 @@ def run_server(register_timeout: Optional[float] = None,
     Returns:
       A :class:`ServerReport` listing the workers that stopped and those lost.
     """
-    return _FLEET.run_server(register_timeout, heartbeat_timeout)
+    return _RUNTIME.run_server(register_timeout, heartbeat_timeout)
 
 
 def run_scheduler() -> int:
@@ -150,11 +170,9 @@ def run_scheduler() -> int:
 
     The scheduler assigns ranks, hands every node the full cluster, runs barriers and
     heartbeats, and returns 0 once every worker has finished (or died) and the servers
-    confirmed the end. See :mod:`tfpsx.scheduler`.
+    confirmed the end. See :mod:`tfpsx.control.scheduler`.
     """
-    from tfpsx.scheduler import run_scheduler as _run
-
-    return _run()
+    return _RUNTIME.run_scheduler()
 
 
 def init_worker(connect_timeout: Optional[float] = None) -> None:
@@ -168,24 +186,24 @@ def init_worker(connect_timeout: Optional[float] = None) -> None:
       ClusterTimeoutError: a server did not come up in time (named with its address).
       OpsNotLoadedOnServerError: a server runs without the tfpsx op library.
     """
-    _FLEET.init_worker(connect_timeout)
+    _RUNTIME.init_worker(connect_timeout)
 
 
 def stop_worker() -> None:
     """Tells the servers this worker is done; they return once all workers are."""
-    _FLEET.stop_worker()
+    _RUNTIME.stop_worker()
 
 
 def barrier_worker(timeout: Optional[float] = None) -> None:
     """Blocks until every worker reached the same barrier (TFPSX_BARRIER_TIMEOUT)."""
-    _FLEET.barrier_worker(timeout)
+    _RUNTIME.barrier_worker(timeout)
 
 
 def server_target() -> str:
     """The session target of this worker's own ``tf.distribute.Server`` (started on first call)."""
-    return _FLEET.server_target()
+    return _RUNTIME.server_target()
 
 
 def session_config():
     """A ``tf.compat.v1.ConfigProto`` with the device filters a between-graph worker needs."""
-    return _FLEET.session_config()
+    return _RUNTIME.session_config()

@@ -1,6 +1,12 @@
-"""tfpsx's exceptions. Each message names what was waited for or what was wrong."""
+"""Every exception tfpsx raises on purpose. Each message names what was waited for or
+what was wrong, and what was expected.
 
-from tfpsx._loader import OpLibraryError  # noqa: F401  (re-exported: an ImportError)
+This module is the bottom layer of the package: it imports nothing from tfpsx.
+"""
+
+
+class OpLibraryError(ImportError):
+    """The tfpsx op library is missing, was built for another TensorFlow, or failed to load."""
 
 
 class NotInitializedError(RuntimeError):
@@ -24,8 +30,13 @@ class ClusterTimeoutError(TimeoutError):
 
 
 class ServerUnavailableError(ConnectionError):
-    """A parameter server stopped answering."""
+    """A parameter server (or the scheduler) stopped answering."""
 
 
 class SchedulerRejectedError(RuntimeError):
     """The scheduler refused a node: wrong token, wrong role, too many nodes, rank taken."""
+
+
+class BackgroundTaskError(RuntimeError):
+    """A tfpsx background thread (GEO communicator, sync update, heartbeat) failed; the
+    original exception is chained as ``__cause__``."""

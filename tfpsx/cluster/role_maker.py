@@ -1,6 +1,6 @@
 """Role makers: the ways a process learns its role, rank and cluster (Fleet's shape).
 
-Each one only gathers inputs; validation is :mod:`tfpsx.cluster`'s job.
+Each one only gathers inputs; validation is :mod:`tfpsx.cluster.sources`' job.
 """
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
-from tfpsx import cluster as _cluster
+from tfpsx.cluster import sources as _sources
+from tfpsx.cluster.config import ClusterConfig
 
 
 class RoleMaker:
     """Base class: ``resolve()`` returns a validated :class:`tfpsx.cluster.ClusterConfig`."""
 
-    def resolve(self) -> _cluster.ClusterConfig:
+    def resolve(self) -> ClusterConfig:
         raise NotImplementedError(f"{type(self).__name__} must implement resolve()")
 
 
@@ -26,7 +27,7 @@ class AutoRoleMaker(RoleMaker):
         self._env = env
 
     def resolve(self):
-        return _cluster.resolve(self._env)
+        return _sources.resolve(self._env)
 
 
 class TFConfigRoleMaker(RoleMaker):
@@ -51,7 +52,7 @@ class TFConfigRoleMaker(RoleMaker):
             if not config.strip():
                 raise ValueError("TFConfigRoleMaker: TF_CONFIG is not set; expected a JSON "
                                  'object like {"cluster": {...}, "task": {...}}')
-        return _cluster.from_tf_config(config, self._task_type, self._task_index)
+        return _sources.from_tf_config(config, self._task_type, self._task_index)
 
 
 class EnvRoleMaker(RoleMaker):
@@ -68,7 +69,7 @@ class EnvRoleMaker(RoleMaker):
         self._env = env
 
     def resolve(self):
-        return _cluster.from_env(self._env, **self._kwargs)
+        return _sources.from_env(self._env, **self._kwargs)
 
 
 class UserDefinedRoleMaker(RoleMaker):
@@ -85,7 +86,7 @@ class UserDefinedRoleMaker(RoleMaker):
         self._args = (role, current_id, server_endpoints, worker_endpoints)
 
     def resolve(self):
-        return _cluster.from_user(*self._args)
+        return _sources.from_user(*self._args)
 
 
 class FlagsRoleMaker(RoleMaker):
@@ -99,4 +100,4 @@ class FlagsRoleMaker(RoleMaker):
         self._argv = argv
 
     def resolve(self):
-        return _cluster.from_flags(sys.argv[1:] if self._argv is None else self._argv)
+        return _sources.from_flags(sys.argv[1:] if self._argv is None else self._argv)

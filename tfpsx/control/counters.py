@@ -3,7 +3,8 @@
 Workers mark themselves started/stopped on PS 0, bump heartbeat counters and meet at
 barriers; servers read the same counters to know when the job is over. It runs in a
 graph and session of its own, so it works the same whether the user's code is in graph
-or eager mode.
+or eager mode. Also here: :func:`wait_for_servers`, the bounded wait for servers to
+accept gRPC connections that every worker makes before it joins.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-import grpc
-
 from tfpsx import errors
-from tfpsx._loader import load_ops
+from tfpsx.background import BackgroundLoop
+from tfpsx.control.channels import wait_for_servers
+from tfpsx.control.protocol import Coordinator
+from tfpsx.ops import bindings
 
 STARTED = "workers_started"
 STOPPED = "workers_stopped"
@@ -23,58 +25,9 @@ SERVERS_DONE = "servers_done"
 BARRIER = "worker_barrier"
 _PREFIX = "tfpsx/control/"
 
-# gRPC's default reconnect backoff starts at 1 s: a node that comes up a moment after
-# the one it dials would sit idle for a second. Nodes of one job start together.
-FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50),
-                  ("grpc.min_reconnect_backoff_ms", 50),
-                  ("grpc.max_reconnect_backoff_ms", 1000)]
-
 
 def heartbeat_name(worker: int) -> str:
     return f"heartbeat/worker_{worker}"
-
-
-def wait_for_servers(addresses: Dict[str, str], timeout: float, log=None,
-                     report_every: float = 5.0) -> None:
-    """Waits until every server accepts gRPC connections, at most ``timeout`` seconds.
-
-    Args:
-      addresses: task name (e.g. "ps:0") -> host:port.
-      timeout: seconds to wait in all.
-      log: a callable taking one message, called every ``report_every`` seconds while waiting.
-
-    Raises:
-      ClusterTimeoutError: naming every task that was still unreachable.
-    """
-    deadline = time.monotonic() + timeout
-    pending = dict(addresses)
-    next_report = time.monotonic() + min(1.0, report_every)  # say early what we wait for
-    channels = {task: grpc.insecure_channel(addr, options=FAST_RECONNECT)
-                for task, addr in pending.items()}
-    futures = {task: grpc.channel_ready_future(ch) for task, ch in channels.items()}
-    try:
-        while True:
-            for task in [t for t in pending if futures[t].done()]:
-                del pending[task]
-            if not pending:
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                missing = ", ".join(f"{t} at {a}" for t, a in sorted(pending.items()))
-                raise errors.ClusterTimeoutError(
-                    f"waited {timeout:g} s for parameter servers to come up; still unreachable: "
-                    f"{missing}. Are they running (tfpsx.run_server())? Raise the limit with "
-                    "TFPSX_CONNECT_TIMEOUT.")
-            if log and now >= next_report:
-                log(f"waiting for {', '.join(f'{t} at {a}' for t, a in sorted(pending.items()))} "
-                    f"({now - deadline + timeout:.0f} s of {timeout:g} s)")
-                next_report = now + report_every
-            time.sleep(0.05)
-    finally:
-        for task, future in futures.items():
-            future.cancel()  # stops grpc's polling thread before its channel closes
-        for channel in channels.values():
-            channel.close()
 
 
 class ControlClient:
@@ -92,7 +45,6 @@ class ControlClient:
         self._tf = tf
         self.address = ps0_address
         self._timeout_ms = int(timeout * 1000)
-        ops = load_ops()
         self._graph = tf.Graph()
         self._ops: Dict[str, dict] = {}
         names = [STARTED, STOPPED, SERVERS_DONE, BARRIER] + [
@@ -101,12 +53,12 @@ class ControlClient:
             self._delta = tf.compat.v1.placeholder(tf.int64, [], name="delta")
             self._member = tf.compat.v1.placeholder(tf.int64, [], name="member")
             for name in names:
-                handle = ops.tfpsx_counter_handle_op(shared_name=_PREFIX + name)
+                handle = bindings.counter_handle(_PREFIX + name)
                 self._ops[name] = {
-                    "add": ops.tfpsx_counter_add(handle, self._delta),
-                    "read": ops.tfpsx_counter_read(handle),
-                    "mark": ops.tfpsx_counter_mark(handle, self._member),
-                    "members": ops.tfpsx_counter_members(handle),
+                    "add": bindings.counter_add(handle, self._delta),
+                    "read": bindings.counter_read(handle),
+                    "mark": bindings.counter_mark(handle, self._member),
+                    "members": bindings.counter_members(handle),
                 }
         config = tf.compat.v1.ConfigProto(device_filters=["/job:ps/task:0"],
                                           operation_timeout_in_ms=self._timeout_ms)
@@ -161,33 +113,33 @@ class ControlClient:
 
 
 class Heartbeat:
-    """Bumps this worker's heartbeat counter on PS 0 every ``interval`` seconds."""
+    """Bumps this worker's heartbeat counter on PS 0 every ``interval`` seconds; a failed
+    beat is logged and retried (the servers' own timeout decides when a worker is lost)."""
 
     def __init__(self, client: ControlClient, worker: int, interval: float, log):
-        self._client, self._worker, self._interval, self._log = client, worker, interval, log
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="tfpsx-heartbeat", daemon=True)
+        self._client, self._worker, self._log = client, worker, log
+        self._loop = BackgroundLoop("heartbeat to ps:0", self._beat, interval=interval)
         self.failures = 0
 
     def start(self) -> "Heartbeat":
-        self._thread.start()
+        self._loop.start()
         return self
 
-    def _loop(self):
-        while not self._stop.wait(self._interval):
-            try:
-                self._client.add(heartbeat_name(self._worker), 1)
-                self.failures = 0
-            except (errors.ServerUnavailableError, self._client._tf.errors.OpError) as e:
-                self.failures += 1
-                self._log(f"heartbeat to ps:0 failed ({self.failures} in a row): {e}")
+    def _beat(self):
+        import tensorflow as tf  # loaded already: the client runs TF sessions
+
+        try:
+            self._client.add(heartbeat_name(self._worker), 1)
+            self.failures = 0
+        except (errors.ServerUnavailableError, tf.errors.OpError) as e:
+            self.failures += 1
+            self._log(f"heartbeat to ps:0 failed ({self.failures} in a row): {e}")
 
     def stop(self, timeout: Optional[float] = None) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
+        self._loop.stop(timeout)
 
 
-class CounterCoordinator:
+class CounterCoordinator(Coordinator):
     """The job's control plane without a scheduler: counters on PS 0."""
 
     def __init__(self, config, rpc_timeout: float, heartbeat_interval: float, log):
@@ -209,7 +161,8 @@ class CounterCoordinator:
                                     self._log.warning).start()
 
     def worker_stop(self) -> None:
-        self._heartbeat.stop(timeout=5)
+        if self._heartbeat is not None:
+            self._heartbeat.stop(timeout=5)
         self._client.mark(STOPPED, self.config.index)
         self.close()
 

@@ -1,4 +1,11 @@
-"""The Fleet-style API: one process-wide state behind tfpsx's public functions."""
+"""The process runtime: one process-wide state machine behind tfpsx's Fleet-style API.
+
+``init()`` resolves the cluster (:mod:`tfpsx.cluster`) and, for a server or worker,
+picks the control plane (:mod:`tfpsx.control`: the scheduler, or counters on PS 0); a
+worker then goes new -> started (``init_worker``) -> stopped (``stop_worker``), a server
+serves until every worker stopped (``run_server``). ``tfpsx/__init__.py`` is a thin
+facade over :data:`RUNTIME`.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +15,16 @@ import threading
 import time
 from typing import List, Optional
 
-from tfpsx import _control, errors
 from tfpsx import cluster as _cluster
-from tfpsx._loader import load_ops
-from tfpsx.role_maker import AutoRoleMaker, RoleMaker
+from tfpsx import errors, metrics, settings
+from tfpsx.control import sched_client
+from tfpsx.control.channels import wait_for_servers
+from tfpsx.control.counters import CounterCoordinator
+from tfpsx.control.protocol import Coordinator
+from tfpsx.control.scheduler import run_scheduler
+from tfpsx.ops import library_info, load_ops
 
 logger = logging.getLogger("tfpsx")
-
-# Defaults of the bounded waits, each overridable by argument or environment variable.
-CONNECT_TIMEOUT = ("TFPSX_CONNECT_TIMEOUT", 120.0)     # a worker waiting for its servers
-REGISTER_TIMEOUT = ("TFPSX_REGISTER_TIMEOUT", 600.0)   # servers waiting for every worker to start
-HEARTBEAT_INTERVAL = ("TFPSX_HEARTBEAT_INTERVAL", 2.0)
-HEARTBEAT_TIMEOUT = ("TFPSX_HEARTBEAT_TIMEOUT", 60.0)  # silence after which a worker is lost
-BARRIER_TIMEOUT = ("TFPSX_BARRIER_TIMEOUT", 600.0)
-RPC_TIMEOUT = ("TFPSX_RPC_TIMEOUT", 30.0)              # one control call
-
-
-def _setting(value: Optional[float], spec) -> float:
-    name, default = spec
-    if value is not None:
-        return _cluster.parse_float(value, f"argument for {name}")
-    return _cluster.env_float(name, default)
 
 
 def _ensure_log_handler():
@@ -49,44 +45,44 @@ class ServerReport:
     seconds: float
 
 
-class _Fleet:
+class Runtime:
     def __init__(self):
         self.config: Optional[_cluster.ClusterConfig] = None
-        self.role_maker: Optional[RoleMaker] = None
+        self.role_maker: Optional[_cluster.RoleMaker] = None
         self._lock = threading.RLock()
         self._server = None
-        self._coord = None  # _control.CounterCoordinator or _sched_client.SchedulerCoordinator
+        self._coord: Optional[Coordinator] = None
         self._barrier_generation = 0
         self._worker_state = "new"  # new -> started -> stopped
 
     # ------------------------------------------------------------------ setup
-    def init(self, role_maker: Optional[RoleMaker] = None) -> _cluster.ClusterConfig:
+    def init(self, role_maker: Optional[_cluster.RoleMaker] = None) -> _cluster.ClusterConfig:
         with self._lock:
             if self._worker_state == "started":
                 raise RuntimeError("tfpsx.init() called again after init_worker(); call "
                                    "stop_worker() first")
-            if role_maker is not None and not isinstance(role_maker, RoleMaker):
+            if role_maker is not None and not isinstance(role_maker, _cluster.RoleMaker):
                 raise TypeError(f"tfpsx.init(role_maker=...) expects a tfpsx RoleMaker "
                                 f"(TFConfigRoleMaker, EnvRoleMaker, UserDefinedRoleMaker, "
                                 f"FlagsRoleMaker), got {role_maker!r}")
             _ensure_log_handler()
-            role_maker = role_maker or AutoRoleMaker()
+            role_maker = role_maker or _cluster.AutoRoleMaker()
             config = role_maker.resolve()
             if self._coord is not None:
                 self._coord.close()
             self._coord = None
             if config.needs_scheduler and config.role != _cluster.SCHEDULER:
-                from tfpsx import _sched_client
-
-                config, client = _sched_client.register_node(
-                    config, _setting(None, CONNECT_TIMEOUT), _setting(None, REGISTER_TIMEOUT),
-                    _setting(None, RPC_TIMEOUT), _setting(None, HEARTBEAT_INTERVAL))
-                self._coord = _sched_client.SchedulerCoordinator(config, client)
+                config, client = sched_client.register_node(
+                    config, settings.get("TFPSX_CONNECT_TIMEOUT"),
+                    settings.get("TFPSX_REGISTER_TIMEOUT"), settings.get("TFPSX_RPC_TIMEOUT"),
+                    settings.get("TFPSX_HEARTBEAT_INTERVAL"))
+                self._coord = sched_client.SchedulerCoordinator(config, client)
             elif config.role in (_cluster.SERVER, _cluster.WORKER):
-                self._coord = _control.CounterCoordinator(
-                    config, _setting(None, RPC_TIMEOUT), _setting(None, HEARTBEAT_INTERVAL),
-                    logger)
+                self._coord = CounterCoordinator(
+                    config, settings.get("TFPSX_RPC_TIMEOUT"),
+                    settings.get("TFPSX_HEARTBEAT_INTERVAL"), logger)
             self.config, self.role_maker = config, role_maker
+            metrics.set_identity(config.role, config.index)
             self._server = None
             self._barrier_generation, self._worker_state = 0, "new"
             return config
@@ -134,9 +130,9 @@ class _Fleet:
             if self._worker_state == "started":
                 return
             start = time.monotonic()
-            _control.wait_for_servers(
+            wait_for_servers(
                 {f"ps:{i}": addr for i, addr in enumerate(config.servers)},
-                _setting(connect_timeout, CONNECT_TIMEOUT),
+                settings.get("TFPSX_CONNECT_TIMEOUT", connect_timeout),
                 log=lambda m: logger.info("worker %d %s", config.index, m))
             self._coord.worker_start()
             self._worker_state = "started"
@@ -159,7 +155,7 @@ class _Fleet:
         config = self.require_role("barrier_worker", _cluster.WORKER)
         if self._worker_state != "started":
             raise RuntimeError("tfpsx.barrier_worker() needs tfpsx.init_worker() first")
-        timeout = _setting(timeout, BARRIER_TIMEOUT)
+        timeout = settings.get("TFPSX_BARRIER_TIMEOUT", timeout)
         self._barrier_generation += 1
         self._coord.barrier(self._barrier_generation, timeout)
 
@@ -169,17 +165,19 @@ class _Fleet:
         import tensorflow as tf
 
         config = self.require_role("run_server", _cluster.SERVER)
-        register_timeout = _setting(register_timeout, REGISTER_TIMEOUT)
-        heartbeat_timeout = _setting(heartbeat_timeout, HEARTBEAT_TIMEOUT)
+        register_timeout = settings.get("TFPSX_REGISTER_TIMEOUT", register_timeout)
+        heartbeat_timeout = settings.get("TFPSX_HEARTBEAT_TIMEOUT", heartbeat_timeout)
         load_ops()  # before the server starts: a bare tf.distribute.Server cannot run our ops
+        info = library_info()
         start = time.monotonic()
         self._server = tf.distribute.Server(config.cluster_spec(), job_name="ps",
                                             task_index=config.index, start=True)
         me = f"server {config.index}"
-        logger.info("%s serving at %s; waiting for %d worker(s)", me,
-                    config.servers[config.index], config.worker_num)
+        logger.info("%s serving at %s (tfpsx ops for TF %s, CUDA kernels %s); waiting for %d "
+                    "worker(s)", me, config.servers[config.index], info["tf_version"],
+                    "in" if info["cuda"] else "not built", config.worker_num)
         stopped, lost = self._coord.serve(me, register_timeout, heartbeat_timeout,
-                                          _setting(None, CONNECT_TIMEOUT))
+                                          settings.get("TFPSX_CONNECT_TIMEOUT"))
         report = ServerReport(stopped=sorted(stopped), lost=sorted(lost),
                               seconds=time.monotonic() - start)
         if lost:
@@ -189,4 +187,9 @@ class _Fleet:
         return report
 
 
-FLEET = _Fleet()
+    # ------------------------------------------------------------------ scheduler
+    def run_scheduler(self) -> int:
+        return run_scheduler(self.require_role("run_scheduler", _cluster.SCHEDULER))
+
+
+RUNTIME = Runtime()

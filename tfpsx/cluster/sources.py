@@ -24,237 +24,18 @@ environment field by field.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import ipaddress
 import json
 import os
-import re
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-SERVER = "server"
-WORKER = "worker"
-SCHEDULER = "scheduler"
-EVALUATOR = "evaluator"
-ROLES = (SERVER, WORKER, SCHEDULER)
-
-# TF_CONFIG job names tfpsx understands. "master" (TF1 estimator) is deliberately absent.
-TF_CONFIG_JOBS = ("chief", "worker", "ps", "evaluator")
-
-ENV_ROLE = "TFPSX_ROLE"
-ENV_RANK = "TFPSX_RANK"
-ENV_SERVER_ENDPOINTS = "TFPSX_SERVER_ENDPOINTS"
-ENV_WORKER_ENDPOINTS = "TFPSX_WORKER_ENDPOINTS"
-ENV_SCHED_ADDR = "TFPSX_SCHED_ADDR"
-ENV_SERVER_NUM = "TFPSX_SERVER_NUM"
-ENV_WORKER_NUM = "TFPSX_WORKER_NUM"
-ENV_TOKEN = "TFPSX_TOKEN"
-CLUSTER_ENV_VARS = (ENV_ROLE, ENV_RANK, ENV_SERVER_ENDPOINTS, ENV_WORKER_ENDPOINTS,
-                    ENV_SCHED_ADDR, ENV_SERVER_NUM, ENV_WORKER_NUM)
-
-_HOSTNAME_RE = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerInfo:
-    """Where the scheduler is and how many nodes it waits for."""
-    address: str
-    server_num: int
-    worker_num: int
-    token: Optional[str] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    """A validated cluster and this process's place in it.
-
-    Attributes:
-      role: "server", "worker", "scheduler" or "evaluator".
-      index: this process's rank within its role (worker rank counts the chief as 0);
-        None while a scheduler has yet to assign it.
-      servers: PS endpoints, rank order.
-      workers: worker endpoints, rank order; with a TF_CONFIG ``chief`` job its host is
-        worker 0 and the ``worker`` job's hosts follow.
-      has_chief_job: TF_CONFIG had a ``chief`` job (so TF device names use /job:chief).
-      evaluators: TF_CONFIG ``evaluator`` hosts (not part of the training cluster).
-      scheduler: set when a scheduler assigns ranks (then endpoints may be empty).
-      source: where the config came from, for messages.
-    """
-    role: str
-    index: Optional[int]
-    servers: Tuple[str, ...] = ()
-    workers: Tuple[str, ...] = ()
-    has_chief_job: bool = False
-    evaluators: Tuple[str, ...] = ()
-    scheduler: Optional[SchedulerInfo] = None
-    source: str = "user"
-
-    @property
-    def server_num(self) -> int:
-        return self.scheduler.server_num if self.scheduler and not self.servers else len(self.servers)
-
-    @property
-    def worker_num(self) -> int:
-        return self.scheduler.worker_num if self.scheduler and not self.workers else len(self.workers)
-
-    @property
-    def needs_scheduler(self) -> bool:
-        """True while ranks and endpoints are still to come from the scheduler."""
-        return self.scheduler is not None and (self.index is None or not self.servers)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.role == WORKER and self.index == 0
-
-    def task_address(self) -> Optional[str]:
-        """This process's own host:port, when it has one in the cluster."""
-        if self.role == SERVER:
-            return self.servers[self.index]
-        if self.role == WORKER:
-            return self.workers[self.index]
-        if self.role == EVALUATOR and self.evaluators:
-            return self.evaluators[self.index]
-        return None
-
-    def worker_device_job(self, worker_index: int) -> Tuple[str, int]:
-        """TF (job name, task index) of a worker rank: honours a TF_CONFIG chief job."""
-        if self.has_chief_job:
-            return ("chief", 0) if worker_index == 0 else ("worker", worker_index - 1)
-        return ("worker", worker_index)
-
-    @property
-    def job_name(self) -> str:
-        """This process's TF job name ("ps", "worker", "chief", "evaluator")."""
-        if self.role == SERVER:
-            return "ps"
-        if self.role == WORKER:
-            return self.worker_device_job(self.index)[0]
-        return self.role
-
-    @property
-    def task_index(self) -> int:
-        """This process's TF task index within :attr:`job_name`."""
-        if self.role == WORKER:
-            return self.worker_device_job(self.index)[1]
-        return self.index
-
-    def cluster_dict(self) -> Dict[str, list]:
-        """The training cluster as TF's ClusterSpec dict (no evaluator, like TF)."""
-        if self.needs_scheduler:
-            raise ValueError("the cluster is not known yet: the scheduler at "
-                             f"{self.scheduler.address} has not assigned endpoints")
-        spec = {"ps": list(self.servers)}
-        if self.has_chief_job:
-            spec["chief"] = [self.workers[0]]
-            if len(self.workers) > 1:
-                spec["worker"] = list(self.workers[1:])
-        else:
-            spec["worker"] = list(self.workers)
-        return spec
-
-    def cluster_spec(self):
-        """The training cluster as a ``tf.train.ClusterSpec``."""
-        import tensorflow as tf
-
-        return tf.train.ClusterSpec(self.cluster_dict())
-
-    def tf_config(self) -> Dict[str, Any]:
-        """This config as a TF_CONFIG dict (what tfpsx-run writes for plain TF scripts)."""
-        cluster = self.cluster_dict()
-        if self.evaluators:
-            cluster["evaluator"] = list(self.evaluators)
-        return {"cluster": cluster, "task": {"type": self.job_name, "index": self.task_index}}
-
-
-# ----------------------------------------------------------------------------- parsing
-
-
-def parse_endpoint(value: Any, what: str) -> str:
-    """Validates one ``host:port`` (IPv6 as ``[addr]:port``) and returns it stripped."""
-    if not isinstance(value, str):
-        raise ValueError(f"{what}: expected a 'host:port' string, got {value!r} "
-                         f"({type(value).__name__})")
-    text = value.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-        host_ok = bool(sep)
-        if host_ok:
-            try:
-                ipaddress.IPv6Address(host)
-            except ValueError:
-                host_ok = False
-    else:
-        host, sep, port = text.rpartition(":")
-        host_ok = bool(sep) and bool(_HOSTNAME_RE.match(host))
-    if not host_ok:
-        raise ValueError(f"{what}: malformed endpoint {value!r}: expected 'host:port' "
-                         "(e.g. '10.0.0.1:2222', 'ps-0.svc:2222', '[::1]:2222')")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what}: endpoint {value!r} has port {port!r}; expected an "
-                         "integer in 1..65535")
-    return text
-
-
-def parse_endpoint_list(value: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
-    """Parses a comma-separated string or a list of endpoints; rejects duplicates."""
-    if isinstance(value, str):
-        items = [] if not value.strip() else value.split(",")
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ValueError(f"{what}: expected a list of 'host:port' strings or a comma-separated "
-                         f"string, got {value!r} ({type(value).__name__})")
-    if not items and not allow_empty:
-        raise ValueError(f"{what}: no endpoints given (got {value!r}); expected at least one "
-                         "'host:port'")
-    endpoints = tuple(parse_endpoint(item, what) for item in items)
-    _reject_duplicates([(what, ep) for ep in endpoints])
-    return endpoints
-
-
-def _reject_duplicates(named: Sequence[Tuple[str, str]]) -> None:
-    seen: Dict[str, str] = {}
-    for what, ep in named:
-        if ep in seen:
-            where = (f"twice in {what}" if seen[ep] == what else f"in {seen[ep]} and in {what}")
-            raise ValueError(f"duplicate endpoint {ep!r}: listed {where}; every task needs its "
-                             "own host:port")
-        seen[ep] = what
-
-
-def parse_int(value: Any, what: str, minimum: int = 0) -> int:
-    """Parses a non-bool integer (an int, or a string of digits) >= ``minimum``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected an integer >= {minimum}, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        number = int(value)
-    else:
-        raise ValueError(f"{what}: expected an integer >= {minimum}, got {value!r}")
-    if number < minimum:
-        raise ValueError(f"{what}: expected an integer >= {minimum}, got {value!r}")
-    return number
-
-
-def parse_float(value: Any, what: str, minimum: float = 0.0) -> float:
-    """Parses a number > ``minimum`` (e.g. a timeout in seconds)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: expected a number of seconds > {minimum:g}, got {value!r}") from None
-    if isinstance(value, bool) or not number > minimum or number != number:
-        raise ValueError(f"{what}: expected a number of seconds > {minimum:g}, got {value!r}")
-    return number
-
-
-def env_float(name: str, default: Optional[float], env: Optional[Mapping[str, str]] = None,
-              minimum: float = 0.0) -> Optional[float]:
-    """Reads a positive float from the environment; unset or empty means ``default``."""
-    env = os.environ if env is None else env
-    raw = env.get(name, "")
-    return default if raw.strip() == "" else parse_float(raw, name, minimum)
+from tfpsx import settings
+from tfpsx.cluster.config import (CLUSTER_ENV_VARS, ENV_RANK, ENV_ROLE, ENV_SCHED_ADDR,
+                                  ENV_SERVER_ENDPOINTS, ENV_SERVER_NUM, ENV_TOKEN,
+                                  ENV_WORKER_ENDPOINTS, ENV_WORKER_NUM, EVALUATOR, ROLES,
+                                  SCHEDULER, SERVER, TF_CONFIG_JOBS, WORKER, ClusterConfig,
+                                  SchedulerInfo, reject_duplicates, parse_endpoint,
+                                  parse_endpoint_list)
+from tfpsx.settings import parse_int
 
 
 def _check_role(role: Any, what: str, allowed: Sequence[str] = ROLES) -> str:
@@ -280,7 +61,7 @@ def from_user(role: str, index: int, server_endpoints: Any, worker_endpoints: An
     role = _check_role(role, f"{source}: role", (SERVER, WORKER))
     servers = parse_endpoint_list(server_endpoints, f"{source}: server_endpoints")
     workers = parse_endpoint_list(worker_endpoints, f"{source}: worker_endpoints")
-    _reject_duplicates([(f"{source}: server_endpoints", e) for e in servers] +
+    reject_duplicates([(f"{source}: server_endpoints", e) for e in servers] +
                        [(f"{source}: worker_endpoints", e) for e in workers])
     count = len(servers) if role == SERVER else len(workers)
     index = _check_index(index, f"{source}: current_id", count, role)
@@ -316,7 +97,7 @@ def from_tf_config(tf_config: Any, task_type: Optional[str] = None,
             raise ValueError(f"TF_CONFIG['cluster'][{job!r}] must be a list of 'host:port', "
                              f"got {hosts!r}")
         jobs[job] = parse_endpoint_list(hosts, f"TF_CONFIG['cluster'][{job!r}]", allow_empty=True)
-    _reject_duplicates([(f"TF_CONFIG['cluster'][{j!r}]", e) for j, eps in jobs.items() for e in eps])
+    reject_duplicates([(f"TF_CONFIG['cluster'][{j!r}]", e) for j, eps in jobs.items() for e in eps])
     for single in ("chief", "evaluator"):
         if len(jobs.get(single, ())) > 1:
             raise ValueError(f"TF_CONFIG['cluster'][{single!r}] lists {len(jobs[single])} hosts "
@@ -369,8 +150,7 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
     def get(name, override):
         if override is not None:
             return override, f"argument for {name}"
-        raw = env.get(name)
-        return (None if raw is None or raw.strip() == "" else raw), name
+        return settings.raw(name, env), name
 
     role_value, role_src = get(ENV_ROLE, role)
     sched_value, sched_src = get(ENV_SCHED_ADDR, None)
@@ -390,8 +170,8 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
                              f"scheduler to assign endpoints, but {', '.join(given)} also set; "
                              "use one or the other")
         address = parse_endpoint(sched_value, sched_src)
-        num_s = env.get(ENV_SERVER_NUM)
-        num_w = env.get(ENV_WORKER_NUM)
+        num_s = settings.raw(ENV_SERVER_NUM, env)
+        num_w = settings.raw(ENV_WORKER_NUM, env)
         if num_s is None or num_w is None:
             missing = [n for n, v in ((ENV_SERVER_NUM, num_s), (ENV_WORKER_NUM, num_w)) if v is None]
             raise ValueError(f"{ENV_SCHED_ADDR} is set but {', '.join(missing)} is not; expected "
@@ -399,7 +179,7 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
         info = SchedulerInfo(address=address,
                              server_num=parse_int(num_s, ENV_SERVER_NUM, minimum=1),
                              worker_num=parse_int(num_w, ENV_WORKER_NUM, minimum=1),
-                             token=env.get(ENV_TOKEN) or None)
+                             token=settings.raw(ENV_TOKEN, env))
         index = None
         if rank_value is not None:
             count = info.server_num if role_value == SERVER else info.worker_num
@@ -418,13 +198,13 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
                          f"of every worker (or {ENV_SCHED_ADDR} to use a scheduler)")
     servers = parse_endpoint_list(servers_value, servers_src)
     workers = parse_endpoint_list(workers_value, workers_src)
-    _reject_duplicates([(servers_src, e) for e in servers] + [(workers_src, e) for e in workers])
+    reject_duplicates([(servers_src, e) for e in servers] + [(workers_src, e) for e in workers])
     if rank_value is None:
         raise ValueError(f"{ENV_RANK} is not set; expected this {role_value}'s index")
     count = len(servers) if role_value == SERVER else len(workers)
     index = _check_index(rank_value, rank_src, count, role_value)
     for name, expected in ((ENV_SERVER_NUM, len(servers)), (ENV_WORKER_NUM, len(workers))):
-        if env.get(name, "").strip():
+        if settings.raw(name, env) is not None:
             declared = parse_int(env[name], name, minimum=1)
             if declared != expected:
                 raise ValueError(f"{name}={declared} disagrees with the {expected} endpoint(s) "
@@ -461,7 +241,7 @@ def resolve(env: Optional[Mapping[str, str]] = None) -> ClusterConfig:
     """
     env = os.environ if env is None else env
     tf_config = env.get("TF_CONFIG", "")
-    tfpsx_vars = [n for n in CLUSTER_ENV_VARS if env.get(n, "").strip()]
+    tfpsx_vars = [n for n in CLUSTER_ENV_VARS if settings.raw(n, env) is not None]
     if tf_config.strip():
         if tfpsx_vars:
             raise ValueError(f"conflicting cluster sources: TF_CONFIG is set and so are "

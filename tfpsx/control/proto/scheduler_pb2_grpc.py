@@ -2,7 +2,7 @@
 """Client and server classes corresponding to protobuf-defined services."""
 import grpc
 
-from tfpsx.proto import scheduler_pb2 as tfpsx_dot_proto_dot_scheduler__pb2
+from tfpsx.control.proto import scheduler_pb2 as tfpsx_dot_control_dot_proto_dot_scheduler__pb2
 
 
 class SchedulerStub(object):
@@ -16,38 +16,38 @@ class SchedulerStub(object):
         """
         self.Register = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/Register',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.RegisterReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.RegisterReply.FromString,
                 )
         self.GetCluster = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/GetCluster',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.ClusterRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.ClusterReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.ClusterRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.ClusterReply.FromString,
                 )
         self.Heartbeat = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/Heartbeat',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.HeartbeatReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.HeartbeatReply.FromString,
                 )
         self.Barrier = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/Barrier',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.BarrierReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.BarrierReply.FromString,
                 )
         self.Finish = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/Finish',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.JobReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.FromString,
                 )
         self.WaitJobEnd = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/WaitJobEnd',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.JobReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.FromString,
                 )
         self.Status = channel.unary_unary(
                 '/tfpsx.scheduler.Scheduler/Status',
-                request_serializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-                response_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.JobReply.FromString,
+                request_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+                response_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.FromString,
                 )
 
 
@@ -101,38 +101,38 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.RegisterRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.RegisterRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.RegisterReply.SerializeToString,
             ),
             'GetCluster': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCluster,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.ClusterRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.ClusterReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.ClusterRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.ClusterReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.HeartbeatReply.SerializeToString,
             ),
             'Barrier': grpc.unary_unary_rpc_method_handler(
                     servicer.Barrier,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.BarrierReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.BarrierReply.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
                     servicer.Finish,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.JobReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.SerializeToString,
             ),
             'WaitJobEnd': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitJobEnd,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.JobReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
-                    response_serializer=tfpsx_dot_proto_dot_scheduler__pb2.JobReply.SerializeToString,
+                    request_deserializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.FromString,
+                    response_serializer=tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,8 +156,8 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/Register',
-            tfpsx_dot_proto_dot_scheduler__pb2.RegisterRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.RegisterReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.RegisterRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.RegisterReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -173,8 +173,8 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/GetCluster',
-            tfpsx_dot_proto_dot_scheduler__pb2.ClusterRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.ClusterReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.ClusterRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.ClusterReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -190,8 +190,8 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/Heartbeat',
-            tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.HeartbeatReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.HeartbeatReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -207,8 +207,8 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/Barrier',
-            tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.BarrierReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.BarrierReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -224,8 +224,8 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/Finish',
-            tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.JobReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -241,8 +241,8 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/WaitJobEnd',
-            tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.JobReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -258,7 +258,7 @@ class Scheduler(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tfpsx.scheduler.Scheduler/Status',
-            tfpsx_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
-            tfpsx_dot_proto_dot_scheduler__pb2.JobReply.FromString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.NodeRequest.SerializeToString,
+            tfpsx_dot_control_dot_proto_dot_scheduler__pb2.JobReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

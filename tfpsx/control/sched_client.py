@@ -1,11 +1,11 @@
-"""A server's or worker's side of the scheduler protocol (see tfpsx/scheduler.py)."""
+"""A server's or worker's side of the scheduler protocol (the scheduler itself:
+:mod:`tfpsx.control.scheduler`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import threading
 import time
 from typing import List, Optional, Tuple
 
@@ -13,11 +13,13 @@ import grpc
 import portpicker
 
 from tfpsx import cluster as _cluster
-from tfpsx import errors
-from tfpsx._control import FAST_RECONNECT
-from tfpsx.proto import scheduler_pb2 as pb
-from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
-from tfpsx.scheduler import TlsConfig
+from tfpsx import errors, settings
+from tfpsx.background import BackgroundLoop
+from tfpsx.control.channels import FAST_RECONNECT
+from tfpsx.control.proto import scheduler_pb2 as pb
+from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx.control.protocol import Coordinator
+from tfpsx.control.tls import TlsConfig
 
 logger = logging.getLogger("tfpsx")
 _LONG_POLL = 5.0
@@ -54,15 +56,15 @@ class SchedulerClient:
     def __init__(self, info: _cluster.SchedulerInfo, role: str, rpc_timeout: float = 30.0,
                  tls: Optional[TlsConfig] = None, node_id: Optional[str] = None):
         self.info, self.role, self.rpc_timeout = info, role, rpc_timeout
-        self.node_id = node_id or os.environ.get("TFPSX_NODE_ID") or \
+        self.node_id = node_id or settings.raw("TFPSX_NODE_ID") or \
             f"{socket.gethostname()}:{os.getpid()}"
         self.token = info.token or ""
         options = FAST_RECONNECT
         self._channel = (grpc.secure_channel(info.address, tls.channel_credentials(), options)
                          if tls else grpc.insecure_channel(info.address, options))
         self._stub = pb_grpc.SchedulerStub(self._channel)
-        self._heartbeat: Optional[threading.Thread] = None
-        self._stop = threading.Event()
+        self._heartbeat: Optional[BackgroundLoop] = None
+        self._heartbeat_failures = 0
         self.dead: List[pb.Node] = []
         self.rank: Optional[int] = None
 
@@ -120,30 +122,28 @@ class SchedulerClient:
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self, interval: float) -> None:
-        def loop():
-            failures = 0
-            while not self._stop.wait(interval):
-                try:
-                    reply = self._call("Heartbeat", pb.NodeRequest(node_id=self.node_id,
-                                                                   token=self.token))
-                    failures = 0
-                except (errors.ServerUnavailableError, errors.SchedulerRejectedError) as e:
-                    failures += 1
-                    logger.warning("heartbeat to the scheduler failed (%d in a row): %s",
-                                   failures, e)
-                    continue
-                new = [n for n in reply.dead if n not in self.dead]
-                if new:
-                    logger.warning("scheduler reports dead: %s", describe(new))
-                    self.dead.extend(new)
+        self._heartbeat = BackgroundLoop("heartbeat to the scheduler", self._beat,
+                                         interval=interval).start()
 
-        self._heartbeat = threading.Thread(target=loop, name="tfpsx-sched-heartbeat", daemon=True)
-        self._heartbeat.start()
+    def _beat(self) -> None:
+        # A failed beat is logged and retried: the scheduler's timeout decides who is dead.
+        try:
+            reply = self._call("Heartbeat", pb.NodeRequest(node_id=self.node_id,
+                                                           token=self.token))
+            self._heartbeat_failures = 0
+        except (errors.ServerUnavailableError, errors.SchedulerRejectedError) as e:
+            self._heartbeat_failures += 1
+            logger.warning("heartbeat to the scheduler failed (%d in a row): %s",
+                           self._heartbeat_failures, e)
+            return
+        new = [n for n in reply.dead if n not in self.dead]
+        if new:
+            logger.warning("scheduler reports dead: %s", describe(new))
+            self.dead.extend(new)
 
     def stop_heartbeat(self) -> None:
-        self._stop.set()
         if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+            self._heartbeat.stop(timeout=5)
 
     # ------------------------------------------------------------------ job
     def barrier(self, generation: int, timeout: float) -> None:
@@ -201,10 +201,10 @@ def register_node(config: _cluster.ClusterConfig, connect_timeout: float,
     if config.role not in (_cluster.SERVER, _cluster.WORKER):
         raise ValueError(f"TFPSX_ROLE={config.role!r} does not register with a scheduler; "
                          "expected 'server' or 'worker' (the scheduler runs run_scheduler())")
-    host = os.environ.get("TFPSX_HOST") or local_address_towards(config.scheduler.address)
-    port_env = os.environ.get("TFPSX_PORT", "").strip()
-    port = (_cluster.parse_int(port_env, "TFPSX_PORT", minimum=0) if port_env
-            else portpicker.pick_unused_port())
+    host = settings.raw("TFPSX_HOST") or local_address_towards(config.scheduler.address)
+    port = settings.get("TFPSX_PORT")
+    if port is None:
+        port = portpicker.pick_unused_port()
     client = SchedulerClient(config.scheduler, config.role, rpc_timeout,
                              tls=TlsConfig.from_env())
     try:
@@ -220,7 +220,7 @@ def register_node(config: _cluster.ClusterConfig, connect_timeout: float,
     return resolved, client
 
 
-class SchedulerCoordinator:
+class SchedulerCoordinator(Coordinator):
     """The job's control plane through the scheduler (heartbeats run since registration)."""
 
     def __init__(self, config: _cluster.ClusterConfig, client: SchedulerClient):

@@ -7,7 +7,7 @@ same node id gets the same rank), answers every node with the full cluster once 
 registered, runs barriers, watches heartbeats, and ends the job when every worker has
 finished (or died).
 
-Run it as ``python -m tfpsx.scheduler`` (or ``tfpsx-scheduler``) with ``TFPSX_ROLE=scheduler
+Run it as ``tfpsx-scheduler`` (or ``python -m tfpsx.control.scheduler``) with ``TFPSX_ROLE=scheduler
 TFPSX_SCHED_ADDR=host:port TFPSX_SERVER_NUM=S TFPSX_WORKER_NUM=W`` [``TFPSX_TOKEN``], or
 from a script with ``tfpsx.init(); tfpsx.run_scheduler()``.
 """
@@ -27,57 +27,15 @@ import grpc
 import portpicker
 
 from tfpsx import cluster as _cluster
-from tfpsx import errors
-from tfpsx.proto import scheduler_pb2 as pb
-from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx import errors, settings
+from tfpsx.control.proto import scheduler_pb2 as pb
+from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx.control.tls import TlsConfig
 
 logger = logging.getLogger("tfpsx")
 
 REGISTERED, FINISHED, DEAD = "registered", "finished", "dead"
 _MAX_LONG_POLL = 10.0  # seconds one long-poll call may be held
-
-
-@dataclasses.dataclass
-class TlsConfig:
-    """PEM files for TLS: the scheduler needs cert+key, clients the CA (and may add cert+key)."""
-    cert: Optional[str] = None
-    key: Optional[str] = None
-    ca: Optional[str] = None
-
-    @classmethod
-    def from_env(cls, env=None) -> Optional["TlsConfig"]:
-        import os
-
-        env = os.environ if env is None else env
-        values = {f: env.get(f"TFPSX_TLS_{f.upper()}") or None for f in ("cert", "key", "ca")}
-        if not any(values.values()):
-            return None
-        for field, path in values.items():
-            if path and not os.path.isfile(path):
-                raise ValueError(f"TFPSX_TLS_{field.upper()}: file {path!r} does not exist; "
-                                 "expected a PEM file")
-        if bool(values["cert"]) != bool(values["key"]):
-            raise ValueError("TFPSX_TLS_CERT and TFPSX_TLS_KEY go together; got only "
-                             f"{'TFPSX_TLS_CERT' if values['cert'] else 'TFPSX_TLS_KEY'}")
-        return cls(**values)
-
-    @staticmethod
-    def _read(path):
-        with open(path, "rb") as f:
-            return f.read()
-
-    def server_credentials(self):
-        if not (self.cert and self.key):
-            raise ValueError("the scheduler needs TFPSX_TLS_CERT and TFPSX_TLS_KEY to serve TLS")
-        root = self._read(self.ca) if self.ca else None
-        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
-                                           root_certificates=root)
-
-    def channel_credentials(self):
-        return grpc.ssl_channel_credentials(
-            root_certificates=self._read(self.ca) if self.ca else None,
-            private_key=self._read(self.key) if self.key else None,
-            certificate_chain=self._read(self.cert) if self.cert else None)
 
 
 @dataclasses.dataclass
@@ -368,24 +326,26 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
         server.stop(grace=1.0)
 
 
-def run_scheduler(config: Optional[_cluster.ClusterConfig] = None) -> int:
-    """Serves as the scheduler of ``config`` (the resolved cluster by default)."""
-    from tfpsx.fleet import FLEET, _setting, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT
-
-    config = config or FLEET.require_role("run_scheduler", _cluster.SCHEDULER)
+def run_scheduler(config: _cluster.ClusterConfig) -> int:
+    """Serves as the scheduler of ``config`` (a resolved ``TFPSX_ROLE=scheduler`` config)
+    until the job ends; returns the exit code."""
+    if config.role != _cluster.SCHEDULER or config.scheduler is None:
+        raise ValueError(f"run_scheduler needs a scheduler config (TFPSX_ROLE=scheduler with "
+                         f"TFPSX_SCHED_ADDR), got role {config.role!r} from {config.source}")
     info = config.scheduler
     return serve(info.address, info.server_num, info.worker_num, token=info.token,
-                 register_timeout=_setting(None, REGISTER_TIMEOUT),
-                 heartbeat_timeout=_setting(None, HEARTBEAT_TIMEOUT),
+                 register_timeout=settings.get("TFPSX_REGISTER_TIMEOUT"),
+                 heartbeat_timeout=settings.get("TFPSX_HEARTBEAT_TIMEOUT"),
                  tls=TlsConfig.from_env())
 
 
 def main() -> int:
-    import tfpsx
-
-    config = tfpsx.init()
+    """``tfpsx-scheduler``: the scheduler of the cluster the environment describes."""
+    logging.basicConfig(format="%(asctime)s tfpsx %(levelname)s: %(message)s",
+                        level=logging.INFO)
+    config = _cluster.resolve()
     if config.role != _cluster.SCHEDULER:
-        print(f"python -m tfpsx.scheduler: TFPSX_ROLE is {config.role!r}; expected 'scheduler'",
+        print(f"tfpsx-scheduler: TFPSX_ROLE is {config.role!r}; expected 'scheduler'",
               file=sys.stderr)
         return 2
     return run_scheduler(config)

@@ -26,7 +26,8 @@ import time
 from typing import List, Optional
 
 from tfpsx import cluster as _cluster
-from tfpsx.testing import LocalCluster
+from tfpsx import settings
+from tfpsx.launcher.local import LocalCluster
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,11 +82,11 @@ class _Tail(threading.Thread):
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        server_num = _cluster.parse_int(args.server_num, "--server_num", minimum=1)
-        worker_num = _cluster.parse_int(args.worker_num, "--worker_num", minimum=1)
+        server_num = settings.parse_int(args.server_num, "--server_num", minimum=1)
+        worker_num = settings.parse_int(args.worker_num, "--worker_num", minimum=1)
         timeout = (None if args.timeout is None
-                   else _cluster.parse_float(args.timeout, "--timeout"))
-        grace = _cluster.parse_float(args.server_grace, "--server_grace")
+                   else settings.parse_float(args.timeout, "--timeout"))
+        grace = settings.parse_float(args.server_grace, "--server_grace")
     except ValueError as e:
         print(f"tfpsx-run: {e}", file=sys.stderr)
         return 2
@@ -96,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        timeout=float("inf") if timeout is None else timeout,
                        log_dir=args.log_dir,
                        config_mode=args.config if args.no_scheduler else "scheduler",
-                       token=os.environ.get(_cluster.ENV_TOKEN) or None)
+                       token=settings.raw(_cluster.ENV_TOKEN))
     # Our own logs start fresh for this run.
     for role, index in job.tasks():
         open(job.log_path(role, index), "w").close()

@@ -1,10 +1,11 @@
 """The one place that finds and loads the tfpsx op library.
 
 The library is compiled at install time against the TensorFlow that is installed
-(``setup.py`` writes ``_tfpsx_ops*.so`` next to this module, with the TF version it was
-built for compiled into it as a marker string). Loading is lazy, happens once per process, and every failure is an
-ImportError that names the running TF, the TF the library was built for, and the
-command that rebuilds it.
+(``setup.py`` writes ``_tfpsx_ops*.so`` into the ``tfpsx`` package folder, with a build
+record compiled into it: the TF version it was built for and whether its CUDA kernels are
+in). Loading is lazy, happens once per process, and every failure is an ImportError that
+names the running TF, the TF the library was built for, and the command that rebuilds it.
+Only :mod:`tfpsx.ops.bindings` uses the loaded module.
 """
 
 from __future__ import annotations
@@ -15,20 +16,20 @@ import re
 import threading
 from typing import Optional
 
+from tfpsx.errors import OpLibraryError
+
 REBUILD_COMMAND = "pip install --no-build-isolation -e .  (or: make build)"
-_BUILD_MARKER = re.compile(rb"tfpsx-build-info:tf=([^;\x00]{1,64});")
+_BUILD_MARKER = re.compile(rb"tfpsx-build-info:tf=([^;\x00]{1,64});(?:cuda=([01]);)?")
 _LIB_GLOB = "_tfpsx_ops*.so"
 
 _lock = threading.Lock()
 _loaded = None  # the module returned by tf.load_op_library
-
-
-class OpLibraryError(ImportError):
-    """The tfpsx op library is missing, stale, or failed to load."""
+_loaded_info: dict = {}  # its build record and path
 
 
 def _library_dir() -> str:
-    return os.path.dirname(os.path.abspath(__file__))
+    # setup.py builds the extension ``tfpsx._tfpsx_ops``: the package folder.
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def find_library(lib_dir: Optional[str] = None) -> str:
@@ -46,7 +47,8 @@ def find_library(lib_dir: Optional[str] = None) -> str:
 
 
 def build_info(path: str) -> dict:
-    """Returns what the build recorded inside the library at ``path``: ``{"tf_version": ...}``."""
+    """What the build recorded inside the library at ``path``:
+    ``{"tf_version": "2.21.0", "cuda": False}`` (``cuda``: its CUDA kernels are in)."""
     try:
         with open(path, "rb") as f:
             match = _BUILD_MARKER.search(f.read())
@@ -57,7 +59,8 @@ def build_info(path: str) -> dict:
         raise OpLibraryError(
             f"tfpsx op library {path} carries no build record, so the TensorFlow it was built "
             f"for is unknown. Rebuild it with: {REBUILD_COMMAND}")
-    return {"tf_version": match.group(1).decode("ascii", "replace")}
+    return {"tf_version": match.group(1).decode("ascii", "replace"),
+            "cuda": match.group(2) == b"1"}
 
 
 def load_ops(lib_dir: Optional[str] = None):
@@ -99,5 +102,12 @@ def load_ops(lib_dir: Optional[str] = None):
                 f"running TensorFlow {tf.__version__}): {e}. Rebuild it with: "
                 f"{REBUILD_COMMAND}") from e
         if lib_dir is None:
+            _loaded_info.update(info, path=path)
             _loaded = module
         return module
+
+
+def library_info() -> dict:
+    """The loaded library's build record: ``{"path", "tf_version", "cuda"}`` (loads it)."""
+    load_ops()
+    return dict(_loaded_info)

@@ -1,0 +1,235 @@
+"""A local cluster of real processes on 127.0.0.1: the launcher's core, and tests' and
+demos' way to start a job.
+
+Every process gets its own free port (portpicker), its own process group (so its
+children die with it), a log file, a metrics file (``TFPSX_METRICS_DIR`` is the log
+folder), and a deadline; :meth:`LocalCluster.stop` kills by
+PID whatever is still running, and the context manager calls it even when a test fails.
+
+Example:
+  >>> with LocalCluster("train.py", server_num=1, worker_num=2, timeout=120) as c:
+  ...     c.start()
+  ...     codes = c.wait()          # {("worker", 0): 0, ...}; raises on the deadline
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import portpicker
+
+from tfpsx import cluster as _cluster
+from tfpsx import metrics, settings
+from tfpsx.errors import ClusterTimeoutError
+
+Task = Tuple[str, int]  # (role, index)
+
+
+def pick_ports(count: int) -> List[int]:
+    """``count`` distinct free ports on this host."""
+    ports: List[int] = []
+    while len(ports) < count:
+        port = portpicker.pick_unused_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def kill_process_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM then SIGKILL the process group led by ``proc`` (started with its own session)."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class LocalCluster:
+    """S servers and W workers of one script, each a separate process.
+
+    Args:
+      script: the Python script every process runs (or a list: argv after the interpreter).
+      server_num, worker_num: the cluster's size.
+      args: extra arguments for the script.
+      env: extra environment for every process (overrides the defaults below).
+      timeout: seconds the whole cluster may run before :meth:`wait` kills it and raises.
+      log_dir: where ``serverlog.N`` / ``workerlog.N`` go (a temporary folder by default).
+      config_mode: "env" writes TFPSX_* endpoint variables, "tf_config" writes TF_CONFIG,
+        "scheduler" adds a scheduler process (``python -m tfpsx.control.scheduler``) that every
+        server and worker registers with (each asks for the rank of its log's number).
+      host: the address every task binds; 127.0.0.1 by default.
+      token: the scheduler's TFPSX_TOKEN, in "scheduler" mode.
+    """
+
+    def __init__(self, script, server_num: int = 1, worker_num: int = 2,
+                 args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
+                 timeout: float = 120.0, log_dir: Optional[str] = None,
+                 config_mode: str = "env", host: str = "127.0.0.1", token: Optional[str] = None):
+        if config_mode not in ("env", "tf_config", "scheduler"):
+            raise ValueError("config_mode: expected 'env', 'tf_config' or 'scheduler', got "
+                             f"{config_mode!r}")
+        for name, value in (("server_num", server_num), ("worker_num", worker_num)):
+            settings.parse_int(value, name, minimum=1)
+        self.argv = [script] if isinstance(script, str) else list(script)
+        self.argv += list(args)
+        self.server_num, self.worker_num = server_num, worker_num
+        self.env = dict(env or {})
+        self.timeout = timeout
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="tfpsx-cluster-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.config_mode = config_mode
+        self.token = token
+        ports = pick_ports(server_num + worker_num + 1)
+        self.servers = [f"{host}:{p}" for p in ports[:server_num]]
+        self.workers = [f"{host}:{p}" for p in ports[server_num:-1]]
+        self.scheduler_address = f"{host}:{ports[-1]}" if config_mode == "scheduler" else None
+        self.procs: Dict[Task, subprocess.Popen] = {}
+        self._logs: Dict[Task, object] = {}
+        self._started_at: Optional[float] = None
+
+    # ------------------------------------------------------------------ processes
+    def task_env(self, role: str, index: int) -> Dict[str, str]:
+        """The environment one task runs with."""
+        env = {k: v for k, v in os.environ.items()
+               if k != "TF_CONFIG" and k not in _cluster.CLUSTER_ENV_VARS}
+        env.update({"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                    "TFPSX_METRICS_DIR": self.log_dir})
+        if self.config_mode == "scheduler":
+            endpoint = (self.servers if role == _cluster.SERVER else self.workers)[index] \
+                if role != _cluster.SCHEDULER else self.scheduler_address
+            host, port = endpoint.rsplit(":", 1)
+            env.update({_cluster.ENV_ROLE: role, _cluster.ENV_SCHED_ADDR: self.scheduler_address,
+                        _cluster.ENV_SERVER_NUM: str(self.server_num),
+                        _cluster.ENV_WORKER_NUM: str(self.worker_num)})
+            if role != _cluster.SCHEDULER:
+                env.update({_cluster.ENV_RANK: str(index), "TFPSX_HOST": host,
+                            "TFPSX_PORT": port, "TFPSX_NODE_ID": f"local-{role}-{index}"})
+            if self.token is not None:
+                env[_cluster.ENV_TOKEN] = self.token
+        elif self.config_mode == "env":
+            env.update({_cluster.ENV_ROLE: role, _cluster.ENV_RANK: str(index),
+                        _cluster.ENV_SERVER_ENDPOINTS: ",".join(self.servers),
+                        _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.workers)})
+        else:
+            job = "ps" if role == _cluster.SERVER else "worker"
+            env["TF_CONFIG"] = json.dumps({"cluster": {"ps": self.servers, "worker": self.workers},
+                                           "task": {"type": job, "index": index}})
+        env.update(self.env)
+        return env
+
+    def log_path(self, role: str, index: int) -> str:
+        if role == _cluster.SCHEDULER:
+            return os.path.join(self.log_dir, "scheduler.log")
+        return os.path.join(self.log_dir, f"{role}log.{index}")
+
+    def start_task(self, role: str, index: int, extra_env: Optional[Mapping[str, str]] = None
+                   ) -> subprocess.Popen:
+        """Starts one task (again, after it exited or was killed)."""
+        task = (role, index)
+        old = self.procs.get(task)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"{role} {index} is still running (pid {old.pid})")
+        env = self.task_env(role, index)
+        env.update(extra_env or {})
+        log = open(self.log_path(role, index), "ab")
+        self._logs[task] = log
+        argv = ["-m", "tfpsx.control.scheduler"] if role == _cluster.SCHEDULER else self.argv
+        proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs[task] = proc
+        if self._started_at is None:
+            self._started_at = time.monotonic()
+        return proc
+
+    def tasks(self) -> List[Task]:
+        """Every task of the job; the scheduler (if any) first."""
+        return ([(_cluster.SCHEDULER, 0)] * (self.config_mode == "scheduler") +
+                [(_cluster.SERVER, i) for i in range(self.server_num)] +
+                [(_cluster.WORKER, i) for i in range(self.worker_num)])
+
+    def start(self, tasks: Optional[Iterable[Task]] = None) -> "LocalCluster":
+        """Starts the given tasks (all by default)."""
+        for role, index in (self.tasks() if tasks is None else tasks):
+            self.start_task(role, index)
+        return self
+
+    def kill(self, role: str, index: int, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to one task's process group and waits for it to exit."""
+        proc = self.procs[(role, index)]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def wait(self, tasks: Optional[Iterable[Task]] = None, timeout: Optional[float] = None
+             ) -> Dict[Task, int]:
+        """Waits for tasks (all started ones by default) to exit; returns their exit codes.
+
+        Raises:
+          ClusterTimeoutError: the deadline passed; every task is killed first, and the
+            message names the ones still running and the tail of their logs.
+        """
+        wanted = list(self.procs) if tasks is None else list(tasks)
+        if timeout is None:
+            start = self._started_at or time.monotonic()
+            deadline = start + self.timeout
+        else:
+            deadline = time.monotonic() + timeout
+        while True:
+            running = [t for t in wanted if self.procs[t].poll() is None]
+            if not running:
+                return {t: self.procs[t].returncode for t in wanted}
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {r} {i} (pid {self.procs[(r, i)].pid}) log tail:\n"
+                                  f"{self.log(r, i)[-1500:]}" for r, i in running)
+                self.stop()
+                raise ClusterTimeoutError(
+                    f"local cluster ran past its deadline; killed still-running tasks "
+                    f"{running}\n{tails}")
+            time.sleep(0.05)
+
+    def log(self, role: str, index: int) -> str:
+        """The log of one task so far."""
+        task = (role, index)
+        if task in self._logs:
+            self._logs[task].flush()
+        try:
+            with open(self.log_path(role, index), encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def metrics(self, role: str, index: int, event: Optional[str] = None) -> List[dict]:
+        """The metrics records one task emitted (``tfpsx.metrics.emit``), oldest first."""
+        return metrics.read(self.log_dir, role, index, event)
+
+    def logs(self) -> str:
+        """Every task's log, headed by its name (for assertion messages)."""
+        return "\n".join(f"===== {r} {i} =====\n{self.log(r, i)}" for r, i in sorted(self.procs))
+
+    def stop(self) -> None:
+        """Kills every task still running, by PID (its process group), and closes logs."""
+        for proc in self.procs.values():
+            kill_process_group(proc)
+        for log in self._logs.values():
+            log.close()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

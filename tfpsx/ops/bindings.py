@@ -1,0 +1,108 @@
+"""Python bindings of the tfpsx ops: the only code that calls the op library.
+
+One function per op, named after it, with the op's inputs as arguments (tensors or
+values TF converts). The ops themselves are declared in ``custom_ops/cc/ops/``; their
+names carry the fixed ``Tfpsx`` prefix, since renaming an op breaks saved graphs.
+Higher layers never touch the loaded module: tables go through
+:mod:`tfpsx.embedding.storage`, the PS-0 counters through :mod:`tfpsx.control.counters`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tfpsx.ops.loader import load_ops
+
+# ----------------------------------------------------------------------------- counters
+# A shared counter and member set on a parameter server (the control plane without a
+# scheduler: started/stopped workers, barriers, heartbeats).
+
+
+def counter_handle(shared_name: str):
+    return load_ops().tfpsx_counter_handle_op(shared_name=shared_name)
+
+
+def counter_add(handle, delta):
+    return load_ops().tfpsx_counter_add(handle, delta)
+
+
+def counter_read(handle):
+    return load_ops().tfpsx_counter_read(handle)
+
+
+def counter_mark(handle, member):
+    return load_ops().tfpsx_counter_mark(handle, member)
+
+
+def counter_members(handle):
+    return load_ops().tfpsx_counter_members(handle)
+
+
+# ----------------------------------------------------------------------------- tables
+# A dynamic embedding table shard (int64 key -> float32 row of dim, optimizer slots and
+# metadata beside it) on the device the handle op runs on.
+
+
+def table_handle(shared_name: str, dim: int, slot_init: Sequence[float], initializer: str,
+                 init_a: float, init_b: float, seed: int, min_frequency: int, capacity: int):
+    """Creates (on first run) or finds the table ``shared_name`` on the current device."""
+    return load_ops().tfpsx_hash_table_handle_op(
+        shared_name=shared_name, dim=dim, num_slots=len(slot_init), slot_init=list(slot_init),
+        initializer=initializer, init_a=init_a, init_b=init_b, seed=seed,
+        min_frequency=min_frequency, capacity=capacity)
+
+
+def table_find(handle, keys):
+    """(rows, found): a missing key gets its initial row and found=False."""
+    return load_ops().tfpsx_hash_table_find(handle, keys)
+
+
+def table_find_or_insert(handle, keys, step):
+    return load_ops().tfpsx_hash_table_find_or_insert(handle, keys, step)
+
+
+def table_insert(handle, keys, values, step):
+    return load_ops().tfpsx_hash_table_insert(handle, keys, values, step)
+
+
+def table_accumulate(handle, keys, deltas, step):
+    return load_ops().tfpsx_hash_table_accumulate(handle, keys, deltas, step)
+
+
+def table_apply(handle, optimizer: str, keys, grads, hparams, step):
+    """The server-side optimizer ``optimizer`` applied to the rows of (unique) ``keys``;
+    ``hparams`` in the optimizer's order (see :mod:`tfpsx.embedding.optimizers`)."""
+    return load_ops().tfpsx_hash_table_apply(handle, keys, grads, hparams, step,
+                                             optimizer=optimizer)
+
+
+def table_remove(handle, keys):
+    return load_ops().tfpsx_hash_table_remove(handle, keys)
+
+
+def table_size(handle):
+    return load_ops().tfpsx_hash_table_size(handle)
+
+
+def table_stats(handle):
+    """[size, admitted, evicted, pending_admission, memory_bytes]."""
+    return load_ops().tfpsx_hash_table_stats(handle)
+
+
+def table_evict(handle, min_step, keep_top_n):
+    return load_ops().tfpsx_hash_table_evict(handle, min_step, keep_top_n)
+
+
+def table_export(handle, since_step):
+    """(keys, values, slots, freq, step) of the rows updated at ``since_step`` or later."""
+    return load_ops().tfpsx_hash_table_export(handle, since_step)
+
+
+def table_import(handle, keys, values, slots, freq, step, clear: bool):
+    return load_ops().tfpsx_hash_table_import(handle, keys, values, slots, freq, step,
+                                              clear=clear)
+
+
+def table_take_changed(handle, reader):
+    """Keys changed since ``reader``'s previous call (its first call registers it)."""
+    return load_ops().tfpsx_hash_table_take_changed(handle, reader)

@@ -1,0 +1,250 @@
+"""Every ``TFPSX_*`` setting in one registry: name, type, default, parser and doc.
+
+Code reads a setting through :func:`get` (an argument, when given, overrides the
+environment), never ``os.environ`` directly, so a value is parsed and validated one way
+everywhere and a bad one is a ``ValueError`` that names the variable, the value and what
+was expected. The README's tables of variables are generated from this registry
+(``python -m tfpsx.settings`` prints them; a test keeps the README in step).
+
+This module is a bottom layer: it imports nothing from tfpsx (``setup.py`` loads it by
+path, before the package is installed).
+
+Example:
+  >>> from tfpsx import settings
+  >>> settings.get("TFPSX_RPC_TIMEOUT")              # 30.0 unless the variable is set
+  >>> settings.get("TFPSX_RPC_TIMEOUT", override=5)  # an argument wins
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+
+# ----------------------------------------------------------------------------- parsers
+
+
+def parse_int(value: Any, what: str, minimum: int = 0) -> int:
+    """Parses a non-bool integer (an int, or a string of digits) >= ``minimum``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        number = int(value)
+    else:
+        raise ValueError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+    if number < minimum:
+        raise ValueError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def parse_float(value: Any, what: str, minimum: float = 0.0) -> float:
+    """Parses a number > ``minimum`` (e.g. a timeout in seconds)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected a number of seconds > {minimum:g}, "
+                         f"got {value!r}") from None
+    if isinstance(value, bool) or not number > minimum or math.isnan(number):
+        raise ValueError(f"{what}: expected a number of seconds > {minimum:g}, got {value!r}")
+    return number
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(value: Any, what: str) -> bool:
+    """Parses True/False or one of 1/0, true/false, yes/no, on/off (never ``bool("0")``)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{what}: expected one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
+
+
+def _as_str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected a string, got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- registry
+
+_PARSERS: Dict[str, Callable[[Any, str], Any]] = {
+    "seconds": parse_float,
+    "int": lambda v, w: parse_int(v, w, 0),
+    "count": lambda v, w: parse_int(v, w, 1),
+    "bool": parse_bool,
+    "str": _as_str,
+    "path": _as_str,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ``TFPSX_*`` variable.
+
+    Attributes:
+      name: the variable.
+      type: "seconds", "int" (>= 0), "count" (>= 1), "bool", "str", "path", or a
+        description of a value the cluster resolver parses ("host:port", ...).
+      default: the value when unset (None: no default).
+      doc: one line for the README.
+      group: the README table it is listed in.
+      read_by: who reads it, when not tfpsx's Python code (e.g. "setup.py").
+    """
+    name: str
+    type: str
+    default: Any
+    doc: str
+    group: str
+    read_by: str = ""
+
+    def parse(self, value: Any, what: Optional[str] = None) -> Any:
+        parser = _PARSERS.get(self.type)
+        if parser is None:
+            raise ValueError(f"{self.name} ({self.type}) is parsed by the cluster resolver "
+                             "(tfpsx.cluster), not by settings.get()")
+        return parser(value, what or self.name)
+
+
+_GROUPS = {
+    "cluster": "Where the cluster comes from (read by `tfpsx.init()`)",
+    "scheduler": "Scheduler registration (with `TFPSX_SCHED_ADDR`)",
+    "timeouts": "Bounded waits: nothing waits forever, each wait says what it waits for",
+    "runtime": "Runtime switches",
+    "build": "Building the op library (read by `setup.py`)",
+}
+
+SETTINGS: Dict[str, Setting] = {s.name: s for s in [
+    # cluster
+    Setting("TFPSX_ROLE", "server | worker | scheduler", None,
+            "this process's role", "cluster"),
+    Setting("TFPSX_RANK", "int", None,
+            "this process's rank within its role (optional with a scheduler: asks for it)",
+            "cluster"),
+    Setting("TFPSX_SERVER_ENDPOINTS", "host:port list", None,
+            "comma-separated host:port of every server, rank order (no scheduler)", "cluster"),
+    Setting("TFPSX_WORKER_ENDPOINTS", "host:port list", None,
+            "comma-separated host:port of every worker, rank order (no scheduler)", "cluster"),
+    Setting("TFPSX_SCHED_ADDR", "host:port", None,
+            "the scheduler: it assigns ranks and endpoints", "cluster"),
+    Setting("TFPSX_SERVER_NUM", "count", None,
+            "how many servers the job has", "cluster"),
+    Setting("TFPSX_WORKER_NUM", "count", None,
+            "how many workers the job has", "cluster"),
+    # scheduler registration
+    Setting("TFPSX_TOKEN", "str", None,
+            "shared secret; a registration without it is refused", "scheduler"),
+    Setting("TFPSX_HOST", "str", None,
+            "the address this node serves on (default: the local IP that routes to the "
+            "scheduler)", "scheduler"),
+    Setting("TFPSX_PORT", "int", None,
+            "the port this node serves on (default: a free one; 0 lets the scheduler pick)",
+            "scheduler"),
+    Setting("TFPSX_NODE_ID", "str", None,
+            "stable node id (default host:pid); a node that re-registers with it keeps its rank",
+            "scheduler"),
+    Setting("TFPSX_TLS_CERT", "path", None,
+            "PEM certificate: the scheduler serves TLS with cert + key", "scheduler"),
+    Setting("TFPSX_TLS_KEY", "path", None, "PEM private key of TFPSX_TLS_CERT", "scheduler"),
+    Setting("TFPSX_TLS_CA", "path", None,
+            "PEM CA file nodes verify the scheduler with", "scheduler"),
+    # timeouts
+    Setting("TFPSX_CONNECT_TIMEOUT", "seconds", 120.0,
+            "a worker waiting for its servers (or a node for the scheduler) to accept "
+            "connections", "timeouts"),
+    Setting("TFPSX_REGISTER_TIMEOUT", "seconds", 600.0,
+            "servers waiting for every worker to call init_worker() (the error lists the "
+            "missing ones); nodes waiting for the cluster to complete", "timeouts"),
+    Setting("TFPSX_HEARTBEAT_INTERVAL", "seconds", 2.0,
+            "how often a node sends a heartbeat", "timeouts"),
+    Setting("TFPSX_HEARTBEAT_TIMEOUT", "seconds", 60.0,
+            "a node silent this long is reported lost and no longer waited for", "timeouts"),
+    Setting("TFPSX_BARRIER_TIMEOUT", "seconds", 600.0, "barrier_worker()", "timeouts"),
+    Setting("TFPSX_RPC_TIMEOUT", "seconds", 30.0,
+            "one control call (to PS 0 or the scheduler); GEO's last sync at the end",
+            "timeouts"),
+    Setting("TFPSX_RECOVERY_WAIT", "seconds", 0.25,
+            "how often a non-chief polls for the chief's init (TF's own: 30 s)", "timeouts"),
+    Setting("TFPSX_SESSION_TIMEOUT", "seconds", 600.0,
+            "a non-chief waiting for the chief to initialize or restore the model", "timeouts"),
+    Setting("TFPSX_SYNC_STEP_TIMEOUT", "seconds", 300.0,
+            "one sync step: the other workers' gradients and the token", "timeouts"),
+    Setting("TFPSX_STALENESS_TIMEOUT", "seconds", 300.0,
+            "bounded staleness: a worker waiting for the slowest", "timeouts"),
+    # runtime switches
+    Setting("TFPSX_METRICS_DIR", "path", None,
+            "folder where every process appends its metrics as JSON lines "
+            "(metrics.<role>.<rank>.jsonl); tfpsx-run sets it to --log_dir", "runtime"),
+    Setting("TFPSX_TABLE_HUGE_PAGES", "bool", False,
+            "transparent huge pages for table rows (off: slower in a TF process on these VMs)",
+            "runtime", read_by="the C++ table core"),
+    # build
+    Setting("TFPSX_BUILD_JOBS", "count", None,
+            "parallel compiler processes (default: the CPU count)", "build", read_by="setup.py"),
+    Setting("TFPSX_TF_PYTHON", "path", None,
+            "the Python whose TensorFlow the ops are built against (default: the installing "
+            "one)", "build", read_by="setup.py"),
+    Setting("TFPSX_WITH_CUDA", "bool", False,
+            "also compile the CUDA kernels (*.cu.cc) with nvcc", "build", read_by="setup.py"),
+]}
+
+
+def setting(name: str) -> Setting:
+    """The registry entry of ``name``; a KeyError names the known settings."""
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a tfpsx setting; known: {', '.join(SETTINGS)}") \
+            from None
+
+
+def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The variable's text, or None when it is unset or blank."""
+    setting(name)
+    value = (os.environ if env is None else env).get(name)
+    return None if value is None or value.strip() == "" else value
+
+
+def get(name: str, override: Any = None, env: Optional[Mapping[str, str]] = None) -> Any:
+    """The value of ``name``: ``override`` if given, else the environment, else the default.
+
+    Raises:
+      ValueError: the value does not parse (the message names the variable, or "argument
+        for <name>" for an override, the value and what was expected).
+    """
+    spec = setting(name)
+    if override is not None:
+        return spec.parse(override, f"argument for {name}")
+    value = raw(name, env)
+    return spec.default if value is None else spec.parse(value)
+
+
+def markdown(groups: Sequence[str] = tuple(_GROUPS)) -> str:
+    """The README's tables of variables, one per group."""
+    out = []
+    for group in groups:
+        out.append(f"**{_GROUPS[group]}**\n")
+        out.append("| variable | type | default | what |")
+        out.append("| --- | --- | --- | --- |")
+        for s in SETTINGS.values():
+            if s.group != group:
+                continue
+            default = "" if s.default is None else (
+                f"{s.default:g} s" if s.type == "seconds" else str(s.default).lower())
+            doc = s.doc + (f" (read by {s.read_by})" if s.read_by else "")
+            out.append(f"| `{s.name}` | {s.type} | {default} | {doc} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())
