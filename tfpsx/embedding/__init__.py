@@ -1,0 +1,30 @@
+"""Dynamic embedding tables that live on the parameter servers and grow with new ids.
+
+Layers, each using only the ones listed before it:
+
+* :mod:`~tfpsx.embedding.initializers`, :mod:`~tfpsx.embedding.optimizers`: a new key's
+  row, and the server-side optimizers (specs; the math is the C++ core's);
+* :mod:`~tfpsx.embedding.storage`: one shard behind the ``TableStorage`` interface,
+  created by a ``Backend`` (today the C++ hash table; a cache or GPU store plug in here);
+* :mod:`~tfpsx.embedding.sharding`: ``ShardedTable``, keys partitioned over the shards,
+  every operation written once; mode-free;
+* :mod:`~tfpsx.embedding.updaters`: the seam where a training mode decides where a
+  table's lookups read and its gradients go;
+* :mod:`~tfpsx.embedding.table`: ``DynamicEmbedding``, the user's table (training via its
+  updater, checkpoints via :mod:`~tfpsx.embedding.saveable`).
+"""
+
+from tfpsx.embedding.initializers import Initializer, constant, normal, uniform, zeros
+from tfpsx.embedding.optimizers import OPTIMIZERS, SGD, Adagrad, Adam, Ftrl, SparseOptimizer
+from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
+from tfpsx.embedding.storage import (HASH_TABLE, Backend, HashTableBackend, ShardSpec,
+                                     TableStorage)
+from tfpsx.embedding.table import DynamicEmbedding
+from tfpsx.embedding.updaters import TableUpdater, updater_scope
+
+__all__ = [
+    "DynamicEmbedding", "EmbeddingLookup", "ShardedTable", "Initializer", "zeros", "constant",
+    "uniform", "normal", "SparseOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "OPTIMIZERS",
+    "TableStorage", "Backend", "HashTableBackend", "HASH_TABLE", "ShardSpec", "TableUpdater",
+    "updater_scope",
+]

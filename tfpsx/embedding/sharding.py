@@ -1,0 +1,254 @@
+"""A table sharded over devices: keys partitioned by ``key mod S``, one storage shard per
+device, every operation written once through :meth:`ShardedTable.on_shards`.
+
+``ShardedTable`` is mode-free: it reads, writes and applies its server-side optimizer and
+knows nothing of GEO or sync. :class:`tfpsx.embedding.DynamicEmbedding` adds training
+through a mode's updater and checkpoints; GEO's worker-local copies are plain
+``ShardedTable`` s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpsx.embedding import optimizers as _optimizers
+from tfpsx.embedding.initializers import Initializer, normal
+from tfpsx.embedding.storage import HASH_TABLE, Backend, ShardSpec, TableStorage, on_device
+
+INT64_MIN = -(2 ** 63)
+EXPORT_FIELDS = ("keys", "values", "slots", "freq", "step")
+
+
+@dataclasses.dataclass
+class EmbeddingLookup:
+    """What ``lookup_unique`` returns: the rows of the distinct ids and the embeddings."""
+    unique_keys: tf.Tensor    # [u] int64
+    unique_rows: tf.Tensor    # [u, dim]: differentiate the loss with respect to this
+    indices: tf.Tensor        # [n] position of each id in unique_keys
+    embeddings: tf.Tensor     # ids' shape + [dim]
+
+
+def as_step(step) -> tf.Tensor:
+    """An int64 step tensor (0 when None)."""
+    return tf.constant(0, tf.int64) if step is None else tf.cast(step, tf.int64)
+
+
+def _check_int(value, minimum: int, message: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{message}, got {value!r}")
+
+
+class ShardedTable:
+    """An int64 -> float32[dim] table in ``len(devices)`` shards (see the module doc).
+
+    Args:
+      name: shard i is ``<name>/part_<i>`` on ``devices[i]``.
+      dim, initializer, optimizer, seed, min_frequency, capacity: as in
+        :class:`tfpsx.embedding.DynamicEmbedding`.
+      devices: one device per shard (None: the current device).
+      backend: creates the shards (default: the C++ hash table).
+    """
+
+    def __init__(self, name: str, dim: int, devices: Sequence[Optional[str]],
+                 initializer: Optional[Initializer] = None, optimizer=None, seed: int = 0,
+                 min_frequency: int = 1, capacity: Optional[int] = None,
+                 backend: Optional[Backend] = None):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"DynamicEmbedding: name must be a non-empty string, got {name!r}")
+        what = f"DynamicEmbedding {name!r}"
+        _check_int(dim, 1, f"{what}: dim must be a positive int")
+        _check_int(min_frequency, 1, f"{what}: min_frequency must be an int >= 1")
+        if capacity is not None:
+            _check_int(capacity, 0, f"{what}: capacity must be None or an int >= 0 (rows to "
+                                    "reserve)")
+        initializer = initializer or normal()
+        if not isinstance(initializer, Initializer):
+            raise ValueError(f"{what}: initializer must come from tfpsx.embedding.zeros/"
+                             f"constant/uniform/normal, got {initializer!r}")
+        devices = list(devices)
+        if not devices:
+            raise ValueError(f"{what}: needs at least one shard")
+        self.name, self.dim, self.seed, self.min_frequency = name, dim, int(seed), min_frequency
+        self.capacity, self.initializer = capacity or 0, initializer
+        self.optimizer = _optimizers.resolve(optimizer)
+        self.devices = devices
+        slot_init = tuple(self.optimizer.slot_init) if self.optimizer else ()
+        per_shard = -(-self.capacity // len(devices))
+        backend = backend or HASH_TABLE
+        self.shards: List[TableStorage] = [
+            backend.create(ShardSpec(f"{name}/part_{i}", dim, initializer, slot_init,
+                                     self.seed, min_frequency, per_shard), device)
+            for i, device in enumerate(devices)]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def handles(self) -> List[tf.Tensor]:
+        """One resource handle per shard (creates the shards on first run)."""
+        self._before_shard_ops()
+        return [shard.handle() for shard in self.shards]
+
+    # ------------------------------------------------------------------ the per-shard helper
+    def _before_shard_ops(self) -> None:
+        """Called before any shard op is built (subclasses register checkpoints here)."""
+
+    def partition(self, keys):
+        """(per-shard keys, per-shard positions in ``keys``) of a 1-D key vector."""
+        if self.num_shards == 1:
+            return [keys], [tf.range(tf.size(keys))]
+        shard = tf.cast(tf.math.floormod(keys, self.num_shards), tf.int32)
+        return (tf.dynamic_partition(keys, shard, self.num_shards),
+                tf.dynamic_partition(tf.range(tf.size(keys)), shard, self.num_shards))
+
+    def on_shards(self, fn: Callable, keys=None, rows: Sequence = ()) -> list:
+        """``fn(i, shard, shard_keys, *shard_rows)`` for every shard, under its device.
+
+        ``keys`` (a 1-D int64 vector, optional) is partitioned over the shards and each of
+        ``rows`` (tensors with one row per key) gathered to match; without keys ``fn``
+        gets ``(i, shard)``. Returns the per-shard results, in shard order."""
+        return self._map(fn, keys, rows)[0]
+
+    def stitched(self, fn: Callable, keys) -> tf.Tensor:
+        """Per-shard rows of ``fn(i, shard, shard_keys)`` merged back into ``keys``' order."""
+        per_shard, positions = self._map(fn, keys, ())
+        return per_shard[0] if self.num_shards == 1 else tf.dynamic_stitch(positions, per_shard)
+
+    def _map(self, fn, keys, rows):
+        self._before_shard_ops()
+        parts, positions = self.partition(keys) if keys is not None else (None, None)
+        out = []
+        for i, shard in enumerate(self.shards):
+            args = []
+            if keys is not None:
+                args.append(parts[i])
+                args.extend(r if self.num_shards == 1 else tf.gather(r, positions[i])
+                            for r in rows)
+            with on_device(shard.device):
+                out.append(fn(i, shard, *args))
+        return out, positions
+
+    @staticmethod
+    def _group(ops):
+        return tf.group(ops) if not tf.executing_eagerly() else None
+
+    # ------------------------------------------------------------------ lookups
+    def _keys(self, ids) -> tf.Tensor:
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise TypeError(f"DynamicEmbedding {self.name!r}: ids must be integers (int32 or "
+                            f"int64), got {ids.dtype.name}")
+        return tf.cast(ids, tf.int64)
+
+    def rows(self, keys, train: bool, step=None) -> tf.Tensor:
+        """Rows ``[n, dim]`` of a key vector: found (or initial), or with ``train``
+        inserted (subject to admission) and counted."""
+        step = as_step(step)
+        if train:
+            return self.stitched(lambda i, s, k: s.find_or_insert(k, step), keys)
+        return self.stitched(lambda i, s, k: s.find(k)[0], keys)
+
+    def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
+        """Looks ids up once per distinct id.
+
+        Args:
+          ids: integer tensor of any shape.
+          train: insert missing keys (subject to admission) and count frequencies; False
+            reads only (missing keys get their initial row, nothing is stored).
+          step: the training step recorded as a new row's last-update step.
+          tape: a GradientTape to watch ``unique_rows`` on (eager training).
+        """
+        keys = self._keys(ids)
+        unique, index = tf.unique(tf.reshape(keys, [-1]))
+        unique_rows = tf.reshape(self.rows(unique, train, step), [-1, self.dim])
+        if tape is not None:
+            tape.watch(unique_rows)
+        embeddings = tf.reshape(tf.gather(unique_rows, index),
+                                tf.concat([tf.shape(keys), [self.dim]], axis=0))
+        return EmbeddingLookup(unique, unique_rows, index, embeddings)
+
+    def lookup(self, ids, train: bool = False, step=None,
+               dedup: Optional[bool] = None) -> tf.Tensor:
+        """Rows of ``ids`` (ids' shape + [dim]); read-only unless ``train``.
+
+        Args:
+          ids: integer tensor of any shape.
+          train: as in ``lookup_unique`` (training lookups always deduplicate, so that each
+            distinct id is counted and inserted once per batch).
+          step: as in ``lookup_unique``.
+          dedup: look each distinct id up once (unique, find, gather back). Default: yes
+            when a shard lives on a parameter server, where it cuts the rows sent; no for
+            a local table, whose kernel serves a repeated id from cache faster than the
+            unique + gather back would cost (measured in benchmarks/embedding_ops.py).
+        """
+        if dedup is None:
+            dedup = any(device is not None for device in self.devices)
+        if train or dedup:
+            return self.lookup_unique(ids, train=train, step=step).embeddings
+        keys = self._keys(ids)
+        rows = self.rows(tf.reshape(keys, [-1]), train=False)
+        return tf.reshape(rows, tf.concat([tf.shape(keys), [self.dim]], axis=0))
+
+    # ------------------------------------------------------------------ writes
+    def _key_vector(self, keys) -> tf.Tensor:
+        return tf.reshape(self._keys(keys), [-1])
+
+    def _row_matrix(self, rows) -> tf.Tensor:
+        return tf.reshape(tf.convert_to_tensor(rows, tf.float32), [-1, self.dim])
+
+    def insert(self, keys, values, step=None):
+        step = as_step(step)
+        return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step),
+                                          self._key_vector(keys), [self._row_matrix(values)]))
+
+    def accumulate(self, keys, deltas, step=None):
+        step = as_step(step)
+        return self._group(self.on_shards(lambda i, s, k, d: s.accumulate(k, d, step),
+                                          self._key_vector(keys), [self._row_matrix(deltas)]))
+
+    def apply(self, keys, grads, step=None):
+        """The server-side optimizer on the rows of unique ``keys`` (grads ``[n, dim]``)."""
+        if self.optimizer is None:
+            raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
+                             "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
+        step = as_step(step)
+        return self._group(self.on_shards(
+            lambda i, s, k, g: s.apply(self.optimizer, k, g, step), keys, [grads]))
+
+    def remove(self, keys) -> tf.Tensor:
+        return tf.add_n(self.on_shards(lambda i, s, k: s.remove(k), self._key_vector(keys)))
+
+    def size(self) -> tf.Tensor:
+        return tf.add_n(self.on_shards(lambda i, s: s.size()))
+
+    def stats(self) -> tf.Tensor:
+        """[size, admitted, evicted, pending_admission, memory_bytes], summed over shards."""
+        return tf.add_n(self.on_shards(lambda i, s: s.stats()))
+
+    def evict(self, min_step=None, keep_top_n=None) -> tf.Tensor:
+        """Evicts rows last updated before ``min_step`` (TTL) and/or keeps the top-N most
+        frequent rows per shard; returns how many rows went."""
+        min_step = tf.constant(INT64_MIN, tf.int64) if min_step is None else tf.cast(min_step, tf.int64)
+        keep = tf.constant(-1, tf.int64) if keep_top_n is None else tf.cast(keep_top_n, tf.int64)
+        return tf.add_n(self.on_shards(lambda i, s: s.evict(min_step, keep)))
+
+    def export(self, since_step=None) -> Dict[str, tf.Tensor]:
+        """Every row (or those updated at ``since_step`` or later: a delta export), all
+        shards merged: keys, values [n, dim], slots [n, num_slots, dim], freq, step."""
+        since = tf.constant(INT64_MIN, tf.int64) if since_step is None else tf.cast(since_step, tf.int64)
+        parts = self.on_shards(lambda i, s: s.export(since))
+        return {name: tf.concat([p[j] for p in parts], axis=0)
+                for j, name in enumerate(EXPORT_FIELDS)}
+
+    def import_rows(self, rows: Dict[str, tf.Tensor], clear: bool = True):
+        """Loads exported rows (from any shard count) into this table's shards."""
+        keys = tf.convert_to_tensor(rows["keys"], tf.int64)
+        columns = [tf.convert_to_tensor(rows["values"], tf.float32),
+                   tf.convert_to_tensor(rows["slots"], tf.float32),
+                   tf.convert_to_tensor(rows["freq"], tf.int64),
+                   tf.convert_to_tensor(rows["step"], tf.int64)]
+        return self._group(self.on_shards(
+            lambda i, s, k, v, sl, f, st: s.import_rows(k, v, sl, f, st, clear), keys, columns))

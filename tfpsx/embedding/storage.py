@@ -1,0 +1,193 @@
+"""The storage seam of a table: one shard's backend, behind one interface.
+
+A :class:`TableStorage` is one shard of one table on one device: it knows how to find,
+insert, accumulate, apply an optimizer, remove, count, evict, export and import rows and
+track changed keys, and nothing about sharding or training modes. A :class:`Backend`
+creates shards (TFRA's ``KVCreator`` shape). Today's backend is
+:class:`HashTableBackend` (the ``TfpsxHashTable`` resource of the C++ core); a worker-side
+cache and a GPU store plug in as further backends.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tfpsx.embedding.initializers import Initializer
+from tfpsx.ops import bindings
+
+
+def on_device(device: Optional[str]):
+    """``tf.device(device)``, or no change for None (a local shard stays where the
+    surrounding placement puts it)."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What a backend needs to create one shard."""
+    shared_name: str           # e.g. "user/part_0": every client naming it reaches it
+    dim: int
+    initializer: Initializer
+    slot_init: Tuple[float, ...]
+    seed: int
+    min_frequency: int
+    capacity: int              # rows to reserve in this shard (0: none)
+
+
+class TableStorage(abc.ABC):
+    """One shard. Keys are int64 vectors, rows float32 ``[n, dim]``, steps int64 scalars;
+    methods return tensors (graph mode) or values (eager) and run on ``device``."""
+
+    def __init__(self, spec: ShardSpec, device: Optional[str]):
+        self.spec, self.device = spec, device
+
+    @abc.abstractmethod
+    def find(self, keys) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(rows, found): a missing key gets its initial row, nothing is stored."""
+
+    @abc.abstractmethod
+    def find_or_insert(self, keys, step) -> tf.Tensor:
+        """Rows, inserting missing keys (subject to admission) and counting frequencies."""
+
+    @abc.abstractmethod
+    def insert(self, keys, values, step):
+        """Sets the rows of ``keys``."""
+
+    @abc.abstractmethod
+    def accumulate(self, keys, deltas, step):
+        """row += delta; a missing key starts from its initial row."""
+
+    @abc.abstractmethod
+    def apply(self, optimizer, keys, grads, step):
+        """The server-side ``optimizer`` (a :class:`SparseOptimizer`) on unique ``keys``."""
+
+    @abc.abstractmethod
+    def remove(self, keys) -> tf.Tensor:
+        """Removes keys; returns how many were present."""
+
+    @abc.abstractmethod
+    def size(self) -> tf.Tensor:
+        ...
+
+    @abc.abstractmethod
+    def stats(self) -> tf.Tensor:
+        """[size, admitted, evicted, pending_admission, memory_bytes]."""
+
+    @abc.abstractmethod
+    def evict(self, min_step, keep_top_n) -> tf.Tensor:
+        """Rows last updated before ``min_step``, then all but the ``keep_top_n`` most
+        frequent (int64 minimum / -1: skip); returns how many went."""
+
+    @abc.abstractmethod
+    def export(self, since_step) -> Sequence[tf.Tensor]:
+        """(keys, values, slots, freq, step) of the rows updated at ``since_step`` or later."""
+
+    @abc.abstractmethod
+    def import_rows(self, keys, values, slots, freq, step, clear: bool):
+        """Writes exported rows back (``clear``: replacing the shard's contents)."""
+
+    @abc.abstractmethod
+    def take_changed(self, reader) -> tf.Tensor:
+        """Keys changed since ``reader``'s last call; its first call registers it."""
+
+
+class Backend(abc.ABC):
+    """Creates the shards of tables (one backend serves many tables)."""
+
+    @abc.abstractmethod
+    def create(self, spec: ShardSpec, device: Optional[str]) -> TableStorage:
+        ...
+
+
+class HashTableStorage(TableStorage):
+    """A shard in a ``TfpsxHashTable`` resource: created on first use on its device, found
+    again by every client (and graph) that names the same ``shared_name`` there."""
+
+    def __init__(self, spec: ShardSpec, device: Optional[str]):
+        super().__init__(spec, device)
+        self._eager_handle = None
+
+    def handle(self) -> tf.Tensor:
+        """The resource handle, made once per graph (and once for eager code)."""
+        if tf.executing_eagerly():
+            if self._eager_handle is None:
+                self._eager_handle = self._make_handle()
+            return self._eager_handle
+        # A graph keeps its handles itself (a dictionary of ours keyed by graph would keep
+        # every graph alive: the handle refers to it). The same spec on the same device is
+        # the same handle op.
+        graph = tf.compat.v1.get_default_graph()
+        handles = getattr(graph, "_tfpsx_table_handles", None)
+        if handles is None:
+            handles = {}
+            setattr(graph, "_tfpsx_table_handles", handles)
+        key = (self.spec, self.device)
+        if key not in handles:
+            handles[key] = self._make_handle()
+        return handles[key]
+
+    def _make_handle(self) -> tf.Tensor:
+        s = self.spec
+        # Made once and used by every later op: it must not inherit the control
+        # dependencies of whichever op happened to need it first.
+        with tf.control_dependencies(None), on_device(self.device):
+            return bindings.table_handle(
+                s.shared_name, s.dim, s.slot_init, s.initializer.kind, s.initializer.a,
+                s.initializer.b, s.seed, s.min_frequency, s.capacity)
+
+    def _run(self, op, *args, **kwargs):
+        handle = self.handle()
+        with on_device(self.device):
+            return op(handle, *args, **kwargs)
+
+    def find(self, keys):
+        return self._run(bindings.table_find, keys)
+
+    def find_or_insert(self, keys, step):
+        return self._run(bindings.table_find_or_insert, keys, step)
+
+    def insert(self, keys, values, step):
+        return self._run(bindings.table_insert, keys, values, step)
+
+    def accumulate(self, keys, deltas, step):
+        return self._run(bindings.table_accumulate, keys, deltas, step)
+
+    def apply(self, optimizer, keys, grads, step):
+        return self._run(bindings.table_apply, optimizer.name, keys, grads,
+                         optimizer.hyperparameters(), step)
+
+    def remove(self, keys):
+        return self._run(bindings.table_remove, keys)
+
+    def size(self):
+        return self._run(bindings.table_size)
+
+    def stats(self):
+        return self._run(bindings.table_stats)
+
+    def evict(self, min_step, keep_top_n):
+        return self._run(bindings.table_evict, min_step, keep_top_n)
+
+    def export(self, since_step):
+        return self._run(bindings.table_export, since_step)
+
+    def import_rows(self, keys, values, slots, freq, step, clear: bool):
+        return self._run(bindings.table_import, keys, values, slots, freq, step, clear)
+
+    def take_changed(self, reader):
+        return self._run(bindings.table_take_changed, reader)
+
+
+class HashTableBackend(Backend):
+    """Shards in the C++ core's growing hash table (the default backend)."""
+
+    def create(self, spec: ShardSpec, device: Optional[str]) -> TableStorage:
+        return HashTableStorage(spec, device)
+
+
+HASH_TABLE = HashTableBackend()

@@ -1,0 +1,161 @@
+"""``DynamicEmbedding``: the user-facing table, sharded over the parameter servers.
+
+Example (graph mode, on a worker after ``tfpsx.init()``)::
+
+  emb = tfpsx.embedding.DynamicEmbedding(
+      "user", dim=16, initializer=tfpsx.embedding.normal(stddev=0.05),
+      optimizer=tfpsx.embedding.Adagrad(learning_rate=0.1))
+  looked = emb.lookup_unique(ids)              # ids: any int shape
+  loss = model(looked.embeddings)              # ids' shape + [16]
+  train_op = emb.minimize(loss, [looked], step=global_step)
+
+Eager / tf.function: pass the tape, then apply the gradients::
+
+  with tf.GradientTape() as tape:
+      looked = emb.lookup_unique(ids, tape=tape)
+      loss = model(looked.embeddings)
+  emb.apply_gradients(looked, tape.gradient(loss, looked.unique_rows), step=step)
+
+The table is sharded over the PS tasks of the resolved cluster by ``key mod S``; each
+shard is a ``TfpsxHashTable`` resource on ``/job:ps/task:i`` named ``<name>/part_<i>``.
+Lookups deduplicate ids first, so each distinct id crosses the network once. Without a
+cluster (no ``tfpsx.init()``), the table is one local shard, for development. How it
+trains (directly, GEO, sync) is its updater's business (:mod:`tfpsx.embedding.updaters`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpsx.embedding.initializers import Initializer
+from tfpsx.embedding.saveable import TableSaveable
+from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
+from tfpsx.embedding.storage import Backend
+from tfpsx.embedding.updaters import TableUpdater, updater_for
+from tfpsx.runtime import RUNTIME
+
+
+def _default_devices(shards: Optional[int]) -> List[Optional[str]]:
+    config = RUNTIME.config
+    if config is not None and config.servers and config.role in ("worker", "server"):
+        count = config.server_num if shards is None else shards
+        if count > config.server_num:
+            raise ValueError(f"DynamicEmbedding: {count} shards but the cluster has only "
+                             f"{config.server_num} parameter servers")
+        return [f"/job:ps/task:{i}" for i in range(count)]
+    return [None] * (1 if shards is None else shards)
+
+
+class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
+    """A growable int64 -> float32[dim] table, sharded over the parameter servers.
+
+    Args:
+      name: the table's name; shard i is ``<name>/part_<i>`` on its PS. Two tables with
+        the same name on one PS must have the same dim and optimizer.
+      dim: row width (> 0).
+      initializer: a new key's row (``zeros()``, ``constant(v)``, ``uniform(lo, hi)``,
+        ``normal(mean, stddev)``); deterministic in ``seed`` and the key.
+      optimizer: the server-side optimizer (``SGD``, ``Adagrad``, ``Adam``, ``Ftrl`` or
+        their names); its slots are stored with the rows. None: no training.
+      shards: how many shards; default: the cluster's server count after
+        ``tfpsx.init()``, else 1 (a local table).
+      devices: one device per shard; default ``/job:ps/task:i`` in a cluster, none locally.
+      seed: the initializer's seed.
+      min_frequency: admission: a key gets a stored, trained row only after it was looked
+        up this many times; until then lookups return its initial row.
+      capacity: rows to reserve, over all shards (each takes its share): the shards
+        size their index and map and fault in the rows' memory when they are created,
+        so inserting up to that many keys neither rehashes nor page-faults (inserts
+        of new keys run ~2x faster in ``benchmarks/embedding_ops.py``). A hint: the
+        table still grows past it; ignored for a shard that already exists.
+      updater: how the table trains (default: the training mode of the enclosing
+        ``tfpsx.model_scope``, else the server-side optimizer on each shard).
+      backend: creates the shards (default: the C++ hash table).
+
+    Raises:
+      ValueError: a bad dim, optimizer, shard count or device list.
+    """
+
+    def __init__(self, name: str, dim: int, initializer: Initializer = None, optimizer=None,
+                 shards: Optional[int] = None, devices: Optional[Sequence[str]] = None,
+                 seed: int = 0, min_frequency: int = 1, capacity: Optional[int] = None,
+                 updater: Optional[TableUpdater] = None, backend: Optional[Backend] = None):
+        if devices is None:
+            devices = _default_devices(shards)
+        devices = list(devices)
+        if shards is not None and len(devices) != shards:
+            raise ValueError(f"DynamicEmbedding {name!r}: {shards} shards but {len(devices)} "
+                             f"devices {devices}")
+        super().__init__(name, dim, devices, initializer=initializer, optimizer=optimizer,
+                         seed=seed, min_frequency=min_frequency, capacity=capacity,
+                         backend=backend)
+        self._saveable_graphs: "weakref.WeakSet" = weakref.WeakSet()
+        self.updater = updater or updater_for(self)
+        self.updater.attach(self)
+
+    def _before_shard_ops(self) -> None:
+        # A default tf.compat.v1.train.Saver (and MonitoredTrainingSession's) saves what
+        # the graph's SAVEABLE_OBJECTS holds, as for TF's own MutableHashTable. Not in a
+        # tf.function: its export ops would run on every call.
+        if tf.executing_eagerly():
+            return
+        graph = tf.compat.v1.get_default_graph()
+        if graph.building_function or graph in self._saveable_graphs:
+            return
+        self._saveable_graphs.add(graph)
+        graph.add_to_collection(tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS, self.saveable())
+
+    def saveable(self):
+        """A TF1 SaveableObject for ``tf.compat.v1.train.Saver``, named after the table
+        (tensors ``<name>-keys``, ``-values``, ``-slots``, ``-freq``, ``-step``)."""
+        return TableSaveable(self)
+
+    # ------------------------------------------------------------------ lookups
+    def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
+        source = self.updater.lookup_source(self)
+        if source is not self:
+            return source.lookup_unique(ids, train=train, step=step, tape=tape)
+        return super().lookup_unique(ids, train=train, step=step, tape=tape)
+
+    def lookup(self, ids, train: bool = False, step=None,
+               dedup: Optional[bool] = None) -> tf.Tensor:
+        source = self.updater.lookup_source(self)
+        if source is not self:
+            return source.lookup(ids, train=train, step=step, dedup=dedup)
+        return super().lookup(ids, train=train, step=step, dedup=dedup)
+
+    lookup_unique.__doc__ = ShardedTable.lookup_unique.__doc__
+    lookup.__doc__ = ShardedTable.lookup.__doc__
+
+    # ------------------------------------------------------------------ training
+    def apply_gradients(self, looked: EmbeddingLookup, grads, step=None):
+        """Trains the rows of ``looked`` with their gradients (``[unique ids, dim]``, or
+        ``IndexedSlices`` of it): on each shard's server-side optimizer, or as the mode
+        of the enclosing ``model_scope`` says (GEO: this worker's copy; sync: the PS
+        accumulators). Returns the op (None in eager mode)."""
+        if self.optimizer is None:
+            raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
+                             "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
+        if grads is None:
+            raise ValueError(f"DynamicEmbedding {self.name!r}: the gradient is None; does the "
+                             "loss depend on lookup_unique(...).unique_rows?")
+        if isinstance(grads, tf.IndexedSlices):
+            grads = tf.math.unsorted_segment_sum(grads.values, grads.indices,
+                                                 tf.shape(looked.unique_keys)[0])
+        grads = tf.reshape(tf.cast(grads, tf.float32), [-1, self.dim])
+        return self.updater.apply_gradients(self, looked.unique_keys, grads, step)
+
+    def minimize(self, loss, lookups: Sequence[EmbeddingLookup], step=None):
+        """Graph mode: the op that applies d(loss)/d(rows) of ``lookups``."""
+        grads = tf.gradients(loss, [l.unique_rows for l in lookups])
+        return tf.group([self.apply_gradients(l, g, step) for l, g in zip(lookups, grads)])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _serialize_to_tensors(self):
+        return self.export()
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.import_rows(restored_tensors, clear=True)

@@ -1,0 +1,56 @@
+"""How a table trains: the seam where training modes plug into tables.
+
+A :class:`TableUpdater` decides, for one table, which table its lookups read (the table
+itself, or a worker-local copy in GEO) and where its row gradients go (the server-side
+optimizer on each shard, a copy, or a sync accumulator). Tables never inspect a graph or
+a mode: they are handed an updater, either explicitly (``DynamicEmbedding(...,
+updater=...)``) or by the innermost :func:`updater_scope` (``tfpsx.model_scope`` opens
+one for its mode, as TF's ``variable_creator_scope`` does for variables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, List
+
+_scopes = threading.local()
+
+
+class TableUpdater:
+    """The default: lookups read the table, gradients go to its server-side optimizer
+    (async, bounded staleness, and a table with no cluster)."""
+
+    def attach(self, table) -> None:
+        """Called once, when ``table`` is created with this updater."""
+
+    def lookup_source(self, table):
+        """The :class:`~tfpsx.embedding.sharding.ShardedTable` lookups of ``table`` read."""
+        return table
+
+    def apply_gradients(self, table, keys, grads, step):
+        """Applies row gradients ``grads`` ``[n, dim]`` of unique ``keys``; returns the op
+        (None in eager mode)."""
+        return table.apply(keys, grads, step)
+
+
+def _stack() -> List[Callable]:
+    if not hasattr(_scopes, "stack"):
+        _scopes.stack = []
+    return _scopes.stack
+
+
+@contextlib.contextmanager
+def updater_scope(factory: Callable[[object], TableUpdater]):
+    """Tables created inside get ``factory(table)`` as their updater (innermost scope wins)."""
+    _stack().append(factory)
+    try:
+        yield
+    finally:
+        _stack().pop()
+
+
+def updater_for(table) -> TableUpdater:
+    """The updater of the innermost :func:`updater_scope`, or the default."""
+    stack = _stack()
+    return stack[-1](table) if stack else TableUpdater()
