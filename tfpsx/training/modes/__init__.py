@@ -1,0 +1,33 @@
+"""The training modes, one module each, behind the :class:`~base.Mode` interface.
+
+* :mod:`~.async_`: variables and apply ops on the PS, nobody waits;
+* :mod:`~.sync`: gradients of ``replicas_to_aggregate`` workers averaged per step
+  (dense: SyncReplicasOptimizer without its hangs; tables: per-shard accumulators and
+  per-worker tokens);
+* :mod:`~.staleness`: async, no worker more than ``max_staleness`` steps ahead;
+* :mod:`~.geo`: k-step GEO, dense and sparse, with its communicator.
+
+A new mode is a module with a ``Mode`` subclass plus one entry in ``REGISTRY``.
+"""
+
+from typing import Dict, Type
+
+from tfpsx.training.modes import async_, geo, staleness, sync
+from tfpsx.training.modes.base import Mode, WrappedOptimizer, mode_of
+
+REGISTRY: Dict[str, Type[Mode]] = {
+    cls.NAME: cls for cls in (async_.AsyncMode, sync.SyncMode, staleness.StalenessMode,
+                              geo.GeoMode)}
+
+
+def mode_class(strategy) -> Type[Mode]:
+    """The implementation of ``strategy.mode``."""
+    return REGISTRY[strategy.mode]
+
+
+def mode_for(strategy, config, graph=None) -> Mode:
+    """The mode object of ``graph`` (default: the current one) for ``strategy``."""
+    return mode_class(strategy).for_graph(strategy, config, graph)
+
+
+__all__ = ["Mode", "WrappedOptimizer", "REGISTRY", "mode_class", "mode_for", "mode_of"]

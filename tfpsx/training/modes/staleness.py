@@ -1,0 +1,90 @@
+"""Bounded staleness (SSP): async, but no worker runs more than ``max_staleness`` steps
+ahead of the slowest.
+
+Every worker's step count is a slot of a clock vector on PS 0; after each step a worker
+waits (polling, bounded by TFPSX_STALENESS_TIMEOUT: then ``ClusterTimeoutError`` naming
+the slowest workers) while it is too far ahead. A worker that ends sets its clock out of
+the way, so finished workers hold nobody back; a dead one does until the timeout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import tensorflow as tf
+
+from tfpsx import errors, settings
+from tfpsx.training.hooks import TrainStepDetector
+from tfpsx.training.modes.base import Mode, WrappedOptimizer
+
+_DONE = 2 ** 62  # a finished worker's clock: never the slowest
+
+
+class StalenessMode(Mode):
+    NAME = "staleness"
+
+    @classmethod
+    def wrap_optimizer(cls, optimizer, strategy, config):
+        return StalenessOptimizer(optimizer, strategy, config)
+
+
+class StalenessOptimizer(WrappedOptimizer):
+    """Async training with bounded staleness (see the module doc). ``waits`` counts the
+    steps this worker had to wait for the slowest."""
+
+    def __init__(self, optimizer, strategy, config):
+        super().__init__(optimizer, "Staleness")
+        self._strategy, self._config = strategy, config
+        self.max_staleness = strategy.max_staleness
+        self._hook = None
+
+    @property
+    def waits(self) -> int:
+        return self._hook.waits if self._hook is not None else 0
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        mode = StalenessMode.for_graph(self._strategy, self._config)
+        train_op = self._opt.apply_gradients(grads_and_vars, global_step, name)
+        n, me = self._config.worker_num, self._config.index
+        with tf.compat.v1.device("/job:ps/task:0"):
+            clocks = tf.compat.v1.get_variable(
+                "tfpsx_worker_clocks", [n], tf.int64, initializer=tf.zeros_initializer(),
+                trainable=False, use_resource=True)
+        with tf.compat.v1.device(clocks.device):
+            tick = tf.compat.v1.scatter_add(clocks, [me], tf.constant([1], tf.int64))
+            done = tf.compat.v1.scatter_update(clocks, [me], tf.constant([_DONE], tf.int64))
+            read = clocks.read_value()
+        self._hook = _StalenessHook(train_op, tick, read, done, self.max_staleness, me)
+        mode.add_hook(self._hook)
+        return train_op
+
+
+class _StalenessHook(tf.compat.v1.train.SessionRunHook):
+    def __init__(self, train_op, tick, read, done, max_staleness: int, me: int):
+        self._tick, self._read, self._done = tick, read, done
+        self._detector = TrainStepDetector([train_op])
+        self._s, self._me = max_staleness, me
+        self._timeout = settings.get("TFPSX_STALENESS_TIMEOUT")
+        self.waits = 0  # steps this worker had to wait for the slowest
+
+    def after_run(self, run_context, run_values):
+        if not self._detector.ran_training(run_context):
+            return
+        session = run_context.session
+        clocks = session.run(self._tick)
+        deadline = time.monotonic() + self._timeout
+        waited = False
+        while clocks[self._me] - clocks.min() > self._s:
+            waited = True
+            if time.monotonic() > deadline:
+                slow = [int(w) for w in (clocks == clocks.min()).nonzero()[0]]
+                raise errors.ClusterTimeoutError(
+                    f"bounded staleness: worker {self._me} at step {clocks[self._me]} waited "
+                    f"{self._timeout:g} s (TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at "
+                    f"step {clocks.min()} (max_staleness={self._s}); are they alive?")
+            time.sleep(0.005)
+            clocks = session.run(self._read)
+        self.waits += waited
+
+    def end(self, session):
+        session.run(self._done)

@@ -1,0 +1,101 @@
+"""``MonitoredTrainingSession``: TF's chief-worker session for a worker of the cluster.
+
+The chief initializes or restores and checkpoints; a non-chief is ready within
+~TFPSX_RECOVERY_WAIT of the chief's init (TF's own polls every 30 s); the graph's mode
+adds its hooks (GEO's communicator, sync's tokens, staleness clocks) and may wrap the
+session (sync: step timeouts that say what they waited for).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tfpsx import errors, settings
+from tfpsx.runtime import RUNTIME
+from tfpsx.training import modes
+
+
+class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
+    """TF's worker session creator, polling for the chief's init every
+    TFPSX_RECOVERY_WAIT seconds instead of every 30."""
+
+    def __init__(self, recovery_wait_secs: float, **kwargs):
+        super().__init__(**kwargs)
+        self._recovery_wait_secs = recovery_wait_secs
+
+    def _get_session_manager(self):
+        if self._session_manager:
+            return self._session_manager
+        self._session_manager = tf.compat.v1.train.SessionManager(
+            local_init_op=self._scaffold.local_init_op,
+            local_init_feed_dict=self._scaffold.local_init_feed_dict,
+            ready_op=self._scaffold.ready_op,
+            ready_for_local_init_op=self._scaffold.ready_for_local_init_op,
+            graph=tf.compat.v1.get_default_graph(),
+            recovery_wait_secs=self._recovery_wait_secs)
+        return self._session_manager
+
+    def create_session(self):
+        try:
+            return super().create_session()
+        except tf.errors.DeadlineExceededError as e:
+            raise errors.ClusterTimeoutError(
+                f"worker waited {self._max_wait_secs:.0f} s (TFPSX_SESSION_TIMEOUT) for the "
+                "chief (worker 0) to initialize or restore the model; is it running?") from e
+
+
+def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  # noqa: N802
+                             chief_only_hooks=None, last_step: Optional[int] = None,
+                             save_checkpoint_steps=None, save_checkpoint_secs=None,
+                             save_summaries_steps=None, scaffold=None,
+                             log_step_count_steps: int = 0, session_timeout=None,
+                             stop_grace_period_secs: float = 10):
+    """TF's ``MonitoredTrainingSession`` for this worker of the tfpsx cluster.
+
+    The chief (worker 0) initializes, or restores from ``checkpoint_dir`` on a restart
+    (``global_step`` continues), saves checkpoints (every ``save_checkpoint_steps`` or
+    ``save_checkpoint_secs``; TF's default of 600 s when neither is set) and summaries.
+    A non-chief started before the chief's init is ready within ~TFPSX_RECOVERY_WAIT
+    (0.25 s) of it and raises ``ClusterTimeoutError`` after ``session_timeout``
+    (TFPSX_SESSION_TIMEOUT, 600 s). tfpsx's own hooks (the GEO communicator) and a
+    ``StopAtStepHook(last_step)`` are added. Master, ``is_chief`` and the session config
+    (device filters) come from the resolved cluster.
+    """
+    config = RUNTIME.require_role("MonitoredTrainingSession", "worker")
+    mode = modes.mode_of()
+    session = _monitored_session(config, checkpoint_dir, list(hooks or []) +
+                                 (mode.hooks() if mode else []), chief_only_hooks, last_step,
+                                 save_checkpoint_steps, save_checkpoint_secs,
+                                 save_summaries_steps, scaffold, log_step_count_steps,
+                                 session_timeout, stop_grace_period_secs)
+    return mode.wrap_session(session) if mode else session
+
+
+def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_step,
+                       save_checkpoint_steps, save_checkpoint_secs, save_summaries_steps,
+                       scaffold, log_step_count_steps, session_timeout, stop_grace_period_secs):
+    if last_step is not None:
+        hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
+    master = RUNTIME.server_target()
+    session_config = RUNTIME.session_config()
+    if not config.is_chief:
+        timeout = settings.get("TFPSX_SESSION_TIMEOUT", session_timeout)
+        creator = _FastWorkerSessionCreator(
+            settings.get("TFPSX_RECOVERY_WAIT"), scaffold=scaffold, master=master,
+            config=session_config, max_wait_secs=timeout)
+        return tf.compat.v1.train.MonitoredSession(
+            session_creator=creator, hooks=hooks, stop_grace_period_secs=stop_grace_period_secs)
+    kwargs = {}
+    if save_checkpoint_steps is not None:
+        kwargs["save_checkpoint_steps"] = save_checkpoint_steps
+    if save_checkpoint_secs is not None:
+        kwargs["save_checkpoint_secs"] = save_checkpoint_secs
+    if save_summaries_steps is not None:
+        kwargs["save_summaries_steps"] = save_summaries_steps
+    return tf.compat.v1.train.MonitoredTrainingSession(
+        master=master, is_chief=True, checkpoint_dir=checkpoint_dir, scaffold=scaffold,
+        hooks=hooks, chief_only_hooks=chief_only_hooks, config=session_config,
+        log_step_count_steps=log_step_count_steps,
+        stop_grace_period_secs=stop_grace_period_secs, **kwargs)

@@ -1,0 +1,89 @@
+"""``DistributedStrategy``: how workers share their updates (Paddle Fleet's shape).
+
+The strategy only holds and validates the user's options; :attr:`DistributedStrategy.mode`
+is the one place that turns them into a mode name, which
+:func:`tfpsx.training.modes.mode_for` resolves to the mode's implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+_CONFIG_KEYS = {
+    "k_steps": "GEO: local steps between syncs (0: plain async)",
+    "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
+    "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
+    "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
+}
+
+
+class DistributedStrategy:
+    """How workers share their updates (Paddle Fleet's ``DistributedStrategy``).
+
+    Args:
+      a_sync: False for sync training, True for async / GEO / bounded staleness.
+      a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO), ``max_staleness``
+        (int >= 0), ``geo_sync_in_train_thread`` (bool), ``replicas_to_aggregate``
+        (sync only).
+
+    Raises:
+      ValueError: an unknown key or a bad value (the message names both).
+
+    Example:
+      >>> tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_steps": 100}).mode
+      'geo'
+    """
+
+    def __init__(self, a_sync: bool = True, a_sync_configs: Optional[Dict] = None):
+        if not isinstance(a_sync, bool):
+            raise ValueError(f"DistributedStrategy: a_sync must be True or False, got {a_sync!r}")
+        configs = dict(a_sync_configs or {})
+        unknown = sorted(set(configs) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"DistributedStrategy: unknown a_sync_configs key(s) {unknown}; "
+                             f"expected some of {sorted(_CONFIG_KEYS)}")
+        self.a_sync = a_sync
+        self.k_steps = _int_config(configs, "k_steps", 0)
+        self.max_staleness = _int_config(configs, "max_staleness", 0)
+        self.geo_sync_in_train_thread = configs.get("geo_sync_in_train_thread", False)
+        if not isinstance(self.geo_sync_in_train_thread, bool):
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_sync_in_train_thread'] "
+                             f"must be True or False, got {self.geo_sync_in_train_thread!r}")
+        self.replicas_to_aggregate = configs.get("replicas_to_aggregate")
+        if not a_sync and (self.k_steps or self.max_staleness):
+            raise ValueError("DistributedStrategy: k_steps and max_staleness need a_sync=True "
+                             f"(got a_sync=False with {configs})")
+        if self.k_steps and self.max_staleness:
+            raise ValueError("DistributedStrategy: GEO (k_steps > 0) and max_staleness are "
+                             "separate modes; set one of them")
+
+    @property
+    def mode(self) -> str:
+        """"sync", "async", "geo" or "staleness" (the only place options become a mode)."""
+        if not self.a_sync:
+            return "sync"
+        if self.k_steps > 0:
+            return "geo"
+        return "staleness" if self.max_staleness > 0 else "async"
+
+    def key(self) -> Tuple:
+        """Every option: two strategies with the same key train the same way."""
+        return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
+                self.replicas_to_aggregate)
+
+    def __repr__(self):
+        extra = ""
+        if self.mode == "geo" and self.geo_sync_in_train_thread:
+            extra = ", geo_sync_in_train_thread=True"
+        if self.mode == "sync" and self.replicas_to_aggregate is not None:
+            extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
+        return (f"DistributedStrategy(mode={self.mode!r}, k_steps={self.k_steps}, "
+                f"max_staleness={self.max_staleness}{extra})")
+
+
+def _int_config(configs, key, default):
+    value = configs.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"DistributedStrategy: a_sync_configs[{key!r}] must be an int >= 0 "
+                         f"({_CONFIG_KEYS[key]}), got {value!r}")
+    return value
