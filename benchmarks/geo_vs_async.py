@@ -14,12 +14,13 @@ eval loss of the shared tables. Targets: GEO at k >= 100 reaches >= 4x async and
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+
+import tfpsx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "word2vec", "train.py")
@@ -31,18 +32,15 @@ MODES = [("tf_async", 0), ("sync", 0), ("async", 0), ("geo", 10), ("geo", 100), 
 def run(mode: str, k: int, steps: int, workers: int = 2):
     with tempfile.TemporaryDirectory() as logs:
         proc = subprocess.run(
-            [sys.executable, "-m", "tfpsx.run", "--server_num", "1", "--worker_num",
+            [sys.executable, "-m", "tfpsx.launcher.run", "--server_num", "1", "--worker_num",
              str(workers), "--log_dir", logs, "--timeout", "900"]
             + ([TF_ASYNC] if mode == "tf_async" else [EXAMPLE, "--mode", mode])
             + ["--k_steps", str(max(k, 1)), "--steps", str(steps)],
             capture_output=True, text=True, timeout=1000)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} k={k} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        reports = []
-        for i in range(workers):
-            with open(os.path.join(logs, f"workerlog.{i}")) as f:
-                line = [l for l in f if l.startswith("WORD2VEC ")][-1]
-            reports.append(json.loads(line[len("WORD2VEC "):]))
+        reports = [tfpsx.metrics.read(logs, "worker", i, "word2vec")[-1]
+                   for i in range(workers)]
     return (sum(r["examples_per_sec"] for r in reports),
             statistics.mean(r["eval_loss"] for r in reports))
 

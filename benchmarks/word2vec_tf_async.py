@@ -5,13 +5,12 @@ What a user writes without tfpsx: a vocabulary built up front, two [vocab, dim]
 ``tf.compat.v1.train.AdagradOptimizer`` applying IndexedSlices on the PS every step.
 Sampling, objective, learning rate and evaluation are the example's own (imported from
 examples/word2vec/train.py, flags included); tfpsx only launches the cluster, places the
-variables and runs the session. Prints the example's WORD2VEC json line with mode
+variables and runs the session. Emits the example's word2vec metrics record with mode
 "tf_async". Run by benchmarks/geo_vs_async.py:
 
   tfpsx-run --server_num 1 --worker_num 2 benchmarks/word2vec_tf_async.py --steps 2000
 """
 
-import json
 import os
 import sys
 import time
@@ -86,7 +85,7 @@ def main(argv):
               "seconds": seconds, "examples_per_sec": len(losses) * FLAGS.batch_size / seconds,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
               "similarity_gap": gap, "vocab_rows": int(len(vocab))}
-    print("WORD2VEC " + json.dumps(report), flush=True)
+    tfpsx.metrics.emit("word2vec", **report)
     tfpsx.stop_worker()
     return 0
 

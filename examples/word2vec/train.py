@@ -23,7 +23,6 @@ different topics. Run it with
 """
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -204,13 +203,13 @@ def main(argv):
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
               "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"]))}
     if FLAGS.mode == "geo":
-        c = emb_in._geo.counters
-        report.update(pushes=c.pushes, rows_sent=c.rows_sent, mb_sent=c.bytes_sent / 1e6,
-                      ms_per_sync=1000 * c.mean_sync_seconds)
+        c = tfpsx.metrics.snapshot()["geo"]  # the GEO communicator's counters
+        report.update(pushes=c["pushes"], rows_sent=c["rows_sent"], mb_sent=c["bytes_sent"] / 1e6,
+                      ms_per_sync=1000 * c["sync_seconds"] / max(1, c["pushes"]))
     print(f"worker {me}: {FLAGS.mode} {report['examples_per_sec']:.0f} examples/s, "
           f"eval loss {eval_loss:.4f}, within-topic minus across-topic similarity {gap:.3f}",
           flush=True)
-    print("WORD2VEC " + json.dumps(report), flush=True)
+    tfpsx.metrics.emit("word2vec", **report)  # metrics.worker.<me>.jsonl under tfpsx-run
     tfpsx.stop_worker()
     return 0
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import SCRIPTS, wait_for_log
 
 pytestmark = pytest.mark.timeout(180)
-RUN = [sys.executable, "-m", "tfpsx.run"]
+RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 
 
 def _env(**extra):

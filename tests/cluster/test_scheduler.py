@@ -10,9 +10,10 @@ import pytest
 from concurrent import futures
 
 from tfpsx import cluster, errors
-from tfpsx._sched_client import SchedulerClient
-from tfpsx.proto import scheduler_pb2_grpc as pb_grpc
-from tfpsx.scheduler import SchedulerService, TlsConfig, serve
+from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx.control.sched_client import SchedulerClient
+from tfpsx.control.scheduler import SchedulerService, serve
+from tfpsx.control.tls import TlsConfig
 from tfpsx.testing import pick_ports
 
 pytestmark = pytest.mark.timeout(60)

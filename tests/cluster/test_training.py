@@ -1,6 +1,5 @@
 """Graph-mode training modes on local clusters (tests/cluster/scripts/training_job.py)."""
 
-import json
 import os
 import time
 
@@ -14,13 +13,13 @@ import training_job as job
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
 
 
-def reports(c, workers, tag="TRAINING"):
-    """Each worker's last '<tag> {json}' line, parsed."""
+def reports(c, workers, tag="training"):
+    """Each worker's last '<tag>' metrics record (the job scripts emit one at the end)."""
     out = {}
     for i in range(workers):
-        lines = [l for l in c.log("worker", i).splitlines() if l.startswith(tag + " ")]
-        assert lines, f"worker {i} printed no {tag} line:\n{c.logs()}"
-        out[i] = json.loads(lines[-1][len(tag) + 1:])
+        records = c.metrics("worker", i, tag)
+        assert records, f"worker {i} emitted no {tag!r} metrics record:\n{c.logs()}"
+        out[i] = records[-1]
     return out
 
 
@@ -219,7 +218,7 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
                      args=["--k_steps", str(k), "--syncs", str(syncs)]).start()
     finish(c)
     want, rows_sent = sparse_geo_reference(workers, k, syncs)
-    for i, r in reports(c, workers, "SPARSE").items():
+    for i, r in reports(c, workers, "sparse").items():
         assert r["pushes"] == syncs
         assert r["rows_sent"] == rows_sent[i]  # only changed rows travelled
         assert r["rows_sent"] < syncs * sparse.VOCAB
@@ -255,7 +254,7 @@ def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, worke
     finish(c)
     want = sparse_sync_reference(steps)
     runs = 0
-    for r in reports(c, workers, "SPARSE").values():
+    for r in reports(c, workers, "sparse").values():
         assert r["global_step"] == steps, r
         runs += r["runs"]
         got = {int(key): np.array(v, np.float32) for key, v in r["rows"].items()}

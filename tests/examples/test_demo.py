@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = [sys.executable, "-m", "tfpsx.run"]
+RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 
 
 @pytest.mark.timeout(300)

@@ -1,14 +1,15 @@
 """The word2vec example end to end through the launcher (1 PS + 2 workers)."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+import tfpsx
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = [sys.executable, "-m", "tfpsx.run"]
+RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 
 
 @pytest.mark.timeout(300)
@@ -21,9 +22,7 @@ def test_word2vec_learns_the_planted_topics(tmp_path, mode):
         capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for i in range(2):
-        log = (tmp_path / f"workerlog.{i}").read_text()
-        line = [l for l in log.splitlines() if l.startswith("WORD2VEC ")][-1]
-        r = json.loads(line[len("WORD2VEC "):])
+        r = tfpsx.metrics.read(str(tmp_path), "worker", i, "word2vec")[-1]
         # Before training: loss 6 x log(2) = 4.16 per pair, topic similarity gap ~0.
         assert r["eval_loss"] < 3.0, r
         assert r["similarity_gap"] > 0.2, r

@@ -309,3 +309,56 @@ def test_bad_inputs_are_clear():
     with pytest.raises(tf.errors.InvalidArgumentError, match="has 0 optimizer slot.*needs 1"):
         ops.tfpsx_hash_table_apply_adagrad(sgd_table.handles()[0], tf.constant([1], tf.int64),
                                            tf.ones([1, 2]), 0.1, 0.0, tf.constant(0, tf.int64))
+
+
+class _RecordingStorage(E.storage.HashTableStorage):
+    """A backend's shard that records which storage operations ran (the seam under test)."""
+
+    def __init__(self, spec, device, log):
+        super().__init__(spec, device)
+        self._log = log
+
+    def _run(self, op, *args, **kwargs):
+        self._log.append((self.spec.shared_name, op.__name__))
+        return super()._run(op, *args, **kwargs)
+
+
+class _RecordingBackend(E.Backend):
+    def __init__(self):
+        self.log = []
+
+    def create(self, spec, device):
+        return _RecordingStorage(spec, device, self.log)
+
+
+def test_a_backend_serves_every_operation_of_its_tables():
+    backend = _RecordingBackend()
+    t = table(dim=2, shards=2, optimizer=E.SGD(0.5), backend=backend)
+    looked = t.lookup_unique([3, 4, 3])
+    t.apply_gradients(looked, tf.ones([2, 2]))
+    t.accumulate([5], [[1.0, 1.0]])
+    rows = sorted_export(t)
+    assert sorted(rows["keys"]) == [3, 4, 5]
+    ops = {(name.rsplit("/", 1)[1], op) for name, op in backend.log}
+    for shard in ("part_0", "part_1"):
+        for op in ("table_find_or_insert", "table_apply", "table_export"):
+            assert (shard, op) in ops, (shard, op, sorted(ops))
+    assert ("part_1", "table_accumulate") in ops  # key 5 lives on shard 5 mod 2 = 1
+
+
+def test_an_updater_decides_where_gradients_go():
+    seen = []
+
+    class Recording(E.TableUpdater):
+        def apply_gradients(self, table, keys, grads, step):
+            seen.append((table.name, keys.numpy().tolist(), grads.numpy().tolist()))
+
+    with E.updater_scope(lambda table: Recording()):
+        t = table(dim=1, optimizer=E.SGD(1.0))
+    looked = t.lookup_unique([7, 7, 9])
+    t.apply_gradients(looked, tf.constant([[1.0], [2.0]]))
+    assert seen == [(t.name, [7, 9], [[1.0], [2.0]])]
+    before = t.lookup([7, 9]).numpy()
+    np.testing.assert_array_equal(t.lookup([7, 9]), before)  # nothing was applied
+    outside = table(dim=1, optimizer=E.SGD(1.0))  # the scope has ended: the default
+    assert type(outside.updater) is E.TableUpdater

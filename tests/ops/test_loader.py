@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfpsx
-from tfpsx import _loader
+from tfpsx.ops import loader as _loader
 
 
 def test_loads_once_and_has_control_ops():

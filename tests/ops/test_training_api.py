@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import tfpsx
-from tfpsx.fleet import FLEET
+from tfpsx.runtime import RUNTIME as FLEET
 
 PS = ["127.0.0.1:2001", "127.0.0.1:2002"]
 WK = ["127.0.0.1:2003", "127.0.0.1:2004"]

@@ -6,8 +6,8 @@ import json
 import pytest
 
 import tfpsx
-from tfpsx import cluster
-from tfpsx.role_maker import (EnvRoleMaker, FlagsRoleMaker, TFConfigRoleMaker,
+from tfpsx import cluster, settings
+from tfpsx.cluster import (EnvRoleMaker, FlagsRoleMaker, TFConfigRoleMaker,
                               UserDefinedRoleMaker)
 
 PS = ["127.0.0.1:2001", "127.0.0.1:2002"]
@@ -113,7 +113,7 @@ def test_fleet_api_after_init():
 
 
 def test_calls_before_init_are_clear(monkeypatch):
-    from tfpsx.fleet import FLEET
+    from tfpsx.runtime import RUNTIME as FLEET
     monkeypatch.setattr(FLEET, "config", None)
     for call in (tfpsx.is_server, tfpsx.worker_num, tfpsx.cluster_spec, tfpsx.stop_worker):
         with pytest.raises(tfpsx.errors.NotInitializedError, match="call tfpsx.init"):
@@ -251,4 +251,4 @@ def test_bad_input_count():
                                         ("TFPSX_HEARTBEAT_TIMEOUT", "nan")])
 def test_bad_timeout_env(name, value):
     with pytest.raises(ValueError, match=f"{name}.*{value}"):
-        cluster.env_float(name, 1.0, {name: value})
+        settings.get(name, env={name: value})

@@ -1,6 +1,5 @@
 """Workers share a DynamicEmbedding shard on /job:ps/task:1 (placeholder-fed, so nothing
 folds on the worker) and compare rows that two PS processes drew for the same keys."""
-import json
 import sys
 
 import numpy as np
@@ -32,6 +31,6 @@ with tf.Graph().as_default():
         seen = sess.run(read, {keys: [100, 101, 500]})
         r0, r1 = sess.run([rows0, rows1], {keys: np.arange(50) * 7919})
         tfpsx.barrier_worker()
-print("EMBEDDING " + json.dumps({"seen": seen[:, 0].tolist(), "same_rows": bool((r0 == r1).all()),
-                                 "distinct": bool(len({tuple(r) for r in r0}) == 50)}), flush=True)
+tfpsx.metrics.emit("embedding", seen=seen[:, 0].tolist(), same_rows=bool((r0 == r1).all()),
+                   distinct=bool(len({tuple(r) for r in r0}) == 50))
 tfpsx.stop_worker()

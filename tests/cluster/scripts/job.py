@@ -39,11 +39,9 @@ if os.environ.get("JOB_FAIL"):
         print(f"WORKER_FAILING with {code}", flush=True)
         sys.exit(code)
 if os.environ.get("JOB_PLACEMENT") == "1":
-    import json
-
     from placement import check_placement
 
-    print("PLACEMENT " + json.dumps(check_placement()), flush=True)
+    tfpsx.metrics.emit("placement", **check_placement())
 for i in range(int(os.environ.get("JOB_BARRIERS", "0"))):
     tfpsx.barrier_worker()
     print(f"BARRIER_PASSED {i}", flush=True)

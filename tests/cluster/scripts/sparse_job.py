@@ -1,4 +1,4 @@
-"""A DynamicEmbedding trained on 2 PS shards; prints one SPARSE json line per worker with
+"""A DynamicEmbedding trained on 2 PS shards; emits one "sparse" metrics record per worker with
 the global rows.
 
   sparse_job.py --mode geo --k_steps K --syncs T
@@ -8,7 +8,6 @@ the global rows.
       step's update is deterministic whichever worker's gradients it aggregates.
 """
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -63,7 +62,7 @@ def main(argv):
             with tfpsx.MonitoredTrainingSession() as sess:
                 for batch in batches(me, args.k_steps * args.syncs):
                     sess.run(train_op, {ids: batch, want: targets(batch)})
-            counters = emb._geo.counters
+            counters = tfpsx.metrics.snapshot()["geo"]
         else:
             batch = next(batches(0, 1))
             with tfpsx.MonitoredTrainingSession(last_step=args.syncs) as sess:
@@ -79,9 +78,9 @@ def main(argv):
             exported = {int(k): v.tolist() for k, v in zip(rows["keys"], rows["values"])}
     report = {"worker": me, "rows": exported, "global_step": int(global_step), "runs": runs}
     if counters is not None:
-        report.update(pushes=counters.pushes, rows_sent=counters.rows_sent,
-                      rows_received=counters.rows_received, bytes_sent=counters.bytes_sent)
-    print("SPARSE " + json.dumps(report), flush=True)
+        report.update(pushes=counters["pushes"], rows_sent=counters["rows_sent"],
+                      rows_received=counters["rows_received"], bytes_sent=counters["bytes_sent"])
+    tfpsx.metrics.emit("sparse", **report)
     tfpsx.stop_worker()
     return 0
 

@@ -1,11 +1,10 @@
 """A linear regression trained between-graph with tfpsx.model_scope /
-distributed_optimizer / MonitoredTrainingSession; prints one TRAINING json line per worker.
+distributed_optimizer / MonitoredTrainingSession; emits one "training" metrics record per worker.
 
   training_job.py --mode async|geo [--k_steps K] [--deterministic] [--syncs T]
                   [--steps S] [--checkpoint_dir D] [--save_steps N] [--partitioned]
 """
 import argparse
-import json
 import sys
 import time
 
@@ -107,10 +106,8 @@ def main(argv):
                     time.sleep(args.step_delay)
         report = {"worker": me, "local_steps": local_steps, "start_step": int(start_step),
                   "ready": ready, "placement": placement}
-        stale = [h for h in tf.compat.v1.get_collection("tfpsx_session_hooks")
-                 if hasattr(h, "waits")]
-        if stale:
-            report["staleness_waits"] = stale[0].waits
+        if hasattr(opt, "waits"):  # StalenessOptimizer
+            report["staleness_waits"] = opt.waits
         if hasattr(opt, "counters"):
             report["pushes"] = opt.counters.pushes
             report["rows_sent"] = opt.counters.rows_sent
@@ -128,7 +125,7 @@ def main(argv):
             eval_loss = s.run(tf.reduce_mean(tf.square(eval_pred - eval_y)))
         report.update({"global_w": g_w.ravel().tolist(), "global_b": float(g_b),
                        "global_step": int(g_step), "eval_loss": float(eval_loss)})
-    print("TRAINING " + json.dumps(report), flush=True)
+    tfpsx.metrics.emit("training", **report)
     tfpsx.stop_worker()
     return 0
 
