@@ -27,7 +27,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test native-test demo bench bazel proto clean
+.PHONY: setup build test native-test native-asan demo bench bazel proto clean
 
 ifeq ($(TF),2.21)
 
@@ -43,15 +43,35 @@ $(STAMP): setup.py pyproject.toml $(OP_SOURCES)
 build: setup
 	$(PY) -m pip install -q -e ".[test]"
 
-# The TF-free table core has its own native test binary (no TensorFlow needed).
-NATIVE_TEST := build/native/hash_table_test
-$(NATIVE_TEST): $(wildcard custom_ops/cc/core/*) $(wildcard custom_ops/tests/*.cc)
-	mkdir -p $(dir $@)
-	$(CXX) -O2 -g -pthread -std=c++17 -Wall -I. $(wildcard custom_ops/cc/core/*.cc) \
-	    custom_ops/tests/hash_table_test.cc -o $@
+# The TF-free table core has its own native test binaries (no TensorFlow needed): one per
+# custom_ops/tests/*_test.cc, each linked with the core's objects. NATIVE_DIR and
+# NATIVE_CXXFLAGS make other builds of them (`make native-asan` is one).
+NATIVE_DIR ?= build/native
+NATIVE_CXXFLAGS ?= -O2 -g
+NATIVE_CORE_OBJS := $(patsubst %.cc,$(NATIVE_DIR)/%.o,\
+    $(filter-out %.cu.cc,$(wildcard custom_ops/cc/core/*.cc)))
+NATIVE_TESTS := $(patsubst custom_ops/tests/%.cc,$(NATIVE_DIR)/%,\
+    $(filter-out %.cu.cc,$(wildcard custom_ops/tests/*_test.cc)))
 
-native-test: $(NATIVE_TEST)
-	$(NATIVE_TEST)
+$(NATIVE_DIR)/%.o: %.cc
+	@mkdir -p $(dir $@)
+	$(CXX) $(NATIVE_CXXFLAGS) -pthread -std=c++17 -Wall -I. -MMD -MP -c $< -o $@
+
+$(NATIVE_DIR)/%_test: $(NATIVE_DIR)/custom_ops/tests/%_test.o $(NATIVE_CORE_OBJS)
+	$(CXX) $(NATIVE_CXXFLAGS) -pthread $^ -o $@
+
+# Objects are kept between runs (make would delete them as intermediates).
+.PRECIOUS: $(NATIVE_DIR)/%.o
+
+-include $(NATIVE_CORE_OBJS:.o=.d) $(NATIVE_TESTS:$(NATIVE_DIR)/%=$(NATIVE_DIR)/custom_ops/tests/%.d)
+
+native-test: $(NATIVE_TESTS)
+	@for t in $(NATIVE_TESTS); do echo $$t; $$t || exit 1; done
+
+# The same tests under AddressSanitizer and UBSan.
+native-asan:
+	$(MAKE) native-test NATIVE_DIR=build/native-asan \
+	    NATIVE_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined"
 
 test: setup native-test
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -229,66 +228,6 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
   }
   changes_.Mark(keys, n);
   return "";
-}
-
-void HashTable::ApplySgd(const int64_t* keys, int64_t n, const float* grads, float lr,
-                         int64_t step) {
-  const int64_t dim = options_.dim;
-  ApplyGradients(keys, n, grads, step, [&](float* row, const float* g) {
-    for (int64_t j = 0; j < dim; ++j) row[j] -= lr * g[j];
-  });
-}
-
-void HashTable::ApplyAdagrad(const int64_t* keys, int64_t n, const float* grads, float lr,
-                             float eps, int64_t step) {
-  const int64_t dim = options_.dim;
-  ApplyGradients(keys, n, grads, step, [&](float* row, const float* g) {
-    float* acc = row + dim;
-    for (int64_t j = 0; j < dim; ++j) {
-      acc[j] += g[j] * g[j];
-      row[j] -= lr * g[j] / (std::sqrt(acc[j]) + eps);
-    }
-  });
-}
-
-void HashTable::ApplyAdam(const int64_t* keys, int64_t n, const float* grads, float lr,
-                          float beta1, float beta2, float eps, int64_t step) {
-  // Lazy Adam as TF applies it to sparse rows: bias correction from the global step.
-  const int64_t dim = options_.dim;
-  const double t = static_cast<double>(std::max<int64_t>(step, 1));
-  const float lr_t = static_cast<float>(lr * std::sqrt(1.0 - std::pow(beta2, t)) /
-                                        (1.0 - std::pow(beta1, t)));
-  ApplyGradients(keys, n, grads, step, [&](float* row, const float* g) {
-    float* m = row + dim;
-    float* v = row + 2 * dim;
-    for (int64_t j = 0; j < dim; ++j) {
-      m[j] = beta1 * m[j] + (1 - beta1) * g[j];
-      v[j] = beta2 * v[j] + (1 - beta2) * g[j] * g[j];
-      row[j] -= lr_t * m[j] / (std::sqrt(v[j]) + eps);
-    }
-  });
-}
-
-void HashTable::ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, float lr,
-                          float lr_power, float l1, float l2, int64_t step) {
-  // FTRL-Proximal (McMahan et al. 2013), as tf.compat.v1.train.FtrlOptimizer applies it.
-  const int64_t dim = options_.dim;
-  ApplyGradients(keys, n, grads, step, [&](float* row, const float* g) {
-    float* z = row + dim;
-    float* acc = row + 2 * dim;
-    for (int64_t j = 0; j < dim; ++j) {
-      const float new_acc = acc[j] + g[j] * g[j];
-      const float sigma = (std::pow(new_acc, -lr_power) - std::pow(acc[j], -lr_power)) / lr;
-      z[j] += g[j] - sigma * row[j];
-      acc[j] = new_acc;
-      if (std::fabs(z[j]) <= l1) {
-        row[j] = 0.f;
-      } else {
-        const float sign = z[j] > 0 ? 1.f : -1.f;
-        row[j] = -(z[j] - sign * l1) / (std::pow(new_acc, -lr_power) / lr + 2 * l2);
-      }
-    }
-  });
 }
 
 int64_t HashTable::EvictOlderThan(int64_t min_step) {

@@ -101,17 +101,6 @@ class HashTable {
   void ApplyGradients(const int64_t* keys, int64_t n, const float* grads, int64_t step,
                       RowFn&& update);
 
-  // Server-side optimizers: apply grads[n*dim] to keys[n] (expected unique). Missing keys
-  // are created from their initial row. Slots: Adagrad 1 (accumulator), Adam 2 (m, v),
-  // FTRL 2 (z, n accumulators).
-  void ApplySgd(const int64_t* keys, int64_t n, const float* grads, float lr, int64_t step);
-  void ApplyAdagrad(const int64_t* keys, int64_t n, const float* grads, float lr, float eps,
-                    int64_t step);
-  void ApplyAdam(const int64_t* keys, int64_t n, const float* grads, float lr, float beta1,
-                 float beta2, float eps, int64_t step);
-  void ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, float lr, float lr_power,
-                 float l1, float l2, int64_t step);
-
   // Removes keys[n]; returns how many were present.
   int64_t Remove(const int64_t* keys, int64_t n);
 
