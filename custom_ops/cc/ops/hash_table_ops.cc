@@ -1,4 +1,4 @@
-// Op declarations for tfpsx dynamic embedding tables (kernels: ../kernels/hash_table_kernels.cc).
+// Op declarations for tfpsx dynamic embedding tables (kernels: ../kernels/table_*_kernel*.cc).
 // The table lives on the device its handle op runs on (a PS task); every client that
 // names the same shared_name there reaches the same table.
 
