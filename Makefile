@@ -120,10 +120,12 @@ bench: setup
 	$(PY) benchmarks/geo_vs_async.py
 
 # Bazel 4 (Debian's bazel-bootstrap) builds the same library offline against the
-# installed wheel; the check loads it through tfpsx's loader and runs an op.
+# installed wheel, and the core's native tests; the check loads the library through
+# tfpsx's loader and runs an op. `bazel build --config=cuda //:_tfpsx_ops.so` adds CUDA.
 bazel: setup
 	$(PY) configure.py
 	bazel build //:_tfpsx_ops.so
+	bazel test --test_output=errors //...
 	$(PY) -c "from tfpsx import _loader; import tensorflow as tf; \
 	    ops = _loader.load_ops('bazel-bin'); \
 	    h = ops.tfpsx_counter_handle_op(shared_name='bazel/check'); \
