@@ -67,7 +67,8 @@ $(NATIVE_DIR)/%_test: $(NATIVE_DIR)/custom_ops/tests/%_test.o $(NATIVE_CORE_OBJS
 # Objects are kept between runs (make would delete them as intermediates).
 .PRECIOUS: $(NATIVE_DIR)/%.o
 
--include $(NATIVE_CORE_OBJS:.o=.d) $(NATIVE_TESTS:$(NATIVE_DIR)/%=$(NATIVE_DIR)/custom_ops/tests/%.d)
+-include $(NATIVE_CORE_OBJS:.o=.d) \
+    $(NATIVE_TESTS:$(NATIVE_DIR)/%=$(NATIVE_DIR)/custom_ops/tests/%.d)
 
 native-test: $(NATIVE_TESTS)
 	@for t in $(NATIVE_TESTS); do echo $$t; $$t || exit 1; done
@@ -75,7 +76,8 @@ native-test: $(NATIVE_TESTS)
 # The same tests under AddressSanitizer and UBSan.
 native-asan:
 	$(MAKE) native-test NATIVE_DIR=build/native-asan \
-	    NATIVE_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined"
+	    NATIVE_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+	    -fno-sanitize-recover=undefined"
 
 # CUDA. nvcc is looked for on PATH, then at /usr/local/cuda/bin; NVCC=... overrides.
 NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))

@@ -80,13 +80,15 @@ std::vector<float> HparamsFor(const std::string& opt, std::mt19937_64& rng) {
   std::uniform_real_distribution<float> u(0.f, 1.f);
   if (opt == "sgd") return {0.01f + 0.5f * u(rng)};
   if (opt == "adagrad") return {0.01f + 0.5f * u(rng), 1e-7f * u(rng)};
-  if (opt == "adam") return {0.001f + 0.05f * u(rng), 0.8f + 0.19f * u(rng), 0.99f + 0.009f * u(rng),
-                             1e-7f + 1e-3f * u(rng)};
+  if (opt == "adam") {
+    return {0.001f + 0.05f * u(rng), 0.8f + 0.19f * u(rng), 0.99f + 0.009f * u(rng),
+            1e-7f + 1e-3f * u(rng)};
+  }
   return {0.01f + 0.2f * u(rng), -0.9f * u(rng), 0.05f * u(rng), 0.05f * u(rng)};  // ftrl
 }
 
 bool SameBits(const float* a, const float* b, size_t n) {
-  return std::memcmp(a, b, n * sizeof(float)) == 0;
+  return n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0;  // memcmp wants non-null
 }
 
 // Random batches of unique keys (new and known ones) through the registry and through the
@@ -134,9 +136,10 @@ void TestRegistryEqualsLegacyOnRandomData() {
       size_t i = 0, mismatched = 0;
       for (const auto& [key, row] : ref) {  // sorted like the export
         if (i >= e.keys.size()) break;
-        const bool same = e.keys[i] == key && SameBits(&e.values[i * dim], row.data(), dim) &&
-                          SameBits(&e.slots[i * info.num_slots * dim], row.data() + dim,
-                                   info.num_slots * dim);
+        const bool same =
+            e.keys[i] == key && SameBits(e.values.data() + i * dim, row.data(), dim) &&
+            SameBits(e.slots.data() + i * info.num_slots * dim, row.data() + dim,
+                     info.num_slots * dim);
         mismatched += !same;
         ++i;
       }

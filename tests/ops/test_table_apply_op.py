@@ -84,8 +84,9 @@ def test_errors_name_table_optimizer_expected_and_given(ops):
                              "expected one of sgd, adagrad, adam, ftrl"):
         ops.tfpsx_hash_table_apply(adam_table, keys, grads, [0.1], step_of(1), optimizer="rmsprop")
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=rf"tfpsx table '{name}': optimizer 'adam' takes 4 hyperparameter\(s\) "
-                             r"\[lr, beta1, beta2, epsilon\] as a vector, got hparams of shape \[2\]"):
+                       match=rf"tfpsx table '{name}': optimizer 'adam' takes 4 "
+                             r"hyperparameter\(s\) \[lr, beta1, beta2, epsilon\] as a vector, "
+                             r"got hparams of shape \[2\]"):
         ops.tfpsx_hash_table_apply(adam_table, keys, grads, [0.1, 0.9], step_of(1),
                                    optimizer="adam")
     with pytest.raises(tf.errors.InvalidArgumentError,
@@ -100,7 +101,8 @@ def test_errors_name_table_optimizer_expected_and_given(ops):
                                    [0.1, 0.9, 0.999, 1e-7], step_of(1), optimizer="adam")
     # The legacy ops name the hyperparameter that is not a scalar.
     _, sgd_table = new_table(ops)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"lr must be a scalar, got shape \[2\]"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"lr must be a scalar, got shape \[2\]"):
         ops.tfpsx_hash_table_apply_sgd(sgd_table, keys, grads, [0.1, 0.2], step_of(1))
     # Nothing was applied by any failed call.
     assert len(export(ops, adam_table)[0]) == 0 and len(export(ops, sgd_table)[0]) == 0
