@@ -1,6 +1,6 @@
 // Kernels that read and write rows by key: find, find-or-insert, insert, accumulate,
-// remove, size. Each splits its batch over the CPU worker threads (the core table is
-// thread-safe).
+// remove, size. The first four split their batch over the CPU worker threads (the core
+// table is thread-safe).
 
 #include "custom_ops/cc/core/hash_table.h"
 #include "custom_ops/cc/kernels/table_kernel.h"
