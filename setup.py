@@ -137,12 +137,13 @@ def compile_sources(sources, compiler, flags, obj_dir, force=False):
 
     def compile_one(src):
         obj = os.path.join(obj_dir, src.replace(os.sep, "_") + f".{flag_key}.o")
-        if (os.path.exists(obj) and os.path.getmtime(obj) >= os.path.getmtime(src)
+        path = os.path.join(HERE, src)
+        if (os.path.exists(obj) and os.path.getmtime(obj) >= os.path.getmtime(path)
                 and not force and not _headers_newer(obj)):
             return obj
-        cmd = [compiler, "-c", src, "-o", obj, *flags]
+        cmd = [compiler, "-c", path, "-o", obj, *flags]
         print(" ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=HERE)
+        subprocess.run(cmd, check=True)
         return obj
 
     jobs = int(os.environ.get("TFPSX_BUILD_JOBS", os.cpu_count() or 1))
@@ -167,8 +168,9 @@ class TfOpBuildExt(build_ext):
         # recompiles that one file.
         objs = compile_sources([s for s in ext.sources if s != BUILD_INFO], cxx, cflags,
                                obj_dir, self.force)
-        objs += compile_sources([BUILD_INFO], cxx, [*cflags, f"-DTFPSX_WITH_CUDA={int(with_cuda)}"],
-                                obj_dir, self.force)
+        objs += compile_sources([BUILD_INFO], cxx,
+                                [*cflags, f"-DTFPSX_WITH_CUDA={int(with_cuda)}"], obj_dir,
+                                self.force)
         link_extra = []
         if with_cuda:
             nvcc, cuda_root = find_cuda()
