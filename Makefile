@@ -127,7 +127,7 @@ bench: setup
 bazel: setup
 	$(PY) configure.py
 	bazel build //:_tfpsx_ops.so
-	bazel test --test_output=errors //...
+	bazel test --test_output=errors //:all
 	$(PY) -c "from tfpsx import _loader; import tensorflow as tf; \
 	    ops = _loader.load_ops('bazel-bin'); \
 	    h = ops.tfpsx_counter_handle_op(shared_name='bazel/check'); \
