@@ -5,6 +5,9 @@
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
 #   make demo             a local 1-PS 2-worker job training examples/ctr_demo
 #   make build            rebuild the op library after changing custom_ops/
+#   make native-test      the TF-free table core's native tests (g++ only)
+#   make cuda-check       compile the CUDA sources with nvcc, no GPU needed (skipped without nvcc)
+#   make cuda-native-test run the core's native CUDA tests (a machine with a GPU, no TF needed)
 #   make bench            benchmarks (ratios measured side by side in one run)
 #   make bazel            build the op library with Bazel (apt-get install bazel-bootstrap)
 #   make proto            regenerate tfpsx/control/proto/*_pb2*.py from scheduler.proto
@@ -27,7 +30,8 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test native-test demo bench bazel proto clean
+.PHONY: setup build test native-test native-asan cuda-check cuda-native-test demo bench bazel \
+    proto clean
 
 ifeq ($(TF),2.21)
 
@@ -43,17 +47,69 @@ $(STAMP): setup.py pyproject.toml $(OP_SOURCES)
 build: setup
 	$(PY) -m pip install -q -e ".[test]"
 
-# The TF-free table core has its own native test binary (no TensorFlow needed).
-NATIVE_TEST := build/native/hash_table_test
-$(NATIVE_TEST): $(wildcard custom_ops/cc/core/*) $(wildcard custom_ops/tests/*.cc)
-	mkdir -p $(dir $@)
-	$(CXX) -O2 -g -pthread -std=c++17 -Wall -I. $(wildcard custom_ops/cc/core/*.cc) \
-	    custom_ops/tests/hash_table_test.cc -o $@
+# The TF-free table core has its own native test binaries (no TensorFlow needed): one per
+# custom_ops/tests/*_test.cc, each linked with the core's objects. NATIVE_DIR and
+# NATIVE_CXXFLAGS make other builds of them (`make native-asan` is one).
+NATIVE_DIR ?= build/native
+NATIVE_CXXFLAGS ?= -O2 -g
+NATIVE_CORE_OBJS := $(patsubst %.cc,$(NATIVE_DIR)/%.o,\
+    $(filter-out %.cu.cc,$(wildcard custom_ops/cc/core/*.cc)))
+NATIVE_TESTS := $(patsubst custom_ops/tests/%.cc,$(NATIVE_DIR)/%,\
+    $(filter-out %.cu.cc,$(wildcard custom_ops/tests/*_test.cc)))
 
-native-test: $(NATIVE_TEST)
-	$(NATIVE_TEST)
+$(NATIVE_DIR)/%.o: %.cc
+	@mkdir -p $(dir $@)
+	$(CXX) $(NATIVE_CXXFLAGS) -pthread -std=c++17 -Wall -I. -MMD -MP -c $< -o $@
 
-test: setup native-test
+$(NATIVE_DIR)/%_test: $(NATIVE_DIR)/custom_ops/tests/%_test.o $(NATIVE_CORE_OBJS)
+	$(CXX) $(NATIVE_CXXFLAGS) -pthread $^ -o $@
+
+# Objects are kept between runs (make would delete them as intermediates).
+.PRECIOUS: $(NATIVE_DIR)/%.o
+
+-include $(NATIVE_CORE_OBJS:.o=.d) \
+    $(NATIVE_TESTS:$(NATIVE_DIR)/%=$(NATIVE_DIR)/custom_ops/tests/%.d)
+
+native-test: $(NATIVE_TESTS)
+	@for t in $(NATIVE_TESTS); do echo $$t; $$t || exit 1; done
+
+# The same tests under AddressSanitizer and UBSan.
+native-asan:
+	$(MAKE) native-test NATIVE_DIR=build/native-asan \
+	    NATIVE_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+	    -fno-sanitize-recover=undefined"
+
+# CUDA. nvcc is looked for on PATH, then at /usr/local/cuda/bin; NVCC=... overrides.
+NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))
+CUDA_CORE_SOURCES := $(wildcard custom_ops/cc/core/*.cu.cc)
+CUDA_NATIVE_TESTS := $(patsubst custom_ops/tests/%.cu.cc,build/native/cuda/%,\
+    $(wildcard custom_ops/tests/*_test.cu.cc))
+
+# The core's CUDA tests (custom_ops/tests/*_test.cu.cc) need nvcc only, no TensorFlow, so
+# they build and run on the GPU machines, which have none.
+build/native/cuda/%_test: custom_ops/tests/%_test.cu.cc $(CUDA_CORE_SOURCES) \
+    $(wildcard custom_ops/cc/core/*.h)
+	$(if $(NVCC),,$(error no nvcc on PATH or at /usr/local/cuda/bin/nvcc; set NVCC=/path/to/nvcc))
+	@mkdir -p $(dir $@)
+	$(NVCC) -x cu -std=c++17 -O2 -DGOOGLE_CUDA=1 --expt-relaxed-constexpr -I. \
+	    $(filter %.cu.cc,$^) -o $@
+
+# Compiles every CUDA source with nvcc, no GPU needed: the op library's *.cu.cc exactly
+# as a TFPSX_WITH_CUDA=1 build does (the installed TF's flags and the include shim:
+# setup.py cuda_check), and the core's CUDA tests (compiled and linked, not run).
+cuda-check: setup
+ifeq ($(NVCC),)
+	@echo "cuda-check: skipped: no nvcc on PATH or at /usr/local/cuda/bin/nvcc" \
+	    "(install the CUDA toolkit or set NVCC=/path/to/nvcc to check the CUDA sources)"
+else
+	NVCC=$(NVCC) $(PY) setup.py -q cuda_check
+	$(MAKE) --no-print-directory $(CUDA_NATIVE_TESTS) NVCC=$(NVCC)
+endif
+
+cuda-native-test: $(CUDA_NATIVE_TESTS)
+	@for t in $^; do echo $$t; $$t || exit 1; done
+
+test: setup native-test cuda-check
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 demo: setup
@@ -66,10 +122,12 @@ bench: setup
 	$(PY) benchmarks/geo_vs_async.py
 
 # Bazel 4 (Debian's bazel-bootstrap) builds the same library offline against the
-# installed wheel; the check loads it through tfpsx's loader and runs an op.
+# installed wheel, and the core's native tests; the check loads the library through
+# tfpsx's loader and runs an op. `bazel build --config=cuda //:_tfpsx_ops.so` adds CUDA.
 bazel: setup
 	$(PY) configure.py
 	bazel build //:_tfpsx_ops.so
+	bazel test --test_output=errors //:all
 	$(PY) -c "from tfpsx import _loader; import tensorflow as tf; \
 	    ops = _loader.load_ops('bazel-bin'); \
 	    h = ops.tfpsx_counter_handle_op(shared_name='bazel/check'); \

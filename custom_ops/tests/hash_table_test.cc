@@ -1,5 +1,5 @@
 // Native unit tests of the TF-free table core: g++ -O2 -pthread, no TensorFlow.
-// Built and run by `make test` (target native-test).
+// Built and run by `make native-test` (and so by `make test`).
 
 #include <atomic>
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "custom_ops/cc/core/hash_table.h"
+#include "custom_ops/cc/core/optimizer_registry.h"
 
 namespace {
 
@@ -106,7 +107,8 @@ void TestAdmissionAndEviction() {
   // A gradient for a key not yet admitted creates nothing.
   int64_t fresh = 10;
   float g[2] = {1, 1};
-  t.ApplySgd(&fresh, 1, g, 0.1f, 6);
+  const float lr = 0.1f;
+  tfpsx::FindOptimizer("sgd")->apply(t, &fresh, 1, g, &lr, 6);
   CHECK(t.Size() == 1);
 
   tfpsx::HashTable u(Opts(2));
@@ -131,7 +133,8 @@ void TestOptimizers() {
     tfpsx::HashTable t(Opts(1));
     float w0;
     t.InitialRow(key, &w0);
-    t.ApplySgd(&key, 1, g, 0.1f, 1);
+    const float lr = 0.1f;
+    tfpsx::FindOptimizer("sgd")->apply(t, &key, 1, g, &lr, 1);
     float w;
     t.Find(&key, 1, &w, nullptr);
     CHECK(std::fabs(w - (w0 - 0.05f)) < 1e-7);
@@ -142,7 +145,8 @@ void TestOptimizers() {
     tfpsx::HashTable t(o);
     float w0;
     t.InitialRow(key, &w0);
-    t.ApplyAdagrad(&key, 1, g, 0.1f, 0.f, 1);
+    const float hparams[] = {0.1f, 0.f};  // lr, epsilon
+    tfpsx::FindOptimizer("adagrad")->apply(t, &key, 1, g, hparams, 1);
     float w;
     t.Find(&key, 1, &w, nullptr);
     CHECK(std::fabs(w - (w0 - 0.1f * 0.5f / std::sqrt(0.1f + 0.25f))) < 1e-6);

@@ -1,16 +1,17 @@
 // tfpsx dynamic embedding table: int64 keys -> float32 rows of `dim`, TF-free.
 //
-// The table is split into lock stripes (shards) chosen by the key's hash; each stripe
-// is an open-addressing index (linear probing, 32-bit row ids) over chunked records
-// [key | step | freq | value | slots], so a key costs its payload plus ~26 bytes
-// (12 of metadata, 6-12 of index slot, chunk slack) and a lookup touches one slot and
-// one record. Records are kept dense: removing a key moves the last record into its place.
-//
-// Every row carries `num_slots` optimizer slot vectors of `dim` floats next to its
-// value, a frequency counter and the step of its last update. A missing key's initial
-// row is a pure function of (seed, key), so every PS and every restart draws the same
-// row. Admission: with min_frequency > 1 a key is only counted until it has been seen
-// that often; until then it has no row and lookups return its initial row.
+// The table composes a StripedStore (striped_store.h: lock stripes, open-addressing
+// index, chunked records), a RowInitializer (initializer.h) and a ChangeLog
+// (change_log.h), and keeps the policies over rows:
+// - a row is [value | num_slots optimizer slot vectors], dim floats each, with a
+//   frequency counter and the step of its last update;
+// - a missing key's initial row is a pure function of (seed, key), so every PS and every
+//   restart draws the same row;
+// - admission: with min_frequency > 1 a key is only counted until it has been seen that
+//   often; until then it has no row and lookups return its initial row;
+// - eviction: rows not updated since a step, or all but the N most frequent.
+// Optimizers are row functors (optimizers.h) that reach the rows through ApplyGradients;
+// optimizer_registry.h finds them by name.
 //
 // Thread safety: every public method may be called concurrently; readers of a stripe
 // share its lock, writers take it alone.
@@ -18,19 +19,16 @@
 #ifndef TFPSX_CORE_HASH_TABLE_H_
 #define TFPSX_CORE_HASH_TABLE_H_
 
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <mutex>
-#include <shared_mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
-namespace tfpsx {
+#include "custom_ops/cc/core/change_log.h"
+#include "custom_ops/cc/core/initializer.h"
+#include "custom_ops/cc/core/striped_store.h"
 
-enum class InitKind { kZeros = 0, kConstant = 1, kUniform = 2, kNormal = 3 };
+namespace tfpsx {
 
 struct TableOptions {
   int64_t dim = 0;
@@ -45,7 +43,7 @@ struct TableOptions {
   // Keys one stripe may hold (row ids take 24 bits of an index slot); lower it to cap a
   // table's memory. A write that would pass it fails (std::length_error), storing nothing
   // for that key.
-  int64_t max_stripe_rows = (int64_t{1} << 24) - 2;
+  int64_t max_stripe_rows = kMaxRowsPerStripe;
   // Rows to reserve up front (0: none, the table grows as keys arrive). The index is
   // sized for them and their row memory is mapped and faulted in when the table is
   // built, so inserts up to that size neither rehash nor page-fault (on Linux VMs a
@@ -55,8 +53,6 @@ struct TableOptions {
 
 // Returns "" when the options are usable, else what is wrong.
 std::string ValidateOptions(const TableOptions& options);
-
-class ChunkPool;  // where a table's row chunks come from (hash_table.cc)
 
 struct ExportedRows {
   std::vector<int64_t> keys;
@@ -68,6 +64,7 @@ struct ExportedRows {
 
 class HashTable {
  public:
+  // Throws std::runtime_error when options.capacity cannot be reserved.
   explicit HashTable(const TableOptions& options);
   ~HashTable();
   HashTable(const HashTable&) = delete;
@@ -75,9 +72,11 @@ class HashTable {
 
   const TableOptions& options() const { return options_; }
   int64_t dim() const { return options_.dim; }
+  // Floats per row: the value and its slots.
+  int64_t row_width() const { return row_width_; }
 
   // The initial row of `key` (deterministic in seed and key) into out[dim].
-  void InitialRow(int64_t key, float* out) const;
+  void InitialRow(int64_t key, float* out) const { initializer_(key, out, options_.dim); }
 
   // Rows of keys[n] into out[n*dim]; a missing key gets its initial row (or zeros when
   // use_initializer is false). found[n] (may be null) says which keys were present.
@@ -93,6 +92,14 @@ class HashTable {
 
   // row += delta for keys[n]; a missing key starts from its initial row.
   void Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step);
+
+  // Training: update(row, grad) on the row of every key of keys[n] (expected unique),
+  // `row` being [value | slots] (row_width() floats) and `grad` grads + i * dim. A missing
+  // key starts from its initial row and slot_init; with admission on (min_frequency > 1)
+  // it gets no row and its gradient is dropped. Throws std::length_error like Insert.
+  template <typename RowFn>
+  void ApplyGradients(const int64_t* keys, int64_t n, const float* grads, int64_t step,
+                      RowFn&& update);
 
   // Removes keys[n]; returns how many were present.
   int64_t Remove(const int64_t* keys, int64_t n);
@@ -110,21 +117,8 @@ class HashTable {
                      int64_t slots_len, const int64_t* freq, const int64_t* step,
                      bool clear_first);
 
-  // Per-reader change tracking (sparse GEO): every update marks its keys changed for all
-  // registered readers; TakeChanged returns a reader's keys changed since its last call
-  // and resets them. Readers are registered by their first TakeChanged call.
-  std::vector<int64_t> TakeChanged(int64_t reader);
-
-  // Server-side optimizers: apply grads[n*dim] to keys[n] (expected unique). Missing keys
-  // are created from their initial row. Slots: Adagrad 1 (accumulator), Adam 2 (m, v),
-  // FTRL 2 (z, n accumulators).
-  void ApplySgd(const int64_t* keys, int64_t n, const float* grads, float lr, int64_t step);
-  void ApplyAdagrad(const int64_t* keys, int64_t n, const float* grads, float lr, float eps,
-                    int64_t step);
-  void ApplyAdam(const int64_t* keys, int64_t n, const float* grads, float lr, float beta1,
-                 float beta2, float eps, int64_t step);
-  void ApplyFtrl(const int64_t* keys, int64_t n, const float* grads, float lr, float lr_power,
-                 float l1, float l2, int64_t step);
+  // Keys changed since `reader`'s previous call (change_log.h).
+  std::vector<int64_t> TakeChanged(int64_t reader) { return changes_.Take(reader); }
 
   // Eviction: removes rows not updated since step < min_step; returns how many.
   int64_t EvictOlderThan(int64_t min_step);
@@ -141,46 +135,68 @@ class HashTable {
   int64_t MemoryBytes() const;
 
  private:
-  struct Stripe;
-  Stripe& StripeOf(uint64_t hash) const;
-  // Calls fn(stripe, i, hash) for every key, grouped by stripe so that each stripe is
-  // locked once per call (shared or exclusive), with the next keys' index slots, records
-  // and input rows (stream + i * dim, may be null) prefetched. Outputs are not prefetched:
-  // measured slower, the stores do not wait on them.
-  template <bool kExclusive, typename Fn>
-  void ForEachByStripe(const int64_t* keys, int64_t n, const float* stream, Fn&& fn) const;
-  void MarkChanged(const int64_t* keys, int64_t n);
-  // Sizes every stripe's index for options_.capacity rows (reserved_slots_) and has the
-  // pool map and fault in their row memory.
-  void Reserve();
+  // Per-stripe policy state, kept at the stripe's id and guarded by its lock. Aligned to
+  // a cache line: threads writing different stripes must not share one.
+  struct alignas(64) StripeState {
+    std::unordered_map<int64_t, uint32_t> pending;  // admission: sightings so far
+    int64_t admitted = 0;
+    int64_t evicted = 0;
+  };
+
   // Adds a missing key's row at the probe's free slot `empty`: its initial value (when
   // init_value), slots at slot_init, frequency `freq`, admission bookkeeping. May throw
   // std::length_error (a full stripe).
   int64_t NewRow(Stripe& s, int64_t key, uint64_t h, uint64_t empty, bool init_value,
                  uint32_t freq);
   int64_t RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted);
-  template <typename Fn>
-  int64_t SumOverStripes(Fn&& fn) const;
-  // The optimizers' shared loop: update(row, grad) for every key's row (admission aside).
-  template <typename Fn>
-  void ApplyGrads(const int64_t* keys, int64_t n, const float* grads, int64_t step, Fn&& update);
-  template <typename Fn>
   // Runs fn(row, i) on the row of every key; a missing key is first asked fn(nullptr, i)
   // whether it gets a row (admission), which starts from its initial row when init_value.
+  // Sets each written row's step and marks its key changed.
+  template <typename Fn>
   void UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
                   bool init_value, Fn&& fn);
 
   TableOptions options_;
   int64_t row_width_;  // dim * (1 + num_slots)
-  std::unique_ptr<ChunkPool> pool_;  // before stripes_: outlives the chunks they hold
-  std::vector<std::unique_ptr<Stripe>> stripes_;
-  int stripe_shift_;
-  uint64_t reserved_slots_ = 0;  // index slots per stripe kept through clears (Reserve)
-
-  std::atomic<bool> has_readers_{false};
-  mutable std::mutex readers_mu_;
-  std::unordered_map<int64_t, std::unordered_set<int64_t>> changed_;
+  RowInitializer initializer_;
+  StripedStore store_;
+  std::vector<StripeState> stripe_state_;  // one per stripe of store_
+  ChangeLog changes_;
 };
+
+template <typename Fn>
+void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
+                           bool init_value, Fn&& fn) {
+  const bool track = changes_.active();
+  std::vector<int64_t> changed;
+  if (track) changed.reserve(n);
+  store_.ForEachByStripe<true>(keys, n, stream, options_.dim,
+                               [&](Stripe& s, int64_t i, uint64_t h) {
+    const int64_t key = keys[i];
+    uint64_t empty = Stripe::kNoSlot;
+    int64_t r = s.FindRow(key, h, &empty);
+    if (r < 0) {
+      if (!fn(nullptr, i)) return;
+      r = NewRow(s, key, h, empty, init_value, 1);  // without init_value fn overwrites it
+    }
+    fn(s.rows.row(r), i);
+    s.rows.set_step(r, step);
+    if (track) changed.push_back(key);
+  });
+  if (track) changes_.Mark(changed.data(), static_cast<int64_t>(changed.size()));
+}
+
+template <typename RowFn>
+void HashTable::ApplyGradients(const int64_t* keys, int64_t n, const float* grads, int64_t step,
+                               RowFn&& update) {
+  const int64_t dim = options_.dim;
+  const bool create = options_.min_frequency <= 1;
+  UpdateRows(keys, n, grads, step, /*init_value=*/true, [&](float* row, int64_t i) {
+    if (row == nullptr) return create;
+    update(row, grads + i * dim);
+    return true;
+  });
+}
 
 }  // namespace tfpsx
 

@@ -1,4 +1,4 @@
-// Op declarations for tfpsx dynamic embedding tables (kernels: ../kernels/hash_table_kernels.cc).
+// Op declarations for tfpsx dynamic embedding tables (kernels: ../kernels/table_*_kernel*.cc).
 // The table lives on the device its handle op runs on (a PS task); every client that
 // names the same shared_name there reaches the same table.
 
@@ -144,6 +144,31 @@ Keys changed since `reader`'s previous call (sorted), and resets them. A reader 
 registered by its first call, which returns nothing.
 )doc");
 
+REGISTER_OP("TfpsxHashTableApply")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("grads: float")
+    .Input("hparams: float")
+    .Input("step: int64")
+    .Attr("optimizer: string")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &unused));
+      return c->WithRank(c->input(4), 0, &unused);
+    })
+    .Doc(R"doc(
+Applies `grads` (keys' shape + [dim]) to the rows of `keys` (expected unique) with the
+server-side optimizer named by `optimizer`; a missing key starts from its initial row
+(with admission on, it gets no row). The table must have the optimizer's slot count.
+`hparams` lists the optimizer's hyperparameters in this order:
+  sgd: [lr]   adagrad: [lr, epsilon]   adam: [lr, beta1, beta2, epsilon]
+  ftrl: [lr, lr_power, l1, l2]
+adam is lazy Adam with bias correction from `step` (taken as 1 when smaller).
+)doc");
+
+// The per-optimizer ops TfpsxHashTableApply replaces: the same kernel with the optimizer
+// fixed and each hyperparameter a scalar input. Registered still, because saved graphs
+// name them.
 #define TFPSX_APPLY_OP(Name, ExtraInputs)                                  \
   REGISTER_OP(Name)                                                        \
       .Input("handle: resource")                                           \

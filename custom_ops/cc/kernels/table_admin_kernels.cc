@@ -1,0 +1,135 @@
+// Kernels over a whole table: export and import (checkpoints, shard moves), the keys
+// changed per reader (sparse GEO), eviction, and stats.
+
+#include <algorithm>
+#include <climits>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "custom_ops/cc/core/hash_table.h"
+#include "custom_ops/cc/kernels/table_kernel.h"
+
+namespace tfpsx {
+namespace {
+
+class ExportOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t since = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "since_step", &since));
+    HashTable& t = table.table();
+    ExportedRows rows = t.ExportSince(since);
+    const int64_t n = static_cast<int64_t>(rows.keys.size()), dim = t.dim(),
+                  slots = t.options().num_slots;
+    Tensor* out[5];
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out[0]));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, dim}), &out[1]));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n, slots, dim}), &out[2]));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &out[3]));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({n}), &out[4]));
+    std::copy(rows.keys.begin(), rows.keys.end(), out[0]->flat<int64_t>().data());
+    std::copy(rows.values.begin(), rows.values.end(), out[1]->flat<float>().data());
+    std::copy(rows.slots.begin(), rows.slots.end(), out[2]->flat<float>().data());
+    std::copy(rows.freq.begin(), rows.freq.end(), out[3]->flat<int64_t>().data());
+    std::copy(rows.step.begin(), rows.step.end(), out[4]->flat<int64_t>().data());
+  }
+};
+
+class ImportOp : public TableOpKernel {
+ public:
+  explicit ImportOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("clear", &clear_));
+  }
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    HashTable& t = table.table();
+    const Tensor &keys = ctx->input(1), &values = ctx->input(2), &slots = ctx->input(3),
+                 &freq = ctx->input(4), &step = ctx->input(5);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': import keys must be a vector, got shape ",
+                    keys.shape().DebugString())));
+    const int64_t n = keys.NumElements();
+    OP_REQUIRES_OK(ctx, CheckRows(table, keys, values, "imported values"));
+    for (const auto& [tensor, what] : {std::make_pair(&freq, "freq"), std::make_pair(&step, "step")}) {
+      OP_REQUIRES(ctx, tensor->NumElements() == 0 || tensor->NumElements() == n,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "tfpsx table '", table.name(), "': import ", what, " must be empty or hold ",
+                      n, " values, got ", tensor->shape().DebugString())));
+    }
+    std::string problem;
+    try {
+      problem = t.Import(
+          keys.flat<int64_t>().data(), n, values.flat<float>().data(),
+          slots.NumElements() ? slots.flat<float>().data() : nullptr, slots.NumElements(),
+          freq.NumElements() ? freq.flat<int64_t>().data() : nullptr,
+          step.NumElements() ? step.flat<int64_t>().data() : nullptr, clear_);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    OP_REQUIRES(ctx, problem.empty(),
+                absl::InvalidArgumentError(
+                    absl::StrCat("tfpsx table '", table.name(), "': import: ", problem)));
+  }
+
+ private:
+  bool clear_ = false;
+};
+
+class TakeChangedOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t reader = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "reader", &reader));
+    const std::vector<int64_t> keys = table.table().TakeChanged(reader);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(keys.size())}), &out));
+    std::copy(keys.begin(), keys.end(), out->flat<int64_t>().data());
+  }
+};
+class EvictOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t min_step = 0, keep = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "min_step", &min_step));
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "keep_top_n", &keep));
+    int64_t evicted = 0;
+    if (min_step != INT64_MIN) evicted += table.table().EvictOlderThan(min_step);
+    if (keep >= 0) evicted += table.table().EvictToTopN(keep);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = evicted;
+  }
+};
+
+class StatsOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    HashTable& t = table.table();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    auto s = out->flat<int64_t>();
+    s(0) = t.Size();
+    s(1) = t.admitted();
+    s(2) = t.evicted();
+    s(3) = t.pending_admission();
+    s(4) = t.MemoryBytes();
+  }
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExport").Device(DEVICE_CPU), ExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableImport").Device(DEVICE_CPU), ImportOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableEvict").Device(DEVICE_CPU), EvictOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableStats").Device(DEVICE_CPU), StatsOp);
+
+}  // namespace tfpsx

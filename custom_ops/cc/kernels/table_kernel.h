@@ -1,0 +1,103 @@
+// What every kernel over a tfpsx table shares: the base class that looks the table up
+// from input 0, input checks whose messages name the table, the expected shape and the
+// one given, and the split of a batch over the CPU worker threads.
+
+#ifndef TFPSX_KERNELS_TABLE_KERNEL_H_
+#define TFPSX_KERNELS_TABLE_KERNEL_H_
+
+#include <exception>
+#include <mutex>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "custom_ops/cc/kernels/table_resource.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace tfpsx {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+
+inline absl::Status GetTable(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* out) {
+  return ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), out);
+}
+
+template <typename T>
+inline absl::Status Scalar(OpKernelContext* ctx, int index, const char* name, T* out) {
+  const Tensor& t = ctx->input(index);
+  if (!::tensorflow::TensorShapeUtils::IsScalar(t.shape())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must be a scalar, got shape ", t.shape().DebugString()));
+  }
+  *out = t.scalar<T>()();
+  return absl::OkStatus();
+}
+
+inline TensorShape RowsShape(const TensorShape& keys, int64_t dim) {
+  TensorShape shape = keys;
+  shape.AddDim(dim);
+  return shape;
+}
+
+inline absl::Status CheckRows(const TableResource& table, const Tensor& keys, const Tensor& rows,
+                              const char* what) {
+  const int64_t dim = table.table().dim();
+  const TensorShape want = RowsShape(keys.shape(), dim);
+  if (rows.shape() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tfpsx table '", table.name(), "': ", what, " must have shape ", want.DebugString(),
+        " (keys' shape + [dim=", dim, "]), got ", rows.shape().DebugString()));
+  }
+  return absl::OkStatus();
+}
+
+// Splits [0, n) over the CPU worker threads; each range is processed independently
+// (the core table is thread-safe). The core reports a full table by throwing; that must
+// not escape into TF's thread pool, so the first failure becomes the op's error.
+template <typename Fn>
+inline absl::Status ParallelRanges(OpKernelContext* ctx, const TableResource& table, int64_t n,
+                                   int64_t cost_per_key, Fn&& fn) {
+  auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+  std::mutex mu;
+  absl::Status status;
+  ::tensorflow::Shard(threads->num_threads, threads->workers, n, cost_per_key,
+                      [&](int64_t begin, int64_t end) {
+                        try {
+                          fn(begin, end);
+                        } catch (const std::exception& e) {
+                          std::lock_guard<std::mutex> lock(mu);
+                          if (status.ok()) {
+                            status = absl::ResourceExhaustedError(
+                                absl::StrCat("tfpsx table '", table.name(), "': ", e.what()));
+                          }
+                        }
+                      });
+  return status;
+}
+
+
+// Base of the kernels that work on a table: input 0 is its handle.
+class TableOpKernel : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) final {
+    ::tensorflow::core::RefCountPtr<TableResource> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+    ComputeOn(ctx, *table);
+  }
+
+ protected:
+  virtual void ComputeOn(OpKernelContext* ctx, TableResource& table) = 0;
+};
+
+}  // namespace tfpsx
+
+#endif  // TFPSX_KERNELS_TABLE_KERNEL_H_

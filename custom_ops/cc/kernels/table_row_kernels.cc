@@ -1,0 +1,108 @@
+// Kernels that read and write rows by key: find, find-or-insert, insert, accumulate,
+// remove, size. The first four split their batch over the CPU worker threads (the core
+// table is thread-safe).
+
+#include "custom_ops/cc/core/hash_table.h"
+#include "custom_ops/cc/kernels/table_kernel.h"
+
+namespace tfpsx {
+namespace {
+
+class FindOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    const Tensor& keys = ctx->input(1);
+    HashTable& t = table.table();
+    Tensor* values = nullptr;
+    Tensor* found = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), t.dim()), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, keys.shape(), &found));
+    const int64_t* k = keys.flat<int64_t>().data();
+    float* v = values->flat<float>().data();
+    bool* f = found->flat<bool>().data();
+    const int64_t dim = t.dim();
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 20 + 2 * dim,
+                                       [&](int64_t b, int64_t e) {
+      t.Find(k + b, e - b, v + b * dim, f + b);
+    }));
+  }
+};
+
+class FindOrInsertOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    const Tensor& keys = ctx->input(1);
+    int64_t step = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "step", &step));
+    HashTable& t = table.table();
+    Tensor* values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), t.dim()), &values));
+    const int64_t* k = keys.flat<int64_t>().data();
+    float* v = values->flat<float>().data();
+    const int64_t dim = t.dim();
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
+                                       [&](int64_t b, int64_t e) {
+      t.FindOrInsert(k + b, e - b, step, v + b * dim);
+    }));
+  }
+};
+
+template <bool kAccumulate>
+class WriteOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    const Tensor& keys = ctx->input(1);
+    const Tensor& rows = ctx->input(2);
+    OP_REQUIRES_OK(ctx, CheckRows(table, keys, rows, kAccumulate ? "deltas" : "values"));
+    int64_t step = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "step", &step));
+    HashTable& t = table.table();
+    const int64_t* k = keys.flat<int64_t>().data();
+    const float* r = rows.flat<float>().data();
+    const int64_t dim = t.dim();
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
+                                       [&](int64_t b, int64_t e) {
+      if (kAccumulate) {
+        t.Accumulate(k + b, e - b, r + b * dim, step);
+      } else {
+        t.Insert(k + b, e - b, r + b * dim, step);
+      }
+    }));
+  }
+};
+
+class RemoveOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    const Tensor& keys = ctx->input(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() =
+        table.table().Remove(keys.flat<int64_t>().data(), keys.NumElements());
+  }
+};
+
+class SizeOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = table.table().Size();
+  }
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableFind").Device(DEVICE_CPU), FindOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableFindOrInsert").Device(DEVICE_CPU), FindOrInsertOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableInsert").Device(DEVICE_CPU), WriteOp<false>);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableAccumulate").Device(DEVICE_CPU), WriteOp<true>);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableRemove").Device(DEVICE_CPU), RemoveOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableSize").Device(DEVICE_CPU), SizeOp);
+
+}  // namespace tfpsx
