@@ -87,6 +87,16 @@ class Runtime:
             self._barrier_generation, self._worker_state = 0, "new"
             return config
 
+    @property
+    def worker_started(self) -> bool:
+        """This worker called init_worker() and not yet stop_worker()."""
+        return self._worker_state == "started"
+
+    @property
+    def has_graph_server(self) -> bool:
+        """server_target() started this process's tf.distribute.Server."""
+        return self._server is not None
+
     def require(self, what: str) -> _cluster.ClusterConfig:
         if self.config is None:
             raise errors.NotInitializedError(

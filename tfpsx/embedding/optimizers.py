@@ -9,6 +9,7 @@ its ``name``, its ``HYPERPARAMS`` (attribute names, in the functor's order) and 
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -24,6 +25,18 @@ class SparseOptimizer:
         """The hyperparameters as one float vector, in the order the core expects (a
         value may be a tensor, e.g. a decaying learning rate)."""
         return tf.stack([tf.cast(getattr(self, n), tf.float32) for n in self.HYPERPARAMS])
+
+    def get_config(self) -> dict:
+        """The constructor's arguments (and ``name``), for saving: see :func:`from_config`."""
+        config = {"name": self.name}
+        config.update({n: getattr(self, n) for n in self.HYPERPARAMS})
+        if "initial_accumulator_value" in self._constructor_args():
+            config["initial_accumulator_value"] = self.slot_init[-1]
+        return config
+
+    @classmethod
+    def _constructor_args(cls):
+        return inspect.signature(cls.__init__).parameters
 
     def __repr__(self):
         values = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.HYPERPARAMS)
@@ -72,11 +85,20 @@ class Ftrl(SparseOptimizer):
 OPTIMIZERS = {cls.name: cls for cls in (SGD, Adagrad, Adam, Ftrl)}
 
 
+def from_config(config: dict) -> SparseOptimizer:
+    """The optimizer ``get_config()`` described."""
+    config = dict(config)
+    return OPTIMIZERS[config.pop("name")](**config)
+
+
 def resolve(spec) -> Optional[SparseOptimizer]:
-    """An optimizer from a spec, a name ("adagrad") or None (no training)."""
+    """An optimizer from a spec, a name ("adagrad"), a ``get_config()`` dict or None (no
+    training)."""
     if spec is None or isinstance(spec, SparseOptimizer):
         return spec
     if isinstance(spec, str) and spec.lower() in OPTIMIZERS:
         return OPTIMIZERS[spec.lower()]()
+    if isinstance(spec, dict) and spec.get("name") in OPTIMIZERS:
+        return from_config(spec)
     raise ValueError(f"unknown optimizer {spec!r}; expected one of {', '.join(OPTIMIZERS)} or a "
                      "tfpsx.embedding.SparseOptimizer (SGD, Adagrad, Adam, Ftrl)")

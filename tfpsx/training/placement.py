@@ -44,8 +44,12 @@ class GreedyByBytes:
         self.loads = [0] * num_tasks
 
     def __call__(self, op) -> int:
+        return self.place(_variable_bytes(op))
+
+    def place(self, nbytes: int) -> int:
+        """The task for a variable of ``nbytes`` (now counted on it)."""
         task = min(range(len(self.loads)), key=self.loads.__getitem__)
-        self.loads[task] += _variable_bytes(op)
+        self.loads[task] += nbytes
         return task
 
 

@@ -68,9 +68,12 @@ class GeoTable:
 
 
 def dense_push(v: GeoVariable, n: float):
-    """delta = (local - old) / n; old += delta; global += delta."""
+    """delta = (local - old) / n; old += delta; global += delta (n = 1: a counter, e.g.
+    the step count, whose global value is the sum of every worker's)."""
     with tf.compat.v1.device(v.local.device):
-        delta = (v.local.read_value() - v.old.read_value()) / n
+        delta = v.local.read_value() - v.old.read_value()
+        if n != 1:
+            delta = delta / n
         bump_old = v.old.assign_add(delta)
     with tf.compat.v1.device(v.global_.device):
         push = v.global_.assign_add(delta)
@@ -193,13 +196,17 @@ class GeoMode(Mode):
         return creator
 
     def table_updater(self, table) -> TableUpdater:
-        return _GeoTableUpdater(self)
+        return GeoTableUpdater(self)
 
 
-class _GeoTableUpdater(TableUpdater):
-    """Lookups read this worker's copy; gradients train it (its optimizer, locally)."""
+class GeoTableUpdater(TableUpdater):
+    """Lookups read this worker's copy; gradients train it (its optimizer, locally).
 
-    def __init__(self, mode: GeoMode):
+    ``mode`` is the GEO state the table joins (graph mode's ``GeoMode`` or the Keras
+    strategy's): it has ``worker_index``, ``worker_device``, ``tables`` and ``train_ops``.
+    """
+
+    def __init__(self, mode):
         self._mode = mode
         self._geo: Optional[GeoTable] = None
 

@@ -17,7 +17,30 @@ from tfpsx import errors, settings
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 
-_DONE = 2 ** 62  # a finished worker's clock: never the slowest
+DONE = 2 ** 62  # a finished worker's clock: never the slowest
+
+
+def wait_for_slowest(clocks, read_clocks, me: int, max_staleness: int, timeout: float) -> bool:
+    """Waits while worker ``me`` is more than ``max_staleness`` steps ahead of the slowest
+    worker; ``clocks`` is the clock vector after this worker's tick, ``read_clocks()``
+    reads it again. Returns whether it had to wait (graph mode and Keras alike).
+
+    Raises:
+      ClusterTimeoutError: ``timeout`` passed (TFPSX_STALENESS_TIMEOUT), naming the slowest.
+    """
+    deadline = time.monotonic() + timeout
+    waited = False
+    while clocks[me] - clocks.min() > max_staleness:
+        waited = True
+        if time.monotonic() > deadline:
+            slow = [int(w) for w in (clocks == clocks.min()).nonzero()[0]]
+            raise errors.ClusterTimeoutError(
+                f"bounded staleness: worker {me} at step {clocks[me]} waited "
+                f"{timeout:g} s (TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at "
+                f"step {clocks.min()} (max_staleness={max_staleness}); are they alive?")
+        time.sleep(0.005)
+        clocks = read_clocks()
+    return waited
 
 
 class StalenessMode(Mode):
@@ -52,7 +75,7 @@ class StalenessOptimizer(WrappedOptimizer):
                 trainable=False, use_resource=True)
         with tf.compat.v1.device(clocks.device):
             tick = tf.compat.v1.scatter_add(clocks, [me], tf.constant([1], tf.int64))
-            done = tf.compat.v1.scatter_update(clocks, [me], tf.constant([_DONE], tf.int64))
+            done = tf.compat.v1.scatter_update(clocks, [me], tf.constant([DONE], tf.int64))
             read = clocks.read_value()
         self._hook = _StalenessHook(train_op, tick, read, done, self.max_staleness, me)
         mode.add_hook(self._hook)
@@ -71,20 +94,8 @@ class _StalenessHook(tf.compat.v1.train.SessionRunHook):
         if not self._detector.ran_training(run_context):
             return
         session = run_context.session
-        clocks = session.run(self._tick)
-        deadline = time.monotonic() + self._timeout
-        waited = False
-        while clocks[self._me] - clocks.min() > self._s:
-            waited = True
-            if time.monotonic() > deadline:
-                slow = [int(w) for w in (clocks == clocks.min()).nonzero()[0]]
-                raise errors.ClusterTimeoutError(
-                    f"bounded staleness: worker {self._me} at step {clocks[self._me]} waited "
-                    f"{self._timeout:g} s (TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at "
-                    f"step {clocks.min()} (max_staleness={self._s}); are they alive?")
-            time.sleep(0.005)
-            clocks = session.run(self._read)
-        self.waits += waited
+        self.waits += wait_for_slowest(session.run(self._tick), lambda: session.run(self._read),
+                                       self._me, self._s, self._timeout)
 
     def end(self, session):
         session.run(self._done)

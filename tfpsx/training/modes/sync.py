@@ -37,7 +37,7 @@ from tfpsx.training.placement import worker_device_of
 logger = logging.getLogger("tfpsx")
 
 
-def _replicas(strategy, workers: int, what: str) -> int:
+def replicas_to_aggregate(strategy, workers: int, what: str) -> int:
     """The strategy's replicas_to_aggregate (default: every worker), checked."""
     replicas = strategy.replicas_to_aggregate
     replicas = workers if replicas is None else replicas
@@ -53,6 +53,77 @@ def _step_timeout_options() -> tf.compat.v1.RunOptions:
         timeout_in_ms=int(1000 * settings.get("TFPSX_SYNC_STEP_TIMEOUT")))
 
 
+class TableAccumulators:
+    """The sync path of tables, for graph mode and Keras alike: each table shard's row
+    gradients go into a SparseConditionalAccumulator on that shard's PS, stamped with the
+    worker's local step (stale ones are dropped); the chief takes ``replicas`` of them,
+    sums each key's rows, divides by ``replicas`` and applies the table's server-side
+    optimizer once."""
+
+    def __init__(self):
+        self.entries = []   # (table, shard index, SparseConditionalAccumulator)
+        self.pushes = []    # the push ops of the current graph
+
+    def push(self, table, keys, grads, local_step):
+        """The op that sends a table's row gradients to its shards' accumulators."""
+        def to_accumulator(i, shard, shard_keys, shard_grads):
+            serial = sum(1 for t, s, _ in self.entries if t is table and s == i)
+            acc = tf.compat.v1.SparseConditionalAccumulator(
+                tf.float32, shape=tf.TensorShape([None, table.dim]), reduction_type="SUM",
+                shared_name=f"{table.name}/part_{i}/sync_grads_{serial}")
+            self.entries.append((table, i, acc))
+            return acc.apply_grad(shard_keys, shard_grads, local_step=local_step)
+
+        push = tf.group(*table.on_shards(to_accumulator, keys, [grads]), name="table_sync_push")
+        self.pushes.append(push)
+        return push
+
+    def apply(self, replicas, step) -> list:
+        """The chief's ops: take ``replicas`` (an int or int32 tensor) gradients per shard
+        and apply them once."""
+        updates = []
+        for table, i, acc in self.entries:
+            shard = table.shards[i]
+            with tf.compat.v1.device(shard.device):
+                taken = acc.take_indexed_slices_grad(replicas)
+                # A key may come from several workers (the accumulator keeps each
+                # gradient's rows): one summed row per key, then one optimizer step.
+                keys, where = tf.unique(taken.indices)
+                grads = tf.math.unsorted_segment_sum(taken.values, where, tf.size(keys))
+                updates.append(shard.apply(table.optimizer, keys,
+                                           grads / tf.cast(replicas, tf.float32), step))
+        return updates
+
+    def set_global_step(self, step) -> list:
+        """Gradients stamped before ``step`` are stale from now on."""
+        return [acc.set_global_step(step) for _, _, acc in self.entries]
+
+
+def token_queues(total: int, prefix: str):
+    """One token queue per worker (on the current device): the chief puts one token per
+    step into each, a worker takes its own, so no worker can supply two gradients of one
+    step (TF's SyncReplicasOptimizer shares one queue: a fast worker could)."""
+    return [tf.queue.FIFOQueue(-1, tf.int64, shapes=[], shared_name=f"{prefix}_{w}",
+                               name=f"{prefix}_{w}") for w in range(total)]
+
+
+def release_tokens(queues, token):
+    """One ``token`` into each worker's queue, unless 2 wait there already: the queue of a
+    dead backup worker (fewer replicas than workers) must not grow by one every step."""
+    return tf.group(*[q.enqueue_many(tf.fill([tf.cast(q.size() < 2, tf.int32)], token))
+                      for q in queues])
+
+
+def take_token(queue):
+    """This worker's token (waits for it), then any older ones a straggler left; the
+    newest step among them. Only this worker dequeues its queue: size-then-dequeue does
+    not race."""
+    first = queue.dequeue()
+    with tf.control_dependencies([first]):
+        rest = queue.dequeue_many(queue.size())
+    return tf.maximum(first, tf.reduce_max(rest))  # max of none: int64 min
+
+
 class SyncMode(Mode):
     NAME = "sync"
 
@@ -60,14 +131,13 @@ class SyncMode(Mode):
         super().__init__(strategy, config, graph)
         self.total = config.worker_num
         self.worker_device = worker_device_of(config)
-        self.accumulators = []   # (table, shard index, SparseConditionalAccumulator)
-        self.train_ops = []      # the tables' gradient pushes
+        self.tables = TableAccumulators()
         self.dense_sync = False  # a SyncOptimizer counts global_step
         self._steps_vars = None
         self._table_hook = _TableSyncHook(self)
 
     def validate(self) -> None:
-        self.replicas = _replicas(self.strategy, self.config.worker_num, "model_scope")
+        self.replicas = replicas_to_aggregate(self.strategy, self.config.worker_num, "model_scope")
 
     @classmethod
     def wrap_optimizer(cls, optimizer, strategy, config):
@@ -79,11 +149,11 @@ class SyncMode(Mode):
                     f"total_num_replicas={optimizer._total_num_replicas}, but the cluster has "
                     f"{n} workers; pass the plain optimizer and let tfpsx wrap it")
             optimizer = optimizer._opt  # noqa: SLF001
-        replicas = _replicas(strategy, n, "distributed_optimizer")
+        replicas = replicas_to_aggregate(strategy, n, "distributed_optimizer")
         return SyncOptimizer(optimizer, replicas, strategy, config)
 
     def table_updater(self, table) -> TableUpdater:
-        return _SyncTableUpdater(self)
+        return SyncTableUpdater(self)
 
     def hooks(self):
         return [self._table_hook] + super().hooks()
@@ -112,22 +182,14 @@ class SyncMode(Mode):
     def push(self, table, keys, grads):
         """The op that sends a table's row gradients to its shards' accumulators."""
         _, local_step = self.steps()
-
-        def to_accumulator(i, shard, shard_keys, shard_grads):
-            serial = sum(1 for t, s, _ in self.accumulators if t is table and s == i)
-            acc = tf.compat.v1.SparseConditionalAccumulator(
-                tf.float32, shape=tf.TensorShape([None, table.dim]), reduction_type="SUM",
-                shared_name=f"{table.name}/part_{i}/sync_grads_{serial}")
-            self.accumulators.append((table, i, acc))
-            return acc.apply_grad(shard_keys, shard_grads, local_step=local_step.read_value())
-
-        train = tf.group(*table.on_shards(to_accumulator, keys, [grads]), name="table_sync_push")
-        self.train_ops.append(train)
-        return train
+        return self.tables.push(table, keys, grads, local_step.read_value())
 
 
-class _SyncTableUpdater(TableUpdater):
-    def __init__(self, mode: SyncMode):
+class SyncTableUpdater(TableUpdater):
+    """Row gradients go to the sync accumulators of ``mode`` (graph mode's ``SyncMode`` or
+    the Keras strategy's: anything with ``push(table, keys, grads)``)."""
+
+    def __init__(self, mode):
         self._mode = mode
 
     def apply_gradients(self, table, keys, grads, step):
@@ -216,51 +278,26 @@ class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
 
     def begin(self):
         mode = self._mode
-        if self._built or not mode.accumulators:
+        if self._built or not mode.tables.entries:
             return
         self._built = True
         counter, local_step = mode.steps()
-        updates, chief_init = [], []
-        for table, i, acc in mode.accumulators:
-            shard = table.shards[i]
-            with tf.compat.v1.device(shard.device):
-                taken = acc.take_indexed_slices_grad(mode.replicas)
-                # A key may come from several workers (the accumulator keeps each
-                # gradient's rows): one summed row per key, then one optimizer step.
-                keys, where = tf.unique(taken.indices)
-                grads = tf.math.unsorted_segment_sum(taken.values, where, tf.size(keys))
-                updates.append(shard.apply(table.optimizer, keys, grads / float(mode.replicas),
-                                           counter.read_value()))
-                chief_init.append(acc.set_global_step(counter.read_value()))
+        updates = mode.tables.apply(mode.replicas, counter.read_value())
         global_step = tf.compat.v1.train.get_global_step()
         with tf.compat.v1.device(counter.device):
-            queues = [tf.queue.FIFOQueue(-1, tf.int64, shapes=[],
-                                         shared_name=f"tfpsx_table_sync_tokens_{w}",
-                                         name=f"tfpsx_table_sync_tokens_{w}")
-                      for w in range(mode.total)]
+            queues = token_queues(mode.total, "tfpsx_table_sync_tokens")
             with tf.control_dependencies(updates):
                 bump = [counter.assign_add(1)]
                 if global_step is not None and not mode.dense_sync:
                     bump.append(tf.compat.v1.assign_add(global_step, 1))
             with tf.control_dependencies(bump):
-                token = counter.read_value()
-                # At most 2 tokens wait per worker, so the queue of a dead backup worker
-                # (fewer replicas than workers) does not grow by one token every step.
-                step_op = tf.group(*[q.enqueue_many(tf.fill(
-                    [tf.cast(q.size() < 2, tf.int32)], token)) for q in queues])
+                self._step_op = release_tokens(queues, counter.read_value())
             self._close = tf.group(*[q.close(cancel_pending_enqueues=True) for q in queues])
-            # This worker's token (waits for it), then any older ones a straggler left:
-            # only this worker dequeues its queue, so size-then-dequeue does not race.
-            mine = queues[mode.config.index]
-            first = mine.dequeue()
-            with tf.control_dependencies([first]):
-                rest = mine.dequeue_many(mine.size())
-            newest = tf.maximum(first, tf.reduce_max(rest))  # max of none: int64 min
+            newest = take_token(queues[mode.config.index])
         with tf.compat.v1.device(mode.worker_device):
             self._wait = local_step.assign(newest)
-        self._step_op = step_op
-        self._chief_init = tf.group(*chief_init)
-        self._detector = TrainStepDetector(mode.train_ops)
+        self._chief_init = tf.group(*mode.tables.set_global_step(counter.read_value()))
+        self._detector = TrainStepDetector(mode.tables.pushes)
 
     def after_create_session(self, session, coord):
         if self._built and self._mode.config.is_chief and self._loop is None:
