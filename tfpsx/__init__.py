@@ -44,6 +44,8 @@ _LAZY = {
     "embedding": "tfpsx.embedding",
     "training": "tfpsx.training",
     "testing": "tfpsx.testing",
+    "keras": "tfpsx.keras",
+    "data": "tfpsx.data",
     "DistributedStrategy": "tfpsx.training",
     "distributed_optimizer": "tfpsx.training",
     "model_scope": "tfpsx.training",

@@ -1,0 +1,189 @@
+"""Keras 3 fit on a tfpsx cluster (tests/cluster/test_keras.py); one "keras" metrics record
+per worker at the end.
+
+  keras_job.py --mode async|sync|geo|staleness [--k_steps K] [--epochs E]
+      a Wide&Deep-like model (dense features, a string-id DynamicEmbedding, a padded
+      multi-hot DynamicEmbedding with a mean combiner) on a planted click model.
+  keras_job.py --model linear --mode geo --k_steps K --syncs T --deterministic
+      the linear regression of training_job.py, plain SGD, T syncs of K steps
+      (graph-mode GEO's test schedule).
+  keras_job.py --model linear --mode sync --steps S
+      sync SGD: every step must average one gradient of each worker.
+  --local      the same model code without a cluster (no tfpsx.init, no strategy).
+  --uneven     worker 1 gets a third of worker 0's data (no tfpsx.data.shard).
+  --save DIR   the chief saves DIR/model.keras and DIR/predictions.npy.
+"""
+import argparse
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+import tfpsx
+import training_job as linear
+
+FEATURES, USERS, TAGS, WIDTH = 8, 200, 100, 4
+faulthandler.register(signal.SIGUSR1)  # a hung test's stacks: kill -USR1 <pid>
+
+
+def click_data(seed: int, n: int):
+    """Dense features, a user id string, padded tags (-1) and a planted click label."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    users = rng.integers(0, USERS, size=n)
+    tags = rng.integers(0, TAGS, size=(n, WIDTH))
+    tags[rng.random((n, WIDTH)) < 0.3] = -1
+    w = np.linspace(-1.5, 1.5, FEATURES).astype(np.float32)
+    user_effect = np.where(users % 3 == 0, 2.0, -1.0)
+    valid = tags >= 0
+    tag_effect = np.where(valid, np.where(tags % 2 == 0, 1.5, -1.5), 0.0).sum(1) / np.maximum(
+        valid.sum(1), 1)
+    label = ((x @ w + user_effect + tag_effect) > 0).astype(np.float32)
+    user_ids = np.array([f"user-{u}" for u in users], dtype=object)[:, None]
+    return {"x": x, "user": user_ids, "tags": tags.astype(np.int64)}, label[:, None]
+
+
+def wide_and_deep():
+    x = keras.Input((FEATURES,), name="x")
+    user = keras.Input((1,), dtype="string", name="user")
+    tags = keras.Input((WIDTH,), dtype="int64", name="tags")
+    user_emb = keras.layers.Flatten()(tfpsx.keras.DynamicEmbedding(
+        8, optimizer=tfpsx.embedding.Adagrad(0.2), initializer=tfpsx.embedding.normal(stddev=0.05),
+        name="user_emb")(user))
+    tags_emb = tfpsx.keras.DynamicEmbedding(
+        8, optimizer=tfpsx.embedding.Adagrad(0.2), combiner="mean", pad_id=-1,
+        initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb")(tags)
+    deep = keras.layers.Dense(16, activation="relu")(
+        keras.layers.Concatenate()([x, user_emb, tags_emb]))
+    logit = keras.layers.Add()([keras.layers.Dense(1)(deep), keras.layers.Dense(1)(x)])
+    model = keras.Model({"x": x, "user": user, "tags": tags}, keras.layers.Activation("sigmoid")(logit))
+    model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy", steps_per_execution=2)
+    return model
+
+
+def linear_model():
+    x = keras.Input((linear.DIM,))
+    out = keras.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros")(x)
+    model = keras.Model(x, out)
+    model.compile(keras.optimizers.SGD(linear.LR), "mse")
+    return model
+
+
+def linear_data(worker: int, steps: int):
+    batches = list(linear.batches(worker, steps))
+    return (np.concatenate([b[0] for b in batches]),
+            np.concatenate([b[1] for b in batches])[:, None])
+
+
+def strategy_for(args):
+    configs = {}
+    if args.mode == "geo":
+        configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic}
+    if args.mode == "staleness":
+        configs = {"max_staleness": args.max_staleness}
+    return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
+        a_sync=args.mode != "sync", a_sync_configs=configs))
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["async", "sync", "geo", "staleness"], default="async")
+    p.add_argument("--model", choices=["wide_deep", "linear"], default="wide_deep")
+    p.add_argument("--k_steps", type=int, default=10)
+    p.add_argument("--max_staleness", type=int, default=2)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--syncs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--examples", type=int, default=4096)
+    p.add_argument("--local", action="store_true")
+    p.add_argument("--uneven", action="store_true")
+    p.add_argument("--save", default=None)
+    p.add_argument("--step_delay", type=float, default=0.0)
+    args = p.parse_args(argv)
+
+    me, workers = 0, 1
+    if not args.local:
+        tfpsx.init()
+        if tfpsx.is_server():
+            tfpsx.run_server()
+            return 0
+        tfpsx.init_worker()
+        me, workers = tfpsx.worker_index(), tfpsx.worker_num()
+    strategy = None if args.local else strategy_for(args)
+    with contextlib.nullcontext() if strategy is None else strategy.scope():
+        model = wide_and_deep() if args.model == "wide_deep" else linear_model()
+
+    callbacks = []
+    if args.step_delay:
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda *_: time.sleep(args.step_delay)))
+    start = time.time()
+    if args.model == "linear":
+        steps = args.k_steps * args.syncs if args.mode == "geo" else args.steps
+        x, y = linear_data(me, steps)
+        history = model.fit(x, y, batch_size=linear.BATCH, epochs=1, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        local_steps = steps
+    else:
+        features, label = click_data(1, args.examples)
+        data = tf.data.Dataset.from_tensor_slices((features, label))
+        if args.uneven:
+            half, sixth = args.examples // 2, args.examples // 6
+            data = data.take(half) if me == 0 else data.skip(half).take(sixth)
+        elif not args.local:
+            data = tfpsx.data.shard(data)
+        examples = int(data.cardinality())
+        history = model.fit(data.batch(64), epochs=args.epochs, verbose=2, shuffle=False,
+                            callbacks=callbacks)
+        local_steps = args.epochs * -(-examples // 64)
+    seconds = time.time() - start
+
+    report = {"worker": me, "local_steps": local_steps, "seconds": seconds,
+              "train_loss": [float(v) for v in history.history["loss"]]}
+    if strategy is not None:
+        report["mode"] = strategy.mode
+        if strategy.counters is not None:
+            report["pushes"] = int(strategy.counters.pushes)
+            report["rows_sent"] = int(strategy.counters.rows_sent)
+        report["staleness_waits"] = strategy.staleness_waits
+        report["kernel_device"] = [l for l in model.layers if isinstance(
+            l, keras.layers.Dense)][0].kernel.value.device
+        tfpsx.barrier_worker()  # every worker's last push is in before the chief reads
+    iterations = model.optimizer.iterations
+    if strategy is not None and strategy.mode == "geo":  # the global step, not this copy's
+        iterations = strategy._mode.step_pairs[0].global_
+    report["iterations"] = int(iterations.numpy())
+    if args.model == "linear":
+        w, b = model.layers[-1].get_weights()
+        if strategy is not None and strategy.mode == "geo":  # the global values, not a copy
+            mode = strategy._mode
+            w, b = (v.global_.numpy() for v in mode.dense)
+        report.update(global_w=np.ravel(w).tolist(), global_b=float(np.ravel(b)[0]))
+    else:
+        features, label = click_data(99, 2048)
+        features = {k: tf.constant(v) for k, v in features.items()}
+        report["eval_loss"] = float(model.evaluate(features, label, verbose=0))
+        if args.save and me == 0:
+            os.makedirs(args.save, exist_ok=True)
+            model.save(os.path.join(args.save, "model.keras"))
+            np.save(os.path.join(args.save, "predictions.npy"),
+                    model.predict(features, verbose=0))
+            np.save(os.path.join(args.save, "eval_features.npy"),
+                    {k: v.numpy() for k, v in features.items()}, allow_pickle=True)
+    if args.local:
+        tfpsx.metrics.set_identity("local", 0)
+    tfpsx.metrics.emit("keras", **report)
+    if not args.local:
+        tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

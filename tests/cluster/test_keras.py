@@ -1,0 +1,178 @@
+"""Keras 3 fit on local clusters (tests/cluster/scripts/keras_job.py), every mode."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, wait_for_log
+from test_training import geo_reference
+import training_job as linear
+
+import tfpsx
+
+FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
+# A model that did not learn predicts the base rate: log loss ~0.69 on the planted clicks.
+LEARNED = 0.45
+
+
+def reports(c, workers):
+    out = {}
+    for i in range(workers):
+        records = c.metrics("worker", i, "keras")
+        assert records, f"worker {i} emitted no 'keras' record:\n{c.logs()}"
+        out[i] = records[-1]
+    return out
+
+
+def finish(c, timeout=200):
+    codes = c.wait(timeout=timeout)
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.logs()}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,extra", [("async", []), ("sync", []), ("geo", ["--k_steps", "8"]),
+                                        ("staleness", ["--max_staleness", "2"])])
+def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
+    c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--mode", mode] + extra).start()
+    finish(c)
+    got = reports(c, 2)
+    steps = sum(r["local_steps"] for r in got.values())
+    for r in got.values():
+        assert r["eval_loss"] < LEARNED, r
+        assert r["train_loss"][-1] < r["train_loss"][0], r
+    chief = got[0]
+    if mode in ("async", "staleness"):
+        # iterations is the global step: every worker's steps, on PS 0.
+        assert chief["kernel_device"].startswith("/job:ps/")
+        assert max(r["iterations"] for r in got.values()) == steps, got
+    if mode == "sync":
+        assert chief["kernel_device"].startswith("/job:ps/")
+        # one aggregated step per pair of worker steps (equal shards: equal step counts)
+        assert got[0]["local_steps"] == got[1]["local_steps"]
+        assert all(r["iterations"] == r["local_steps"] for r in got.values()), got
+    if mode == "geo":
+        assert chief["kernel_device"].startswith("/job:worker/")  # trains a local copy
+        assert all(r["pushes"] >= r["local_steps"] // 8 for r in got.values()), got
+        # every worker's local steps, as pushed; the last worker's final sync saw them all
+        assert max(r["iterations"] for r in got.values()) == steps, got
+
+
+@pytest.mark.timeout(300)
+def test_two_servers_share_the_model(make_cluster):
+    c = make_cluster(2, 2, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--mode", "async", "--epochs", "2"]).start()
+    finish(c)
+    got = reports(c, 2)
+    assert all(r["eval_loss"] < LEARNED for r in got.values()), got
+    for i in range(2):  # each server holds a share of the weights and the tables' shards
+        assert "serving at" in c.log("server", i)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_deterministic_geo_equals_graph_mode_geo(make_cluster, workers):
+    """The graph-mode test compares GEO with the numpy replay of the rule: Keras GEO on the
+    same data, model and schedule gives the same global values."""
+    k, syncs = 5, 4
+    c = make_cluster(1, workers, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--model", "linear", "--mode", "geo", "--k_steps", str(k),
+                           "--syncs", str(syncs), "--deterministic"]).start()
+    finish(c)
+    want_w, want_b = geo_reference(workers, k, syncs)
+    for r in reports(c, workers).values():
+        assert r["pushes"] == syncs
+        np.testing.assert_allclose(r["global_w"], want_w.ravel(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["global_b"], want_b, rtol=1e-5, atol=1e-6)
+        assert r["iterations"] == workers * k * syncs  # the job's global step
+
+
+def sync_reference(workers: int, steps: int):
+    """Sync SGD in numpy: every step averages one gradient of each worker's batch."""
+    w, b = np.zeros((linear.DIM, 1), np.float32), np.float32(0)
+    data = [list(linear.batches(i, steps)) for i in range(workers)]
+    for s in range(steps):
+        gw, gb = np.zeros_like(w), np.float32(0)
+        for i in range(workers):
+            x, y = data[i][s]
+            err = (x @ w)[:, 0] + b - y
+            gw += (2.0 / linear.BATCH) * (x.T @ err[:, None]) / workers
+            gb += np.float32((2.0 / linear.BATCH) * err.sum() / workers)
+        w = (w - np.float32(linear.LR) * gw).astype(np.float32)
+        b = np.float32(b - np.float32(linear.LR) * gb)
+    return w, b
+
+
+@pytest.mark.timeout(300)
+def test_sync_applies_one_gradient_of_each_worker_per_step(make_cluster):
+    steps = 25
+    # Worker 1 is slow: a fast worker that supplied two gradients of a step would show.
+    c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--model", "linear", "--mode", "sync", "--steps", str(steps)]).start()
+    finish(c)
+    want_w, want_b = sync_reference(2, steps)
+    for r in reports(c, 2).values():
+        assert r["iterations"] == steps
+        np.testing.assert_allclose(r["global_w"], want_w.ravel(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["global_b"], want_b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_sync_with_a_killed_worker_is_a_cluster_timeout(make_cluster):
+    c = make_cluster(1, 2, script="keras_job.py",
+                     env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="4"), timeout=240,
+                     args=["--mode", "sync", "--epochs", "50", "--step_delay", "0.01"]).start()
+    wait_for_log(c, "worker", 1, "Epoch 1/", timeout=120)
+    c.kill("worker", 1)
+    codes = c.wait([("worker", 0)], timeout=60)
+    assert codes[("worker", 0)] != 0
+    log = c.log("worker", 0)
+    assert "ClusterTimeoutError" in log and "TFPSX_SYNC_STEP_TIMEOUT" in log, log[-3000:]
+    assert "worker(s) [1]" in log, log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_uneven_shards_do_not_deadlock_sync(make_cluster):
+    c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--mode", "sync", "--epochs", "2", "--uneven"]).start()
+    finish(c)
+    got = reports(c, 2)
+    assert got[0]["local_steps"] > 2 * got[1]["local_steps"], got
+    assert got[0]["eval_loss"] < 0.69, got
+
+
+@pytest.mark.timeout(300)
+def test_the_chief_saves_a_model_that_reloads_without_a_cluster(make_cluster, tmp_path):
+    out = tmp_path / "saved"
+    c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--mode", "geo", "--k_steps", "8", "--epochs", "2",
+                           "--save", str(out)]).start()
+    finish(c)
+    check = (
+        "import sys, numpy as np, keras, tensorflow as tf, tfpsx.keras\n"
+        f"m = keras.models.load_model({str(out / 'model.keras')!r})\n"
+        f"x = np.load({str(out / 'eval_features.npy')!r}, allow_pickle=True).item()\n"
+        "x = {k: tf.constant(v) for k, v in x.items()}\n"
+        f"want = np.load({str(out / 'predictions.npy')!r})\n"
+        "got = m.predict(x, verbose=0)\n"
+        "np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)\n"
+        "print('RELOADED', got.shape)\n")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0 and "RELOADED (2048, 1)" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_same_model_code_runs_without_a_cluster(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "keras_job.py"), "--local",
+                           "--epochs", "2"], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, TFPSX_METRICS_DIR=str(tmp_path),
+                                   PYTHONPATH=SCRIPTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                   TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    r = tfpsx.metrics.read(str(tmp_path), "local", 0, "keras")[-1]
+    assert r["eval_loss"] < LEARNED, r

@@ -1,0 +1,115 @@
+"""tfpsx.keras.layers.DynamicEmbedding in one process, without a cluster (a local table)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import tfpsx.keras
+from tfpsx import embedding as E
+
+_names = iter(range(10 ** 6))
+
+
+def layer(dim=4, **kw):
+    kw.setdefault("initializer", E.normal(stddev=0.1))
+    kw.setdefault("optimizer", E.SGD(0.5))
+    return tfpsx.keras.DynamicEmbedding(dim, table_name=f"kl{next(_names)}", **kw)
+
+
+def test_dense_ids_no_combiner_keep_their_shape_and_are_deterministic():
+    emb = layer(seed=3)
+    ids = tf.constant([[5, -3, 5], [7, 7, 2 ** 40]], tf.int64)
+    out = emb(ids)
+    assert out.shape == (2, 3, 4)
+    np.testing.assert_array_equal(out[0, 0], out[0, 2])
+    twin = tfpsx.keras.DynamicEmbedding(4, table_name=f"kl{next(_names)}", seed=3,
+                                        initializer=E.normal(stddev=0.1))
+    np.testing.assert_array_equal(twin(ids), out)  # same seed and id: the same row
+
+
+def test_string_ids_hash_stably():
+    emb = layer()
+    words = tf.constant([["apple"], ["pear"], ["apple"]])
+    out = emb(words)
+    assert out.shape == (3, 1, 4)
+    np.testing.assert_array_equal(out[0], out[2])
+    assert not np.array_equal(out[0], out[1])
+    # The documented hash: FarmHash64 of the bytes mod 2^63 - 1.
+    key = tf.strings.to_hash_bucket_fast(["apple"], 2 ** 63 - 1)
+    np.testing.assert_array_equal(emb.table.lookup(key)[0], out[0, 0])
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_combiners_over_ragged_sparse_and_padded_ids(combiner):
+    emb = layer(combiner=combiner, pad_id=-1)
+    padded = tf.constant([[1, 2, -1], [3, -1, -1], [-1, -1, -1]], tf.int64)
+    emb.build(padded.shape)
+    rows = emb.table.lookup(tf.constant([1, 2, 3], tf.int64)).numpy()
+    scale = {"sum": lambda n: 1.0, "mean": lambda n: 1.0 / n, "sqrtn": lambda n: n ** -0.5}[combiner]
+    want = np.stack([(rows[0] + rows[1]) * scale(2), rows[2] * scale(1), np.zeros(4)])
+    np.testing.assert_allclose(emb(padded), want, rtol=1e-6, atol=1e-7)
+    ragged = tf.ragged.constant([[1, 2], [3], []], dtype=tf.int64)
+    np.testing.assert_allclose(emb(ragged), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(emb(ragged.to_sparse()), want, rtol=1e-6, atol=1e-7)
+
+
+def test_fit_trains_the_table_through_the_backward_pass():
+    emb = layer(dim=1, initializer=E.zeros(), optimizer=E.SGD(0.5))
+    ids = keras.Input((1,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Flatten()(emb(ids)))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.array([[1], [2], [1], [2]], np.int64)
+    y = np.array([[1.0], [-1.0], [1.0], [-1.0]], np.float32)
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, batch_size=4, epochs=30, verbose=0)
+    assert model.evaluate(x, y, verbose=0) < 0.01 < before
+    np.testing.assert_allclose(emb.table.lookup(tf.constant([1, 2], tf.int64))[:, 0],
+                               [1.0, -1.0], atol=0.05)
+    # The trigger weight carries no value: only the table learned.
+    assert float(emb._trigger.numpy()) == 0.0
+
+
+def test_save_and_load_model_round_trip(tmp_path):
+    emb = layer(dim=2, combiner="mean", pad_id=-1, optimizer=E.Adagrad(0.3))
+    ids = keras.Input((3,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+    model.compile("adam", "mse")
+    x = np.random.default_rng(0).integers(-1, 20, size=(64, 3))
+    y = np.random.default_rng(1).normal(size=(64, 1)).astype(np.float32)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    twin = loaded.layers[1]
+    assert isinstance(twin, tfpsx.keras.DynamicEmbedding)
+    assert twin.get_config()["optimizer"] == {"name": "adagrad", "learning_rate": 0.3,
+                                              "epsilon": 0.0, "initial_accumulator_value": 0.1}
+    assert int(twin.table.size()) == int(emb.table.size()) > 0
+
+
+def test_checkpoint_tracks_the_table(tmp_path):
+    emb = layer(dim=2)
+    emb(tf.constant([[1, 2]], tf.int64))
+    emb.table.insert([1, 2], [[1.0, 1.0], [2.0, 2.0]])
+    ckpt = tf.train.Checkpoint(layer=emb)
+    path = ckpt.save(str(tmp_path / "c"))
+    emb.table.insert([1], [[9.0, 9.0]])
+    ckpt.restore(path)
+    np.testing.assert_array_equal(emb.table.lookup(tf.constant([1], tf.int64)), [[1.0, 1.0]])
+
+
+def test_bad_inputs_are_clear():
+    with pytest.raises(TypeError, match="integer or string ids, got float32"):
+        layer()(tf.constant([[1.5]]))
+    with pytest.raises(ValueError, match="combiner must be None or one of sum, mean, sqrtn, "
+                                         "got 'max'"):
+        layer(combiner="max")
+    with pytest.raises(ValueError, match="ragged or sparse ids need a combiner"):
+        layer()(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64))
+    with pytest.raises(ValueError, match="pad_id=0 needs a combiner"):
+        layer(pad_id=0)
+    with pytest.raises(ValueError, match="dim must be a positive int, got 0"):
+        tfpsx.keras.DynamicEmbedding(0)

@@ -1,0 +1,18 @@
+"""Keras 3 ``model.fit`` on a tfpsx cluster.
+
+* :class:`ParameterServerStrategy` (:mod:`~tfpsx.keras.strategy`): a ``tf.distribute``
+  strategy for one worker's ``fit``, in any tfpsx mode (async, sync, GEO, bounded
+  staleness); the per-mode parts are :mod:`~tfpsx.keras.modes`, the hooks around
+  ``fit`` :mod:`~tfpsx.keras.fit`, the PS-resident variables
+  :mod:`~tfpsx.keras.variables`;
+* :mod:`~tfpsx.keras.layers`: ``DynamicEmbedding``, a layer over a growing table.
+
+The communication of each mode is graph mode's (:mod:`tfpsx.training.modes`): this
+package is a front-end over it.
+"""
+
+from tfpsx.keras import layers
+from tfpsx.keras.layers import DynamicEmbedding
+from tfpsx.keras.strategy import ParameterServerStrategy
+
+__all__ = ["ParameterServerStrategy", "DynamicEmbedding", "layers"]

@@ -1,0 +1,21 @@
+"""The Keras side of each training mode (see :mod:`~tfpsx.keras.modes.base`), one module
+each, resolved from ``DistributedStrategy.mode`` through ``REGISTRY``."""
+
+from typing import Dict, Type
+
+from tfpsx.keras.modes.async_ import KerasAsync
+from tfpsx.keras.modes.base import KerasMode
+from tfpsx.keras.modes.geo import KerasGeo
+from tfpsx.keras.modes.staleness import KerasStaleness
+from tfpsx.keras.modes.sync import KerasSync
+
+REGISTRY: Dict[str, Type[KerasMode]] = {
+    cls.NAME: cls for cls in (KerasAsync, KerasSync, KerasStaleness, KerasGeo)}
+
+
+def mode_class(options) -> Type[KerasMode]:
+    """The Keras implementation of ``options.mode``."""
+    return REGISTRY[options.mode]
+
+
+__all__ = ["KerasMode", "REGISTRY", "mode_class"]

@@ -1,0 +1,195 @@
+"""The Keras side of a training mode: what the strategy asks of it.
+
+A Keras mode decides, for one worker's Keras 3 ``fit``:
+
+* ``create_variable``: where each variable Keras creates lives (a shared resource on a
+  parameter server, this worker, or both, as GEO's local copy and global value);
+* ``update`` / ``reduce``: how the optimizer's per-variable update and gradient
+  all-reduce run (on the PS; only on the chief; across workers);
+* ``after_step``: ops appended to every training step inside the compiled function
+  (GEO's step count, staleness clocks, sync tokens);
+* ``table_updater``: how a ``DynamicEmbedding`` layer built in the scope trains;
+* ``begin_fit`` / ``batch_end`` / ``end_fit``: what happens around ``fit`` in Python
+  (waiting for the chief's initialization, GEO's communicator and final sync).
+
+The communication itself is the graph-mode modes' (:mod:`tfpsx.training.modes`): the
+same GEO rule functions, table accumulators, token queues and staleness wait.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tfpsx import errors, settings
+from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.runtime import RUNTIME
+from tfpsx.training.placement import GreedyByBytes
+
+SHARED_PREFIX = "tfpsx/keras/"
+TRIGGER = "tfpsx_gradient_trigger"  # the name of a DynamicEmbedding layer's trigger weight
+
+
+class CreationContext:
+    """What Keras is creating: its variable (``keras.Variable``) and the kind of object
+    that asked for it ("layer", "optimizer", "metric", "seed" or "other")."""
+
+    def __init__(self, variable, kind: str, owner):
+        self.variable, self.kind, self.owner = variable, kind, owner
+
+    @property
+    def path(self) -> Optional[str]:
+        return None if self.variable is None else self.variable.path
+
+    def is_model_weight(self, kwargs) -> bool:
+        """A trainable weight of a layer (a DynamicEmbedding's gradient trigger aside)."""
+        return (self.kind == "layer" and bool(kwargs.get("trainable", True))
+                and self.variable is not None and self.variable.name != TRIGGER)
+
+    def is_slot(self, kwargs) -> bool:
+        """An optimizer variable made from a model variable (momentum, Adam's m and v)."""
+        return self.kind == "optimizer" and kwargs.get("colocate_with") is not None
+
+    def is_iterations(self) -> bool:
+        return (self.kind == "optimizer" and self.variable is not None
+                and self.variable.name == "iteration")
+
+
+class KerasMode:
+    """Base: nothing shared, every variable on this worker, updates where the variable is."""
+    NAME = ""
+
+    def __init__(self, keras_strategy, options, config):
+        # keras_strategy: the tfpsx.keras.ParameterServerStrategy; options: its
+        # tfpsx.DistributedStrategy.
+        self.keras_strategy, self.options, self.config = keras_strategy, options, config
+        self.is_chief = config.is_chief
+        self.worker_index, self.worker_num = config.index, config.worker_num
+        self.worker_device = (f"/job:{config.job_name}/replica:0/task:{config.task_index}"
+                              "/device:CPU:0")
+        self.ps_devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0"
+                           for i in range(config.server_num)]
+        self._placer = GreedyByBytes(len(self.ps_devices))
+        self._trace_ops: List = []   # stateful ops of the step being traced
+        self._ready: Optional[SharedVariable] = None
+        self.validate()
+
+    # ------------------------------------------------------------------ interface
+    def validate(self) -> None:
+        """Raises ValueError when the cluster or the options do not fit the mode."""
+
+    def check_model(self, model) -> None:
+        """Raises ValueError for a compiled model this mode cannot train."""
+
+    def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
+        return extended.create_local(next_creator, kwargs)
+
+    def update(self, extended, var, fn, args, kwargs, group):
+        return extended.update_on(self.worker_device, var, fn, args, kwargs, group)
+
+    def applied(self, var):
+        """A read of ``var`` ordered after the update just built (Keras's update functions
+        return nothing to wait on; in a tf.function the reads and writes of one variable
+        run in program order), for ``after_step`` to wait on."""
+        return self.record(var.read_value())
+
+    def reduce(self, extended, reduce_op, value_destination_pairs, options):
+        return [value for value, _ in value_destination_pairs]
+
+    def after_step(self) -> list:
+        """Ops to run after each training step (inside the compiled step)."""
+        return []
+
+    def table_updater(self, table) -> TableUpdater:
+        return TableUpdater()
+
+    def begin_fit(self, model) -> None:
+        self.wait_until_ready()
+
+    def begin_eval(self, model) -> None:
+        """Before ``evaluate`` / ``predict`` (also a validation during ``fit``)."""
+        self.wait_until_ready()
+
+    def batch_end(self, model) -> None:
+        """After each execution of the train function (``steps_per_execution`` steps)."""
+
+    def end_fit(self, model) -> None:
+        """After ``fit``, also when it failed."""
+
+    # ------------------------------------------------------------------ helpers
+    def record(self, op):
+        """Remembers a stateful op of the step being traced (for ``after_step``)."""
+        if op is not None:
+            self._trace_ops.append(op)
+        return op
+
+    def take_trace_ops(self) -> list:
+        ops, self._trace_ops = self._trace_ops, []
+        return ops
+
+    def shared(self, path: str, kwargs, initial=None) -> SharedVariable:
+        """The variable ``path`` as a shared resource on a PS (``ps_device_for``): the chief
+        initializes it (from ``initial``, else the creator's initial value), the others
+        wait for it."""
+        init = kwargs["initial_value"] if initial is None else initial
+        if callable(init):
+            init = init()
+        init = tf.convert_to_tensor(init, kwargs.get("dtype"))
+        device = self.ps_device_for(kwargs, init.shape, init.dtype)
+        var = SharedVariable(
+            shared_name=SHARED_PREFIX + path, shape=init.shape, dtype=init.dtype,
+            device=device, trainable=kwargs.get("trainable", True), name=kwargs.get("name"),
+            aggregation=kwargs.get("aggregation") or tf.VariableAggregation.NONE,
+            synchronization=kwargs.get("synchronization") or tf.VariableSynchronization.AUTO,
+            distribute_strategy=kwargs.get("distribute_strategy"))
+        initialize(var, init, self.is_chief, settings.get("TFPSX_SESSION_TIMEOUT"))
+        return var
+
+    def ps_device_for(self, kwargs, shape=None, dtype=None) -> str:
+        """Slots go beside their variable; anything else to the least loaded PS by bytes
+        (the shape and dtype, when not given, come from the creator's initial value)."""
+        colocate = kwargs.get("colocate_with")
+        if colocate is not None and getattr(colocate, "device", ""):
+            return colocate.device
+        if shape is None or dtype is None:
+            init = kwargs["initial_value"]
+            value = tf.convert_to_tensor(init() if callable(init) else init,
+                                         kwargs.get("dtype"))
+            shape, dtype = value.shape, value.dtype
+        shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+        elements = shape.num_elements() if shape.is_fully_defined() else 1
+        return self.ps_devices[self._placer.place(max(1, elements * dtype.size))]
+
+    def ready_flag(self) -> SharedVariable:
+        """PS 0's "the chief has initialized (or restored) the model" flag."""
+        if self._ready is None:
+            self._ready = SharedVariable(shared_name=SHARED_PREFIX + "ready", shape=[],
+                                         dtype=tf.int64, device=self.ps_devices[0],
+                                         trainable=False, name="ready")
+            initialize(self._ready, tf.constant(0, tf.int64), self.is_chief,
+                       settings.get("TFPSX_SESSION_TIMEOUT"))
+        return self._ready
+
+    def wait_until_ready(self) -> None:
+        """The chief marks the model ready at its first ``fit`` (after any restore it did
+        before); the others wait for that before they train, bounded by
+        TFPSX_SESSION_TIMEOUT."""
+        flag = self.ready_flag()
+        if self.is_chief:
+            flag.assign(1)
+            return
+        timeout = settings.get("TFPSX_SESSION_TIMEOUT")
+        deadline = time.monotonic() + timeout
+        while int(flag.read_value()) < 1:
+            if time.monotonic() > deadline:
+                raise errors.ClusterTimeoutError(
+                    f"worker {self.worker_index} waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) "
+                    "for the chief (worker 0) to start fit(), i.e. to initialize or restore "
+                    "the model; is it running?")
+            time.sleep(0.05)
+
+    def barrier(self) -> None:
+        RUNTIME.barrier_worker()

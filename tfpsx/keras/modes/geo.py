@@ -1,0 +1,237 @@
+"""GEO on Keras: every worker trains its own copy; every K local steps it syncs with the
+parameter servers by graph mode's rule (:mod:`tfpsx.training.modes.geo`): dense copies
+and the changed rows of tables are pushed as ``(local - old) / N`` and pulled back.
+
+Model weights are local variables (what Keras trains), each with a global counterpart on
+a PS and an ``old`` snapshot; ``optimizer.iterations`` is kept the same way with N = 1, so
+it counts the job's steps (every worker's, as they are pushed). The sync runs in a
+background communicator thread while ``fit`` goes on, or, with
+``geo_sync_in_train_thread=True``, inside the train step every K steps with barriers
+(deterministic: the same values as graph-mode GEO on the same schedule). A final sync
+runs when ``fit`` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tfpsx import errors, settings
+from tfpsx.background import BackgroundLoop
+from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.keras.modes.base import CreationContext, KerasMode
+from tfpsx.training.modes.geo import (GeoCounters, GeoTableUpdater, GeoVariable, dense_pull,
+                                      dense_push, table_pull, table_push, table_readers)
+
+
+class KerasGeo(KerasMode):
+    NAME = "geo"
+
+    def __init__(self, keras_strategy, options, config):
+        super().__init__(keras_strategy, options, config)
+        self.k_steps = options.k_steps
+        self.in_train_thread = options.geo_sync_in_train_thread
+        self.dense: List[GeoVariable] = []
+        self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
+        self.tables = []          # GeoTable, appended by GeoTableUpdater
+        self.train_ops = []       # GeoTableUpdater's (unused here: steps are counted below)
+        self.counters = GeoCounters()
+        self._steps: Optional[tf.Variable] = None    # local steps run
+        self._pushed_steps = 0
+        self._sync_fn = None
+        self._pull_fn = None
+        self._loop: Optional[BackgroundLoop] = None
+        self._registered = False
+        self._fits = 0
+
+    # ------------------------------------------------------------------ variables
+    def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
+        if not (ctx.is_model_weight(kwargs) or ctx.is_iterations()):
+            return extended.create_local(next_creator, kwargs)
+        local = extended.create_local(next_creator, kwargs)
+        # The global value: the chief's initial one, or the one on the PS already (a
+        # restarted chief, a worker joining): every copy starts from it.
+        global_ = self.shared(ctx.path, kwargs, initial=local.read_value())
+        with tf.device(self.worker_device):
+            local.assign(global_.read_value())
+            old = next_creator(initial_value=global_.read_value(), trainable=False,
+                               name=f"{kwargs.get('name') or 'var'}_geo_old",
+                               dtype=local.dtype)
+        pair = GeoVariable(local, old, global_)
+        (self.step_pairs if ctx.is_iterations() else self.dense).append(pair)
+        return local
+
+    def table_updater(self, table) -> TableUpdater:
+        return GeoTableUpdater(self)
+
+    def steps(self) -> tf.Variable:
+        if self._steps is None:
+            with tf.device(self.worker_device):
+                self._steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                          name="geo_local_steps")
+        return self._steps
+
+    # ------------------------------------------------------------------ the rule
+    def _push_ops(self):
+        n = float(self.worker_num)
+        pushes = [dense_push(v, n) for v in self.dense]
+        pushes += [dense_push(v, 1) for v in self.step_pairs]
+        rows = []
+        for t in self.tables:
+            push, count = table_push(t, n, None)
+            pushes.append(push)
+            rows.append((count, t.global_.dim))
+        return pushes, rows
+
+    def _pull_ops(self, after):
+        pulls = [dense_pull(v, after) for v in self.dense + self.step_pairs]
+        rows = []
+        for t in self.tables:
+            pull, count = table_pull(t, after)
+            pulls.append(pull)
+            rows.append((count, t.global_.dim))
+        return pulls, rows
+
+    def _rows_and_bytes(self, rows):
+        dense_rows = sum(int(v.local.shape[0]) if v.local.shape.rank else 1 for v in self.dense)
+        dense_bytes = sum(4 * int(v.local.shape.num_elements()) for v in self.dense)
+        count = tf.add_n([tf.constant(0, tf.int64)] + [tf.cast(r, tf.int64) for r, _ in rows])
+        nbytes = tf.add_n([tf.constant(0, tf.int64)] +
+                          [tf.cast(r, tf.int64) * (8 + 4 * dim) for r, dim in rows])
+        return count + dense_rows, nbytes + dense_bytes
+
+    def sync_fn(self):
+        """push + pull in one function (the background communicator's round)."""
+        if self._sync_fn is None:
+            @tf.function
+            def sync():
+                pushes, sent = self._push_ops()
+                pulls, received = self._pull_ops(pushes)
+                with tf.control_dependencies(pulls):
+                    return self._rows_and_bytes(sent) + self._rows_and_bytes(received)
+
+            self._sync_fn = sync
+        return self._sync_fn
+
+    def pull_fn(self):
+        """The pull alone: this worker's copies take in what the others pushed."""
+        if self._pull_fn is None:
+            @tf.function
+            def pull():
+                pulls, _ = self._pull_ops([])
+                with tf.control_dependencies(pulls):
+                    return tf.constant(True)
+
+            self._pull_fn = pull
+        return self._pull_fn
+
+    def _count(self, start: float, rows_sent, bytes_sent, rows_received, bytes_received):
+        self.counters.add(pushes=1, rows_sent=int(rows_sent), bytes_sent=int(bytes_sent),
+                          rows_received=int(rows_received), bytes_received=int(bytes_received),
+                          sync_seconds=time.monotonic() - start)
+
+    def sync_now(self) -> None:
+        """One push + pull, now (the communicator's round; the final sync)."""
+        start, steps = time.monotonic(), int(self.steps().read_value())
+        self._count(start, *self.sync_fn()())
+        self._pushed_steps = steps
+
+    # ------------------------------------------------------------------ the step
+    def after_step(self) -> list:
+        steps = self.steps()
+        count = steps.assign_add(1, read_value=False)
+        if not self.in_train_thread:
+            return [count]
+        # Deterministic: every K local steps, inside the step: push, all workers meet,
+        # pull, meet again (graph mode's geo_sync_in_train_thread).
+        with tf.control_dependencies([count]):
+            now = steps.read_value()
+
+        def sync_in_step():
+            start = tf.py_function(time.monotonic, [], tf.float64)
+            with tf.control_dependencies([start]):
+                pushes, sent = self._push_ops()
+            with tf.control_dependencies(pushes):
+                met = tf.py_function(self._barrier, [], tf.bool)
+            pulls, received = self._pull_ops([met])
+            with tf.control_dependencies(pulls):
+                met_again = tf.py_function(self._barrier, [], tf.bool)
+            with tf.control_dependencies([met_again]):
+                counted = tf.py_function(self._count_in_step, [start, now] +
+                                         list(self._rows_and_bytes(sent)) +
+                                         list(self._rows_and_bytes(received)), tf.bool)
+            return counted
+
+        return [tf.cond(tf.equal(now % self.k_steps, 0), sync_in_step,
+                        lambda: tf.constant(False))]
+
+    def _barrier(self) -> bool:
+        self.keras_strategy.reporting(self.barrier)()
+        return True
+
+    def _count_in_step(self, start, steps, *rows_and_bytes) -> bool:
+        self._count(float(start), *rows_and_bytes)
+        self._pushed_steps = int(steps)
+        return True
+
+    # ------------------------------------------------------------------ fit
+    def begin_fit(self, model) -> None:
+        super().begin_fit(model)
+        self._fits += 1
+        if self.is_chief and self._fits == 1:
+            # A restore (load_weights) between building and the first fit changed the
+            # chief's copies (until then local == old): the job continues from that model.
+            for v in self.dense + self.step_pairs:
+                if not bool(tf.reduce_all(tf.equal(v.local.read_value(), v.old.read_value()))):
+                    v.global_.assign(v.local.read_value())
+                    v.old.assign(v.local.read_value())
+        elif not self.is_chief:
+            for v in self.dense + self.step_pairs:  # start from the chief's model
+                value = v.global_.read_value()
+                v.local.assign(value)
+                v.old.assign(value)
+        if not self._registered:
+            for t in self.tables:
+                table_readers(t)
+            self._registered = True
+        self.steps()
+        self._pushed_steps = int(self._steps.read_value())
+        self.sync_fn().get_concrete_function()  # traced now, not in the communicator's first round
+        if self.in_train_thread:
+            # No worker trains (and pushes) before every worker copied the global values
+            # and registered its table readers.
+            self.barrier()
+        elif self._loop is None:
+            self._loop = BackgroundLoop("GEO communicator", self.sync_now).start()
+
+    def begin_eval(self, model) -> None:
+        # evaluate / predict see the global model as it is now (as training does after a
+        # pull), also after fit when the other workers' last pushes came in.
+        super().begin_eval(model)
+        if self._loop is None and self._registered:
+            self.pull_fn()()
+
+    def batch_end(self, model) -> None:
+        if self._loop is None:
+            return
+        self._loop.check()
+        if int(self._steps.read_value()) - self._pushed_steps >= self.k_steps:
+            self._loop.wake()
+
+    def end_fit(self, model) -> None:
+        # The last local steps must reach the PS before fit returns.
+        failed = False
+        if self._loop is not None:
+            loop, self._loop = self._loop, None
+            timeout = settings.get("TFPSX_RPC_TIMEOUT")
+            if not loop.stop(timeout):
+                raise errors.ClusterTimeoutError(
+                    "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT="
+                    f"{timeout:g} s")
+            failed = loop.error is not None
+            loop.check()
+        if not failed and self._steps is not None and \
+                int(self._steps.read_value()) > self._pushed_steps:
+            self.sync_now()

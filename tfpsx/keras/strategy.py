@@ -1,0 +1,280 @@
+"""``tfpsx.keras.ParameterServerStrategy``: Keras 3 ``model.fit`` on a tfpsx cluster.
+
+Keras 3 has no parameter-server training (``fit`` under TF's ParameterServerStrategy
+fails). Here every worker runs its own ``fit``: the strategy connects this worker's eager
+context to the parameter servers (a sparse cluster spec: the PS tasks and this worker
+only; two clients whose specs list each other hang), and is a one-replica
+``tf.distribute`` strategy whose hooks hand each decision to the mode
+(:mod:`tfpsx.keras.modes`): where each variable Keras creates lives (its
+``_create_variable``), where the optimizer's update runs (``_update``), how gradients are
+reduced across workers (``_batch_reduce_to``), what follows every training step (around
+the step function) and what happens around ``fit`` (:mod:`tfpsx.keras.fit`).
+
+Example::
+
+  tfpsx.init(); tfpsx.init_worker()
+  strategy = tfpsx.keras.ParameterServerStrategy(
+      tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_steps": 100}))   # GEO
+  with strategy.scope():
+      model = build_model()                     # any Keras 3 model
+      model.compile(optimizer="adam", loss="binary_crossentropy")
+  model.fit(tfpsx.data.shard(dataset).batch(256), epochs=3)
+  tfpsx.stop_worker()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import sys
+from typing import Optional
+
+import keras
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, one_device_strategy
+from tensorflow.python.framework import ops
+
+from tfpsx import errors
+from tfpsx.embedding.updaters import updater_scope
+from tfpsx.keras import fit
+from tfpsx.keras.modes import mode_class
+from tfpsx.keras.modes.base import CreationContext
+from tfpsx.runtime import RUNTIME
+from tfpsx.training.strategy import DistributedStrategy
+
+logger = logging.getLogger("tfpsx")
+
+_connected: Optional[tuple] = None  # (job, task, cluster) this process is connected to
+
+
+def creation_context() -> CreationContext:
+    """What Keras is creating, read off the call stack: the ``keras.Variable`` being
+    initialized and the nearest Keras object that asked for it. Keras passes neither to
+    ``tf.Variable`` (only a short ``name``, not unique in a model: two ``kernel`` s)."""
+    variable = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None:
+            if isinstance(owner, keras.Variable):
+                variable = owner if variable is None else variable
+            elif isinstance(owner, keras.optimizers.Optimizer):
+                return CreationContext(variable, "optimizer", owner)
+            elif isinstance(owner, keras.metrics.Metric):
+                return CreationContext(variable, "metric", owner)
+            elif isinstance(owner, keras.layers.Layer):
+                return CreationContext(variable, "layer", owner)
+            elif isinstance(owner, keras.random.SeedGenerator):
+                return CreationContext(variable, "seed", owner)
+        frame = frame.f_back
+    return CreationContext(variable, "other", None)
+
+
+class _Extended(one_device_strategy.OneDeviceExtended):
+    """One replica on this worker; every placement and update decision is the mode's."""
+
+    def __init__(self, container, device: str, mode):
+        super().__init__(container, device)
+        self.mode = mode
+        self._trained = False  # the step being traced updated variables (a training step)
+
+    # ------------------------------------------------------------------ variables
+    def _create_variable(self, next_creator, **kwargs):
+        return self.mode.create_variable(self, next_creator, kwargs, creation_context())
+
+    def create_local(self, next_creator, kwargs):
+        """An ordinary variable on this worker (OneDevice's placement)."""
+        return super()._create_variable(next_creator, **kwargs)
+
+    # ------------------------------------------------------------------ updates
+    def _update(self, var, fn, args, kwargs, group):
+        self._trained = True
+        return self.mode.update(self, var, fn, args, kwargs, group)
+
+    def update_on(self, device: str, var, fn, args, kwargs, group):
+        """``fn(var, *args)`` on ``device`` (OneDevice runs every update on the worker)."""
+        with ops.device(device), distribute_lib.UpdateContext(device):
+            result = fn(var, *args, **(kwargs or {}))
+            return result if group else tf.nest.map_structure(self._local_results, result)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        self._trained = True
+        return self.mode.reduce(self, reduce_op, value_destination_pairs, options)
+
+    # ------------------------------------------------------------------ steps
+    def _call_for_each_replica(self, fn, args, kwargs):
+        def step(*step_args, **step_kwargs):
+            self._trained = False
+            self.mode.take_trace_ops()  # leftovers of an earlier trace are not this step's
+            outputs = fn(*step_args, **step_kwargs)
+            if not self._trained:
+                return outputs  # an eval or predict step
+            after = self.mode.after_step()
+            with tf.control_dependencies(after):
+                return tf.nest.map_structure(
+                    lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, outputs)
+
+        return super()._call_for_each_replica(step, args, kwargs)
+
+
+class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
+    """Keras 3 ``fit`` on a tfpsx cluster, in the mode of a ``tfpsx.DistributedStrategy``.
+
+    Create it on a worker after ``tfpsx.init()`` and ``tfpsx.init_worker()``; build *and
+    compile* the model inside ``scope()``; then ``fit``, ``evaluate`` and ``predict`` run
+    unchanged (callbacks, validation data, the progress bar, ``steps_per_execution``).
+
+    * async: weights, optimizer slots and ``optimizer.iterations`` live on the PS; each
+      worker's update runs there; every step reads the current global values.
+    * sync (``a_sync=False``): the chief applies each step's average of
+      ``replicas_to_aggregate`` workers' gradients, once; per-worker tokens.
+    * GEO (``k_steps=K``): local training, a push/pull every K local steps in a background
+      thread (in the step with ``geo_sync_in_train_thread=True``), a final sync at the end
+      of ``fit``.
+    * bounded staleness (``max_staleness=S``): async, no worker more than S steps ahead.
+
+    ``optimizer.iterations`` is the job's global step in every mode (async and staleness:
+    every worker's steps; sync: aggregated steps; GEO: every worker's local steps, as they
+    are pushed). Only the chief initializes global values; the others wait for it (a
+    chief that restores with ``load_weights`` before ``fit`` publishes the restored model).
+    ``DynamicEmbedding`` layers built in the scope use PS-sharded tables trained in the
+    same mode.
+
+    Args:
+      strategy: the mode (default: async).
+
+    Raises:
+      NotInitializedError / WrongRoleError: created before ``tfpsx.init()``, or not on a
+        worker.
+      ValueError: options the cluster cannot run (e.g. sync's replicas_to_aggregate).
+    """
+
+    def __init__(self, strategy: Optional[DistributedStrategy] = None):
+        config = RUNTIME.require_role("keras.ParameterServerStrategy", "worker")
+        if not RUNTIME.worker_started:
+            raise RuntimeError("tfpsx.keras.ParameterServerStrategy() needs "
+                               "tfpsx.init_worker() first (it waits for the servers)")
+        options = strategy or DistributedStrategy()
+        if not isinstance(options, DistributedStrategy):
+            raise ValueError("tfpsx.keras.ParameterServerStrategy: strategy must be a "
+                             f"tfpsx.DistributedStrategy, got {type(options).__name__}")
+        _connect(config)
+        mode = mode_class(options)(self, options, config)
+        distribute_lib.Strategy.__init__(self, _Extended(self, mode.worker_device, mode))
+        self.options, self._mode = options, mode
+        self._pending: Optional[BaseException] = None
+        fit.install(self)
+
+    @property
+    def mode(self) -> str:
+        """"async", "sync", "geo" or "staleness"."""
+        return self._mode.NAME
+
+    @property
+    def counters(self):
+        """GEO's counters (pushes, rows and bytes sent / received, seconds syncing)."""
+        return getattr(self._mode, "counters", None)
+
+    @property
+    def staleness_waits(self) -> int:
+        """Bounded staleness: the steps this worker had to wait for the slowest."""
+        return getattr(self._mode, "waits", 0)
+
+    def scope(self):
+        """Variables created inside are placed by the mode; ``DynamicEmbedding`` layers
+        built inside train in it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().scope())
+        stack.enter_context(updater_scope(self._mode.table_updater))
+        return stack
+
+    def __repr__(self):
+        return f"tfpsx.keras.ParameterServerStrategy({self.options!r})"
+
+    # ------------------------------------------------------------------ for fit.py
+    def reporting(self, fn):
+        """``fn`` for a ``tf.py_function`` inside a step: a tfpsx error it raises (a bounded
+        wait that ran out) aborts the step as a TF error and is re-raised, as itself,
+        from ``fit``."""
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (errors.ClusterTimeoutError, errors.ServerUnavailableError,
+                    errors.BackgroundTaskError) as e:
+                self._pending = e
+                raise tf.errors.AbortedError(None, None, f"{type(e).__name__}: {e}") from e
+
+        return run
+
+    def check_model(self, model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError("compile the model (inside strategy.scope()) before fit()")
+        if getattr(optimizer, "_distribution_strategy", None) is not self:
+            raise ValueError(
+                "the model was compiled outside tfpsx.keras.ParameterServerStrategy.scope(): "
+                "build *and* compile it inside `with strategy.scope():` (the optimizer's "
+                "variables are placed when it is created)")
+        if getattr(model, "jit_compile", False) is True:
+            raise ValueError(
+                "jit_compile=True cannot work with tfpsx.keras.ParameterServerStrategy: XLA "
+                "cannot reach variables on parameter servers; compile with jit_compile=False "
+                "(the default 'auto' already is False under a strategy)")
+        self._mode.check_model(model)
+
+    def call_keras(self, name: str, original, model, args, kwargs):
+        """``fit`` / ``evaluate`` / ``predict`` of a model built in this scope."""
+        self.check_model(model)
+        if name != "fit":
+            self._mode.begin_eval(model)
+            return self._translating(original, model, *args, **kwargs)
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+        bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [
+            fit.ModeCallback(self._mode)]
+        self._mode.begin_fit(model)
+        try:
+            result = self._translating(original, *bound.args, **bound.kwargs)
+        except BaseException:
+            try:
+                self._mode.end_fit(model)
+            except Exception as e:  # noqa: BLE001 — the first failure is the one to report
+                logger.warning("after a failed fit(), ending the %s mode failed too: %s",
+                               self.mode, e)
+            raise
+        self._mode.end_fit(model)
+        return result
+
+    def _translating(self, original, *args, **kwargs):
+        self._pending = None
+        try:
+            return original(*args, **kwargs)
+        except tf.errors.OpError as e:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                raise pending from e
+            raise
+
+
+def _connect(config) -> None:
+    """Connects this process's eager context to the PS tasks (once)."""
+    global _connected
+    job, task = config.job_name, config.task_index
+    key = (job, task, tuple(config.servers), config.task_address())
+    if _connected == key:
+        return
+    if _connected is not None:
+        raise RuntimeError(f"this process is connected to another cluster already "
+                           f"({_connected}); one tfpsx cluster per process")
+    if RUNTIME.has_graph_server:
+        raise RuntimeError(
+            "this worker started a tf.distribute.Server for graph-mode sessions "
+            "(tfpsx.server_target()); Keras training connects the eager context to the "
+            "cluster instead, on the same address: use one of them per process")
+    # A sparse spec (the PS tasks and this worker only): two clients whose specs list
+    # each other hang (measured). A dict keeps this task's index in a sparse job.
+    spec = tf.train.ClusterSpec({"ps": list(config.servers), job: {task: config.task_address()}})
+    tf.config.experimental_connect_to_cluster(spec, job_name=job, task_index=task)
+    _connected = key
