@@ -176,3 +176,49 @@ def test_the_same_model_code_runs_without_a_cluster(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     r = tfpsx.metrics.read(str(tmp_path), "local", 0, "keras")[-1]
     assert r["eval_loss"] < LEARNED, r
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "8"])])
+def test_a_restarted_job_resumes_from_the_chiefs_checkpoint(make_cluster, tmp_path, mode, extra):
+    """ModelCheckpoint (weights, tables included) on the chief; a new job (new servers)
+    whose chief restores them before fit starts from the trained model, not a new one."""
+    ckpt = str(tmp_path / "ckpt")
+    first = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                         args=["--mode", mode, "--epochs", "2", "--checkpoint", ckpt] + extra)
+    finish(first.start())
+    trained = reports(first, 2)[0]
+    assert trained["loss_before_fit"] > 0.6 and trained["val_loss"][-1] < LEARNED, trained
+    again = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                         args=["--mode", mode, "--epochs", "1", "--checkpoint", ckpt] + extra)
+    finish(again.start())
+    for r in reports(again, 2).values():
+        # Every worker starts from the restored model (its tables too).
+        assert r["loss_before_fit"] < LEARNED, r
+
+
+@pytest.mark.timeout(300)
+def test_misuse_is_a_clear_error(make_cluster):
+    c = make_cluster(1, 1, script="keras_misuse.py", env=FAST, timeout=200).start()
+    finish(c)
+    got = c.metrics("worker", 0, "misuse")[-1]
+    assert got["fine"] is None, got
+    assert got["before_init_worker"].startswith("RuntimeError") and \
+        "tfpsx.init_worker() first" in got["before_init_worker"]
+    assert got["outside_scope"].startswith("ValueError") and \
+        "built outside tfpsx.keras.ParameterServerStrategy.scope()" in got["outside_scope"]
+    assert "compiled outside" in got["compiled_outside"]
+    assert "jit_compile=True cannot work" in got["jit_compile"] and \
+        "jit_compile=False" in got["jit_compile"]
+    assert "gradient_accumulation_steps=4" in got["gradient_accumulation"]
+    assert "unknown a_sync_configs key(s) ['k_step']" in got["bad_options"]
+
+
+def test_the_strategy_before_init_names_the_call(monkeypatch):
+    from tfpsx.runtime import RUNTIME
+
+    monkeypatch.setattr(RUNTIME, "config", None)
+    with pytest.raises(tfpsx.errors.NotInitializedError,
+                       match=r"keras.ParameterServerStrategy\(\) needs the cluster: call "
+                             r"tfpsx.init\(\) first"):
+        tfpsx.keras.ParameterServerStrategy()

@@ -105,6 +105,9 @@ def main(argv):
     p.add_argument("--local", action="store_true")
     p.add_argument("--uneven", action="store_true")
     p.add_argument("--save", default=None)
+    p.add_argument("--checkpoint", default=None,
+                   help="the chief saves weights there every epoch (ModelCheckpoint) and, "
+                        "when a file is there already, restores it before fit")
     p.add_argument("--step_delay", type=float, default=0.0)
     args = p.parse_args(argv)
 
@@ -121,6 +124,12 @@ def main(argv):
         model = wide_and_deep() if args.model == "wide_deep" else linear_model()
 
     callbacks = []
+    if args.checkpoint:
+        path = os.path.join(args.checkpoint, "model.weights.h5")
+        if me == 0 and os.path.exists(path):
+            model.load_weights(path)  # the job restarts from it (published at fit)
+        if me == 0:
+            callbacks.append(keras.callbacks.ModelCheckpoint(path, save_weights_only=True))
     if args.step_delay:
         callbacks.append(keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda *_: time.sleep(args.step_delay)))
@@ -140,13 +149,21 @@ def main(argv):
         elif not args.local:
             data = tfpsx.data.shard(data)
         examples = int(data.cardinality())
+        held_out = click_data(7, 512)
+        if args.checkpoint:
+            report_start = float(model.evaluate(
+                {k: tf.constant(v) for k, v in held_out[0].items()}, held_out[1], verbose=0))
         history = model.fit(data.batch(64), epochs=args.epochs, verbose=2, shuffle=False,
-                            callbacks=callbacks)
+                            callbacks=callbacks, validation_data=tf.data.Dataset.from_tensor_slices(
+                                held_out).batch(256))
         local_steps = args.epochs * -(-examples // 64)
     seconds = time.time() - start
 
     report = {"worker": me, "local_steps": local_steps, "seconds": seconds,
               "train_loss": [float(v) for v in history.history["loss"]]}
+    if args.checkpoint:
+        report["loss_before_fit"] = report_start
+        report["val_loss"] = [float(v) for v in history.history["val_loss"]]
     if strategy is not None:
         report["mode"] = strategy.mode
         if strategy.counters is not None:

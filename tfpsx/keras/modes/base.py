@@ -107,11 +107,19 @@ class KerasMode:
         return TableUpdater()
 
     def begin_fit(self, model) -> None:
-        self.wait_until_ready()
+        if self.is_chief:
+            self.publish(model)
+            self.ready_flag().assign(1)
+        else:
+            self.wait_until_ready()
+
+    def publish(self, model) -> None:
+        """The chief, before it marks the model ready (a restore to publish)."""
 
     def begin_eval(self, model) -> None:
         """Before ``evaluate`` / ``predict`` (also a validation during ``fit``)."""
-        self.wait_until_ready()
+        if not self.is_chief:
+            self.wait_until_ready()
 
     def batch_end(self, model) -> None:
         """After each execution of the train function (``steps_per_execution`` steps)."""
@@ -174,13 +182,10 @@ class KerasMode:
         return self._ready
 
     def wait_until_ready(self) -> None:
-        """The chief marks the model ready at its first ``fit`` (after any restore it did
-        before); the others wait for that before they train, bounded by
-        TFPSX_SESSION_TIMEOUT."""
+        """The chief marks the model ready when its first ``fit`` starts (after any
+        restore it did before); the others wait for that before they use the model,
+        bounded by TFPSX_SESSION_TIMEOUT."""
         flag = self.ready_flag()
-        if self.is_chief:
-            flag.assign(1)
-            return
         timeout = settings.get("TFPSX_SESSION_TIMEOUT")
         deadline = time.monotonic() + timeout
         while int(flag.read_value()) < 1:

@@ -177,25 +177,40 @@ class KerasGeo(KerasMode):
         return True
 
     # ------------------------------------------------------------------ fit
-    def begin_fit(self, model) -> None:
-        super().begin_fit(model)
-        self._fits += 1
-        if self.is_chief and self._fits == 1:
-            # A restore (load_weights) between building and the first fit changed the
-            # chief's copies (until then local == old): the job continues from that model.
+    def publish(self, model) -> None:
+        # A restore (load_weights) between building and the first fit changed the chief's
+        # copies (until then local == old): the job continues from that model.
+        if self._fits:
+            return
+        for v in self.dense + self.step_pairs:
+            if not bool(tf.reduce_all(tf.equal(v.local.read_value(), v.old.read_value()))):
+                v.global_.assign(v.local.read_value())
+                v.old.assign(v.local.read_value())
+
+    def _start(self) -> None:
+        """Once, when this worker first uses the model (fit, evaluate or predict): its
+        copies start from the global model, tables included (a restored table's rows
+        would otherwise never reach a copy: a pull brings only rows changed after this
+        worker registered), and its table readers are registered."""
+        if self._registered:
+            return
+        if not self.is_chief:
             for v in self.dense + self.step_pairs:
-                if not bool(tf.reduce_all(tf.equal(v.local.read_value(), v.old.read_value()))):
-                    v.global_.assign(v.local.read_value())
-                    v.old.assign(v.local.read_value())
-        elif not self.is_chief:
-            for v in self.dense + self.step_pairs:  # start from the chief's model
                 value = v.global_.read_value()
                 v.local.assign(value)
                 v.old.assign(value)
-        if not self._registered:
-            for t in self.tables:
-                table_readers(t)
-            self._registered = True
+        for t in self.tables:
+            rows = t.global_.export()
+            if int(tf.size(rows["keys"])):
+                t.local.import_rows(rows, clear=True)
+                t.old.import_rows(dict(rows, slots=tf.zeros([0], tf.float32)), clear=True)
+            table_readers(t)
+        self._registered = True
+
+    def begin_fit(self, model) -> None:
+        super().begin_fit(model)
+        self._start()
+        self._fits += 1
         self.steps()
         self._pushed_steps = int(self._steps.read_value())
         self.sync_fn().get_concrete_function()  # traced now, not in the communicator's first round
@@ -208,9 +223,11 @@ class KerasGeo(KerasMode):
 
     def begin_eval(self, model) -> None:
         # evaluate / predict see the global model as it is now (as training does after a
-        # pull), also after fit when the other workers' last pushes came in.
+        # pull), also after fit, when the other workers' last pushes came in.
         super().begin_eval(model)
-        if self._loop is None and self._registered:
+        if not self._registered:
+            self._start()
+        elif self._loop is None:
             self.pull_fn()()
 
     def batch_end(self, model) -> None:
