@@ -13,8 +13,10 @@ Example:
 This module is a facade. The package is layered, each layer importing only the ones
 below it (``make test`` checks it with import-linter):
 
-  launcher, testing           tfpsx-run and LocalCluster
-  training                    strategy -> Mode (async, sync, staleness, GEO), sessions
+  testing                     LocalCluster for tests of a user's job
+  launcher | keras            tfpsx-run; Keras 3 fit (ParameterServerStrategy, layers)
+  training | data             strategy -> Mode (async, sync, staleness, GEO), sessions;
+                              each worker's part of the input
   embedding                   DynamicEmbedding over sharded storage backends
   runtime                     the process state machine behind init() / run_server() ...
   control                     scheduler, PS-0 counters, their client side

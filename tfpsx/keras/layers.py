@@ -16,7 +16,8 @@ server-side optimizer (or, in the scope of a ``tfpsx.keras.ParameterServerStrate
 what its mode does with tables) from the backward pass: the lookup is wired through a
 zero scalar weight ``tfpsx_gradient_trigger`` whose custom gradient pushes the row
 gradients (OpenEmbedding's trick, there a registered gradient). The layer works without a
-cluster (a local table), so the same model code runs in a notebook and on the cluster.
+cluster (a local table, as outside a ``ParameterServerStrategy`` scope), so the same
+model code runs in a notebook and on the cluster.
 
 Saving: ``model.save("m.keras")`` / ``keras.models.load_model`` and ``save_weights`` carry
 the table's rows (keys, values, optimizer slots, frequencies, steps);
@@ -36,6 +37,7 @@ from tfpsx.embedding import initializers as _initializers
 from tfpsx.embedding import optimizers as _optimizers
 from tfpsx.embedding.sharding import EXPORT_FIELDS
 from tfpsx.keras.modes.base import TRIGGER
+from tfpsx.keras.strategy import ParameterServerStrategy
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _HASH_BUCKETS = 2 ** 63 - 1
@@ -97,10 +99,13 @@ class DynamicEmbedding(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.table is not None:
             return
+        # On the parameter servers in a ParameterServerStrategy's scope; a local table
+        # otherwise, also in a process of a cluster (its eager context reaches no PS).
+        on_ps = isinstance(tf.distribute.get_strategy(), ParameterServerStrategy)
         self.table = E.DynamicEmbedding(
             self.table_name or self.name, self.dim, initializer=self.initializer,
             optimizer=self.table_optimizer, seed=self.seed, min_frequency=self.min_frequency,
-            capacity=self.capacity)
+            capacity=self.capacity, devices=None if on_ps else [None])
         self._step = self.add_weight(name="table_step", shape=(), dtype="int64",
                                      initializer="zeros", trainable=False)
         if self.table_optimizer is not None:
@@ -165,8 +170,11 @@ class DynamicEmbedding(keras.layers.Layer):
         def rows(trigger):
             def push(d_rows):
                 op = table.apply_gradients(looked, d_rows, step)
+                values = d_rows.values if isinstance(d_rows, tf.IndexedSlices) else d_rows
                 with tf.control_dependencies([op] if op is not None else []):
-                    return tf.zeros_like(trigger)
+                    # A zero the compiler cannot fold: a constant one lost this control
+                    # dependency, and the apply with it (measured under Keras's Adam).
+                    return tf.zeros_like(trigger) + 0.0 * tf.reduce_sum(values)
 
             return tf.identity(looked.unique_rows), push
 

@@ -26,6 +26,7 @@ that names the same shared_name on that device reaches the same counter.
 )doc");
 
 REGISTER_OP("TfpsxCounterAdd")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("delta: int64")
     .Output("value: int64")
@@ -38,12 +39,14 @@ REGISTER_OP("TfpsxCounterAdd")
     .Doc("Adds `delta` to the counter and returns the new value.");
 
 REGISTER_OP("TfpsxCounterRead")
+    .SetIsStateful()
     .Input("handle: resource")
     .Output("value: int64")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
     .Doc("Returns the counter's current value.");
 
 REGISTER_OP("TfpsxCounterMark")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("member: int64")
     .Output("count: int64")
@@ -60,6 +63,7 @@ that retries after a lost reply does not count twice.
 )doc");
 
 REGISTER_OP("TfpsxCounterMembers")
+    .SetIsStateful()
     .Input("handle: resource")
     .Output("members: int64")
     .SetShapeFn([](InferenceContext* c) {

@@ -1,6 +1,8 @@
 // Op declarations for tfpsx dynamic embedding tables (kernels: ../kernels/table_*_kernel*.cc).
 // The table lives on the device its handle op runs on (a PS task); every client that
-// names the same shared_name there reaches the same table.
+// names the same shared_name there reaches the same table. Every op is stateful: each
+// reads or changes the table, so TF must neither fold, merge nor prune one (a tf.function
+// pruned an apply whose only user was a control dependency: Keras tables did not train).
 
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -49,6 +51,7 @@ created (index sized, row memory faulted in); it is a hint, ignored for an exist
 )doc");
 
 REGISTER_OP("TfpsxHashTableFind")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Output("values: float")
@@ -61,6 +64,7 @@ REGISTER_OP("TfpsxHashTableFind")
     .Doc("Rows of `keys`; a missing key gets its initial row and found=false.");
 
 REGISTER_OP("TfpsxHashTableFindOrInsert")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("step: int64")
@@ -69,6 +73,7 @@ REGISTER_OP("TfpsxHashTableFindOrInsert")
     .Doc("Rows of `keys`, inserting missing keys (subject to admission) and counting frequency.");
 
 REGISTER_OP("TfpsxHashTableInsert")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("values: float")
@@ -77,6 +82,7 @@ REGISTER_OP("TfpsxHashTableInsert")
     .Doc("Sets the rows of `keys` (values: keys' shape + [dim]).");
 
 REGISTER_OP("TfpsxHashTableAccumulate")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("deltas: float")
@@ -85,17 +91,20 @@ REGISTER_OP("TfpsxHashTableAccumulate")
     .Doc("row += delta for `keys`; a missing key starts from its initial row.");
 
 REGISTER_OP("TfpsxHashTableRemove")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Output("removed: int64")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
 REGISTER_OP("TfpsxHashTableSize")
+    .SetIsStateful()
     .Input("handle: resource")
     .Output("size: int64")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
 REGISTER_OP("TfpsxHashTableExport")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("since_step: int64")
     .Output("keys: int64")
@@ -118,6 +127,7 @@ by key: values [n, dim], slots [n, num_slots, dim], frequency and last-update st
 )doc");
 
 REGISTER_OP("TfpsxHashTableImport")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("values: float")
@@ -132,6 +142,7 @@ empty (slots then start from their initial value); freq and step may be empty.
 )doc");
 
 REGISTER_OP("TfpsxHashTableTakeChanged")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("reader: int64")
     .Output("keys: int64")
@@ -145,6 +156,7 @@ registered by its first call, which returns nothing.
 )doc");
 
 REGISTER_OP("TfpsxHashTableApply")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("grads: float")
@@ -171,6 +183,7 @@ adam is lazy Adam with bias correction from `step` (taken as 1 when smaller).
 // name them.
 #define TFPSX_APPLY_OP(Name, ExtraInputs)                                  \
   REGISTER_OP(Name)                                                        \
+      .SetIsStateful()                                                     \
       .Input("handle: resource")                                           \
       .Input("keys: int64")                                                \
       .Input("grads: float")                                               \
@@ -187,6 +200,7 @@ TFPSX_APPLY_OP("TfpsxHashTableApplyFtrl",
 #undef TFPSX_APPLY_OP
 
 REGISTER_OP("TfpsxHashTableEvict")
+    .SetIsStateful()
     .Input("handle: resource")
     .Input("min_step: int64")
     .Input("keep_top_n: int64")
@@ -198,6 +212,7 @@ then keeps only the keep_top_n most frequent rows (skipped when keep_top_n < 0).
 )doc");
 
 REGISTER_OP("TfpsxHashTableStats")
+    .SetIsStateful()
     .Input("handle: resource")
     .Output("stats: int64")
     .SetShapeFn([](InferenceContext* c) {
