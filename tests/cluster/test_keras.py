@@ -56,9 +56,13 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         assert all(r["iterations"] == r["local_steps"] for r in got.values()), got
     if mode == "geo":
         assert chief["kernel_device"].startswith("/job:worker/")  # trains a local copy
-        assert all(r["pushes"] >= r["local_steps"] // 8 for r in got.values()), got
+        # The communicator syncs during fit (not only the final sync), at most once per
+        # K local steps: a round that lags behind training merges the wake-ups it missed.
+        assert all(2 <= r["pushes"] <= r["local_steps"] // 8 + 1 for r in got.values()), \
+            [(r["pushes"], r["local_steps"]) for r in got.values()]
         # every worker's local steps, as pushed; the last worker's final sync saw them all
-        assert max(r["iterations"] for r in got.values()) == steps, got
+        assert max(r["iterations"] for r in got.values()) == steps, \
+            [(r["iterations"], r["local_steps"], r["pushes"]) for r in got.values()]
 
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,8 @@ it counts the job's steps (every worker's, as they are pushed). The sync runs in
 background communicator thread while ``fit`` goes on, or, with
 ``geo_sync_in_train_thread=True``, inside the train step every K steps with barriers
 (deterministic: the same values as graph-mode GEO on the same schedule). A final sync
-runs when ``fit`` returns.
+runs when ``fit`` returns, and then the worker's copy takes the global values: after
+``fit`` (and in ``evaluate`` / ``predict`` outside it) the model is the job's model.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ class KerasGeo(KerasMode):
         self._steps: Optional[tf.Variable] = None    # local steps run
         self._pushed_steps = 0
         self._sync_fn = None
-        self._pull_fn = None
         self._loop: Optional[BackgroundLoop] = None
         self._registered = False
         self._fits = 0
+        self._in_fit = False
 
     # ------------------------------------------------------------------ variables
     def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
@@ -115,18 +116,6 @@ class KerasGeo(KerasMode):
             self._sync_fn = sync
         return self._sync_fn
 
-    def pull_fn(self):
-        """The pull alone: this worker's copies take in what the others pushed."""
-        if self._pull_fn is None:
-            @tf.function
-            def pull():
-                pulls, _ = self._pull_ops([])
-                with tf.control_dependencies(pulls):
-                    return tf.constant(True)
-
-            self._pull_fn = pull
-        return self._pull_fn
-
     def _count(self, start: float, rows_sent, bytes_sent, rows_received, bytes_received):
         self.counters.add(pushes=1, rows_sent=int(rows_sent), bytes_sent=int(bytes_sent),
                           rows_received=int(rows_received), bytes_received=int(bytes_received),
@@ -135,8 +124,10 @@ class KerasGeo(KerasMode):
     def sync_now(self) -> None:
         """One push + pull, now (the communicator's round; the final sync)."""
         start, steps = time.monotonic(), int(self.steps().read_value())
-        self._count(start, *self.sync_fn()())
+        # Counted from the round's start: the K steps trained while it runs wake the next
+        # one (set after it, a wake-up during a slow round would run a redundant round).
         self._pushed_steps = steps
+        self._count(start, *self.sync_fn()())
 
     # ------------------------------------------------------------------ the step
     def after_step(self) -> list:
@@ -207,10 +198,28 @@ class KerasGeo(KerasMode):
             table_readers(t)
         self._registered = True
 
+    def _take_global(self) -> None:
+        """This worker's copies become the global model: local = old = global, dense
+        and tables (table rows keep this worker's optimizer slots). GEO's pull does not
+        do that (local += global - old keeps the part of this worker's own delta that
+        it did not push), so without it a model saved, evaluated or predicted after
+        ``fit`` would mix the copy's dense weights with the PS tables' rows."""
+        for v in self.dense + self.step_pairs:
+            value = v.global_.read_value()
+            v.local.assign(value)
+            v.old.assign(value)
+        zero = tf.constant(0, tf.int64)
+        for t in self.tables:
+            rows = t.global_.export()
+            with tf.device(t.device):
+                t.local.shards[0].insert(rows["keys"], rows["values"], zero)
+                t.old.shards[0].insert(rows["keys"], rows["values"], zero)
+
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
         self._start()
         self._fits += 1
+        self._in_fit = True
         self.steps()
         self._pushed_steps = int(self._steps.read_value())
         self.sync_fn().get_concrete_function()  # traced now, not in the communicator's first round
@@ -222,13 +231,14 @@ class KerasGeo(KerasMode):
             self._loop = BackgroundLoop("GEO communicator", self.sync_now).start()
 
     def begin_eval(self, model) -> None:
-        # evaluate / predict see the global model as it is now (as training does after a
-        # pull), also after fit, when the other workers' last pushes came in.
+        # Outside fit, evaluate / predict see the global model as it is now (the other
+        # workers' last pushes included); a validation during fit sees this worker's
+        # copy as it trains (a pull there would change a deterministic schedule).
         super().begin_eval(model)
         if not self._registered:
             self._start()
-        elif self._loop is None:
-            self.pull_fn()()
+        elif not self._in_fit:
+            self._take_global()
 
     def batch_end(self, model) -> None:
         if self._loop is None:
@@ -238,7 +248,9 @@ class KerasGeo(KerasMode):
             self._loop.wake()
 
     def end_fit(self, model) -> None:
-        # The last local steps must reach the PS before fit returns.
+        # The last local steps reach the PS before fit returns; then the model is the
+        # global one (what model.save writes, what a restarted job resumes from).
+        self._in_fit = False
         failed = False
         if self._loop is not None:
             loop, self._loop = self._loop, None
@@ -252,3 +264,5 @@ class KerasGeo(KerasMode):
         if not failed and self._steps is not None and \
                 int(self._steps.read_value()) > self._pushed_steps:
             self.sync_now()
+        if not failed:
+            self._take_global()
