@@ -22,6 +22,7 @@ from tfpsx.control.channels import wait_for_servers
 from tfpsx.control.counters import CounterCoordinator
 from tfpsx.control.protocol import Coordinator
 from tfpsx.control.scheduler import run_scheduler
+from tfpsx.control.watchdog import ServerWatch, exit_when_lost, main_thread_activity
 from tfpsx.ops import library_info, load_ops
 
 logger = logging.getLogger("tfpsx")
@@ -52,6 +53,7 @@ class Runtime:
         self._lock = threading.RLock()
         self._server = None
         self._coord: Optional[Coordinator] = None
+        self._watch: Optional[ServerWatch] = None
         self._barrier_generation = 0
         self._worker_state = "new"  # new -> started -> stopped
 
@@ -68,6 +70,7 @@ class Runtime:
             _ensure_log_handler()
             role_maker = role_maker or _cluster.AutoRoleMaker()
             config = role_maker.resolve()
+            self._stop_watch()
             if self._coord is not None:
                 self._coord.close()
             self._coord = None
@@ -146,6 +149,12 @@ class Runtime:
                 log=lambda m: logger.info("worker %d %s", config.index, m))
             self._coord.worker_start()
             self._worker_state = "started"
+            self._watch = ServerWatch(
+                {f"server {i}": a for i, a in enumerate(config.servers)},
+                settings.get("TFPSX_HEARTBEAT_TIMEOUT"), settings.get("TFPSX_HEARTBEAT_INTERVAL"),
+                self._server_lost,
+                reported_dead=lambda: [(f"server {r}", a) for r, a in self._coord.dead_servers()]
+            ).start()
             logger.info("worker %d connected to %d server(s) in %.2f s", config.index,
                         config.server_num, time.monotonic() - start)
 
@@ -157,9 +166,30 @@ class Runtime:
             if self._worker_state == "new":
                 raise RuntimeError("tfpsx.stop_worker() before tfpsx.init_worker(): the servers "
                                    "never saw this worker start")
+            # Servers exit once every worker stopped: from here on, a gone server is no loss.
+            self._stop_watch()
             self._coord.worker_stop()
             self._worker_state = "stopped"
             logger.info("worker %d stopped", config.index)
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+
+    def _server_lost(self, task: str, address: str, why: str) -> None:
+        """The server watch lost a server: the worker cannot go on (its share of the
+        variables and tables is gone) and TF would block on it forever."""
+        config = self.config
+        grace = settings.get("TFPSX_LOST_GRACE")
+        metrics.emit("server_lost", server=task, address=address, why=why)
+        exit_when_lost(
+            f"worker {config.index} lost {task} at {address}: {why} "
+            f"(TFPSX_HEARTBEAT_TIMEOUT={settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); "
+            f"{main_thread_activity()}. The job cannot go on without that server (its share "
+            "of the variables and tables is gone): restart it from the last checkpoint. "
+            f"This worker exits in {grace:g} s (TFPSX_LOST_GRACE) unless it fails first.",
+            grace)
 
     def barrier_worker(self, timeout: Optional[float] = None) -> None:
         config = self.require_role("barrier_worker", _cluster.WORKER)

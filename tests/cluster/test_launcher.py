@@ -58,23 +58,98 @@ def test_job_runs_to_the_end(tmp_path, mode):
         assert "scheduler exiting" in sched
 
 
+def _pids(pid_dir, count, launcher=None, timeout=90):
+    """{role: pid} of the job's processes once ``count`` have written theirs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = {p.read_text(): int(p.name) for p in pid_dir.iterdir() if p.read_text()}
+        if len(pids) >= count:
+            return pids
+        assert time.monotonic() < deadline and (launcher is None or launcher.poll() is None)
+        time.sleep(0.1)
+
+
+def _all_gone(pids, timeout=10):
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not [p for p in pids if _alive(p)]
+
+
 @pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
-def test_failing_worker_code_propagates_and_nothing_is_left(tmp_path, mode):
+def test_a_failing_chief_stops_the_job_and_nothing_is_left(tmp_path, mode):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     start = time.monotonic()
     proc = _launch(tmp_path, mode + ["--server_num", "1", "--worker_num", "2",
                                      os.path.join(SCRIPTS, "job.py")],
-                   _env(JOB_FAIL="1:3", JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)))
+                   _env(JOB_FAIL="0:3", JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert time.monotonic() - start < 100
-    assert re.search(r"FAILED: worker 1 exited with code 3 .*workerlog\.1", proc.stderr)
+    assert re.search(r"FAILED: worker 0 exited with code 3 .*workerlog\.0", proc.stderr)
     pids = [int(p.name) for p in pid_dir.iterdir()]
     assert len(pids) == 3
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    assert _all_gone(pids)
+
+
+def test_a_failing_non_chief_worker_leaves_the_others_running(tmp_path):
+    proc = _launch(tmp_path, ["--server_num", "1", "--worker_num", "3",
+                              os.path.join(SCRIPTS, "job.py")],
+                   _env(JOB_FAIL="1:3", JOB_SLEEP="3", TFPSX_HEARTBEAT_TIMEOUT="3",
+                        TFPSX_HEARTBEAT_INTERVAL="0.5"))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert re.search(r"worker 1 exited with code 3 \(failed; see .*workerlog\.1\); the other "
+                     r"workers go on", proc.stderr), proc.stderr
+    logs = tmp_path / "logs"
+    for i in (0, 2):  # they ran to their end
+        assert f"worker {i} stopped" in (logs / f"workerlog.{i}").read_text()
+    assert "RUN_SERVER_RETURNED stopped=[0, 2] lost=[1]" in (logs / "serverlog.0").read_text()
+    assert "FAILED: worker 1 exited with code 3" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
+def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = subprocess.Popen(
+        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2"] +
+        mode + [os.path.join(SCRIPTS, "job.py")],
+        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
+    try:
+        pids = _pids(pid_dir, 3, launcher)
+        os.kill(pids["server"], signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert time.monotonic() - killed < 15
+    assert launcher.returncode == 128 + signal.SIGKILL, out + err
+    assert re.search(r"server 0 exited with code -9 \(killed by SIGKILL\) while workers were "
+                     r"running; stopping the job", err), err
+    assert re.search(r"FAILED: server 0 exited with code -9 .*serverlog\.0", err), err
+    assert _all_gone(pids.values())
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = subprocess.Popen(
+        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2",
+               os.path.join(SCRIPTS, "job.py")],
+        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True, cwd=str(tmp_path))
+    try:
+        pids = _pids(pid_dir, 3, launcher)
+        launcher.kill()  # SIGKILL: no handler, no cleanup of its own
+        launcher.wait(timeout=10)
+        assert _all_gone(list(pids.values()) + [int(p.name) for p in pid_dir.iterdir()])
+    finally:
+        for p in pid_dir.iterdir():  # whatever survived, by the ids the job wrote
+            if _alive(int(p.name)):
+                os.kill(int(p.name), signal.SIGKILL)
 
 
 def test_sigterm_stops_every_process(tmp_path):

@@ -32,6 +32,11 @@ class Coordinator(abc.ABC):
               connect_timeout: float) -> Tuple[List[int], List[int]]:
         """A server's wait for the job end; returns (stopped workers, lost workers)."""
 
+    def dead_servers(self) -> List[Tuple[int, str]]:
+        """(rank, address) of servers the control plane already declared dead (the
+        scheduler does, from its heartbeats); empty where it cannot tell."""
+        return []
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases channels and threads; safe to call twice."""

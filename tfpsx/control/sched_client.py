@@ -249,5 +249,9 @@ class SchedulerCoordinator(Coordinator):
         lost = sorted(n.rank for n in reply.dead if n.role == _cluster.WORKER)
         return stopped, lost
 
+    def dead_servers(self):
+        return [(n.rank, n.address) for n in list(self.client.dead)
+                if n.role == _cluster.SERVER]
+
     def close(self) -> None:
         self.client.close()

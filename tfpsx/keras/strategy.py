@@ -37,6 +37,7 @@ from tensorflow.python.distribute import distribute_lib, one_device_strategy
 from tensorflow.python.framework import ops
 
 from tfpsx import errors
+from tfpsx.control.watchdog import lost_server
 from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
 from tfpsx.keras.modes import mode_class
@@ -264,7 +265,28 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
             pending, self._pending = self._pending, None
             if pending is not None:
                 raise pending from e
+            self._raise_if_server_lost(original.__name__, e)
             raise
+        except errors.BackgroundTaskError as e:
+            self._raise_if_server_lost(original.__name__, e)
+            raise
+
+    def _raise_if_server_lost(self, what: str, error: BaseException) -> None:
+        unavailable = error
+        while unavailable is not None and not isinstance(unavailable, tf.errors.UnavailableError):
+            unavailable = unavailable.__cause__
+        if unavailable is None:
+            return
+        config = RUNTIME.require("keras")
+        lost = lost_server(unavailable, config.servers)
+        server = f"server {lost[0]} at {lost[1]}" if lost else "a parameter server"
+        lines = [line.strip() for line in str(unavailable).splitlines()
+                 if line.strip() and "execution error" not in line and "root error" not in line]
+        first = (lines or ["unavailable"])[0][:300]
+        raise errors.ServerUnavailableError(
+            f"worker {config.index}: {what}() lost {server} ({first}); the job cannot go on "
+            "without it (its share of the variables and tables is gone): restart it from "
+            "the last checkpoint") from error
 
 
 def _connect(config) -> None:

@@ -2,7 +2,8 @@
 demos' way to start a job.
 
 Every process gets its own free port (portpicker), its own process group (so its
-children die with it), a log file, a metrics file (``TFPSX_METRICS_DIR`` is the log
+children die with it), death with the process that started it (no orphans when a
+launcher is killed with SIGKILL), a log file, a metrics file (``TFPSX_METRICS_DIR`` is the log
 folder), and a deadline; :meth:`LocalCluster.stop` kills by
 PID whatever is still running, and the context manager calls it even when a test fails.
 
@@ -14,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -40,6 +42,20 @@ def pick_ports(count: int) -> List[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: the child gets SIGKILL when the process that started it dies
+    (Linux ``PR_SET_PDEATHSIG``), so a launcher killed with SIGKILL leaves no orphans."""
+    def set_death_signal():
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return  # not Linux: the launcher's own cleanup is all there is
+        if os.getppid() != parent:  # the parent died before the signal was set
+            os._exit(1)
+    return set_death_signal
 
 
 def kill_process_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
@@ -147,10 +163,12 @@ class LocalCluster:
         env.update(extra_env or {})
         log = open(self.log_path(role, index), "ab")
         self._logs[task] = log
-        argv = ["-m", "tfpsx.control.scheduler"] if role == _cluster.SCHEDULER else self.argv
+        # `-m tfpsx.control.scheduler` would warn: the package imports the module first.
+        argv = (["-c", "import sys; from tfpsx.control.scheduler import main; sys.exit(main())"]
+                if role == _cluster.SCHEDULER else self.argv)
         proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
         self.procs[task] = proc
         if self._started_at is None:
             self._started_at = time.monotonic()

@@ -8,9 +8,12 @@ A scheduler (``log_dir/scheduler.log``) assigns ranks; every server and worker i
 separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` and
 ``log_dir/workerlog.N``; the chief's output also streams to
 the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's token.
-The exit code is 0 when every worker exits 0,
-otherwise the first failing worker's code, after every process started here is gone
-(also on Ctrl-C / SIGTERM). With ``--no_scheduler`` each process gets its cluster from
+The launcher watches every process it started. A server or the scheduler that fails,
+or the chief (worker 0), ends the job: every process is stopped and the summary names
+the one that failed and its log. A non-chief worker that fails is reported and the
+others go on (async and GEO train without it). The exit code is 0 when every process
+exits 0, otherwise the failed one's (128 + N for signal N), after every process started
+here is gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). With ``--no_scheduler`` each process gets its cluster from
 environment variables (``--config tf_config`` writes TF_CONFIG instead, so a plain TF
 script that reads TF_CONFIG runs unchanged).
 """
@@ -79,6 +82,24 @@ class _Tail(threading.Thread):
         self.join(timeout=5)
 
 
+def _name(task) -> str:
+    role, index = task
+    return "the scheduler" if role == _cluster.SCHEDULER else f"{role} {index}"
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 75:
+        return "it lost a parameter server"
+    if code == 124:
+        return "timed out"
+    return "failed"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -111,15 +132,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     tail = _Tail(job.log_path("worker", 0), "[worker 0]")
     tail.start()
     start = time.monotonic()
-    failed = None  # (task, code)
+    failed = None  # (task, code): what ends the job
+    lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
     try:
         job.start()
         workers = [("worker", i) for i in range(worker_num)]
-        while not interrupted:
+        others = [t for t in job.tasks() if t[0] != "worker"]  # the scheduler, servers
+        while not interrupted and failed is None:
+            # A server or the scheduler that fails while workers run ends the job (its
+            # share of the model is gone). One that exits 0 does so after every worker
+            # called stop_worker(), while workers may still be finishing.
+            for task in others:
+                code = job.procs[task].poll()
+                if code not in (None, 0):
+                    failed = (task, code)
+                    print(f"tfpsx-run: {_name(task)} exited with code {code} "
+                          f"({_how(code)}) while workers were running; stopping the job",
+                          file=sys.stderr)
+                    break
             for task in workers:
                 code = job.procs[task].poll()
-                if code not in (None, 0) and failed is None:
-                    failed = (task, code)
+                if failed or code in (None, 0) or task in dict(lost_workers):
+                    continue
+                if task == ("worker", 0):
+                    failed = (task, code)  # the chief: it initializes and checkpoints
+                else:
+                    lost_workers.append((task, code))
+                    print(f"tfpsx-run: {_name(task)} exited with code {code} "
+                          f"({_how(code)}; see {job.log_path(*task)}); the other workers go "
+                          "on (async and GEO train without it; sync fails after "
+                          "TFPSX_SYNC_STEP_TIMEOUT)", file=sys.stderr, flush=True)
             if failed or all(job.procs[t].poll() is not None for t in workers):
                 break
             if timeout is not None and time.monotonic() - start > timeout:
@@ -129,19 +171,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                 break
             time.sleep(0.1)
         if not failed and not interrupted:
-            servers = [t for t in job.tasks() if t[0] != "worker"]
             deadline = time.monotonic() + grace
-            while any(job.procs[t].poll() is None for t in servers) and not interrupted:
+            while any(job.procs[t].poll() is None for t in others) and not interrupted:
                 if time.monotonic() > deadline:
-                    stuck = [t for t in servers if job.procs[t].poll() is None]
+                    stuck = [t for t in others if job.procs[t].poll() is None]
                     print(f"tfpsx-run: {stuck} still running {grace:g} s after the "
                           "last worker exited; killing them", file=sys.stderr)
                     break
                 time.sleep(0.1)
-            for task in servers:
+            for task in others:
                 code = job.procs[task].poll()
                 if code not in (None, 0) and failed is None:
                     failed = (task, code)
+        if failed is None and lost_workers:
+            failed = lost_workers[0]
     finally:
         job.stop()
         tail.stop()
@@ -156,8 +199,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if failed:
         (role, index), code = failed
         where = job.log_path(role, index) if role != "launcher" else job.log_dir
-        print(f"tfpsx-run: FAILED: {role} {index} exited with code {code} after {seconds:.1f} s; "
-              f"see {where}", file=sys.stderr)
+        print(f"tfpsx-run: FAILED: {_name((role, index))} exited with code {code} "
+              f"({_how(code)}) after {seconds:.1f} s; see {where}", file=sys.stderr)
         return code if 0 < code < 256 else (128 - code if code < 0 else 1)
     print(f"tfpsx-run: job finished: {server_num} server(s), {worker_num} worker(s) exited 0 "
           f"in {seconds:.1f} s (logs in {job.log_dir})", flush=True)

@@ -6,7 +6,7 @@ Behaviour knobs come from env so one script covers the scenarios:
   JOB_SKIP_STOP=1     workers exit without stop_worker()
   JOB_BARE_SERVER=1   servers run a bare tf.distribute.Server without the tfpsx ops
   JOB_PLACEMENT=1     the worker checks where counter ops run and prints JSON
-  JOB_PID_DIR=D       every process writes its pid to D/<pid>
+  JOB_PID_DIR=D       every process writes its pid to D/<pid> (after init: its role)
   JOB_FAIL=I:C        worker I exits with code C right after init_worker()
 """
 import os
@@ -19,6 +19,9 @@ if os.environ.get("JOB_PID_DIR"):
     open(os.path.join(os.environ["JOB_PID_DIR"], str(os.getpid())), "w").close()
 
 tfpsx.init()
+if os.environ.get("JOB_PID_DIR"):
+    with open(os.path.join(os.environ["JOB_PID_DIR"], str(os.getpid())), "w") as f:
+        f.write("server" if tfpsx.is_server() else f"worker {tfpsx.worker_index()}")
 if tfpsx.is_server() and os.environ.get("JOB_BARE_SERVER") == "1":
     import tensorflow as tf
 

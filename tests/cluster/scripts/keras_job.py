@@ -132,7 +132,7 @@ def main(argv):
             callbacks.append(keras.callbacks.ModelCheckpoint(path, save_weights_only=True))
     if args.step_delay:
         callbacks.append(keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda *_: time.sleep(args.step_delay)))
+            on_train_batch_end=lambda *_, **__: time.sleep(args.step_delay)))
     start = time.time()
     if args.model == "linear":
         steps = args.k_steps * args.syncs if args.mode == "geo" else args.steps

@@ -1,0 +1,56 @@
+"""A parameter server killed mid-training: every worker fails within a bound, naming the
+lost server and what it was doing (graph mode async and GEO, with and without a
+scheduler; Keras fit). ``tfpsx-run``'s side is in test_launcher.py."""
+
+import re
+import time
+
+import pytest
+
+from conftest import wait_for_log
+
+HEARTBEAT_TIMEOUT, GRACE = 4, 3
+ENV = {"TFPSX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT), "TFPSX_LOST_GRACE": str(GRACE)}
+
+
+def _kill_server_and_wait(c, started_marker):
+    for i in range(2):
+        wait_for_log(c, "worker", i, started_marker, timeout=120)
+    time.sleep(1.0)
+    c.kill("server", 0)
+    killed = time.monotonic()
+    codes = c.wait([("worker", 0), ("worker", 1)], timeout=60)
+    return codes, time.monotonic() - killed
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,config_mode", [("async", "scheduler"), ("geo", "env")])
+def test_graph_mode_workers_exit_when_their_server_is_killed(make_cluster, mode, config_mode):
+    args = ["--mode", mode, "--steps", "1000000", "--step_delay", "0.01"]
+    if mode == "geo":
+        args += ["--k_steps", "10"]
+    c = make_cluster(1, 2, script="training_job.py", env=ENV, timeout=200,
+                     config_mode=config_mode, args=args).start()
+    codes, seconds = _kill_server_and_wait(c, "session ready")
+    # TF alone blocks forever in Session.close(); the watch bounds it.
+    assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
+    server = c.servers[0]
+    for i in range(2):
+        assert codes[("worker", i)] == 75, c.logs()
+        log = c.log("worker", i)
+        assert re.search(rf"worker {i} lost server 0 at {re.escape(server)}: ", log), log[-3000:]
+        assert "the main thread was at training_job.py:" in log, log[-3000:]
+        assert "exiting with code 75" in log
+
+
+@pytest.mark.timeout(240)
+def test_keras_fit_fails_naming_the_killed_server(make_cluster):
+    c = make_cluster(1, 2, script="keras_job.py", env=ENV, timeout=200, config_mode="scheduler",
+                     args=["--mode", "async", "--epochs", "100", "--step_delay", "0.01"]).start()
+    codes, seconds = _kill_server_and_wait(c, "Epoch 1/")
+    assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
+    for i in range(2):
+        assert codes[("worker", i)] != 0, c.logs()
+        log = c.log("worker", i)
+        assert re.search(rf"ServerUnavailableError: worker {i}: (fit|evaluate)\(\) lost server 0 "
+                         rf"at {re.escape(c.servers[0])}", log), log[-3000:]

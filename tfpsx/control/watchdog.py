@@ -1,0 +1,186 @@
+"""A worker's watch over its parameter servers, and the bounded exit when one is lost.
+
+TF's gRPC runtime retries a dead peer without end: with a killed PS, a worker's
+``Session.close()`` (and eager calls that reach the PS) block forever (measured: async,
+GEO, Keras). Nothing inside TF can be told to give up, so a worker watches its servers
+itself and, when one is lost, says so and ends the process within a bound:
+
+* :class:`ServerWatch` probes every server each heartbeat interval with a fresh gRPC
+  connection (a killed server refuses it; a stopped one never completes the HTTP/2
+  handshake) and reports one that has not answered for the heartbeat timeout; the
+  scheduler's "dead" reports count at once (it applied the same timeout).
+* :func:`exit_when_lost` logs the loss with what the main thread was doing, gives the
+  training code ``grace`` seconds to fail on its own (an ``UnavailableError`` from the
+  step, then TF's close blocks), and then exits the process with :data:`EXIT_PEER_LOST`,
+  after dumping every thread's stack. A C-level timer (``faulthandler``) backs it up for
+  the case where the interpreter itself is stuck in finalization.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Dict, List, Optional, Tuple
+
+import grpc
+
+from tfpsx.background import BackgroundLoop
+from tfpsx.control.channels import FAST_RECONNECT
+
+logger = logging.getLogger("tfpsx")
+
+# EX_TEMPFAIL: the job may succeed when restarted (from its last checkpoint).
+EXIT_PEER_LOST = 75
+
+# A probe dials a connection of its own: a shared subchannel would report the state of
+# a connection made long ago.
+_PROBE_OPTIONS = FAST_RECONNECT + [("grpc.use_local_subchannel_pool", 1)]
+
+
+def probe(address: str, timeout: float) -> bool:
+    """True if a gRPC server at ``address`` completes a connection within ``timeout``."""
+    channel = grpc.insecure_channel(address, options=_PROBE_OPTIONS)
+    future = grpc.channel_ready_future(channel)
+    try:
+        future.result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        future.cancel()
+        channel.close()
+
+
+class ServerWatch:
+    """Reports a server that stopped answering.
+
+    Args:
+      servers: task name (e.g. "server 0") -> host:port.
+      timeout: seconds without an answer after which a server is lost.
+      interval: seconds between probe rounds.
+      on_lost: called once, from the watch's thread, with (task, address, why).
+      reported_dead: optional; returns (task, address) pairs another observer (the
+        scheduler) already declared dead.
+    """
+
+    def __init__(self, servers: Dict[str, str], timeout: float, interval: float,
+                 on_lost: Callable[[str, str, str], None],
+                 reported_dead: Optional[Callable[[], List[Tuple[str, str]]]] = None):
+        self.servers, self.timeout = dict(servers), timeout
+        self._on_lost, self._reported_dead = on_lost, reported_dead
+        self._last_ok = {task: time.monotonic() for task in self.servers}
+        self._probe_timeout = max(0.2, min(interval, timeout / 3))
+        self._loop = BackgroundLoop("server watch", self._round, interval=interval)
+        self.lost: Optional[Tuple[str, str, str]] = None
+
+    def start(self) -> "ServerWatch":
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        self._loop.stop(timeout=self._probe_timeout * len(self.servers) + 1)
+
+    def _round(self) -> Optional[bool]:
+        for task, address in (self._reported_dead() if self._reported_dead else []):
+            return self._lose(task, address, "the scheduler reports it dead (no heartbeat "
+                                             f"for {self.timeout:g} s)")
+        now = time.monotonic()
+        for task, address in self.servers.items():
+            if self._loop.stopping:
+                return False
+            if probe(address, self._probe_timeout):
+                self._last_ok[task] = time.monotonic()
+            elif now - self._last_ok[task] >= self.timeout:
+                return self._lose(task, address, "it has not accepted a connection for "
+                                                 f"{now - self._last_ok[task]:.1f} s")
+        return None
+
+    def _lose(self, task: str, address: str, why: str) -> bool:
+        self.lost = (task, address, why)
+        self._on_lost(task, address, why)
+        return False  # the watch ends: one loss ends the worker
+
+
+_PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+
+
+def lost_server(error: BaseException, servers) -> Optional[Tuple[int, str]]:
+    """(rank, address) of the server an ``UnavailableError`` (or an error it caused)
+    failed to reach, when its message says which; None otherwise."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        found = _PS_TASK.search(text)
+        if found and int(found.group(1)) < len(servers):
+            return int(found.group(1)), servers[int(found.group(1))]
+        for rank, address in enumerate(servers):
+            if address in text:
+                return rank, address
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def main_thread_activity() -> str:
+    """Where the main thread is: the innermost frame of the user's code, then the
+    innermost frame overall (what it was waiting in)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "the main thread has ended"
+    stack = traceback.extract_stack(frame)
+    library = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep,
+               os.sep + "tfpsx" + os.sep, os.sep + "threading.py", "<frozen")
+    user = [f for f in stack if not any(part in f.filename for part in library)]
+    inner = stack[-1]
+    where = f"in {inner.name} ({os.path.basename(inner.filename)}:{inner.lineno})"
+    if user:
+        u = user[-1]
+        return (f"the main thread was at {os.path.basename(u.filename)}:{u.lineno} "
+                f"({(u.line or u.name).strip()}), {where}")
+    return f"the main thread was {where}"
+
+
+_exit_lock = threading.Lock()
+_exit_armed = False
+
+
+def exit_when_lost(message: str, grace: float) -> None:
+    """Logs ``message`` and ends the process with :data:`EXIT_PEER_LOST` after ``grace``
+    seconds (sooner if the interpreter starts to exit)."""
+    global _exit_armed
+    with _exit_lock:
+        if _exit_armed:
+            return
+        _exit_armed = True
+    logger.error("%s", message)
+
+    def leave(why: str) -> None:
+        try:
+            sys.stderr.write(f"tfpsx: {message}\ntfpsx: exiting with code {EXIT_PEER_LOST} "
+                             f"({why}); the threads' stacks:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            for handler in logger.handlers:
+                handler.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(EXIT_PEER_LOST)
+
+    # The interpreter's exit may block in TF's teardown (a session or server closing
+    # towards the dead peer): leave before it.
+    atexit.register(leave, "the program ended after the loss")
+    # A C-level backstop: it fires even when no Python thread can run any more.
+    faulthandler.dump_traceback_later(grace + 15.0, exit=True)
+
+    def later():
+        time.sleep(grace)
+        leave(f"still running {grace:g} s after the loss")
+
+    threading.Thread(target=later, name="tfpsx-exit-when-lost", daemon=True).start()
