@@ -74,7 +74,11 @@ def test_worker_gives_up_on_a_missing_server(make_cluster):
 
 def test_server_reports_a_worker_that_never_comes(make_cluster):
     c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_REGISTER_TIMEOUT": "5"})
-    c.start([("server", 0), ("worker", 0)])
+    # The worker first: the server's 5 s must not run out while a loaded machine is still
+    # importing TensorFlow into the worker.
+    c.start([("worker", 0)])
+    wait_for_log(c, "worker", 0, "waiting for ps:0")
+    c.start([("server", 0)])
     codes = c.wait([("server", 0), ("worker", 0)], timeout=90)
     assert codes[("worker", 0)] == 0, c.logs()
     assert codes[("server", 0)] != 0

@@ -5,9 +5,9 @@ TF's gRPC runtime retries a dead peer without end: with a killed PS, a worker's
 GEO, Keras). Nothing inside TF can be told to give up, so a worker watches its servers
 itself and, when one is lost, says so and ends the process within a bound:
 
-* :class:`ServerWatch` probes every server each heartbeat interval with a fresh gRPC
-  connection (a killed server refuses it; a stopped one never completes the HTTP/2
-  handshake) and reports one that has not answered for the heartbeat timeout; the
+* :class:`ServerWatch` probes every server each heartbeat interval with a fresh
+  connection and an HTTP/2 handshake (a killed server refuses it; a stopped one never
+  answers) and reports one that has not answered for the heartbeat timeout; the
   scheduler's "dead" reports count at once (it applied the same timeout).
 * :func:`exit_when_lost` logs the loss with what the main thread was doing, gives the
   training code ``grace`` seconds to fail on its own (an ``UnavailableError`` from the
@@ -23,39 +23,46 @@ import faulthandler
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
-import grpc
-
 from tfpsx.background import BackgroundLoop
-from tfpsx.control.channels import FAST_RECONNECT
 
 logger = logging.getLogger("tfpsx")
 
 # EX_TEMPFAIL: the job may succeed when restarted (from its last checkpoint).
 EXIT_PEER_LOST = 75
 
-# A probe dials a connection of its own: a shared subchannel would report the state of
-# a connection made long ago.
-_PROBE_OPTIONS = FAST_RECONNECT + [("grpc.use_local_subchannel_pool", 1)]
+# The client's HTTP/2 connection preface and an empty SETTINGS frame: a live gRPC
+# server answers with its own SETTINGS frame (type 4) at once.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
 def probe(address: str, timeout: float) -> bool:
-    """True if a gRPC server at ``address`` completes a connection within ``timeout``."""
-    channel = grpc.insecure_channel(address, options=_PROBE_OPTIONS)
-    future = grpc.channel_ready_future(channel)
+    """True if a gRPC server at ``address`` answers an HTTP/2 handshake within ``timeout``.
+
+    A killed server refuses the connection; a stopped or wedged one accepts it (the
+    kernel does) but never answers. A plain socket, not a grpc channel: channels made
+    and closed each round in a process that also runs TF's own gRPC broke its poller
+    (measured: "epoll_wait error: Bad file descriptor", then a hung worker)."""
+    host, port = address.rsplit(":", 1)
     try:
-        future.result(timeout=timeout)
-        return True
-    except grpc.FutureTimeoutError:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(_PREFACE)
+            header = b""
+            while len(header) < 9:
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+            return header[3] == 4  # a SETTINGS frame
+    except OSError:
         return False
-    finally:
-        future.cancel()
-        channel.close()
 
 
 class ServerWatch:
@@ -76,7 +83,7 @@ class ServerWatch:
         self.servers, self.timeout = dict(servers), timeout
         self._on_lost, self._reported_dead = on_lost, reported_dead
         self._last_ok = {task: time.monotonic() for task in self.servers}
-        self._probe_timeout = max(0.2, min(interval, timeout / 3))
+        self._probe_timeout = max(1.0, timeout / 3)  # a loaded machine answers late
         self._loop = BackgroundLoop("server watch", self._round, interval=interval)
         self.lost: Optional[Tuple[str, str, str]] = None
 
