@@ -234,3 +234,79 @@ def test_bad_input_is_a_clear_error(tmp_path):
         tfpsx.export_serving(unbuilt_inputs, tmp_path / "n")
     with pytest.raises(TypeError, match="expected a Keras model or a tf.compat.v1.Session"):
         tfpsx.export_serving(object(), tmp_path / "n")
+
+
+# ----------------------------------------------------------------------------- TF1 graphs
+def graph_model():
+    """A TF1 graph: a 2-shard table read by training lookups (find-or-insert), a 1-shard
+    table read by find, resource and ref variables, a v2 cond (a function library)."""
+    ids = tf.compat.v1.placeholder(tf.int64, [None, 3], name="ids")
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+    y = tf.compat.v1.placeholder(tf.float32, [None], name="y")
+    emb = E.DynamicEmbedding(name("g"), 4, initializer=E.normal(0, 0.3),
+                             optimizer=E.Adagrad(0.3), devices=[None, None])
+    looked = emb.lookup_unique(ids)
+    bias = E.DynamicEmbedding(name("g"), 1, initializer=E.uniform(-0.1, 0.1), devices=[None])
+    w = tf.compat.v1.get_variable(name("w"), [16, 1],
+                                  initializer=tf.compat.v1.glorot_uniform_initializer())
+    v = tf.compat.v1.get_variable(name("v"), [1], initializer=tf.zeros_initializer(),
+                                  use_resource=False)
+    hidden = tf.concat([tf.reshape(looked.embeddings, [-1, 12]), x], 1)
+    logit = tf.squeeze(tf.matmul(hidden, w), 1) + v + tf.reshape(bias.lookup(ids[:, :1]), [-1])
+    logit = tf.cond(tf.reduce_sum(x) > 1e9, lambda: logit * 2.0, lambda: logit)
+    pred = tf.sigmoid(logit, name="pred")
+    loss = tf.reduce_mean(tf.square(pred - y))
+    step = tf.compat.v1.train.get_or_create_global_step()
+    train = tf.group(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step),
+        emb.minimize(loss, [looked], step=step))
+    return ids, x, y, pred, train
+
+
+def test_a_trained_tf1_graph_serves_without_tfpsx(tmp_path):
+    rng = np.random.default_rng(0)
+    with tf.Graph().as_default() as graph:
+        ids, x, y, pred, train = graph_model()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(20):
+                sess.run(train, {ids: rng.integers(0, 30, (32, 3)),
+                                 x: rng.normal(size=(32, 4)), y: rng.random(32)})
+            graph.finalize()  # as a MonitoredSession leaves it
+            query = {"ids": np.concatenate([rng.integers(0, 30, (5, 3)),
+                                            rng.integers(100, 200, (5, 3))]),
+                     "x": rng.normal(size=(10, 4)).astype(np.float32)}
+            want = sess.run(pred, {ids: query["ids"], x: query["x"]})
+            path = tfpsx.export_serving(sess, tmp_path / "g", inputs={"ids": ids, "x": x},
+                                        outputs={"pred": pred})
+            assert graph.finalized
+    assert tfpsx_ops(path) == {}
+    got = served(path, query, tmp_path)
+    np.testing.assert_allclose(got["pred"], want, rtol=0, atol=1e-6)
+
+
+def test_a_graph_export_names_what_it_cannot_serve(tmp_path):
+    with tf.Graph().as_default():
+        ids, x, y, pred, train = graph_model()
+        loss = tf.reduce_mean(tf.square(pred - y))
+        update = tf.compat.v1.assign_add(
+            tf.compat.v1.get_variable(name("c"), [], use_resource=False), 1.0)
+        inputs = {"ids": ids, "x": x}
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            with pytest.raises(ValueError, match="depend on placeholder 'y', which is not in "
+                                                 "inputs="):
+                tfpsx.export_serving(sess, tmp_path / "g", inputs=inputs, outputs={"l": loss})
+            with pytest.raises(ValueError, match="depend on AssignAdd op"):
+                tfpsx.export_serving(sess, tmp_path / "g", inputs=inputs,
+                                     outputs={"u": update})
+            with pytest.raises(ValueError, match="needs inputs=.* and outputs="):
+                tfpsx.export_serving(sess, tmp_path / "g", outputs={"pred": pred})
+            with pytest.raises(ValueError, match="expected a tensor of the session's graph"):
+                tfpsx.export_serving(sess, tmp_path / "g", inputs=inputs,
+                                     outputs={"pred": np.ones(1)})
+        with pytest.raises(ValueError, match="monitored session is closed"):
+            done = tf.compat.v1.train.MonitoredSession()
+            done.close()
+            tfpsx.export_serving(done, tmp_path / "g", inputs=inputs, outputs={"p": pred})
+    assert not os.path.exists(tmp_path / "g")  # nothing written by a failed export

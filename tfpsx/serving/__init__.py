@@ -14,6 +14,7 @@ TensorFlow and TF Serving load and run.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Mapping, Optional
 
 import tensorflow as tf
@@ -73,21 +74,20 @@ def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
                              "model's outputs are its own")
         from tfpsx.serving import keras as _keras
         module, concrete = _keras.build_module(model_or_session, inputs)
-    elif _is_session(model_or_session):
+        return _export.write(module, concrete, path, version)
+    if _is_session(model_or_session):
         from tfpsx.serving import graph as _graph
-        module, concrete = _graph.build_module(model_or_session, inputs, outputs)
-    else:
-        raise TypeError(f"export_serving: expected a Keras model or a tf.compat.v1.Session, "
-                        f"got {type(model_or_session).__name__}")
-    return _export.write(module, concrete, path, version)
+        return _graph.export(model_or_session, path, version, inputs, outputs)
+    raise TypeError(f"export_serving: expected a Keras model or a tf.compat.v1.Session, "
+                    f"got {type(model_or_session).__name__}")
 
 
 def _is_keras_model(obj) -> bool:
-    keras = __import__("sys").modules.get("keras")
+    keras = sys.modules.get("keras")  # a Keras model means Keras is imported already
     return keras is not None and isinstance(obj, keras.Model)
 
 
 def _is_session(obj) -> bool:
-    return isinstance(obj, tf.compat.v1.Session) or (
-        hasattr(obj, "graph") and hasattr(obj, "run") and
-        isinstance(getattr(obj, "graph", None), tf.Graph))
+    # A tf.compat.v1.Session, or a (tfpsx or TF) MonitoredSession, open or closed.
+    return (isinstance(obj, tf.compat.v1.Session) or callable(getattr(obj, "_tf_sess", None))
+            or (isinstance(getattr(obj, "graph", None), tf.Graph) and hasattr(obj, "run")))

@@ -119,14 +119,14 @@ class ServingTable(tf.Module):
     def lookup(self, ids) -> tf.Tensor:
         """The rows (ids' shape + [dim]) of int64 ids: stored, or initial for other ids."""
         ids = tf.convert_to_tensor(ids)
-        keys = tf.reshape(tf.cast(ids, tf.int64), [-1])
-        rows = self._rows(keys)
+        rows, _ = self.find(tf.reshape(tf.cast(ids, tf.int64), [-1]))
         return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], axis=0))
 
-    def _rows(self, keys: tf.Tensor) -> tf.Tensor:
+    def find(self, keys: tf.Tensor):
+        """(rows ``[n, dim]``, found ``[n]``) of a key vector: the table's ``find``."""
         count = len(self.shards)
         if count == 0:
-            return self.initial_rows(keys)
+            return self.initial_rows(keys), tf.zeros(tf.shape(keys), tf.bool)
         if count == 1:
             rows, found = self.shards[0].find(keys)
         else:
@@ -139,8 +139,9 @@ class ServingTable(tf.Module):
             rows = tf.reshape(rows, [-1, self.dim])
         # The initializer runs for the missing ids only (few, when serving).
         missing = tf.where(tf.logical_not(found))
-        return tf.tensor_scatter_nd_update(rows, missing,
+        rows = tf.tensor_scatter_nd_update(rows, missing,
                                            self.initial_rows(tf.gather_nd(keys, missing)))
+        return rows, found
 
 
 def from_trained(table, source: Optional[object] = None) -> ServingTable:
