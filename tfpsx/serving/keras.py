@@ -41,8 +41,9 @@ class KerasServingModule(tf.Module):
 
 
 def _embedding_layers(model) -> List[DynamicEmbedding]:
-    return [layer for layer in model._flatten_layers(include_self=True, recursive=True)  # noqa: SLF001
-            if isinstance(layer, DynamicEmbedding)]
+    # Keras has no public walk over nested layers (a subclassed model's included).
+    layers = model._flatten_layers(include_self=True, recursive=True)  # noqa: SLF001
+    return [layer for layer in layers if isinstance(layer, DynamicEmbedding)]
 
 
 def _keras_inputs(model, inputs) -> tuple:
