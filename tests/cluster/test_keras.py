@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, wait_for_log
-from test_training import geo_reference
+from test_training import geo_reference, served_outputs
 import training_job as linear
 
 import tfpsx
 
-SERVING_CHECK = os.path.abspath(os.path.join(SCRIPTS, os.pardir, os.pardir, "serving_check.py"))
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
 # A model that did not learn predicts the base rate: log loss ~0.69 on the planted clicks.
 LEARNED = 0.45
@@ -182,18 +181,9 @@ def test_the_chief_exports_a_model_that_serves_without_tfpsx(make_cluster, tmp_p
                      args=["--mode", mode, "--epochs", "1", "--export", str(out)] + extra)
     finish(c.start(), timeout=300)
     assert sorted(os.listdir(out / "model")) == ["1"]
-    got = str(out / "got.npz")
-    proc = subprocess.run(
-        [sys.executable, SERVING_CHECK, str(out / "model" / "1"), str(out / "feed.npz"), got],
-        capture_output=True, text=True, timeout=180,
-        env=dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-                 TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 0 and "SERVED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-    served = dict(np.load(got))
-    want = np.load(out / "predictions.npy")
-    for loader in ("tf2", "tf1"):
-        (name,) = [k for k in served if k.startswith(loader + "/")]
-        np.testing.assert_allclose(served[name], want, rtol=0, atol=1e-6)
+    got = served_outputs(out / "model" / "1", out / "feed.npz", tmp_path)
+    (name,) = got
+    np.testing.assert_allclose(got[name], np.load(out / "predictions.npy"), rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(300)
