@@ -181,9 +181,10 @@ def test_the_chief_exports_a_model_that_serves_without_tfpsx(make_cluster, tmp_p
                      args=["--mode", mode, "--epochs", "1", "--export", str(out)] + extra)
     finish(c.start(), timeout=300)
     assert sorted(os.listdir(out / "model")) == ["1"]
-    got = served_outputs(out / "model" / "1", out / "feed.npz", tmp_path)
-    (name,) = got
-    np.testing.assert_allclose(got[name], np.load(out / "predictions.npy"), rtol=0, atol=1e-6)
+    want = np.load(out / "predictions.npy")
+    for loader, got in served_outputs(out / "model" / "1", out / "feed.npz", tmp_path).items():
+        (name,) = got
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-6, err_msg=loader)
 
 
 @pytest.mark.timeout(300)
