@@ -287,6 +287,25 @@ def test_a_trained_tf1_graph_serves_without_tfpsx(tmp_path):
     assert_served(served(path, query, tmp_path), "pred", want)
 
 
+def test_a_graph_with_a_sparse_placeholder_serves_its_components(tmp_path):
+    with tf.Graph().as_default():
+        ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 4], name="ids")
+        emb = E.DynamicEmbedding(name("g"), 3, initializer=E.uniform(-1, 1))
+        rows = emb.lookup(ids.values)
+        pooled = tf.math.unsorted_segment_sum(rows, ids.indices[:, 0], ids.dense_shape[0])
+        with tf.compat.v1.Session() as sess:
+            sess.run(emb.insert([1, 2], [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+            feed = tf.compat.v1.SparseTensorValue([[0, 0], [0, 3], [2, 1]], [1, 2, 77], [3, 4])
+            want = sess.run(pooled, {ids: feed})
+            path = tfpsx.export_serving(sess, tmp_path / "sp", inputs={"ids": ids},
+                                        outputs={"pooled": pooled})
+    query = {"ids_indices": np.array(feed.indices, np.int64),
+             "ids_values": np.array(feed.values, np.int64),
+             "ids_dense_shape": np.array(feed.dense_shape, np.int64)}
+    assert_served(served(path, query, tmp_path), "pooled", want)
+    np.testing.assert_array_equal(want[1], [0, 0, 0])
+
+
 def test_a_graph_export_names_what_it_cannot_serve(tmp_path):
     with tf.Graph().as_default():
         ids, x, y, pred, train = graph_model()

@@ -17,7 +17,7 @@ needs ``inputs=`` (its input specs), the others have them.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import List
 
 import keras
 import numpy as np

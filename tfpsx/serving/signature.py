@@ -15,7 +15,7 @@ Dense ids padded with the layer's ``pad_id`` stay one dense input: the usual ser
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -112,6 +112,3 @@ def as_spec(value) -> Tuple[object, str]:
         return tf.type_spec_from_value(value), name
     raise TypeError(f"expected a tf.TensorSpec (or tf.SparseTensorSpec, tf.RaggedTensorSpec), "
                     f"got {value!r}")
-
-
-Builder = Callable[[Sequence[tf.Tensor]], object]
