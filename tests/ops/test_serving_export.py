@@ -212,6 +212,9 @@ def test_a_model_without_tables_exports_as_it_is(tmp_path):
     assert path.endswith(os.path.join("plain", "7"))
     query = {"x": np.ones((2, 3), np.float32)}
     assert_served(served(path, query, tmp_path), "out", model.predict(query["x"], verbose=0))
+    # From inside a TF1 job's graph context too: the export builds in a thread of its own.
+    with tf.Graph().as_default():
+        assert tfpsx.export_serving(model, tmp_path / "plain").endswith("8")
 
 
 def test_bad_input_is_a_clear_error(tmp_path):

@@ -73,8 +73,13 @@ def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
             raise ValueError("export_serving: outputs= is for a graph-mode session; a Keras "
                              "model's outputs are its own")
         from tfpsx.serving import keras as _keras
-        module, concrete = _keras.build_module(model_or_session, inputs)
-        return _export.write(module, concrete, path, version)
+        _keras.before_export(model_or_session)
+
+        def build_and_write():
+            module, concrete = _keras.build_module(model_or_session, inputs)
+            return _export.write(module, concrete, path, version)
+
+        return _export.in_clean_thread(build_and_write)
     if _is_session(model_or_session):
         from tfpsx.serving import graph as _graph
         return _graph.export(model_or_session, path, version, inputs, outputs)

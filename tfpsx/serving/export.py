@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from typing import Dict, Optional
 
@@ -43,6 +44,32 @@ def version_dir(path: str, version: Optional[int]) -> str:
         raise FileExistsError(f"export_serving: {target!r} exists already; pick another "
                               "version, or version=None for the next free one")
     return target
+
+
+def in_clean_thread(fn):
+    """``fn()`` in a new thread: TF2's eager context and no strategy scope, default graph or
+    table updater scope of the caller's (all are per thread), so that what the export
+    creates is plain local state, wherever ``export_serving`` was called from (inside a
+    ``with tf.Graph().as_default():`` of a TF1 job, or a strategy's ``scope()``)."""
+    result: Dict[str, object] = {}
+
+    def run():
+        try:
+            if not tf.executing_eagerly():
+                raise RuntimeError(
+                    "export_serving needs TF2 behavior in the process (eager execution "
+                    "enabled; the model itself may be a tf.compat.v1 graph): it cannot run "
+                    "after tf.compat.v1.disable_eager_execution() or disable_v2_behavior()")
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="tfpsx-export-serving")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def tfpsx_ops(saved_model_dir: str) -> Dict[str, int]:

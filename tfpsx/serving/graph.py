@@ -22,7 +22,6 @@ own predictions use.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
@@ -325,31 +324,6 @@ def _import(cut: _Cut, batch: List[str], known, consumers, wanted_out, stage: in
     return dict(zip(returned, tensors))
 
 
-def _in_eager_thread(fn):
-    """``fn()`` in a new thread: its own default graph and TF2's eager context, whatever
-    graph the caller has entered (``with tf.Graph().as_default():``)."""
-    result: Dict[str, object] = {}
-
-    def run():
-        try:
-            if not tf.executing_eagerly():
-                raise RuntimeError(
-                    "export_serving of a graph needs TF2 behavior in the process (eager "
-                    "execution enabled; the model itself may be a tf.compat.v1 graph): it "
-                    "cannot run after tf.compat.v1.disable_eager_execution() or "
-                    "disable_v2_behavior()")
-            result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name="tfpsx-export-serving")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
 def export(session, path: str, version: Optional[int], inputs: Optional[Mapping],
            outputs: Optional[Mapping]) -> str:
     """Exports the inference ``outputs`` of ``inputs`` (see the module doc)."""
@@ -384,4 +358,4 @@ def export(session, path: str, version: Optional[int], inputs: Optional[Mapping]
                                    autograph=False)
         return _export.write(module, module.serve.get_concrete_function(), path, version)
 
-    return _in_eager_thread(build_and_write)
+    return _export.in_clean_thread(build_and_write)

@@ -86,11 +86,11 @@ def _output_names(model) -> List[str]:
     return list(names) if names else []
 
 
-def build_module(model, inputs=None):
-    """(the module to save, the ``serving_default`` concrete function) of a Keras model.
+def before_export(model) -> None:
+    """In the caller's thread: checks, and what ``predict`` does first.
 
     Raises:
-      ValueError: the model is not built, or has no known inputs and none were given.
+      ValueError: the model is not built.
     """
     if not model.built:
         raise ValueError(f"export_serving: model {model.name!r} is not built; call it on data "
@@ -98,6 +98,15 @@ def build_module(model, inputs=None):
     strategy = getattr(model, "_distribute_strategy", None)
     if isinstance(strategy, ParameterServerStrategy):
         strategy.before_inference(model)  # what predict reads (GEO: the global model)
+
+
+def build_module(model, inputs=None):
+    """(the module to save, the ``serving_default`` concrete function) of a built Keras
+    model (:func:`before_export` first); in a thread without a strategy scope.
+
+    Raises:
+      ValueError: the model has no known inputs and none were given.
+    """
     layers = _embedding_layers(model)
     tables, sources, internal = [], {}, set()
     for layer in layers:
