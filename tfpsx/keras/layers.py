@@ -22,6 +22,10 @@ model code runs in a notebook and on the cluster.
 Saving: ``model.save("m.keras")`` / ``keras.models.load_model`` and ``save_weights`` carry
 the table's rows (keys, values, optimizer slots, frequencies, steps);
 ``tf.train.Checkpoint(model=model)`` tracks the table as a checkpointable.
+
+Serving: ``tfpsx.export_serving(model, path)`` writes a SavedModel without tfpsx ops; it
+traces this layer's ``call`` with its rows read from stock TF objects
+(:func:`reading_rows_from`), so what is served is this layer's own id handling.
 """
 
 from __future__ import annotations
