@@ -13,7 +13,8 @@ Example:
 This module is a facade. The package is layered, each layer importing only the ones
 below it (``make test`` checks it with import-linter):
 
-  testing                     LocalCluster for tests of a user's job
+  testing | serving           LocalCluster for tests of a user's job; serving export
+                              (SavedModels without tfpsx ops)
   launcher | keras            tfpsx-run; Keras 3 fit (ParameterServerStrategy, layers)
   training | data             strategy -> Mode (async, sync, staleness, GEO), sessions;
                               each worker's part of the input
@@ -47,6 +48,7 @@ _LAZY = {
     "training": "tfpsx.training",
     "testing": "tfpsx.testing",
     "keras": "tfpsx.keras",
+    "serving": "tfpsx.serving",
     "data": "tfpsx.data",
     "DistributedStrategy": "tfpsx.training",
     "distributed_optimizer": "tfpsx.training",
@@ -56,6 +58,7 @@ _LAZY = {
     "MonitoredTrainingSession": "tfpsx.training",
     "GeoOptimizer": "tfpsx.training",
     "GeoCounters": "tfpsx.training",
+    "export_serving": "tfpsx.serving",
 }
 
 __all__ = [

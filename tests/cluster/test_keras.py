@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import SCRIPTS, wait_for_log
-from test_training import geo_reference
+from test_training import geo_reference, served_outputs
 import training_job as linear
 
 import tfpsx
@@ -168,6 +168,23 @@ def test_the_chief_saves_a_model_that_reloads_without_a_cluster(make_cluster, tm
                           timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0 and "RELOADED (2048, 1)" in proc.stdout, \
         proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "8"])])
+def test_the_chief_exports_a_model_that_serves_without_tfpsx(make_cluster, tmp_path, mode,
+                                                             extra):
+    """Async: the tables' rows come from their shards on two PS; GEO: from the chief's
+    copy, as predict reads them. Served in a process without tfpsx (TF2 and TF1 loaders)."""
+    out = tmp_path / "export"
+    c = make_cluster(2, 2, script="keras_job.py", env=FAST, timeout=300,
+                     args=["--mode", mode, "--epochs", "1", "--export", str(out)] + extra)
+    finish(c.start(), timeout=300)
+    assert sorted(os.listdir(out / "model")) == ["1"]
+    want = np.load(out / "predictions.npy")
+    for loader, got in served_outputs(out / "model" / "1", out / "feed.npz", tmp_path).items():
+        (name,) = got
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-6, err_msg=loader)
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,8 @@
 """Graph-mode training modes on local clusters (tests/cluster/scripts/training_job.py)."""
 
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -129,6 +131,41 @@ def test_partitioned_variable_spreads_over_servers(make_cluster):
     assert len(parts) == 2, r["placement"]
     assert set(parts.values()) == {"/job:ps/task:0", "/job:ps/task:1"}
     assert r["eval_loss"] < 0.05
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,extra", [
+    ("async", ["--steps", "100", "--partitioned"]),
+    ("geo", ["--k_steps", "5", "--deterministic", "--syncs", "4"])])
+def test_the_chief_exports_the_graph_that_serves_without_tfpsx(make_cluster, tmp_path, mode,
+                                                               extra):
+    """A graph-mode job: the table's shards on two PS (async; w partitioned over them) or
+    the chief's GEO copies; exported from a session on the chief's server, served in a
+    process without tfpsx."""
+    out = tmp_path / "export"
+    c = make_cluster(2, 2, script="training_job.py", env=FAST,
+                     args=["--mode", mode, "--table", "--export", str(out)] + extra).start()
+    finish(c)
+    want = np.load(out / "predictions.npy")
+    for loader, got in served_outputs(out / "model" / "1", out / "feed.npz", tmp_path).items():
+        np.testing.assert_allclose(got["pred"], want, rtol=0, atol=1e-6, err_msg=loader)
+
+
+def served_outputs(path, feed, tmp_path):
+    """``serving_default``'s outputs in a process without tfpsx (tests/serving_check.py):
+    {"tf2": {name: array}, "tf1": {...}}, by TF2's loader and the TF1 one TF Serving's
+    mirrors (a session's graph optimizations may round a last bit differently)."""
+    got = str(tmp_path / "served.npz")
+    check = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "serving_check.py")
+    proc = subprocess.run(
+        [sys.executable, check, str(path), str(feed), got], capture_output=True, text=True,
+        timeout=180, env=dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                              TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0 and "SERVED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    out = dict(np.load(got))
+    return {loader: {k[4:]: v for k, v in out.items() if k.startswith(loader + "/")}
+            for loader in ("tf2", "tf1")}
 
 
 @pytest.mark.timeout(240)

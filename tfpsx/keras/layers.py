@@ -22,11 +22,17 @@ model code runs in a notebook and on the cluster.
 Saving: ``model.save("m.keras")`` / ``keras.models.load_model`` and ``save_weights`` carry
 the table's rows (keys, values, optimizer slots, frequencies, steps);
 ``tf.train.Checkpoint(model=model)`` tracks the table as a checkpointable.
+
+Serving: ``tfpsx.export_serving(model, path)`` writes a SavedModel without tfpsx ops; it
+traces this layer's ``call`` with its rows read from stock TF objects
+(:func:`reading_rows_from`), so what is served is this layer's own id handling.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import threading
+from typing import Callable, Dict, Optional
 
 import keras
 import numpy as np
@@ -41,6 +47,22 @@ from tfpsx.keras.strategy import ParameterServerStrategy
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _HASH_BUCKETS = 2 ** 63 - 1
+_sources = threading.local()
+
+
+@contextlib.contextmanager
+def reading_rows_from(sources: Dict["DynamicEmbedding", Callable]):
+    """Inside (in this thread), the layers in ``sources`` read their rows from
+    ``sources[layer](ids)`` (a flat int64 id vector -> rows ``[n, dim]``) instead of their
+    table, training or not: the seam a serving export traces the model through, with the
+    rows in stock TensorFlow objects (:mod:`tfpsx.serving`). The layer's id handling
+    (string hashing, pad_id, combiners, ragged and sparse ids) is unchanged."""
+    outer = getattr(_sources, "map", None)
+    _sources.map = {**(outer or {}), **{id(layer): fn for layer, fn in sources.items()}}
+    try:
+        yield
+    finally:
+        _sources.map = outer
 
 
 def _initializer(spec) -> E.Initializer:
@@ -154,6 +176,9 @@ class DynamicEmbedding(keras.layers.Layer):
     # ------------------------------------------------------------------ call
     def call(self, inputs, training=None):
         ids, finish = self._ids(inputs)
+        source = (getattr(_sources, "map", None) or {}).get(id(self))
+        if source is not None:
+            return finish(source(ids))
         if not training or self.table_optimizer is None:
             return finish(self.table.lookup(ids))
         step = self._step.assign_add(1)

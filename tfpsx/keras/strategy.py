@@ -239,7 +239,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         """``fit`` / ``evaluate`` / ``predict`` of a model built in this scope."""
         self.check_model(model)
         if name != "fit":
-            self._mode.begin_eval(model)
+            self.before_inference(model)
             return self._translating(original, model, *args, **kwargs)
         bound = inspect.signature(original).bind(model, *args, **kwargs)
         bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [
@@ -256,6 +256,12 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
             raise
         self._mode.end_fit(model)
         return result
+
+    def before_inference(self, model) -> None:
+        """What ``evaluate`` / ``predict`` do first: a non-chief waits for the chief's
+        model; in GEO, outside ``fit``, this worker's copy takes the global model. A
+        serving export (``tfpsx.export_serving``) calls it to write what ``predict`` uses."""
+        self._mode.begin_eval(model)
 
     def _translating(self, original, *args, **kwargs):
         self._pending = None

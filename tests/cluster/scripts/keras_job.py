@@ -12,6 +12,8 @@ per worker at the end.
   --local      the same model code without a cluster (no tfpsx.init, no strategy).
   --uneven     worker 1 gets a third of worker 0's data (no tfpsx.data.shard).
   --save DIR   the chief saves DIR/model.keras and DIR/predictions.npy.
+  --export DIR the chief exports DIR/model/1 (tfpsx.export_serving), DIR/feed.npz (ids
+               seen in training and never seen) and DIR/predictions.npy (model.predict).
 """
 import argparse
 import contextlib
@@ -81,6 +83,19 @@ def linear_data(worker: int, steps: int):
             np.concatenate([b[1] for b in batches])[:, None])
 
 
+def export_serving(model, folder: str) -> None:
+    """What a served model must predict: held-out clicks, half with ids never seen."""
+    features, _ = click_data(99, 512)
+    features["user"][::2] = np.array([f"new-user-{i}" for i in range(256)], object)[:, None]
+    features["tags"][1::2] += 10_000
+    os.makedirs(folder, exist_ok=True)
+    np.save(os.path.join(folder, "predictions.npy"),
+            model.predict({k: tf.constant(v) for k, v in features.items()}, verbose=0))
+    np.savez(os.path.join(folder, "feed.npz"),
+             **dict(features, user=features["user"].astype(bytes)))
+    tfpsx.export_serving(model, os.path.join(folder, "model"))
+
+
 def strategy_for(args):
     configs = {}
     if args.mode == "geo":
@@ -105,6 +120,7 @@ def main(argv):
     p.add_argument("--local", action="store_true")
     p.add_argument("--uneven", action="store_true")
     p.add_argument("--save", default=None)
+    p.add_argument("--export", default=None)
     p.add_argument("--checkpoint", default=None,
                    help="the chief saves weights there every epoch (ModelCheckpoint) and, "
                         "when a file is there already, restores it before fit")
@@ -194,6 +210,8 @@ def main(argv):
                     model.predict(features, verbose=0))
             np.save(os.path.join(args.save, "eval_features.npy"),
                     {k: v.numpy() for k, v in features.items()}, allow_pickle=True)
+        if args.export and me == 0:
+            export_serving(model, args.export)
     if args.local:
         tfpsx.metrics.set_identity("local", 0)
     tfpsx.metrics.emit("keras", **report)

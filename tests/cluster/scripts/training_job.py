@@ -3,8 +3,14 @@ distributed_optimizer / MonitoredTrainingSession; emits one "training" metrics r
 
   training_job.py --mode async|geo [--k_steps K] [--deterministic] [--syncs T]
                   [--steps S] [--checkpoint_dir D] [--save_steps N] [--partitioned]
+                  [--table] [--export DIR]
+
+--export DIR: after training (every worker's pushes in) the chief exports the inference
+(x -> pred) with tfpsx.export_serving to DIR/model/1, from a session on its server, with
+DIR/feed.npz and DIR/predictions.npy (that session's predictions) beside it.
 """
 import argparse
+import os
 import sys
 import time
 
@@ -43,6 +49,7 @@ def main(argv):
     p.add_argument("--partitioned", action="store_true")
     p.add_argument("--table", action="store_true",
                    help="add a per-id bias from a DynamicEmbedding (id: the sign of x[0])")
+    p.add_argument("--export", default=None)
     p.add_argument("--no_final_barrier", action="store_true",
                    help="a worker may have been killed: do not wait for everyone at the end")
     args = p.parse_args(argv)
@@ -123,6 +130,12 @@ def main(argv):
                 eval_ids = tf.constant((eval_x[:, 0] > 0).astype(np.int64))
                 eval_pred += tf.squeeze(emb.lookup(eval_ids), 1)
             eval_loss = s.run(tf.reduce_mean(tf.square(eval_pred - eval_y)))
+            if args.export and me == 0:
+                os.makedirs(args.export, exist_ok=True)
+                np.save(os.path.join(args.export, "predictions.npy"), s.run(pred, {x: eval_x}))
+                np.savez(os.path.join(args.export, "feed.npz"), x=eval_x)
+                tfpsx.export_serving(s, os.path.join(args.export, "model"), inputs={"x": x},
+                                     outputs={"pred": pred})
         report.update({"global_w": g_w.ravel().tolist(), "global_b": float(g_b),
                        "global_step": int(g_step), "eval_loss": float(eval_loss)})
     tfpsx.metrics.emit("training", **report)
