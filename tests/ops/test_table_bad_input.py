@@ -3,10 +3,13 @@ what it got and what was expected, and changes nothing: on every shard, eager an
 graph (where the checks the shapes cannot settle are asserts that every shard op waits for),
 for import_rows, checkpoint restores, evict, insert / accumulate and apply_gradients."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfpsx
 from tfpsx import embedding as E
 
 _names = iter(range(10 ** 6))
@@ -315,3 +318,29 @@ def test_insert_and_accumulate_refuse_transposed_rows():
     t.insert([[100, 300]], np.full([1, 2, 4], 2.0, np.float32))  # keys' shape + [dim]
     np.testing.assert_array_equal(t.lookup([100, 300]), np.full([2, 4], 2.0))
 
+
+def test_import_kernel_refuses_bad_shapes():
+    """What reaches the kernel directly (no Python checks) is an InvalidArgument, never a
+    crash, and the table is unchanged."""
+    t = filled(shards=1)
+    before = snapshot(t)
+    handle, ops = t.handles()[0], tfpsx.load_ops()
+    good = good_rows()
+    cases = [
+        (dict(keys=tf.constant([[1, 2, 3]], tf.int64)), "import keys must be a vector"),
+        (dict(values=tf.zeros([3, 3])), r"imported values must have shape \[3,2\]"),
+        (dict(values=tf.zeros([6])), r"imported values must have shape \[3,2\]"),
+        (dict(slots=tf.zeros([6])), r"import slots must be empty or have shape \[3,1,2\].*got \[6\]"),
+        (dict(slots=tf.zeros([3, 2, 2])),
+         r"import slots must be empty or have shape \[3,1,2\].*got \[3,2,2\]"),
+        (dict(freq=tf.zeros([3, 1], tf.int64)),
+         r"import freq must be empty or have shape \[3\], got \[3,1\]"),
+        (dict(step=tf.zeros([2], tf.int64)), r"import step must be empty or have shape \[3\]"),
+    ]
+    for change, message in cases:
+        rows = dict(good, **change)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"tfpsx table '{re.escape(t.name)}/part_0': {message}"):
+            ops.tfpsx_hash_table_import(handle, rows["keys"], rows["values"], rows["slots"],
+                                        rows["freq"], rows["step"], clear=True)
+        assert_same(before, snapshot(t))

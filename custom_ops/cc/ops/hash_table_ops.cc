@@ -137,8 +137,9 @@ REGISTER_OP("TfpsxHashTableImport")
     .Attr("clear: bool = false")
     .SetShapeFn(NoOutputs)
     .Doc(R"doc(
-Writes exported rows back (clear=true replaces the table's contents). `slots` may be
-empty (slots then start from their initial value); freq and step may be empty.
+Writes exported rows back (clear=true replaces the table's contents): keys [n],
+values [n, dim], slots [n, num_slots, dim] or empty (slots then start from their initial
+value), freq and step [n] or empty. Every input is checked before the table changes.
 )doc");
 
 REGISTER_OP("TfpsxHashTableTakeChanged")
