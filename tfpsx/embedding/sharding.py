@@ -21,6 +21,8 @@ from tfpsx.embedding.initializers import Initializer, normal
 from tfpsx.embedding.storage import HASH_TABLE, Backend, ShardSpec, TableStorage, on_device
 
 INT64_MIN = -(2 ** 63)
+STATS_FIELDS = ("size", "admitted", "evicted", "pending_admission", "bytes_used",
+                "bytes_reserved")
 
 
 @dataclasses.dataclass
@@ -248,9 +250,15 @@ class ShardedTable:
     def size(self) -> tf.Tensor:
         return tf.add_n(self.on_shards(lambda i, s: s.size()))
 
-    def stats(self) -> tf.Tensor:
-        """[size, admitted, evicted, pending_admission, memory_bytes], summed over shards."""
-        return tf.add_n(self.on_shards(lambda i, s: s.stats()))
+    def stats(self) -> Dict[str, tf.Tensor]:
+        """Counters summed over the shards, int64 scalars by name: ``size`` (rows held),
+        ``admitted`` and ``evicted`` (rows, since the shards were created),
+        ``pending_admission`` (keys seen but not admitted yet), ``bytes_used`` (the rows'
+        records, key, metadata, value and slots, plus the index) and ``bytes_reserved``
+        (all the memory the table holds: the index and every block of row memory it
+        mapped, including chunks not filled yet and reserved ``capacity``)."""
+        total = tf.add_n(self.on_shards(lambda i, s: s.stats()))
+        return {name: total[j] for j, name in enumerate(STATS_FIELDS)}
 
     def evict(self, min_step=None, keep_top_n=None) -> tf.Tensor:
         """Evicts rows last updated before ``min_step`` (TTL) and/or keeps the top-N most

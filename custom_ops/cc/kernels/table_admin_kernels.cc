@@ -122,13 +122,14 @@ class StatsOp : public TableOpKernel {
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     HashTable& t = table.table();
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({6}), &out));
     auto s = out->flat<int64_t>();
     s(0) = t.Size();
     s(1) = t.admitted();
     s(2) = t.evicted();
     s(3) = t.pending_admission();
-    s(4) = t.MemoryBytes();
+    s(4) = t.UsedBytes();
+    s(5) = t.ReservedBytes();
   }
 };
 

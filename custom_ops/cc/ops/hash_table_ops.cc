@@ -217,9 +217,14 @@ REGISTER_OP("TfpsxHashTableStats")
     .Input("handle: resource")
     .Output("stats: int64")
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(5));
+      c->set_output(0, c->Vector(6));
       return absl::OkStatus();
     })
-    .Doc("[size, admitted, evicted, pending_admission, memory_bytes].");
+    .Doc(R"doc(
+[size, admitted, evicted, pending_admission, bytes_used, bytes_reserved]: bytes_used is
+what the rows held take (records: key, metadata, value, slots; plus the index),
+bytes_reserved all the table holds (the index and every block of row memory mapped,
+reserved capacity and chunks not filled yet included).
+)doc");
 
 }  // namespace tfpsx
