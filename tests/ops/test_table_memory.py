@@ -36,8 +36,8 @@ def test_stats_names_and_narrow_rows():
     rows = n * record_bytes(16, 0)
     # Used: the records plus the index (4-byte slots, load 0.35 .. 0.7).
     assert rows < got["bytes_used"] < rows + n * 12
-    # Held: at most ~1/8 more (the newest block's rest) and a partly filled chunk per stripe.
-    assert got["bytes_used"] <= got["bytes_reserved"] < 1.2 * got["bytes_used"] + (4 << 20)
+    # Held: at most ~1/16 more (the newest block's rest) and a partly filled chunk per stripe.
+    assert got["bytes_used"] <= got["bytes_reserved"] < 1.1 * got["bytes_used"] + (4 << 20)
 
 
 def test_wide_rows_take_what_they_hold():
@@ -81,5 +81,5 @@ def test_million_wide_rows_fit_a_6gb_address_space(tmp_path):
     rows = 50 * record_bytes(1_000_000, 2)             # 600 MB
     assert size == 50
     assert rows <= used < rows + 8192
-    # Blocks grow by ~1/8 of what is mapped: a few rows' worth ahead at most.
-    assert used <= reserved < 1.15 * rows + 2 * record_bytes(1_000_000, 2)
+    # Blocks grow by ~1/16 of what is mapped: a row or so ahead at most.
+    assert used <= reserved < 1.07 * rows + 2 * record_bytes(1_000_000, 2)

@@ -32,9 +32,9 @@ ChunkPool::~ChunkPool() {
 }
 
 size_t ChunkPool::BlockBytes(int64_t chunks) const {
-  // Geometric growth: an eighth of what is mapped (so ~20 blocks per 10x of rows), in
+  // Geometric growth: a sixteenth of what is mapped (~38 blocks per 10x of rows), in
   // whole chunks, at least `chunks` of them.
-  const size_t target = std::min(std::max(mapped_ / 8, kMinBlock), kMaxBlock);
+  const size_t target = std::min(std::max(mapped_ / 16, kMinBlock), kMaxBlock);
   const size_t per_block =
       std::max<size_t>(static_cast<size_t>(chunks), target / chunk_bytes_);
   return RoundUp(per_block * chunk_bytes_, huge_pages_ ? kHugePage : kPage);

@@ -3,8 +3,9 @@
 // chunk, and the blocks go back to the system with the table (not left in malloc's heap).
 //
 // What a table maps grows with the rows it holds: a block holds at least one chunk, and a
-// new block is about an eighth of what is mapped already (64 KiB .. 16 MiB, whole chunks),
-// so the part of the newest block not handed out yet stays under ~1/8 of the total and a
+// new block is about a sixteenth of what is mapped already (64 KiB .. 8 MiB, whole
+// chunks), so the part of the newest block not handed out yet stays under ~1/16 of the
+// total (and 8 MiB) and a
 // table of a few very wide rows maps a few chunks, not megabytes per row. (Blocks of a
 // fixed 2 MiB, or one chunk when larger, used to map 614 MB per row of dim 100,000 with
 // Adam.) The pool reports both what it mapped and what it handed out.
@@ -33,7 +34,7 @@ class ChunkPool {
   static constexpr size_t kHugePage = size_t{2} << 20;
   static constexpr size_t kPage = 4096;
   static constexpr size_t kMinBlock = size_t{64} << 10;
-  static constexpr size_t kMaxBlock = size_t{16} << 20;
+  static constexpr size_t kMaxBlock = size_t{8} << 20;
 
   explicit ChunkPool(size_t chunk_bytes);
   ~ChunkPool();
