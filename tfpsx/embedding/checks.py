@@ -101,18 +101,40 @@ class Checker:
             self.fail(f"{name} must have {expected}, got {dtype.name}")
         return t if t.dtype == cast else tf.cast(t, cast)
 
-    def shape(self, name: str, t: tf.Tensor, allowed: Sequence[Shape], expected: str):
+    def shape(self, name: str, t: tf.Tensor, allowed: Sequence[Shape], expected: str,
+              at_run_time: bool = True):
         """``t``'s shape must be one of ``allowed`` (dims: ints or scalar tensors);
-        ``expected`` says so in words for the message."""
+        ``expected`` says so in words for the message. ``at_run_time=False``: only what
+        the static shape tells (an op downstream checks the rest before anything
+        changes)."""
         verdict = _verdict(t.shape, allowed)
         if verdict is False:
             self.fail(f"{name} must have shape {expected}, got {t.shape.as_list()}")
-        if verdict is None:
+        if verdict is None and at_run_time:
             got = tf.shape(t, out_type=tf.int64)
             wants = [tf.cast(tf.stack(want), tf.int64) if want else tf.zeros([0], tf.int64)
                      for want in allowed]
-            ok = tf.reduce_any([tf.equal(_shape_text(got), _shape_text(want)) for want in wants])
-            self._assert(ok, f"{name} must have shape {expected}", ["here", wants[0], "got", got])
+            self._assert(self._shape_ok(t.shape, got, allowed, wants),
+                         f"{name} must have shape {expected}", ["here", wants[0], "got", got])
+
+    @staticmethod
+    def _shape_ok(static: tf.TensorShape, got: tf.Tensor, allowed, wants) -> tf.Tensor:
+        """A run-time test of the shape ``got`` against ``allowed``: with the rank known,
+        the dims the graph does not know compared as numbers (training steps pay one
+        Equal for an unknown row count); else the shapes compared as text."""
+        if static.rank is None:
+            return tf.reduce_any([tf.equal(_shape_text(got), _shape_text(w)) for w in wants])
+        tests = []
+        for want in allowed:
+            if len(want) != static.rank:
+                continue
+            dims = [(i, d) for i, (g, d) in enumerate(zip(static.as_list(), want))
+                    if g is None or _static(d) is None]
+            if any(_static(d) is not None and g is not None and g != _static(d)
+                   for g, d in zip(static.as_list(), want)):
+                continue  # this one cannot match
+            tests.append(tf.reduce_all([tf.equal(got[i], tf.cast(d, tf.int64)) for i, d in dims]))
+        return tests[0] if len(tests) == 1 else tf.reduce_any(tests)
 
     def _assert(self, ok, message: str, data):
         # The Assert kernel escapes quotes in strings ('a' reads \'a\'): the graph's
@@ -210,29 +232,53 @@ def rows_like_keys(what: str, name: str, dim: int, keys: tf.Tensor, rows) -> tf.
     return tf.reshape(c.guard([t])[0], [-1, dim])
 
 
+def _checked_rows(graph) -> dict:
+    """Row gradients already checked in ``graph``: id -> (tensor, keys, dim). A table's
+    apply checks what its apply_gradients checked already; this spares the graph a
+    second assert per step. Kept on the graph, so it goes with it."""
+    checked = getattr(graph, "_tfpsx_checked_rows", None)
+    if checked is None:
+        checked = {}
+        setattr(graph, "_tfpsx_checked_rows", checked)
+    return checked
+
+
 def row_gradients(what: str, dim: int, unique_keys: tf.Tensor, grads) -> tf.Tensor:
     """The row gradients of ``unique_keys`` as ``[u, dim]`` floats: ``grads`` must be
     ``[u, dim]`` (u = the number of unique keys; a transposed or flattened gradient would
     train the wrong rows) or ``IndexedSlices`` of it."""
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if graph is not None and isinstance(grads, tf.Tensor):
+        hit = _checked_rows(graph).get(id(grads))
+        if hit is not None and hit[0] is grads and hit[1] is unique_keys and hit[2] == dim:
+            return grads
+    out = _row_gradients(what, dim, unique_keys, grads)
+    if graph is not None:
+        _checked_rows(graph)[id(out)] = (out, unique_keys, dim)
+    return out
+
+
+def _row_gradients(what: str, dim: int, unique_keys: tf.Tensor, grads) -> tf.Tensor:
     c = Checker(what)
     u = _row_count(unique_keys)
     expected = _describe([u, dim], {0: "unique ids", 1: "dim"})
     if isinstance(grads, tf.IndexedSlices):
+        # Which rows the slices land in is checked (dense_shape); that values and
+        # indices agree, unsorted_segment_sum checks before any row changes.
         values = c.tensor("the gradient values", grads.values, _REAL, tf.float32)
         indices = c.tensor("the gradient indices", grads.indices, _INTEGER, tf.int64)
         k = _row_count(indices)
-        c.shape("the gradient indices", indices, [[k]], "[k] (a vector)")
+        c.shape("the gradient indices", indices, [[k]], "[k] (a vector)", at_run_time=False)
         c.shape("the gradient values", values, [[k, dim]],
-                _describe([k, dim], {0: "k indices", 1: "dim"}))
+                _describe([k, dim], {0: "k indices", 1: "dim"}), at_run_time=False)
         if grads.dense_shape is not None:
             dense = tf.cast(grads.dense_shape, tf.int64)
             c.shape("the gradient dense_shape", dense, [[2]], "[2]")
             static = tf.get_static_value(dense)
-            want = tf.stack([tf.cast(u, tf.int64), tf.constant(dim, tf.int64)])
             static_ok = None if static is None or _static(u) is None else \
                 list(static) == [_static(u), dim]
             got = "?" if static is None else [int(d) for d in static]
-            c.condition(tf.reduce_all(tf.equal(dense, want)), static_ok,
+            c.condition(tf.reduce_all(tf.equal(dense, [tf.cast(u, tf.int64), dim])), static_ok,
                         f"the gradient (IndexedSlices) must have dense shape {expected}, "
                         f"got {got}", [dense])
         values, indices = c.guard([values, indices])

@@ -204,7 +204,8 @@ class ShardedTable:
         return f"DynamicEmbedding {self.name!r}"
 
     def _key_vector(self, keys) -> tf.Tensor:
-        return tf.reshape(self._keys(keys), [-1])
+        keys = self._keys(keys)
+        return keys if keys.shape.rank == 1 else tf.reshape(keys, [-1])
 
     def _keys_and_rows(self, op: str, name: str, keys, rows):
         keys = self._keys(keys)
@@ -231,12 +232,12 @@ class ShardedTable:
             raise ValueError(f"{self._what} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
         step = as_step(step)
+        grads = self._row_gradients(self._keys(keys), grads, "apply")
         keys = self._key_vector(keys)
-        grads = self.row_gradients(keys, grads, "apply")
         return self._group(self.on_shards(
             lambda i, s, k, g: s.apply(self.optimizer, k, g, step), keys, [grads]))
 
-    def row_gradients(self, keys, grads, op: str = "apply_gradients") -> tf.Tensor:
+    def _row_gradients(self, keys, grads, op: str = "apply_gradients") -> tf.Tensor:
         """``grads`` of the unique ``keys`` checked (``[n, dim]``, or ``IndexedSlices``
         of it: summed per row) as ``[n, dim]`` float32."""
         if grads is None:

@@ -152,7 +152,7 @@ class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
         if self.optimizer is None:
             raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
-        grads = self.row_gradients(looked.unique_keys, grads)
+        grads = self._row_gradients(looked.unique_keys, grads)
         return self.updater.apply_gradients(self, looked.unique_keys, grads, step)
 
     def minimize(self, loss, lookups: Sequence[EmbeddingLookup], step=None):
