@@ -246,7 +246,7 @@ void TestReservedCapacity() {
   auto o = Opts(4);
   o.capacity = 20000;
   tfpsx::HashTable t(o);
-  const int64_t reserved = t.MemoryBytes();
+  const int64_t reserved = t.ReservedBytes();
   CHECK(reserved >= 20000 * (20 + 4 * 4));  // index plus the rows' memory, mapped up front
   std::vector<int64_t> keys(20000);
   for (int64_t i = 0; i < 20000; ++i) keys[i] = i * 1000003 + 7;
@@ -254,7 +254,7 @@ void TestReservedCapacity() {
   for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
   t.Insert(keys.data(), 20000, values.data(), 1);
   CHECK(t.Size() == 20000);
-  CHECK(t.MemoryBytes() == reserved);  // neither an index nor a row block grew
+  CHECK(t.ReservedBytes() == reserved);  // neither an index nor a row block grew
   std::vector<float> out(values.size());
   t.Find(keys.data(), 20000, out.data(), nullptr);
   CHECK(out == values);
@@ -263,7 +263,7 @@ void TestReservedCapacity() {
   CHECK(t.Import(e.keys.data(), 20000, e.values.data(), nullptr, 0, e.freq.data(),
                  e.step.data(), /*clear_first=*/true)
             .empty());
-  CHECK(t.Size() == 20000 && t.MemoryBytes() == reserved);
+  CHECK(t.Size() == 20000 && t.ReservedBytes() == reserved);
   t.Find(keys.data(), 20000, out.data(), nullptr);
   CHECK(out == values);
   // Past the reservation the table grows as any other.
@@ -271,11 +271,49 @@ void TestReservedCapacity() {
   for (int64_t i = 0; i < 40000; ++i) more[i] = -(i + 1);
   std::vector<float> zeros(more.size() * 4, 0.f);
   t.Insert(more.data(), 40000, zeros.data(), 2);
-  CHECK(t.Size() == 60000 && t.MemoryBytes() > reserved);
+  CHECK(t.Size() == 60000 && t.ReservedBytes() > reserved);
   t.Find(keys.data(), 20000, out.data(), nullptr);
   CHECK(out == values);
   o.capacity = -1;
   CHECK(tfpsx::ValidateOptions(o).find("capacity must be in 0..") != std::string::npos);
+}
+
+// The memory a table maps grows with the rows it holds, whatever their width: a few
+// rows of dim 100,000 with Adam's two slots (1.2 MB each) used to map 614 MB per row (a
+// 512-row chunk each), a table of narrow rows maps little more than it holds.
+void TestMemoryFollowsRows() {
+  const int64_t wide_record = 20 + 3 * 100000 * 4;
+  tfpsx::HashTable wide(Opts(100000, 2));
+  CHECK(wide.UsedBytes() == 0 && wide.ReservedBytes() == 0);
+  std::vector<int64_t> keys = {1, 2, 3};
+  std::vector<float> rows(3 * 100000);
+  wide.FindOrInsert(keys.data(), 3, 1, rows.data());
+  CHECK(wide.UsedBytes() >= 3 * wide_record && wide.UsedBytes() < 3 * wide_record + 4096);
+  CHECK(wide.ReservedBytes() >= wide.UsedBytes());
+  CHECK(wide.ReservedBytes() < 3 * (wide_record + 4096) + 4096);
+  std::vector<int64_t> more(47);
+  for (int64_t i = 0; i < 47; ++i) more[i] = 100 + i;
+  std::vector<float> more_rows(47 * 100000);
+  wide.FindOrInsert(more.data(), 47, 1, more_rows.data());
+  CHECK(wide.Size() == 50);
+  // Blocks grow by ~1/16 of what is mapped: at most that much and one chunk not used yet.
+  CHECK(wide.ReservedBytes() < (wide.UsedBytes() + wide_record) * 16 / 15 + 50 * 4096);
+
+  // Narrow rows (dim 16, no slots: 84-byte records): at 100,000 rows the table holds
+  // what its rows take plus ~1/16 (the newest block's rest) and a chunk per stripe.
+  tfpsx::HashTable narrow(Opts(16));
+  std::vector<int64_t> many(100000);
+  for (int64_t i = 0; i < 100000; ++i) many[i] = i * 7919;
+  std::vector<float> out(many.size() * 16);
+  narrow.FindOrInsert(many.data(), 100000, 1, out.data());
+  const int64_t records = 100000 * 84;
+  CHECK(narrow.UsedBytes() > records && narrow.UsedBytes() < records + 100000 * 12);
+  CHECK(narrow.ReservedBytes() >= narrow.UsedBytes());
+  CHECK(narrow.ReservedBytes() < (narrow.UsedBytes() + 64 * 512 * 84 + (64 << 10)) * 16 / 15);
+  // A small table maps little: one 64 KiB block for a first row.
+  tfpsx::HashTable small(Opts(16));
+  small.FindOrInsert(many.data(), 1, 1, out.data());
+  CHECK(small.ReservedBytes() - small.UsedBytes() < (64 << 10) + 64 * 16 * 4);
 }
 
 }  // namespace
@@ -290,6 +328,7 @@ int main() {
   TestValidate();
   TestTableFull();
   TestReservedCapacity();
+  TestMemoryFollowsRows();
   if (failures) {
     std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
     return 1;

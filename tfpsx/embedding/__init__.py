@@ -6,6 +6,8 @@ Layers, each using only the ones listed before it:
   row, and the server-side optimizers (specs; the math is the C++ core's);
 * :mod:`~tfpsx.embedding.storage`: one shard behind the ``TableStorage`` interface,
   created by a ``Backend`` (today the C++ hash table; a cache or GPU store plug in here);
+* :mod:`~tfpsx.embedding.checks`: every write's input checked whole before any shard
+  changes (names the table, the field, what it got and what was expected);
 * :mod:`~tfpsx.embedding.sharding`: ``ShardedTable``, keys partitioned over the shards,
   every operation written once; mode-free;
 * :mod:`~tfpsx.embedding.updaters`: the seam where a training mode decides where a

@@ -4,7 +4,9 @@ A table saves all its rows (keys, values, optimizer slots, frequency, last-updat
 merged over its shards, so it restores bit-exactly into any shard count. TF2
 checkpoints use the table's Trackable methods (``tf.train.Checkpoint(table=emb)``);
 TF1's ``Saver`` uses :class:`TableSaveable`, which a table adds to its graph's
-``SAVEABLE_OBJECTS`` collection (as TF's own ``MutableHashTable`` does).
+``SAVEABLE_OBJECTS`` collection (as TF's own ``MutableHashTable`` does). Both restore
+through ``import_rows``: a checkpoint whose rows do not fit the table (another dim or
+slot count) is refused before any shard changes.
 """
 
 from __future__ import annotations

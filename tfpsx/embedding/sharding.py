@@ -14,12 +14,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tfpsx.embedding import checks as _checks
 from tfpsx.embedding import optimizers as _optimizers
+from tfpsx.embedding.checks import EXPORT_FIELDS
 from tfpsx.embedding.initializers import Initializer, normal
 from tfpsx.embedding.storage import HASH_TABLE, Backend, ShardSpec, TableStorage, on_device
 
 INT64_MIN = -(2 ** 63)
-EXPORT_FIELDS = ("keys", "values", "slots", "freq", "step")
+STATS_FIELDS = ("size", "admitted", "evicted", "pending_admission", "bytes_used",
+                "bytes_reserved")
 
 
 @dataclasses.dataclass
@@ -76,6 +79,7 @@ class ShardedTable:
         self.optimizer = _optimizers.resolve(optimizer)
         self.devices = devices
         slot_init = tuple(self.optimizer.slot_init) if self.optimizer else ()
+        self.num_slots = len(slot_init)
         per_shard = -(-self.capacity // len(devices))
         backend = backend or HASH_TABLE
         self.shards: List[TableStorage] = [
@@ -193,30 +197,53 @@ class ShardedTable:
         return tf.reshape(rows, tf.concat([tf.shape(keys), [self.dim]], axis=0))
 
     # ------------------------------------------------------------------ writes
-    def _key_vector(self, keys) -> tf.Tensor:
-        return tf.reshape(self._keys(keys), [-1])
+    # Every write checks its input whole before any shard op is built from it (see
+    # checks.py): a bad input changes no shard.
+    @property
+    def _what(self) -> str:
+        return f"DynamicEmbedding {self.name!r}"
 
-    def _row_matrix(self, rows) -> tf.Tensor:
-        return tf.reshape(tf.convert_to_tensor(rows, tf.float32), [-1, self.dim])
+    def _key_vector(self, keys) -> tf.Tensor:
+        keys = self._keys(keys)
+        return keys if keys.shape.rank == 1 else tf.reshape(keys, [-1])
+
+    def _keys_and_rows(self, op: str, name: str, keys, rows):
+        keys = self._keys(keys)
+        rows = _checks.rows_like_keys(f"{self._what}: {op}", name, self.dim, keys, rows)
+        return tf.reshape(keys, [-1]), rows
 
     def insert(self, keys, values, step=None):
+        """Sets the rows of ``keys`` (any shape) to ``values`` (keys' shape + [dim])."""
         step = as_step(step)
-        return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step),
-                                          self._key_vector(keys), [self._row_matrix(values)]))
+        keys, values = self._keys_and_rows("insert", "values", keys, values)
+        return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step), keys, [values]))
 
     def accumulate(self, keys, deltas, step=None):
+        """row += delta for ``keys`` (any shape; deltas: keys' shape + [dim])."""
         step = as_step(step)
-        return self._group(self.on_shards(lambda i, s, k, d: s.accumulate(k, d, step),
-                                          self._key_vector(keys), [self._row_matrix(deltas)]))
+        keys, deltas = self._keys_and_rows("accumulate", "deltas", keys, deltas)
+        return self._group(self.on_shards(lambda i, s, k, d: s.accumulate(k, d, step), keys,
+                                          [deltas]))
 
     def apply(self, keys, grads, step=None):
-        """The server-side optimizer on the rows of unique ``keys`` (grads ``[n, dim]``)."""
+        """The server-side optimizer on the rows of unique ``keys`` (a vector; grads
+        ``[n, dim]`` or ``IndexedSlices`` of it)."""
         if self.optimizer is None:
-            raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
+            raise ValueError(f"{self._what} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
         step = as_step(step)
+        grads = self._row_gradients(self._keys(keys), grads, "apply")
+        keys = self._key_vector(keys)
         return self._group(self.on_shards(
             lambda i, s, k, g: s.apply(self.optimizer, k, g, step), keys, [grads]))
+
+    def _row_gradients(self, keys, grads, op: str = "apply_gradients") -> tf.Tensor:
+        """``grads`` of the unique ``keys`` checked (``[n, dim]``, or ``IndexedSlices``
+        of it: summed per row) as ``[n, dim]`` float32."""
+        if grads is None:
+            raise ValueError(f"{self._what}: {op}: the gradient is None; does the loss depend "
+                             "on lookup_unique(...).unique_rows?")
+        return _checks.row_gradients(f"{self._what}: {op}", self.dim, keys, grads)
 
     def remove(self, keys) -> tf.Tensor:
         return tf.add_n(self.on_shards(lambda i, s, k: s.remove(k), self._key_vector(keys)))
@@ -224,15 +251,22 @@ class ShardedTable:
     def size(self) -> tf.Tensor:
         return tf.add_n(self.on_shards(lambda i, s: s.size()))
 
-    def stats(self) -> tf.Tensor:
-        """[size, admitted, evicted, pending_admission, memory_bytes], summed over shards."""
-        return tf.add_n(self.on_shards(lambda i, s: s.stats()))
+    def stats(self) -> Dict[str, tf.Tensor]:
+        """Counters summed over the shards, int64 scalars by name: ``size`` (rows held),
+        ``admitted`` and ``evicted`` (rows, since the shards were created),
+        ``pending_admission`` (keys seen but not admitted yet), ``bytes_used`` (the rows'
+        records, key, metadata, value and slots, plus the index) and ``bytes_reserved``
+        (all the memory the table holds: the index and every block of row memory it
+        mapped, including chunks not filled yet and reserved ``capacity``)."""
+        total = tf.add_n(self.on_shards(lambda i, s: s.stats()))
+        return {name: total[j] for j, name in enumerate(STATS_FIELDS)}
 
     def evict(self, min_step=None, keep_top_n=None) -> tf.Tensor:
         """Evicts rows last updated before ``min_step`` (TTL) and/or keeps the top-N most
-        frequent rows per shard; returns how many rows went."""
-        min_step = tf.constant(INT64_MIN, tf.int64) if min_step is None else tf.cast(min_step, tf.int64)
-        keep = tf.constant(-1, tf.int64) if keep_top_n is None else tf.cast(keep_top_n, tf.int64)
+        frequent rows per shard (``keep_top_n`` >= 0); returns how many rows went."""
+        min_step, keep = _checks.evict_args(self._what, min_step, keep_top_n)
+        min_step = tf.constant(INT64_MIN, tf.int64) if min_step is None else min_step
+        keep = tf.constant(-1, tf.int64) if keep is None else keep
         return tf.add_n(self.on_shards(lambda i, s: s.evict(min_step, keep)))
 
     def export(self, since_step=None) -> Dict[str, tf.Tensor]:
@@ -244,11 +278,24 @@ class ShardedTable:
                 for j, name in enumerate(EXPORT_FIELDS)}
 
     def import_rows(self, rows: Dict[str, tf.Tensor], clear: bool = True):
-        """Loads exported rows (from any shard count) into this table's shards."""
-        keys = tf.convert_to_tensor(rows["keys"], tf.int64)
-        columns = [tf.convert_to_tensor(rows["values"], tf.float32),
-                   tf.convert_to_tensor(rows["slots"], tf.float32),
-                   tf.convert_to_tensor(rows["freq"], tf.int64),
-                   tf.convert_to_tensor(rows["step"], tf.int64)]
+        """Loads exported rows (from any shard count) into this table's shards.
+
+        ``rows`` needs every field ``export()`` returns: keys ``[n]`` (integers), values
+        ``[n, dim]``, slots ``[n, num_slots, dim]`` (this table's optimizer's slot count)
+        or empty (``[0]``, or ``[n, 0, dim]`` as a table without an optimizer exports:
+        the slots then start from the optimizer's initial values), freq and step ``[n]``
+        (integers). Slots of another slot count are refused; another optimizer's slots of
+        the same count cannot be told apart and are loaded as they are.
+
+        Raises:
+          ValueError: a missing or unknown field, a wrong dtype or shape (naming the table,
+            the field, the shape given and the one expected), before any shard changes.
+            In a graph, what only the running graph knows is checked by asserts that every
+            shard's import waits for: the run fails with the same message, and no shard
+            changes.
+        """
+        checked = _checks.import_rows(self._what, self.dim, self.num_slots, rows)
+        columns = [checked[f] for f in EXPORT_FIELDS[1:]]
         return self._group(self.on_shards(
-            lambda i, s, k, v, sl, f, st: s.import_rows(k, v, sl, f, st, clear), keys, columns))
+            lambda i, s, k, v, sl, f, st: s.import_rows(k, v, sl, f, st, clear),
+            checked["keys"], columns))

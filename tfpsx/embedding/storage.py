@@ -76,7 +76,8 @@ class TableStorage(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> tf.Tensor:
-        """[size, admitted, evicted, pending_admission, memory_bytes]."""
+        """[size, admitted, evicted, pending_admission, bytes_used, bytes_reserved]
+        (int64; see ``ShardedTable.stats``)."""
 
     @abc.abstractmethod
     def evict(self, min_step, keep_top_n) -> tf.Tensor:

@@ -132,20 +132,27 @@ class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
 
     # ------------------------------------------------------------------ training
     def apply_gradients(self, looked: EmbeddingLookup, grads, step=None):
-        """Trains the rows of ``looked`` with their gradients (``[unique ids, dim]``, or
-        ``IndexedSlices`` of it): on each shard's server-side optimizer, or as the mode
-        of the enclosing ``model_scope`` says (GEO: this worker's copy; sync: the PS
-        accumulators). Returns the op (None in eager mode)."""
+        """Trains the rows of ``looked`` with their gradients: on each shard's server-side
+        optimizer, or as the mode of the enclosing ``model_scope`` says (GEO: this
+        worker's copy; sync: the PS accumulators). Returns the op (None in eager mode).
+
+        Args:
+          looked: what ``lookup_unique`` returned.
+          grads: d(loss)/d(``looked.unique_rows``): ``[unique ids, dim]``, or
+            ``IndexedSlices`` of it (rows of one id are summed).
+          step: the training step (the rows' last-update step; Adam's bias correction).
+
+        Raises:
+          ValueError: no optimizer, no gradient, or a gradient of another shape (a
+            transposed ``[dim, n]`` or flattened one would train the wrong rows): the
+            message names the table, the shape given and ``[unique ids, dim]``. With
+            shapes known only when the graph runs, an assert fails the run instead,
+            before any row changes.
+        """
         if self.optimizer is None:
             raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
-        if grads is None:
-            raise ValueError(f"DynamicEmbedding {self.name!r}: the gradient is None; does the "
-                             "loss depend on lookup_unique(...).unique_rows?")
-        if isinstance(grads, tf.IndexedSlices):
-            grads = tf.math.unsorted_segment_sum(grads.values, grads.indices,
-                                                 tf.shape(looked.unique_keys)[0])
-        grads = tf.reshape(tf.cast(grads, tf.float32), [-1, self.dim])
+        grads = self._row_gradients(looked.unique_keys, grads)
         return self.updater.apply_gradients(self, looked.unique_keys, grads, step)
 
     def minimize(self, loss, lookups: Sequence[EmbeddingLookup], step=None):

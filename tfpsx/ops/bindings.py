@@ -85,7 +85,9 @@ def table_size(handle):
 
 
 def table_stats(handle):
-    """[size, admitted, evicted, pending_admission, memory_bytes]."""
+    """[size, admitted, evicted, pending_admission, bytes_used, bytes_reserved]: what the
+    rows held take (records and index) and all the table holds (index and every block of
+    row memory it mapped)."""
     return load_ops().tfpsx_hash_table_stats(handle)
 
 

@@ -20,15 +20,24 @@ bool HugePagesWanted() {
   return v != nullptr && std::string(v) == "1";
 }
 
+size_t RoundUp(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * unit; }
+
 }  // namespace
 
 ChunkPool::ChunkPool(size_t chunk_bytes)
-    : chunk_bytes_(chunk_bytes),
-      block_bytes_((std::max(chunk_bytes, kHugePage) + kHugePage - 1) / kHugePage * kHugePage),
-      huge_pages_(HugePagesWanted()) {}
+    : chunk_bytes_(chunk_bytes), huge_pages_(HugePagesWanted()) {}
 
 ChunkPool::~ChunkPool() {
-  for (char* b : blocks_) FreeBlock(b);
+  for (const Block& b : blocks_) FreeBlock(b);
+}
+
+size_t ChunkPool::BlockBytes(int64_t chunks) const {
+  // Geometric growth: a sixteenth of what is mapped (~38 blocks per 10x of rows), in
+  // whole chunks, at least `chunks` of them.
+  const size_t target = std::min(std::max(mapped_ / 16, kMinBlock), kMaxBlock);
+  const size_t per_block =
+      std::max<size_t>(static_cast<size_t>(chunks), target / chunk_bytes_);
+  return RoundUp(per_block * chunk_bytes_, huge_pages_ ? kHugePage : kPage);
 }
 
 char* ChunkPool::Get() {
@@ -39,9 +48,9 @@ char* ChunkPool::Get() {
     return p;
   }
   if (left_ < chunk_bytes_) {
-    cur_ = AllocBlock();
-    blocks_.push_back(cur_);
-    left_ = block_bytes_;
+    const size_t bytes = BlockBytes(1);
+    cur_ = AllocBlock(bytes);
+    left_ = bytes;
   }
   char* p = cur_;
   cur_ += chunk_bytes_;
@@ -55,45 +64,50 @@ void ChunkPool::Put(char* chunk) {
 }
 
 void ChunkPool::Reserve(int64_t chunks) {
+  if (chunks <= 0) return;
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t per_block = static_cast<int64_t>(block_bytes_ / chunk_bytes_);
-  std::vector<char*> reserved;
-  for (int64_t left = chunks; left > 0; left -= per_block) {
-    char* block = AllocBlock();
-    blocks_.push_back(block);
-    Populate(block, block_bytes_);
-    for (int64_t c = 0; c < per_block; ++c) reserved.push_back(block + c * chunk_bytes_);
-  }
+  const size_t bytes = RoundUp(static_cast<size_t>(chunks) * chunk_bytes_,
+                               huge_pages_ ? kHugePage : kPage);
+  char* block = AllocBlock(bytes);
+  Populate(block, bytes);
   // Get pops from the back: hand the chunks out in address order.
-  free_.insert(free_.end(), reserved.rbegin(), reserved.rend());
+  for (int64_t c = chunks - 1; c >= 0; --c) free_.push_back(block + c * chunk_bytes_);
 }
 
 int64_t ChunkPool::MappedBytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(blocks_.size() * block_bytes_);
+  return static_cast<int64_t>(mapped_);
 }
 
-char* ChunkPool::AllocBlock() {
+char* ChunkPool::AllocBlock(size_t bytes) {
 #ifdef __linux__
-  // Over-map by one huge page so the block can start on a huge-page boundary.
-  const size_t span = block_bytes_ + kHugePage;
+  // With huge pages, over-map by one huge page so the block can start on a boundary.
+  const size_t align = huge_pages_ ? kHugePage : kPage;
+  const size_t span = bytes + (huge_pages_ ? kHugePage : 0);
   void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (m == MAP_FAILED) {
     throw std::runtime_error("could not map " + std::to_string(span) +
                              " bytes for rows: " + std::strerror(errno));
   }
   const uintptr_t base = reinterpret_cast<uintptr_t>(m);
-  const uintptr_t start = (base + kHugePage - 1) & ~(uintptr_t{kHugePage} - 1);
+  const uintptr_t start = (base + align - 1) & ~(uintptr_t{align} - 1);
   if (start > base) munmap(m, start - base);
-  const uintptr_t end = start + block_bytes_;
+  const uintptr_t end = start + bytes;
   if (base + span > end) munmap(reinterpret_cast<void*>(end), base + span - end);
-  if (huge_pages_) madvise(reinterpret_cast<void*>(start), block_bytes_, MADV_HUGEPAGE);
-  return reinterpret_cast<char*>(start);
+  if (huge_pages_) madvise(reinterpret_cast<void*>(start), bytes, MADV_HUGEPAGE);
+  char* p = reinterpret_cast<char*>(start);
 #else
-  char* p = static_cast<char*>(std::malloc(block_bytes_));
+  char* p = static_cast<char*>(std::malloc(bytes));
   if (p == nullptr) throw std::bad_alloc();
-  return p;
 #endif
+  try {
+    blocks_.push_back(Block{p, bytes});
+  } catch (...) {
+    FreeBlock(Block{p, bytes});
+    throw;
+  }
+  mapped_ += bytes;
+  return p;
 }
 
 void ChunkPool::Populate(char* p, size_t bytes) {
@@ -113,11 +127,11 @@ void ChunkPool::Populate(char* p, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
 }
 
-void ChunkPool::FreeBlock(char* b) {
+void ChunkPool::FreeBlock(const Block& b) {
 #ifdef __linux__
-  munmap(b, block_bytes_);
+  munmap(b.start, b.bytes);
 #else
-  std::free(b);
+  std::free(b.start);
 #endif
 }
 

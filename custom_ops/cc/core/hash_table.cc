@@ -280,6 +280,4 @@ int64_t HashTable::pending_admission() const {
   });
 }
 
-int64_t HashTable::MemoryBytes() const { return store_.MemoryBytes(); }
-
 }  // namespace tfpsx

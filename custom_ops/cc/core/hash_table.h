@@ -131,8 +131,11 @@ class HashTable {
   // Keys seen but not yet admitted.
   int64_t pending_admission() const;
 
-  // Bytes held by the table's arrays (capacity), for memory accounting.
-  int64_t MemoryBytes() const;
+  // Memory accounting: what the rows held take (records: key, metadata, value, slots;
+  // plus the index), and all the table holds (index plus every block of row memory
+  // mapped: reserved capacity, chunks not filled yet). Used <= reserved.
+  int64_t UsedBytes() const { return store_.UsedBytes(); }
+  int64_t ReservedBytes() const { return store_.ReservedBytes(); }
 
  private:
   // Per-stripe policy state, kept at the stripe's id and guarded by its lock. Aligned to

@@ -60,9 +60,11 @@ void StripedStore::Reserve(int64_t capacity) {
   const int64_t rows = static_cast<int64_t>(std::ceil(share + 4 * std::sqrt(share)));
   uint64_t slots = 16;
   while (static_cast<double>(rows) > kMaxLoad * static_cast<double>(slots)) slots *= 2;
-  // Row memory for capacity rows, plus one chunk per stripe: each stripe's last chunk is
-  // partly filled.
-  const int64_t chunks = (capacity + RowStore::kChunkRows - 1) / RowStore::kChunkRows + stripes;
+  // Row memory for capacity rows, plus one chunk per stripe when a chunk holds several
+  // rows: each stripe's last chunk is partly filled.
+  const RowStore& rows0 = stripes_[0]->rows;
+  const int64_t chunks = (capacity + rows0.chunk_rows() - 1) / rows0.chunk_rows() +
+                         (rows0.chunk_rows() > 1 ? stripes : 0);
   try {
     for (auto& s : stripes_) s->ResetIndex(slots);
     pool_->Reserve(chunks);
@@ -75,11 +77,19 @@ void StripedStore::Reserve(int64_t capacity) {
   reserved_slots_ = slots;
 }
 
-int64_t StripedStore::MemoryBytes() const {
+int64_t StripedStore::IndexBytes() const {
   return SumOverStripes([](const Stripe& s) -> int64_t {
-           return static_cast<int64_t>(s.index.capacity() * sizeof(uint32_t));
-         }) +
-         pool_->MappedBytes();
+    return static_cast<int64_t>(s.index.capacity() * sizeof(uint32_t));
+  });
 }
+
+int64_t StripedStore::UsedBytes() const {
+  return SumOverStripes([](const Stripe& s) -> int64_t {
+    return static_cast<int64_t>(s.index.capacity() * sizeof(uint32_t)) +
+           s.size() * s.rows.record_bytes();
+  });
+}
+
+int64_t StripedStore::ReservedBytes() const { return IndexBytes() + pool_->MappedBytes(); }
 
 }  // namespace tfpsx

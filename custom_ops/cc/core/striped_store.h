@@ -2,6 +2,7 @@
 // index (linear probing, 32-bit slots) over the stripe's records (row_store.h), whose
 // chunks come from one ChunkPool per table. A key costs its payload plus ~26 bytes (12 of
 // metadata, 6-12 of index slot, chunk slack) and a lookup touches one slot and one record.
+// Wide rows are no exception: the memory mapped grows with the rows held (chunk_pool.h).
 //
 // The store knows keys, records and locks. What a row holds (value, optimizer slots) and
 // the policies over rows (initializer, admission, eviction, change tracking) belong to the
@@ -159,11 +160,15 @@ class StripedStore {
     return total;
   }
 
-  // The indexes plus every block the pool mapped (rows held, chunks reserved or given
-  // back, the current block's rest).
-  int64_t MemoryBytes() const;
+  // What the rows held take: their records plus the indexes.
+  int64_t UsedBytes() const;
+  // All the memory the store holds: the indexes plus every block the pool mapped (rows
+  // held, chunks reserved, given back or partly filled, the newest block's rest).
+  int64_t ReservedBytes() const;
 
  private:
+  int64_t IndexBytes() const;
+
   std::unique_ptr<ChunkPool> pool_;  // before stripes_: outlives the chunks they hold
   std::vector<std::unique_ptr<Stripe>> stripes_;
   int stripe_shift_;

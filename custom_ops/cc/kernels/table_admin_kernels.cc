@@ -54,11 +54,19 @@ class ImportOp : public TableOpKernel {
                     keys.shape().DebugString())));
     const int64_t n = keys.NumElements();
     OP_REQUIRES_OK(ctx, CheckRows(table, keys, values, "imported values"));
+    // Every input is checked before the table changes (a clear comes first in Import).
+    const TensorShape want_slots({n, static_cast<int64_t>(t.options().num_slots), t.dim()});
+    OP_REQUIRES(ctx, slots.NumElements() == 0 || slots.shape() == want_slots,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': import slots must be empty or have shape ",
+                    want_slots.DebugString(), " [n, num_slots, dim], got ",
+                    slots.shape().DebugString())));
     for (const auto& [tensor, what] : {std::make_pair(&freq, "freq"), std::make_pair(&step, "step")}) {
-      OP_REQUIRES(ctx, tensor->NumElements() == 0 || tensor->NumElements() == n,
+      OP_REQUIRES(ctx, tensor->NumElements() == 0 || tensor->shape() == TensorShape({n}),
                   absl::InvalidArgumentError(absl::StrCat(
-                      "tfpsx table '", table.name(), "': import ", what, " must be empty or hold ",
-                      n, " values, got ", tensor->shape().DebugString())));
+                      "tfpsx table '", table.name(), "': import ", what,
+                      " must be empty or have shape [", n, "], got ",
+                      tensor->shape().DebugString())));
     }
     std::string problem;
     try {
@@ -114,13 +122,14 @@ class StatsOp : public TableOpKernel {
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     HashTable& t = table.table();
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({5}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({6}), &out));
     auto s = out->flat<int64_t>();
     s(0) = t.Size();
     s(1) = t.admitted();
     s(2) = t.evicted();
     s(3) = t.pending_admission();
-    s(4) = t.MemoryBytes();
+    s(4) = t.UsedBytes();
+    s(5) = t.ReservedBytes();
   }
 };
 

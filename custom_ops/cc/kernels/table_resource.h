@@ -26,7 +26,7 @@ class TableResource : public ::tensorflow::ResourceBase {
     return absl::StrCat("TfpsxHashTable(", name_, ", dim=", table_->dim(),
                         ", size=", table_->Size(), ")");
   }
-  int64_t MemoryUsed() const override { return table_->MemoryBytes(); }
+  int64_t MemoryUsed() const override { return table_->ReservedBytes(); }
   HashTable& table() { return *table_; }
   const HashTable& table() const { return *table_; }
   const std::string& name() const { return name_; }

@@ -137,8 +137,9 @@ REGISTER_OP("TfpsxHashTableImport")
     .Attr("clear: bool = false")
     .SetShapeFn(NoOutputs)
     .Doc(R"doc(
-Writes exported rows back (clear=true replaces the table's contents). `slots` may be
-empty (slots then start from their initial value); freq and step may be empty.
+Writes exported rows back (clear=true replaces the table's contents): keys [n],
+values [n, dim], slots [n, num_slots, dim] or empty (slots then start from their initial
+value), freq and step [n] or empty. Every input is checked before the table changes.
 )doc");
 
 REGISTER_OP("TfpsxHashTableTakeChanged")
@@ -216,9 +217,14 @@ REGISTER_OP("TfpsxHashTableStats")
     .Input("handle: resource")
     .Output("stats: int64")
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(5));
+      c->set_output(0, c->Vector(6));
       return absl::OkStatus();
     })
-    .Doc("[size, admitted, evicted, pending_admission, memory_bytes].");
+    .Doc(R"doc(
+[size, admitted, evicted, pending_admission, bytes_used, bytes_reserved]: bytes_used is
+what the rows held take (records: key, metadata, value, slots; plus the index),
+bytes_reserved all the table holds (the index and every block of row memory mapped,
+reserved capacity and chunks not filled yet included).
+)doc");
 
 }  // namespace tfpsx
