@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -44,18 +43,19 @@ def pick_ports(count: int) -> List[int]:
     return ports
 
 
-def _die_with_parent(parent: int):
-    """A ``preexec_fn``: the child gets SIGKILL when the process that started it dies
-    (Linux ``PR_SET_PDEATHSIG``), so a launcher killed with SIGKILL leaves no orphans."""
-    def set_death_signal():
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return  # not Linux: the launcher's own cleanup is all there is
-        if os.getppid() != parent:  # the parent died before the signal was set
-            os._exit(1)
-    return set_death_signal
+# Runs first in every task: asks for SIGKILL when the launcher dies (Linux
+# PR_SET_PDEATHSIG, kept across exec), then becomes the task. Not a preexec_fn: that
+# forces fork() where subprocess would vfork, and fork() runs grpc's atfork handlers in
+# a process with live gRPC threads (measured: an abort in the child, a core dump).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the launcher died before the signal was set\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n")
 
 
 def kill_process_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
@@ -166,9 +166,9 @@ class LocalCluster:
         # `-m tfpsx.control.scheduler` would warn: the package imports the module first.
         argv = (["-c", "import sys; from tfpsx.control.scheduler import main; sys.exit(main())"]
                 if role == _cluster.SCHEDULER else self.argv)
-        proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+        proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv],
+                                env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[task] = proc
         if self._started_at is None:
             self._started_at = time.monotonic()
