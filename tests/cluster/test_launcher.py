@@ -224,3 +224,6 @@ def test_wrong_token_fails_the_node_clearly(make_cluster):
     assert codes[("worker", 0)] != 0
     log = c.log("worker", 0)
     assert "SchedulerRejectedError" in log and "UNAUTHENTICATED" in log, log
+    # the scheduler's operator sees the refusal too
+    assert re.search(r"refused a call from .*: UNAUTHENTICATED: wrong or missing token",
+                     c.log("scheduler", 0)), c.log("scheduler", 0)

@@ -86,7 +86,7 @@ def test_too_many_nodes_refused_on_both_sides(sched, caplog):
     message = str(info.value)
     assert "RESOURCE_EXHAUSTED" in message and "too many servers: server_num is 1" in message
     assert _addr(1) in message and "node s1" in message
-    assert "refused registration: too many servers" in caplog.text
+    assert "RESOURCE_EXHAUSTED: too many servers" in caplog.text and "refused a call from" in caplog.text
 
 
 def test_wrong_role_and_duplicate_address(sched):

@@ -73,16 +73,23 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.failure: Optional[str] = None
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _refuse(context, code, message: str):
+        """Logs a refused call here too (the node that made it may log nowhere we see),
+        then fails it with ``code``."""
+        logger.error("refused a call from %s: %s: %s", context.peer(), code.name, message)
+        context.abort(code, message)
+
     def _check(self, context, token: str, node_id: Optional[str] = None) -> Optional[_Node]:
         if self.token is not None and not hmac.compare_digest(token.encode(), self.token.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED,
                           "wrong or missing token: this scheduler requires the TFPSX_TOKEN it "
                           "was started with")
         if node_id is None:
             return None
         node = self.nodes.get(node_id)
         if node is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
+            self._refuse(context, grpc.StatusCode.NOT_FOUND,
                           f"node id {node_id!r} never registered with this scheduler")
         return node
 
@@ -125,22 +132,22 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._check(context, request.token)
         role, node_id = request.role, request.node_id
         if role not in self.nums:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                           f"role {role!r} cannot register; expected 'server' or 'worker'")
         if not node_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
         try:
             address = _cluster.parse_endpoint(request.address, "address")
         except ValueError as e:
             if not request.address.endswith(":0"):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             address = f"{request.address[:-2]}:{portpicker.pick_unused_port()}"
         with self._cv:
             now = time.monotonic()
             node = self.nodes.get(node_id)
             if node is not None:
                 if node.role != role:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
                                   f"node id {node_id!r} registered as {node.role} rank "
                                   f"{node.rank}; it cannot re-register as a {role}")
                 node.last_seen = now
@@ -152,21 +159,20 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 holders = ", ".join(self.nodes[taken[r]].address for r in sorted(taken))
                 message = (f"too many {role}s: {role}_num is {num} and ranks 0..{num - 1} are "
                            f"taken ({holders}); refused {address} (node {node_id})")
-                logger.error("refused registration: %s", message)
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             for other in self.nodes.values():
                 if other.address == address:
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                    self._refuse(context, grpc.StatusCode.ALREADY_EXISTS,
                                   f"address {address} is already {other.name()}; each node "
                                   "needs its own host:port")
             rank = request.requested_rank
             if rank >= 0:
                 if rank >= num:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                   f"requested {role} rank {rank} is out of range for "
                                   f"{role}_num {num}; expected 0..{num - 1}")
                 if rank in taken:
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                    self._refuse(context, grpc.StatusCode.ALREADY_EXISTS,
                                   f"{role} rank {rank} is already taken by "
                                   f"{self.nodes[taken[rank]].address}")
             else:
@@ -210,7 +216,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     def Barrier(self, request, context):
         node = self._check(context, request.token, request.node_id)
         if node.role != _cluster.WORKER:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
                           f"barriers are for workers; {node.name()} is not one")
         with self._cv:
             arrived = self._barriers.setdefault(request.generation, set())
