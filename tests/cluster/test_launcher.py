@@ -107,15 +107,22 @@ def test_a_failing_non_chief_worker_leaves_the_others_running(tmp_path):
     assert "FAILED: worker 1 exited with code 3" in proc.stderr
 
 
-@pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
-def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
+def _start_long_job(tmp_path, extra=(), stdout=subprocess.PIPE):
+    """tfpsx-run of 1 server + 2 sleeping workers that write their pids (and roles) to
+    tmp_path/pids; returns (launcher, pid_dir)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     launcher = subprocess.Popen(
         RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2"] +
-        mode + [os.path.join(SCRIPTS, "job.py")],
-        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
+        list(extra) + [os.path.join(SCRIPTS, "job.py")],
+        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=stdout, stderr=stdout,
+        text=True, start_new_session=True, cwd=str(tmp_path))
+    return launcher, pid_dir
+
+
+@pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
+def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
+    launcher, pid_dir = _start_long_job(tmp_path, mode)
     try:
         pids = _pids(pid_dir, 3, launcher)
         os.kill(pids["server"], signal.SIGKILL)
@@ -134,13 +141,7 @@ def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
 
 
 def test_a_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    launcher = subprocess.Popen(
-        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2",
-               os.path.join(SCRIPTS, "job.py")],
-        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True, cwd=str(tmp_path))
+    launcher, pid_dir = _start_long_job(tmp_path, stdout=subprocess.DEVNULL)
     try:
         pids = _pids(pid_dir, 3, launcher)
         launcher.kill()  # SIGKILL: no handler, no cleanup of its own
@@ -153,18 +154,9 @@ def test_a_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
 
 
 def test_sigterm_stops_every_process(tmp_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    launcher = subprocess.Popen(
-        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2",
-               os.path.join(SCRIPTS, "job.py")],
-        env=_env(JOB_SLEEP="600", JOB_PID_DIR=str(pid_dir)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launcher, pid_dir = _start_long_job(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while len(list(pid_dir.iterdir())) < 3:  # the server and both workers are up
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.1)
+        _pids(pid_dir, 3, launcher)  # the server and both workers are up
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=60)
     finally:
