@@ -13,8 +13,8 @@ interleaved and repeated so that machine drift hits all alike:
   version, ``tf-keras`` with ``--no-deps`` so the CPU TF stays).
 
 Each run reports examples/s summed over the workers (fit only) and the eval loss.
-Targets: GEO k=100 >= 0.9x the ceiling at a final loss within 2% of async; tfpsx async
->= 1.0x tf-keras PSS; GEO >= 3x it.
+Targets: GEO k=100 >= 0.9x the ceiling at a final loss within 2% of async (at most
+2% above it); tfpsx async >= 1.0x tf-keras PSS; GEO >= 3x it.
 
   python benchmarks/keras_modes.py [--rounds 2] [--examples 262144] [--epochs 3]
 """
@@ -105,10 +105,12 @@ def main(argv=None):
         versus = f"{rate / peer:11.2f}" if peer else f"{'-':>11s}"
         print(f"{name:14s} {rate:11.0f} {rate / ceiling:10.2f} {versus} {loss:10.4f}")
     geo, async_ = med[("geo", 100)], med[("async", 0)]
+    # "Within 2% of async": GEO may not lose more than 2% of loss to async; a lower loss
+    # than async's meets it too.
     print(f"target GEO k=100 >= 0.9x ceiling: {geo[0] / ceiling:.2f}x "
-          f"({'met' if geo[0] >= 0.9 * ceiling else 'NOT met'}); loss within 2% of async: "
-          f"{100 * (geo[1] / async_[1] - 1):+.1f}% "
-          f"({'met' if abs(geo[1] / async_[1] - 1) <= 0.02 else 'NOT met'})")
+          f"({'met' if geo[0] >= 0.9 * ceiling else 'NOT met'}); loss at most 2% above "
+          f"async's: {100 * (geo[1] / async_[1] - 1):+.1f}% "
+          f"({'met' if geo[1] <= 1.02 * async_[1] else 'NOT met'})")
     if peer:
         print(f"target tfpsx async >= 1.0x tf-keras PSS: {async_[0] / peer:.2f}x "
               f"({'met' if async_[0] >= peer else 'NOT met'}); GEO >= 3x: "
