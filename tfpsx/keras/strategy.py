@@ -42,6 +42,7 @@ from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
 from tfpsx.keras.modes import mode_class
 from tfpsx.keras.modes.base import CreationContext
+from tfpsx.keras.partitioned import resolve_partitioner
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.strategy import DistributedStrategy
 
@@ -109,6 +110,9 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         def step(*step_args, **step_kwargs):
             self._trained = False
             self.mode.take_trace_ops()  # leftovers of an earlier trace are not this step's
+            # (Ordered before the step's reads of the same variables by the function's
+            # automatic control dependencies.)
+            self.mode.before_step()
             outputs = fn(*step_args, **step_kwargs)
             if not self._trained:
                 return outputs  # an eval or predict step
@@ -143,8 +147,16 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
     ``DynamicEmbedding`` layers built in the scope use PS-sharded tables trained in the
     same mode.
 
+    Model weights of 256 KiB or more are partitioned along axis 0 over the parameter
+    servers (at most one slice per PS; :mod:`tfpsx.keras.partitioned`).
+
     Args:
       strategy: the mode (default: async).
+      variable_partitioner: how large weights are cut: ``"auto"`` (slices of at least
+        256 KiB, at most one per PS), ``None`` (every variable whole on one PS), or TF's
+        ``tf.distribute.experimental.partitioners`` (``MinSizePartitioner``,
+        ``MaxSizePartitioner``, ``FixedShardsPartitioner``) or any callable
+        ``(shape, dtype) -> partitions per axis`` (axis 0 only).
 
     Raises:
       NotInitializedError / WrongRoleError: created before ``tfpsx.init()``, or not on a
@@ -152,7 +164,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
       ValueError: options the cluster cannot run (e.g. sync's replicas_to_aggregate).
     """
 
-    def __init__(self, strategy: Optional[DistributedStrategy] = None):
+    def __init__(self, strategy: Optional[DistributedStrategy] = None,
+                 variable_partitioner="auto"):
         config = RUNTIME.require_role("keras.ParameterServerStrategy", "worker")
         if not RUNTIME.worker_started:
             raise RuntimeError("tfpsx.keras.ParameterServerStrategy() needs "
@@ -161,6 +174,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         if not isinstance(options, DistributedStrategy):
             raise ValueError("tfpsx.keras.ParameterServerStrategy: strategy must be a "
                              f"tfpsx.DistributedStrategy, got {type(options).__name__}")
+        self.variable_partitioner = resolve_partitioner(variable_partitioner,
+                                                        config.server_num)
         _connect(config)
         mode = mode_class(options)(self, options, config)
         distribute_lib.Strategy.__init__(self, _Extended(self, mode.worker_device, mode))

@@ -102,8 +102,24 @@ def strategy_for(args):
         configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic}
     if args.mode == "staleness":
         configs = {"max_staleness": args.max_staleness}
+    partitioner = "auto"
+    if args.partition:  # every weight of 2+ rows cut into that many slices
+        partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+            args.partition)
+    elif args.partition_bytes:
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=args.partition_bytes, max_shards=tfpsx.server_num())
     return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
-        a_sync=args.mode != "sync", a_sync_configs=configs))
+        a_sync=args.mode != "sync", a_sync_configs=configs), variable_partitioner=partitioner)
+
+
+def partitioned(strategy):
+    """{weight path: the devices of its slices} of the partitioned model weights."""
+    mode = strategy._mode
+    globals_ = ([v.global_ for v in mode.dense] if strategy.mode == "geo"
+                else [v.global_ for v in mode.views.values()])
+    return {g.slices[0].shared_name.rsplit("/part_", 1)[0]: g.devices for g in globals_
+            if hasattr(g, "slices")}
 
 
 def main(argv):
@@ -125,6 +141,10 @@ def main(argv):
                    help="the chief saves weights there every epoch (ModelCheckpoint) and, "
                         "when a file is there already, restores it before fit")
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--partition", type=int, default=0,
+                   help="cut every weight into this many slices (FixedShardsPartitioner)")
+    p.add_argument("--partition_bytes", type=int, default=0,
+                   help="cut weights into slices of at least this many bytes, one per PS")
     args = p.parse_args(argv)
 
     me, workers = 0, 1
@@ -186,6 +206,7 @@ def main(argv):
             report["pushes"] = int(strategy.counters.pushes)
             report["rows_sent"] = int(strategy.counters.rows_sent)
         report["staleness_waits"] = strategy.staleness_waits
+        report["partitioned"] = partitioned(strategy)
         report["kernel_device"] = [l for l in model.layers if isinstance(
             l, keras.layers.Dense)][0].kernel.value.device
         tfpsx.barrier_worker()  # every worker's last push is in before the chief reads

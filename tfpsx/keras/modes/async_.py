@@ -9,12 +9,13 @@ would lose steps if the variable itself were shared), copied into each worker's 
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import tensorflow as tf
 
 from tfpsx import settings
 from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
+from tfpsx.keras.partitioned import PartitionedVariable, View, partitions
 from tfpsx.keras.variables import SharedVariable, initialize
 
 
@@ -24,6 +25,8 @@ class KerasAsync(KerasMode):
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
         self.iterations: List[tf.Variable] = []  # the optimizers' step counts (local copies)
+        self.views: Dict[int, View] = {}  # id(local variable) -> the view of a partitioned one
+        self._published = False
         self._global_step = None
 
     def check_model(self, model) -> None:
@@ -35,15 +38,63 @@ class KerasAsync(KerasMode):
                 "(each worker's step already applies its own batch) or use GEO (k_steps > 0)")
 
     def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
+        parent = self.views.get(id(kwargs.get("colocate_with"))) if ctx.is_slot(kwargs) else None
+        if parent is not None:  # a slot of a partitioned weight: a view too
+            return self._slot_view(extended, next_creator, kwargs, ctx, parent)
         slot_of_shared = ctx.is_slot(kwargs) and "/job:ps/" in kwargs["colocate_with"].device
-        if ctx.is_model_weight(kwargs) or slot_of_shared:
+        if slot_of_shared:
             return self.shared(ctx.path, kwargs)
+        if ctx.is_model_weight(kwargs):
+            global_ = self.global_variable(ctx.path, kwargs)
+            if isinstance(global_, SharedVariable):
+                return global_
+            return self._view(extended, next_creator, kwargs, global_).local
         var = extended.create_local(next_creator, kwargs)
         if ctx.is_iterations():
             self.iterations.append(var)
         return var
 
+    # ------------------------------------------------------------------ partitioned
+    def _view(self, extended, next_creator, kwargs, global_: PartitionedVariable) -> View:
+        local = extended.create_local(next_creator, dict(kwargs,
+                                                         initial_value=global_.read_value()))
+        view = View(local, global_)
+        self.views[id(local)] = view
+        return view
+
+    def _slot_view(self, extended, next_creator, kwargs, ctx, parent: View):
+        init = kwargs["initial_value"]
+        init = tf.convert_to_tensor(init() if callable(init) else init, kwargs.get("dtype"))
+        if init.shape == parent.local.shape:  # slice by slice beside the weight's
+            global_ = self.partitioned(ctx.path, kwargs, init, len(parent.global_.slices),
+                                       devices=parent.global_.devices)
+        else:
+            global_ = self.partitioned(ctx.path, kwargs, init, max(1, partitions(
+                self.keras_strategy.variable_partitioner, ctx.path, init.shape, init.dtype)))
+        view = self._view(extended, next_creator, dict(kwargs, initial_value=init), global_)
+        parent.slots.append(view)
+        return view.local
+
+    def before_step(self) -> list:
+        # Every step reads the current global values of the partitioned weights and of
+        # their slots (what an unpartitioned variable on a PS gives a step).
+        return [v.refresh() for v in self.views.values()]
+
+    def refresh_views(self) -> None:
+        """Eagerly: the views take the global values (before evaluate / predict / save)."""
+        for v in self.views.values():
+            v.refresh()
+            v.read = None
+
     def update(self, extended, var, fn, args, kwargs, group):
+        view = self.views.get(id(var))
+        if view is not None:
+            # The update runs on the worker, on the values read at the step's start; what
+            # it changed in the weight and its slots is added to their slices.
+            result = extended.update_on(self.worker_device, var, fn, args, kwargs, group)
+            for v in [view] + view.slots:
+                self.record(v.push_change())
+            return result
         # The optimizer's math runs beside the variable: only the gradient travels there.
         result = extended.update_on(var.device, var, fn, args, kwargs, group)
         self.applied(var)
@@ -59,8 +110,26 @@ class KerasAsync(KerasMode):
                        settings.get("TFPSX_SESSION_TIMEOUT"))
         return self._global_step
 
+    def publish(self, model) -> None:
+        # A restore (load_weights) before the first fit changed the chief's views: the
+        # job continues from that model.
+        if self._published:
+            return
+        self._published = True
+        for v in self.views.values():
+            if not bool(tf.reduce_all(tf.equal(v.local.read_value(), v.global_.read_value()))):
+                v.global_.assign(v.local.read_value())
+
+    def begin_eval(self, model) -> None:
+        super().begin_eval(model)
+        self.refresh_views()
+
+    def end_fit(self, model) -> None:
+        self.refresh_views()  # what the model holds after fit: the global values
+
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
+        self.refresh_views()
         now = self.global_step().read_value()
         for it in self.iterations:
             it.assign(now)

@@ -6,8 +6,9 @@ A Keras mode decides, for one worker's Keras 3 ``fit``:
   parameter server, this worker, or both, as GEO's local copy and global value);
 * ``update`` / ``reduce``: how the optimizer's per-variable update and gradient
   all-reduce run (on the PS; only on the chief; across workers);
-* ``after_step``: ops appended to every training step inside the compiled function
-  (GEO's step count, staleness clocks, sync tokens);
+* ``before_step`` / ``after_step``: ops at the start of every step (refreshing the views
+  of partitioned variables) and appended to every training step inside the compiled
+  function (GEO's step count, staleness clocks, sync tokens);
 * ``table_updater``: how a ``DynamicEmbedding`` layer built in the scope trains;
 * ``begin_fit`` / ``batch_end`` / ``end_fit``: what happens around ``fit`` in Python
   (waiting for the chief's initialization, GEO's communicator and final sync).
@@ -25,6 +26,7 @@ import tensorflow as tf
 
 from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.keras.partitioned import PartitionedVariable, partitions, slice_rows
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.placement import GreedyByBytes
@@ -99,6 +101,10 @@ class KerasMode:
     def reduce(self, extended, reduce_op, value_destination_pairs, options):
         return [value for value, _ in value_destination_pairs]
 
+    def before_step(self) -> list:
+        """Ops to run first in every step (training, evaluation, prediction)."""
+        return []
+
     def after_step(self) -> list:
         """Ops to run after each training step (inside the compiled step)."""
         return []
@@ -155,6 +161,33 @@ class KerasMode:
             distribute_strategy=kwargs.get("distribute_strategy"))
         initialize(var, init, self.is_chief, settings.get("TFPSX_SESSION_TIMEOUT"))
         return var
+
+    def global_variable(self, path: str, kwargs, initial=None):
+        """A model weight's global value: one shared variable (``shared``), or, when the
+        strategy's ``variable_partitioner`` cuts it, a :class:`PartitionedVariable` whose
+        slices are placed by bytes like any variable."""
+        init = kwargs["initial_value"] if initial is None else initial
+        if callable(init):
+            init = init()
+        init = tf.convert_to_tensor(init, kwargs.get("dtype"))
+        parts = partitions(self.keras_strategy.variable_partitioner, path, init.shape,
+                           init.dtype)
+        if parts == 1:
+            return self.shared(path, kwargs, initial=init)
+        return self.partitioned(path, kwargs, init, parts)
+
+    def partitioned(self, path: str, kwargs, init: tf.Tensor, parts: int,
+                    devices=None) -> PartitionedVariable:
+        """``init``'s value in ``parts`` slices along axis 0 on the PS tasks (``devices``,
+        or placed by bytes)."""
+        if devices is None:
+            row_bytes = max(1, init.shape[1:].num_elements() or 1) * init.dtype.size
+            devices = [self.ps_devices[self._placer.place(row_bytes * rows)]
+                       for rows in slice_rows(int(init.shape[0]), parts)]
+        return PartitionedVariable.create(
+            SHARED_PREFIX + path, kwargs.get("name"), init, devices, self.worker_device,
+            self.is_chief,
+            settings.get("TFPSX_SESSION_TIMEOUT"), bool(kwargs.get("trainable", True)))
 
     def ps_device_for(self, kwargs, shape=None, dtype=None) -> str:
         """Slots go beside their variable; anything else to the least loaded PS by bytes

@@ -42,6 +42,7 @@ class KerasGeo(KerasMode):
         self._steps: Optional[tf.Variable] = None    # local steps run
         self._pushed_steps = 0
         self._sync_fn = None
+        self._traced = False  # the communicator traced the sync function
         self._loop: Optional[BackgroundLoop] = None
         self._registered = False
         self._fits = 0
@@ -54,7 +55,11 @@ class KerasGeo(KerasMode):
         local = extended.create_local(next_creator, kwargs)
         # The global value: the chief's initial one, or the one on the PS already (a
         # restarted chief, a worker joining): every copy starts from it.
-        global_ = self.shared(ctx.path, kwargs, initial=local.read_value())
+        # (A large weight's global value is partitioned over the PS tasks: the rule's push
+        # and pull split by slice.)
+        global_ = (self.shared(ctx.path, kwargs, initial=local.read_value())
+                   if ctx.is_iterations()
+                   else self.global_variable(ctx.path, kwargs, initial=local.read_value()))
         with tf.device(self.worker_device):
             local.assign(global_.read_value())
             old = next_creator(initial_value=global_.read_value(), trainable=False,
@@ -224,13 +229,24 @@ class KerasGeo(KerasMode):
         self._in_fit = True
         self.steps()
         self._pushed_steps = int(self._steps.read_value())
-        self.sync_fn().get_concrete_function()  # traced now, not in the communicator's first round
         if self.in_train_thread:
             # No worker trains (and pushes) before every worker copied the global values
             # and registered its table readers.
             self.barrier()
         elif self._loop is None:
-            self._loop = BackgroundLoop("GEO communicator", self.sync_now).start()
+            self._loop = BackgroundLoop("GEO communicator", self._communicate).start()
+            if not self._traced:
+                self._loop.wake()  # its first round traces the sync while fit starts
+
+    def _communicate(self) -> None:
+        """The communicator's round: the first traces the sync function (0.7 s on the
+        examples/keras_ctr model: off fit's path, long before the first K steps ran),
+        the others sync."""
+        if not self._traced:
+            self.sync_fn().get_concrete_function()
+            self._traced = True
+            return
+        self.sync_now()
 
     def begin_eval(self, model) -> None:
         # Outside fit, evaluate / predict see the global model as it is now (the other

@@ -60,3 +60,4 @@ class KerasStaleness(KerasAsync):
         if self._clocks is not None:
             self._clocks.scatter_update(tf.IndexedSlices(tf.constant([DONE], tf.int64),
                                                          tf.constant([self.worker_index])))
+        super().end_fit(model)

@@ -96,6 +96,7 @@ class KerasSync(KerasAsync):
         if self._state is not None:
             self._state[1].scatter_update(tf.IndexedSlices(tf.constant([DONE], tf.int64),
                                                            tf.constant([self.worker_index])))
+        super().end_fit(model)
 
     # ------------------------------------------------------------------ the step
     def update(self, extended, var, fn, args, kwargs, group):
