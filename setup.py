@@ -238,7 +238,7 @@ setup(
     # protobuf >= 4.21: the committed scheduler_pb2 is protobuf 4.25 gencode (see the .proto).
     install_requires=["numpy", "grpcio", "protobuf>=4.21", "portpicker"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "import-linter"],
+        "test": ["pytest", "pytest-timeout", "import-linter", "psutil"],
         "cpu": ["tensorflow-cpu"],
     },
     entry_points={"console_scripts": ["tfpsx-run=tfpsx.launcher.run:main",

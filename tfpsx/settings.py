@@ -152,6 +152,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_NODE_ID", "str", None,
             "stable node id (default host:pid); a node that re-registers with it keeps its rank",
             "scheduler"),
+    Setting("TFPSX_SCHED_STATE", "path", None,
+            "the scheduler journals its job state there; a scheduler restarted with it "
+            "takes the job back (tfpsx-run: <log_dir>/scheduler.state)", "scheduler"),
+    Setting("TFPSX_SCHED_LOSS_TIMEOUT", "seconds", 600.0,
+            "how long a server keeps serving while the scheduler is unreachable (waiting for "
+            "a restarted one) before it exits with an error", "scheduler"),
     Setting("TFPSX_TLS_CERT", "path", None,
             "PEM certificate: the scheduler serves TLS with cert + key", "scheduler"),
     Setting("TFPSX_TLS_KEY", "path", None, "PEM private key of TFPSX_TLS_CERT", "scheduler"),

@@ -54,3 +54,24 @@ def test_keras_fit_fails_naming_the_killed_server(make_cluster):
         log = c.log("worker", i)
         assert re.search(rf"ServerUnavailableError: worker {i}: (fit|evaluate)\(\) lost server 0 "
                          rf"at {re.escape(c.servers[0])}", log), log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_without_its_scheduler_a_server_serves_on_then_gives_up_within_its_bound(make_cluster):
+    """By hand (no launcher to restart it): a killed scheduler does not take the model with
+    it; the server serves on, waiting for a restarted one, and gives up after
+    TFPSX_SCHED_LOSS_TIMEOUT with an error that says so."""
+    c = make_cluster(1, 2, env={"TFPSX_SCHED_LOSS_TIMEOUT": "4", "JOB_SLEEP": "600"},
+                     config_mode="scheduler").start()
+    for i in range(2):
+        wait_for_log(c, "worker", i, "WORKER_READY")
+    c.kill("scheduler", 0)
+    killed = time.monotonic()
+    time.sleep(2)
+    assert c.procs[("server", 0)].poll() is None, c.logs()  # still serving
+    codes = c.wait([("server", 0)], timeout=60)
+    assert codes[("server", 0)] != 0, c.logs()
+    assert time.monotonic() - killed < 4 + 15
+    log = c.log("server", 0)
+    assert "lost the scheduler" in log and "serving on (the model stays here)" in log, log
+    assert re.search(r"was unreachable for \d+ s \(TFPSX_SCHED_LOSS_TIMEOUT=4\); giving up", log)

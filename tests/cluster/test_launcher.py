@@ -140,6 +140,43 @@ def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
     assert _all_gone(pids.values())
 
 
+def test_a_killed_scheduler_is_restarted_and_the_job_goes_on(tmp_path):
+    """The scheduler holds no model: killed, it is restarted on its address, takes the
+    job back from its journal, and the job ends normally (a barrier after the restart
+    passes; the servers see both workers finish)."""
+    import psutil
+
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = subprocess.Popen(
+        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num", "2",
+               os.path.join(SCRIPTS, "job.py")],
+        env=_env(JOB_SLEEP="6", JOB_LATE_BARRIER="1", JOB_PID_DIR=str(pid_dir),
+                 TFPSX_HEARTBEAT_INTERVAL="0.5"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=str(tmp_path))
+    try:
+        _pids(pid_dir, 3, launcher)  # registered: the cluster is complete
+        scheduler = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                     if "tfpsx.control.scheduler" in " ".join(p.cmdline())]
+        assert len(scheduler) == 1, scheduler
+        scheduler[0].kill()
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, out + err
+    assert re.search(r"the scheduler exited with code -9 \(killed by SIGKILL\); restarting it "
+                     r"on 127\.0\.0\.1:\d+ \(1 of 3\): the job goes on", err), err
+    logs = tmp_path / "logs"
+    assert "took back the job journaled in" in (logs / "scheduler.log").read_text()
+    for i in range(2):
+        assert "LATE_BARRIER_PASSED" in (logs / f"workerlog.{i}").read_text()
+    assert "RUN_SERVER_RETURNED stopped=[0, 1] lost=[]" in (logs / "serverlog.0").read_text()
+    assert not (logs / "scheduler.state").exists()  # the job ended: nothing to resume
+
+
 def test_a_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
     launcher, pid_dir = _start_long_job(tmp_path, stdout=subprocess.DEVNULL)
     try:

@@ -1,6 +1,7 @@
 """The scheduler service and its client, in one process over real gRPC on 127.0.0.1."""
 
 import logging
+import re
 import subprocess
 import threading
 import time
@@ -11,6 +12,7 @@ from concurrent import futures
 
 from tfpsx import cluster, errors
 from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
+from tfpsx.control.journal import Journal
 from tfpsx.control.sched_client import SchedulerClient
 from tfpsx.control.scheduler import SchedulerService, serve
 from tfpsx.control.tls import TlsConfig
@@ -24,11 +26,13 @@ def sched():
     """Starts a scheduler service; yields a factory of (service, client maker)."""
     servers = []
 
-    def start(server_num=2, worker_num=2, token=None, heartbeat_timeout=60.0, tls=None):
-        service = SchedulerService(server_num, worker_num, token, heartbeat_timeout)
+    def start(server_num=2, worker_num=2, token=None, heartbeat_timeout=60.0, tls=None,
+              journal=None, address=None):
+        service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         pb_grpc.add_SchedulerServicer_to_server(service, server)
-        address = f"127.0.0.1:{pick_ports(1)[0]}"
+        service.grpc_server = server  # a test stops it to kill "the scheduler"
+        address = address or f"127.0.0.1:{pick_ports(1)[0]}"
         if tls:
             server.add_secure_port(address, tls.server_credentials())
         else:
@@ -228,3 +232,91 @@ def test_tls_env_validation(tmp_path):
     with pytest.raises(ValueError, match="go together"):
         TlsConfig.from_env({"TFPSX_TLS_CERT": str(tmp_path / "c.pem")})
     assert TlsConfig.from_env({}) is None
+
+
+# ----------------------------------------------------------------------------- scheduler loss
+
+def _job(sched, journal=None, token=None):
+    """1 server + 2 workers registered with a scheduler; returns (service, info, workers,
+    server)."""
+    service, client, info = sched(server_num=1, worker_num=2, token=token, journal=journal)
+    workers = [client("worker", f"w{i}") for i in range(2)]
+    server = client("server", "s0")
+    for i, c in enumerate(workers + [server]):
+        c.register(_addr(i), None, 5)
+    return service, info, workers, server
+
+
+def test_a_restarted_scheduler_takes_the_job_back_from_its_journal(sched, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tfpsx")
+    state = str(tmp_path / "scheduler.state")
+    first, info, workers, server = _job(sched, Journal(state, 1, 2, "tok"), token="tok")
+    workers[0].finish()
+    first.grpc_server.stop(grace=0)  # the scheduler dies
+    again, _, _ = sched(server_num=1, worker_num=2, token="tok",
+                        journal=Journal(state, 1, 2, "tok"), address=info.address)
+    assert {(n.role, n.rank, n.address, n.state) for n in again.nodes.values()} == {
+        ("worker", 0, _addr(0), "finished"), ("worker", 1, _addr(1), "registered"),
+        ("server", 0, _addr(2), "registered")}
+    assert again.ready_at is not None
+    assert "took back the job journaled in" in caplog.text
+    # The nodes' own channels reach the new scheduler; the job ends as it would have.
+    workers[1]._beat()
+    assert workers[1]._heartbeat_failures == 0
+    workers[1].finish()
+    reply = server.wait_job_end(loss_timeout=5)
+    assert reply.over and sorted(n.rank for n in reply.finished) == [0, 1]
+
+
+def test_a_journal_is_written_whole_or_not_at_all(tmp_path):
+    state = str(tmp_path / "scheduler.state")
+    journal = Journal(state, 1, 2, None)
+    journal.save([{"role": "server", "rank": 0, "address": _addr(0), "node_id": "s0",
+                   "state": "registered", "last_seen": 0.0}])
+    with open(state + ".tmp", "w") as f:  # a save that died halfway
+        f.write('{"version": 1, "nod')
+    assert [n["node_id"] for n in journal.load()] == ["s0"]
+    journal.remove()
+    assert journal.load() is None and not (tmp_path / "scheduler.state.tmp").exists()
+
+
+@pytest.mark.parametrize("other,words", [
+    (dict(server_num=2), "server_num 1 (expected 2)"),
+    (dict(token="other"), "token_sha256"),
+])
+def test_another_jobs_journal_is_refused(tmp_path, other, words):
+    state = str(tmp_path / "scheduler.state")
+    Journal(state, 1, 2, "tok").save([])
+    kwargs = dict(server_num=1, worker_num=2, token="tok")
+    kwargs.update(other)
+    with pytest.raises(ValueError, match=re.escape(words)) as e:
+        SchedulerService(kwargs["server_num"], kwargs["worker_num"], kwargs["token"],
+                         journal=Journal(state, **kwargs))
+    assert state in str(e.value) and "remove it to start a new job" in str(e.value)
+    with open(state, "w") as f:
+        f.write("not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        Journal(state, 1, 2, "tok").load()
+
+
+def test_a_scheduler_restarted_without_journal_gets_the_nodes_again(sched, caplog):
+    first, info, workers, server = _job(sched)
+    first.grpc_server.stop(grace=0)
+    again, _, _ = sched(server_num=1, worker_num=2, address=info.address)
+    for c in workers + [server]:  # their next heartbeat re-registers them, same ranks
+        c._beat()
+    assert {(n.role, n.rank, n.address) for n in again.nodes.values()} == {
+        ("worker", 0, _addr(0)), ("worker", 1, _addr(1)), ("server", 0, _addr(2))}
+    assert "registering again as rank 1" in caplog.text
+
+
+def test_a_server_serves_on_without_the_scheduler_for_a_bounded_time(sched):
+    first, _, workers, server = _job(sched)
+    first.grpc_server.stop(grace=0)
+    start = time.monotonic()
+    with pytest.raises(errors.ClusterTimeoutError,
+                       match=r"server rank 0: the scheduler at .* was unreachable for \d+ s "
+                             r"\(TFPSX_SCHED_LOSS_TIMEOUT=1\.5\)"):
+        server.wait_job_end(loss_timeout=1.5)
+    assert time.monotonic() - start < 10
+    assert workers[0].finish(patience=0.5) is None  # logged, not raised: training is done

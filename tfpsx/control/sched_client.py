@@ -1,5 +1,13 @@
 """A server's or worker's side of the scheduler protocol (the scheduler itself:
-:mod:`tfpsx.control.scheduler`)."""
+:mod:`tfpsx.control.scheduler`).
+
+The scheduler is not where the model lives, so losing it does not end the job: a failed
+heartbeat is logged and retried; a server keeps serving while it waits for a restarted
+scheduler (bounded by TFPSX_SCHED_LOSS_TIMEOUT); barriers retry until their own timeout;
+a worker's last "finished" is retried for TFPSX_RPC_TIMEOUT, then logged and skipped. A
+restarted scheduler that does not know a node (no journal) gets it registered again
+with its rank, address and node id.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +75,7 @@ class SchedulerClient:
         self._heartbeat_failures = 0
         self.dead: List[pb.Node] = []
         self.rank: Optional[int] = None
+        self.address: Optional[str] = None
 
     def _call(self, method: str, request, timeout: Optional[float] = None):
         try:
@@ -81,9 +90,27 @@ class SchedulerClient:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise errors.ClusterTimeoutError(
                     f"scheduler at {self.info.address}: {e.details()}") from e
-            raise errors.SchedulerRejectedError(
+            rejected = errors.SchedulerRejectedError(
                 f"scheduler at {self.info.address} refused {method} from {self.role} "
-                f"(node {self.node_id}): {code.name}: {e.details()}") from e
+                f"(node {self.node_id}): {code.name}: {e.details()}")
+            rejected.code = code
+            raise rejected from e
+
+    def _call_known(self, method: str, request, timeout: Optional[float] = None):
+        """``_call``; a scheduler that does not know this node (restarted without its
+        journal) gets it registered again with its rank and address, then the call."""
+        try:
+            return self._call(method, request, timeout)
+        except errors.SchedulerRejectedError as e:
+            if getattr(e, "code", None) != grpc.StatusCode.NOT_FOUND or self.rank is None:
+                raise
+        logger.warning("the scheduler at %s does not know this %s (restarted without its "
+                       "journal?): registering again as rank %d at %s", self.info.address,
+                       self.role, self.rank, self.address)
+        self._call("Register", pb.RegisterRequest(
+            role=self.role, node_id=self.node_id, address=self.address, token=self.token,
+            requested_rank=self.rank))
+        return self._call(method, request, timeout)
 
     # ------------------------------------------------------------------ registration
     def register(self, address: str, requested_rank: Optional[int],
@@ -99,7 +126,7 @@ class SchedulerClient:
         reply = self._call("Register", pb.RegisterRequest(
             role=self.role, node_id=self.node_id, address=address, token=self.token,
             requested_rank=-1 if requested_rank is None else requested_rank))
-        self.rank = reply.rank
+        self.rank, self.address = reply.rank, reply.address
         logger.info("%s registered with the scheduler at %s: rank %d, %s", self.role,
                     self.info.address, reply.rank, reply.address)
         return reply.rank, reply.address
@@ -128,8 +155,11 @@ class SchedulerClient:
     def _beat(self) -> None:
         # A failed beat is logged and retried: the scheduler's timeout decides who is dead.
         try:
-            reply = self._call("Heartbeat", pb.NodeRequest(node_id=self.node_id,
-                                                           token=self.token))
+            reply = self._call_known("Heartbeat", pb.NodeRequest(node_id=self.node_id,
+                                                                 token=self.token))
+            if self._heartbeat_failures:
+                logger.warning("the scheduler at %s answers again (after %d failed heartbeats)",
+                               self.info.address, self._heartbeat_failures)
             self._heartbeat_failures = 0
         except (errors.ServerUnavailableError, errors.SchedulerRejectedError) as e:
             self._heartbeat_failures += 1
@@ -150,9 +180,21 @@ class SchedulerClient:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            reply = self._call("Barrier", pb.NodeRequest(
-                node_id=self.node_id, token=self.token, generation=generation,
-                wait_seconds=max(0.0, min(_LONG_POLL, left))), timeout=self.rpc_timeout + _LONG_POLL)
+            try:
+                reply = self._call_known("Barrier", pb.NodeRequest(
+                    node_id=self.node_id, token=self.token, generation=generation,
+                    wait_seconds=max(0.0, min(_LONG_POLL, left))),
+                    timeout=self.rpc_timeout + _LONG_POLL)
+            except errors.ServerUnavailableError as e:
+                # The scheduler is down (a restarted one takes the job back): wait for it
+                # within the barrier's own bound.
+                if time.monotonic() >= deadline:
+                    raise errors.ClusterTimeoutError(
+                        f"barrier_worker() #{generation} on worker {self.rank} waited "
+                        f"{timeout:g} s; the scheduler did not answer: {e}") from e
+                logger.warning("barrier %d: %s; retrying", generation, e)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
             if reply.passed:
                 if reply.dead:
                     logger.warning("barrier %d passed without dead workers: %s", generation,
@@ -163,15 +205,55 @@ class SchedulerClient:
                     f"barrier_worker() #{generation} on worker {self.rank} waited {timeout:g} s; "
                     f"{reply.arrived} of {reply.expected} workers arrived")
 
-    def finish(self) -> pb.JobReply:
-        return self._call("Finish", pb.NodeRequest(node_id=self.node_id, token=self.token))
-
-    def wait_job_end(self) -> pb.JobReply:
-        """Blocks until every worker finished or died (heartbeats bound the wait)."""
+    def finish(self, patience: Optional[float] = None) -> Optional[pb.JobReply]:
+        """Tells the scheduler this node is done; while it is unreachable, retries for
+        ``patience`` seconds (default: the RPC timeout), then logs and returns None (a
+        journaling scheduler counts the node dead after TFPSX_HEARTBEAT_TIMEOUT)."""
+        deadline = time.monotonic() + (self.rpc_timeout if patience is None else patience)
         while True:
-            reply = self._call("WaitJobEnd", pb.NodeRequest(
-                node_id=self.node_id, token=self.token, wait_seconds=_LONG_POLL),
-                timeout=self.rpc_timeout + _LONG_POLL)
+            try:
+                return self._call_known("Finish", pb.NodeRequest(node_id=self.node_id,
+                                                                 token=self.token))
+            except errors.ServerUnavailableError as e:
+                if time.monotonic() >= deadline:
+                    logger.warning("%s rank %s could not tell the scheduler it finished: %s",
+                                   self.role, self.rank, e)
+                    return None
+                time.sleep(0.5)
+
+    def wait_job_end(self, loss_timeout: float = 600.0) -> pb.JobReply:
+        """Blocks until every worker finished or died (heartbeats bound the wait). An
+        unreachable scheduler is waited for (this server keeps serving: the model stays)
+        up to ``loss_timeout`` seconds (TFPSX_SCHED_LOSS_TIMEOUT).
+
+        Raises:
+          ClusterTimeoutError: the scheduler was unreachable for ``loss_timeout`` s.
+        """
+        lost_since = None
+        while True:
+            try:
+                reply = self._call_known("WaitJobEnd", pb.NodeRequest(
+                    node_id=self.node_id, token=self.token, wait_seconds=_LONG_POLL),
+                    timeout=self.rpc_timeout + _LONG_POLL)
+            except errors.ServerUnavailableError as e:
+                now = time.monotonic()
+                if lost_since is None:
+                    lost_since = now
+                    logger.warning("%s rank %s lost the scheduler (%s); serving on (the model "
+                                   "stays here) and waiting up to %g s "
+                                   "(TFPSX_SCHED_LOSS_TIMEOUT) for a restarted one",
+                                   self.role, self.rank, e, loss_timeout)
+                if now - lost_since >= loss_timeout:
+                    raise errors.ClusterTimeoutError(
+                        f"{self.role} rank {self.rank}: the scheduler at {self.info.address} "
+                        f"was unreachable for {now - lost_since:.0f} s "
+                        f"(TFPSX_SCHED_LOSS_TIMEOUT={loss_timeout:g}); giving up the job") from e
+                time.sleep(1.0)
+                continue
+            if lost_since is not None:
+                logger.warning("%s rank %s: the scheduler at %s is back after %.1f s", self.role,
+                               self.rank, self.info.address, time.monotonic() - lost_since)
+                lost_since = None
             if reply.over:
                 return reply
 
@@ -240,7 +322,7 @@ class SchedulerCoordinator(Coordinator):
     def serve(self, me: str, register_timeout: float, heartbeat_timeout: float,
               connect_timeout: float):
         try:
-            reply = self.client.wait_job_end()
+            reply = self.client.wait_job_end(settings.get("TFPSX_SCHED_LOSS_TIMEOUT"))
             self.client.stop_heartbeat()
             self.client.finish()
         finally:

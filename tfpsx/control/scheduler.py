@@ -7,6 +7,12 @@ same node id gets the same rank), answers every node with the full cluster once 
 registered, runs barriers, watches heartbeats, and ends the job when every worker has
 finished (or died).
 
+It is not where the model lives: servers and workers talk TF to each other directly. With
+``TFPSX_SCHED_STATE`` (``tfpsx-run`` sets it) it journals who is who
+(:mod:`tfpsx.control.journal`), and a scheduler restarted with that file takes the job
+back; meanwhile servers keep serving and workers keep training (their heartbeats fail,
+logged, and are retried; see :mod:`tfpsx.control.sched_client`).
+
 Run it as ``tfpsx-scheduler`` (or ``python -m tfpsx.control.scheduler``) with ``TFPSX_ROLE=scheduler
 TFPSX_SCHED_ADDR=host:port TFPSX_SERVER_NUM=S TFPSX_WORKER_NUM=W`` [``TFPSX_TOKEN``], or
 from a script with ``tfpsx.init(); tfpsx.run_scheduler()``.
@@ -28,6 +34,7 @@ import portpicker
 
 from tfpsx import cluster as _cluster
 from tfpsx import errors, settings
+from tfpsx.control.journal import Journal
 from tfpsx.control.proto import scheduler_pb2 as pb
 from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
 from tfpsx.control.tls import TlsConfig
@@ -59,7 +66,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     """The scheduler's state and RPCs. Thread-safe; one condition guards everything."""
 
     def __init__(self, server_num: int, worker_num: int, token: Optional[str] = None,
-                 heartbeat_timeout: float = 60.0):
+                 heartbeat_timeout: float = 60.0, journal: Optional[Journal] = None):
         self.nums = {_cluster.SERVER: server_num, _cluster.WORKER: worker_num}
         self.token = token
         self.heartbeat_timeout = heartbeat_timeout
@@ -71,6 +78,32 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self.first_registration: Optional[float] = None
         self.ready_at: Optional[float] = None
         self.failure: Optional[str] = None
+        self.journal = journal
+        if journal is not None:
+            self._resume(journal.load())
+
+    # ------------------------------------------------------------------ journal
+    def _resume(self, nodes) -> None:
+        """Takes back the job a previous scheduler journaled (its nodes keep their ranks;
+        the living ones get a fresh heartbeat window)."""
+        if not nodes:
+            return
+        now = time.monotonic()
+        for n in nodes:
+            node = _Node(role=n["role"], rank=int(n["rank"]), address=n["address"],
+                         node_id=n["node_id"], state=n["state"], last_seen=now)
+            self.nodes[node.node_id] = node
+            self._ranks[node.role][node.rank] = node.node_id
+        self.first_registration = now
+        if self.ready():
+            self.ready_at = now
+        logger.info("took back the job journaled in %s: %s", self.journal.path,
+                    ", ".join(f"{n.name()} {n.state}" for n in self.nodes.values()))
+
+    def _save(self) -> None:
+        """Journals the nodes (called with the condition held, after every change)."""
+        if self.journal is not None:
+            self.journal.save([dataclasses.asdict(n) for n in self.nodes.values()])
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -182,6 +215,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             taken[rank] = node_id
             self.first_registration = self.first_registration or now
             logger.info("assigned %s rank %d to %s", role, rank, address)
+            self._save()
             if self.ready():
                 self.ready_at = now
                 logger.info("cluster ready: %d servers, %d workers in %.2f s",
@@ -238,6 +272,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             if node.state != FINISHED:
                 node.state = FINISHED
                 logger.info("%s finished", node.name())
+                self._save()
                 self._cv.notify_all()
             return self._job_reply()
 
@@ -270,6 +305,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     logger.warning("%s is dead: no heartbeat for %.1f s "
                                    "(TFPSX_HEARTBEAT_TIMEOUT=%g)", node.name(),
                                    now - node.last_seen, self.heartbeat_timeout)
+                    self._save()
                     self._cv.notify_all()
 
     def fail(self, message: str) -> None:
@@ -280,14 +316,18 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
 def serve(address: str, server_num: int, worker_num: int, token: Optional[str] = None,
           register_timeout: float = 600.0, heartbeat_timeout: float = 60.0,
-          tls: Optional[TlsConfig] = None, server_grace: Optional[float] = None) -> int:
+          tls: Optional[TlsConfig] = None, server_grace: Optional[float] = None,
+          state_file: Optional[str] = None) -> int:
     """Runs the scheduler until the job ends; returns a process exit code.
 
     Returns 0 when every worker finished or died and the servers confirmed the end (or the
     grace ran out); raises ClusterTimeoutError when the cluster was not complete within
-    ``register_timeout`` (after telling every waiting node).
+    ``register_timeout`` (after telling every waiting node). With ``state_file`` the job
+    state is journaled there (and taken back from it when it exists); removed when the
+    job ends.
     """
-    service = SchedulerService(server_num, worker_num, token, heartbeat_timeout)
+    journal = (Journal(state_file, server_num, worker_num, token) if state_file else None)
+    service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal)
     server = grpc.server(futures.ThreadPoolExecutor(
         max_workers=2 * (server_num + worker_num) + 8, thread_name_prefix="tfpsx-sched"))
     pb_grpc.add_SchedulerServicer_to_server(service, server)
@@ -326,6 +366,8 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
                 if all(n.state in (FINISHED, DEAD) for n in service._by_role(_cluster.SERVER)):
                     break
             time.sleep(0.1)
+        if journal is not None:
+            journal.remove()
         logger.info("scheduler exiting")
         return 0
     finally:
@@ -342,7 +384,7 @@ def run_scheduler(config: _cluster.ClusterConfig) -> int:
     return serve(info.address, info.server_num, info.worker_num, token=info.token,
                  register_timeout=settings.get("TFPSX_REGISTER_TIMEOUT"),
                  heartbeat_timeout=settings.get("TFPSX_HEARTBEAT_TIMEOUT"),
-                 tls=TlsConfig.from_env())
+                 tls=TlsConfig.from_env(), state_file=settings.get("TFPSX_SCHED_STATE"))
 
 
 def main() -> int:

@@ -113,6 +113,12 @@ class LocalCluster:
         self.servers = [f"{host}:{p}" for p in ports[:server_num]]
         self.workers = [f"{host}:{p}" for p in ports[server_num:-1]]
         self.scheduler_address = f"{host}:{ports[-1]}" if config_mode == "scheduler" else None
+        # The scheduler's journal: a scheduler restarted with it takes this job back. A
+        # new job starts without one.
+        self.scheduler_state = os.path.join(self.log_dir, "scheduler.state")
+        for stale in (self.scheduler_state, self.scheduler_state + ".tmp"):
+            if os.path.exists(stale):
+                os.remove(stale)
         self.procs: Dict[Task, subprocess.Popen] = {}
         self._logs: Dict[Task, object] = {}
         self._started_at: Optional[float] = None
@@ -131,7 +137,9 @@ class LocalCluster:
             env.update({_cluster.ENV_ROLE: role, _cluster.ENV_SCHED_ADDR: self.scheduler_address,
                         _cluster.ENV_SERVER_NUM: str(self.server_num),
                         _cluster.ENV_WORKER_NUM: str(self.worker_num)})
-            if role != _cluster.SCHEDULER:
+            if role == _cluster.SCHEDULER:
+                env["TFPSX_SCHED_STATE"] = self.scheduler_state
+            else:
                 env.update({_cluster.ENV_RANK: str(index), "TFPSX_HOST": host,
                             "TFPSX_PORT": port, "TFPSX_NODE_ID": f"local-{role}-{index}"})
             if self.token is not None:

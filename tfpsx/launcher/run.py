@@ -8,12 +8,15 @@ A scheduler (``log_dir/scheduler.log``) assigns ranks; every server and worker i
 separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` and
 ``log_dir/workerlog.N``; the chief's output also streams to
 the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's token.
-The launcher watches every process it started. A server or the scheduler that fails,
-or the chief (worker 0), ends the job: every process is stopped and the summary names
-the one that failed and its log. A non-chief worker that fails is reported and the
-others go on (async and GEO train without it). The exit code is 0 when every process
-exits 0, otherwise the failed one's (128 + N for signal N), after every process started
-here is gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). With ``--no_scheduler`` each process gets its cluster from
+The launcher watches every process it started. A server or the chief (worker 0) that
+fails ends the job: every process is stopped and the summary names the one that failed
+and its log. A scheduler that fails is restarted on its address (up to 3 times; it
+journals the job in ``log_dir/scheduler.state`` and takes it back, while servers serve
+and workers train on). A non-chief worker that fails is reported and the others go on
+(async and GEO train without it). The exit code is 0 when every process exits 0,
+otherwise the failed one's (128 + N for signal N), after every process started here is
+gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). With
+``--no_scheduler`` each process gets its cluster from
 environment variables (``--config tf_config`` writes TF_CONFIG instead, so a plain TF
 script that reads TF_CONFIG runs unchanged).
 """
@@ -82,6 +85,9 @@ class _Tail(threading.Thread):
         self.join(timeout=5)
 
 
+MAX_SCHEDULER_RESTARTS = 3  # a scheduler that keeps dying is a failure of its own
+
+
 def _name(task) -> str:
     role, index = task
     return "the scheduler" if role == _cluster.SCHEDULER else f"{role} {index}"
@@ -134,6 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.monotonic()
     failed = None  # (task, code): what ends the job
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
+    scheduler_restarts = 0
     try:
         job.start()
         workers = [("worker", i) for i in range(worker_num)]
@@ -144,6 +151,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             # called stop_worker(), while workers may still be finishing.
             for task in others:
                 code = job.procs[task].poll()
+                if code not in (None, 0) and task[0] == _cluster.SCHEDULER and \
+                        scheduler_restarts < MAX_SCHEDULER_RESTARTS:
+                    # It holds no model: a new one takes the job back from its journal
+                    # while servers serve and workers train on.
+                    scheduler_restarts += 1
+                    print(f"tfpsx-run: the scheduler exited with code {code} ({_how(code)}); "
+                          f"restarting it on {job.scheduler_address} "
+                          f"({scheduler_restarts} of {MAX_SCHEDULER_RESTARTS}): the job goes on",
+                          file=sys.stderr, flush=True)
+                    job.start_task(*task)
+                    continue
                 if code not in (None, 0):
                     failed = (task, code)
                     print(f"tfpsx-run: {_name(task)} exited with code {code} "

@@ -8,6 +8,7 @@ Behaviour knobs come from env so one script covers the scenarios:
   JOB_PLACEMENT=1     the worker checks where counter ops run and prints JSON
   JOB_PID_DIR=D       every process writes its pid to D/<pid> (after init: its role)
   JOB_FAIL=I:C        worker I exits with code C right after init_worker()
+  JOB_LATE_BARRIER=1  workers meet at one more barrier after the sleep
 """
 import os
 import sys
@@ -49,6 +50,9 @@ for i in range(int(os.environ.get("JOB_BARRIERS", "0"))):
     tfpsx.barrier_worker()
     print(f"BARRIER_PASSED {i}", flush=True)
 time.sleep(float(os.environ.get("JOB_SLEEP", "0")))
+if os.environ.get("JOB_LATE_BARRIER") == "1":
+    tfpsx.barrier_worker()
+    print("LATE_BARRIER_PASSED", flush=True)
 if os.environ.get("JOB_SKIP_STOP") != "1":
     tfpsx.stop_worker()
 print("WORKER_DONE", flush=True)
