@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from tfpsx import cluster as _cluster
 from tfpsx import errors, metrics, settings
@@ -190,6 +190,11 @@ class Runtime:
             "of the variables and tables is gone): restart it from the last checkpoint. "
             f"This worker exits in {grace:g} s (TFPSX_LOST_GRACE) unless it fails first.",
             grace)
+
+    def dead_workers(self) -> List[Tuple[int, str]]:
+        """(rank, address) of the workers the control plane declared dead (the scheduler,
+        from their heartbeats; empty without one)."""
+        return self._coord.dead_workers() if self._coord is not None else []
 
     def barrier_worker(self, timeout: Optional[float] = None) -> None:
         config = self.require_role("barrier_worker", _cluster.WORKER)

@@ -1,8 +1,10 @@
 """Keras 3 fit on local clusters (tests/cluster/scripts/keras_job.py), every mode."""
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -152,6 +154,24 @@ def test_sync_with_a_killed_worker_is_a_cluster_timeout(make_cluster):
     log = c.log("worker", 0)
     assert "ClusterTimeoutError" in log and "TFPSX_SYNC_STEP_TIMEOUT" in log, log[-3000:]
     assert "worker(s) [1]" in log, log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_sync_fails_fast_when_the_scheduler_reports_the_worker_dead(make_cluster):
+    """With a scheduler, a killed worker is known dead after TFPSX_HEARTBEAT_TIMEOUT: the
+    chief's wait for its gradients fails then, naming it, not after the step timeout."""
+    c = make_cluster(1, 2, script="keras_job.py", config_mode="scheduler",
+                     env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="300"), timeout=240,
+                     args=["--mode", "sync", "--epochs", "50", "--step_delay", "0.01"]).start()
+    wait_for_log(c, "worker", 1, "Epoch 1/", timeout=120)
+    c.kill("worker", 1)
+    killed = time.monotonic()
+    codes = c.wait([("worker", 0)], timeout=120)
+    assert codes[("worker", 0)] != 0
+    assert time.monotonic() - killed < int(FAST["TFPSX_HEARTBEAT_TIMEOUT"]) + 30, c.logs()
+    log = c.log("worker", 0)
+    assert re.search(r"ClusterTimeoutError: sync: worker 0 waited [\d.]+ s for step \d+, which "
+                     r"cannot complete: worker 1 at 127\.0\.0\.1:\d+ died", log), log[-3000:]
 
 
 @pytest.mark.timeout(300)

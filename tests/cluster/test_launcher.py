@@ -177,6 +177,58 @@ def test_a_killed_scheduler_is_restarted_and_the_job_goes_on(tmp_path):
     assert not (logs / "scheduler.state").exists()  # the job ended: nothing to resume
 
 
+def _saved_step(ckpt) -> int:
+    """The global step of the newest checkpoint in ``ckpt`` (-1: none yet)."""
+    try:
+        text = (ckpt / "checkpoint").read_text()
+    except FileNotFoundError:
+        return -1
+    found = re.search(r'^model_checkpoint_path: ".*-(\d+)"', text, re.M)
+    return int(found.group(1)) if found else -1
+
+
+@pytest.mark.timeout(240)
+def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
+    """--max_restarts 1: the server killed mid-training, the job starts again and the chief
+    resumes from its last checkpoint; the job runs to its last step and learns."""
+    import psutil
+
+    import tfpsx
+
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    launcher = subprocess.Popen(
+        RUN + ["--log_dir", str(logs), "--server_num", "1", "--worker_num", "2",
+               "--max_restarts", "1", "--timeout", "200",
+               os.path.join(SCRIPTS, "training_job.py"), "--mode", "async", "--steps", "1500",
+               "--checkpoint_dir", str(ckpt), "--save_steps", "50", "--step_delay", "0.02"],
+        env=_env(TFPSX_HEARTBEAT_INTERVAL="0.5"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while _saved_step(ckpt) < 100:  # a checkpoint to resume from (TF saves step 0 too)
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        server = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                  if p.environ().get("TFPSX_ROLE") == "server"]
+        assert len(server) == 1, server
+        server[0].kill()
+        out, err = launcher.communicate(timeout=200)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, out[-3000:] + err
+    assert re.search(r"server 0 exited with code -9 \(killed by SIGKILL; see .*serverlog\.0\); "
+                     r"restarting the job \(1 of 1\)", err), err
+    starts = tfpsx.metrics.read(str(logs), "worker", 0, "resumed")
+    assert [r["checkpoint"] is None for r in starts] == [True, False], starts
+    assert starts[1]["global_step"] >= 100, starts  # not from scratch
+    assert "restart 1 of 1 after server 0 exited with code -9" in (logs / "serverlog.0").read_text()
+    final = tfpsx.metrics.read(str(logs), "worker", 0, "training")[-1]
+    assert final["global_step"] >= 1500 and final["start_step"] == starts[1]["global_step"], final
+    assert final["eval_loss"] < 0.05, final
+
+
 def test_a_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
     launcher, pid_dir = _start_long_job(tmp_path, stdout=subprocess.DEVNULL)
     try:

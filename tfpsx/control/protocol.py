@@ -37,6 +37,10 @@ class Coordinator(abc.ABC):
         scheduler does, from its heartbeats); empty where it cannot tell."""
         return []
 
+    def dead_workers(self) -> List[Tuple[int, str]]:
+        """(rank, address) of workers declared dead, as :meth:`dead_servers`."""
+        return []
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases channels and threads; safe to call twice."""

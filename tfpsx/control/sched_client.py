@@ -335,5 +335,9 @@ class SchedulerCoordinator(Coordinator):
         return [(n.rank, n.address) for n in list(self.client.dead)
                 if n.role == _cluster.SERVER]
 
+    def dead_workers(self):
+        return [(n.rank, n.address) for n in list(self.client.dead)
+                if n.role == _cluster.WORKER]
+
     def close(self) -> None:
         self.client.close()

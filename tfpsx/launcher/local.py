@@ -109,19 +109,27 @@ class LocalCluster:
         os.makedirs(self.log_dir, exist_ok=True)
         self.config_mode = config_mode
         self.token = token
-        ports = pick_ports(server_num + worker_num + 1)
-        self.servers = [f"{host}:{p}" for p in ports[:server_num]]
-        self.workers = [f"{host}:{p}" for p in ports[server_num:-1]]
-        self.scheduler_address = f"{host}:{ports[-1]}" if config_mode == "scheduler" else None
+        self.host = host
+        self._pick_addresses()
         # The scheduler's journal: a scheduler restarted with it takes this job back. A
         # new job starts without one.
         self.scheduler_state = os.path.join(self.log_dir, "scheduler.state")
-        for stale in (self.scheduler_state, self.scheduler_state + ".tmp"):
-            if os.path.exists(stale):
-                os.remove(stale)
+        self._forget_journal()
         self.procs: Dict[Task, subprocess.Popen] = {}
         self._logs: Dict[Task, object] = {}
         self._started_at: Optional[float] = None
+
+    def _forget_journal(self) -> None:
+        for stale in (self.scheduler_state, self.scheduler_state + ".tmp"):
+            if os.path.exists(stale):
+                os.remove(stale)
+
+    def _pick_addresses(self) -> None:
+        ports = pick_ports(self.server_num + self.worker_num + 1)
+        self.servers = [f"{self.host}:{p}" for p in ports[:self.server_num]]
+        self.workers = [f"{self.host}:{p}" for p in ports[self.server_num:-1]]
+        self.scheduler_address = (f"{self.host}:{ports[-1]}" if self.config_mode == "scheduler"
+                                  else None)
 
     # ------------------------------------------------------------------ processes
     def task_env(self, role: str, index: int) -> Dict[str, str]:
@@ -193,6 +201,18 @@ class LocalCluster:
         for role, index in (self.tasks() if tasks is None else tasks):
             self.start_task(role, index)
         return self
+
+    def restart(self, reason: str) -> "LocalCluster":
+        """The whole job again: every task killed (by PID), new free ports, no scheduler
+        journal (a new incarnation of the job), every task started; each log gets a line
+        with ``reason`` and goes on."""
+        self.stop()
+        self._pick_addresses()
+        self._forget_journal()
+        for role, index in self.tasks():
+            with open(self.log_path(role, index), "a") as log:
+                log.write(f"\n===== tfpsx-run: {reason} =====\n")
+        return self.start()
 
     def kill(self, role: str, index: int, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to one task's process group and waits for it to exit."""

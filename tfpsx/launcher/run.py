@@ -2,7 +2,8 @@
 
 Usage::
 
-  tfpsx-run --server_num 2 --worker_num 2 [--log_dir logs] [--no_scheduler] train.py [args]
+  tfpsx-run --server_num 2 --worker_num 2 [--log_dir logs] [--no_scheduler]
+            [--max_restarts N] train.py [args]
 
 A scheduler (``log_dir/scheduler.log``) assigns ranks; every server and worker is a
 separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` and
@@ -10,7 +11,9 @@ separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` an
 the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's token.
 The launcher watches every process it started. A server or the chief (worker 0) that
 fails ends the job: every process is stopped and the summary names the one that failed
-and its log. A scheduler that fails is restarted on its address (up to 3 times; it
+and its log. With ``--max_restarts N`` such a failure restarts the whole job instead (up to N
+times; new ports, a fresh scheduler; the chief resumes from its last checkpoint). A
+scheduler that fails is restarted on its address (up to 3 times; it
 journals the job in ``log_dir/scheduler.state`` and takes it back, while servers serve
 and workers train on). A non-chief worker that fails is reported and the others go on
 (async and GEO train without it). The exit code is 0 when every process exits 0,
@@ -50,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds the job may run before it is killed (default: no limit)")
     p.add_argument("--server_grace", type=str, default="60",
                    help="seconds servers get to exit after the last worker did")
+    p.add_argument("--max_restarts", type=str, default="0",
+                   help="when a server or the chief fails, restart the whole job up to this "
+                        "many times (the chief resumes from its last checkpoint)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -114,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         timeout = (None if args.timeout is None
                    else settings.parse_float(args.timeout, "--timeout"))
         grace = settings.parse_float(args.server_grace, "--server_grace")
+        max_restarts = settings.parse_int(args.max_restarts, "--max_restarts", minimum=0)
     except ValueError as e:
         print(f"tfpsx-run: {e}", file=sys.stderr)
         return 2
@@ -140,12 +147,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.monotonic()
     failed = None  # (task, code): what ends the job
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
-    scheduler_restarts = 0
+    scheduler_restarts = job_restarts = 0
     try:
         job.start()
         workers = [("worker", i) for i in range(worker_num)]
         others = [t for t in job.tasks() if t[0] != "worker"]  # the scheduler, servers
-        while not interrupted and failed is None:
+        while not interrupted:
+            if failed is not None:
+                if failed[0][0] == "launcher" or job_restarts >= max_restarts:
+                    break
+                # A server (its share of the model) or the chief is gone: the job comes
+                # back whole, and the chief resumes from its last checkpoint.
+                job_restarts += 1
+                (role, index), code = failed
+                print(f"tfpsx-run: {_name((role, index))} exited with code {code} "
+                      f"({_how(code)}; see {job.log_path(role, index)}); restarting the job "
+                      f"({job_restarts} of {max_restarts}): every process starts again and "
+                      "the chief resumes from its last checkpoint", file=sys.stderr, flush=True)
+                job.restart(f"restart {job_restarts} of {max_restarts} after {_name((role, index))} "
+                            f"exited with code {code}")
+                failed, lost_workers, scheduler_restarts = None, [], 0
             # A server or the scheduler that fails while workers run ends the job (its
             # share of the model is gone). One that exits 0 does so after every worker
             # called stop_worker(), while workers may still be finishing.
@@ -180,13 +201,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                           f"({_how(code)}; see {job.log_path(*task)}); the other workers go "
                           "on (async and GEO train without it; sync fails after "
                           "TFPSX_SYNC_STEP_TIMEOUT)", file=sys.stderr, flush=True)
-            if failed or all(job.procs[t].poll() is not None for t in workers):
+            if failed:
+                continue
+            if all(job.procs[t].poll() is not None for t in workers):
                 break
             if timeout is not None and time.monotonic() - start > timeout:
                 failed = (("launcher", 0), 124)
                 print(f"tfpsx-run: job ran past --timeout {timeout:g} s; stopping it",
                       file=sys.stderr)
-                break
+                continue
             time.sleep(0.1)
         if not failed and not interrupted:
             deadline = time.monotonic() + grace

@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+import logging
+from typing import Dict, Iterable, Optional
 
 import tensorflow as tf
+
+from tfpsx import metrics
+
+logger = logging.getLogger("tfpsx")
+
+
+class ResumeLogHook(tf.compat.v1.train.SessionRunHook):
+    """The chief says where training starts: from a checkpoint (which one, at which global
+    step) or from a new model; a ``resumed`` metrics record says the same (a job that
+    ``tfpsx-run --max_restarts`` brought back shows from which step it went on)."""
+
+    def __init__(self, checkpoint_dir: Optional[str]):
+        self._dir = checkpoint_dir
+        self._step = None
+
+    def begin(self):
+        self._step = tf.compat.v1.train.get_global_step()
+
+    def after_create_session(self, session, coord):
+        path = tf.train.latest_checkpoint(self._dir) if self._dir else None
+        step = int(session.run(self._step)) if self._step is not None else None
+        if path:
+            logger.info("chief resumed from checkpoint %s at global step %s", path, step)
+        else:
+            logger.info("chief started a new model (no checkpoint in %s)", self._dir)
+        metrics.emit("resumed", checkpoint=path, global_step=step)
 
 
 class TrainStepDetector:

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
+from tfpsx.training.hooks import ResumeLogHook
 
 
 class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
@@ -94,8 +95,9 @@ def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_ste
         kwargs["save_checkpoint_secs"] = save_checkpoint_secs
     if save_summaries_steps is not None:
         kwargs["save_summaries_steps"] = save_summaries_steps
+    chief_hooks = list(chief_only_hooks or []) + [ResumeLogHook(checkpoint_dir)]
     return tf.compat.v1.train.MonitoredTrainingSession(
         master=master, is_chief=True, checkpoint_dir=checkpoint_dir, scaffold=scaffold,
-        hooks=hooks, chief_only_hooks=chief_only_hooks, config=session_config,
+        hooks=hooks, chief_only_hooks=chief_hooks, config=session_config,
         log_step_count_steps=log_step_count_steps,
         stop_grace_period_secs=stop_grace_period_secs, **kwargs)

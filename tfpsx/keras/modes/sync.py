@@ -33,6 +33,7 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync
 from tfpsx.keras.modes.base import SHARED_PREFIX, KerasMode
 from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.runtime import RUNTIME
 from tfpsx.training.placement import GreedyByBytes
 from tfpsx.training.modes.sync import (SyncTableUpdater, TableAccumulators,
                                        replicas_to_aggregate)
@@ -160,17 +161,40 @@ class KerasSync(KerasAsync):
             it.assign(new, read_value=False) for it in self.iterations]
 
     # ------------------------------------------------------------------ bounded waits
-    def _poll(self, ready, timeout_message):
+    def _poll(self, ready, timeout_message, step: int, needed=()):
+        """Polls ``ready()`` until it answers, bounded by TFPSX_SYNC_STEP_TIMEOUT; a
+        worker whose gradients of ``step`` are missing (or one of ``needed``: the chief,
+        for a worker waiting on its apply) and that the scheduler declared dead (no
+        heartbeat for TFPSX_HEARTBEAT_TIMEOUT) fails the wait at once."""
         timeout = settings.get("TFPSX_SYNC_STEP_TIMEOUT")
-        deadline, pause = time.monotonic() + timeout, 0.0005
+        start = time.monotonic()
+        deadline, pause, checked = start + timeout, 0.0005, start
         while True:
             result = ready()
             if result is not None:
                 return result
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise errors.ClusterTimeoutError(timeout_message(timeout))
+            if now - checked > 0.5:
+                checked = now
+                self._fail_if_dead(step, now - start, needed)
             time.sleep(pause)
             pause = min(0.005, pause * 2)
+
+    def _fail_if_dead(self, step: int, waited: float, needed=()) -> None:
+        reported = RUNTIME.dead_workers()
+        if not reported:
+            return
+        waiting_for = set(self._missing(step)) | set(needed)
+        dead = [(rank, address) for rank, address in reported if rank in waiting_for]
+        if dead:
+            names = ", ".join(f"worker {rank} at {address}" for rank, address in dead)
+            raise errors.ClusterTimeoutError(
+                f"sync: worker {self.worker_index} waited {waited:.1f} s for step {step}, "
+                f"which cannot complete: {names} died (the scheduler heard no heartbeat for "
+                f"TFPSX_HEARTBEAT_TIMEOUT={settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); "
+                "restart the job from its last checkpoint (sync needs every worker)")
 
     def _missing(self, step: int) -> List[int]:
         pushed = self._state[1].read_value().numpy()
@@ -189,7 +213,7 @@ class KerasSync(KerasAsync):
         return self.keras_strategy.reporting(self._poll)(ready, lambda t: (
             f"sync: the chief waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT) for the gradients of "
             f"step {s} from worker(s) {self._missing(s)}; is it dead? (lower "
-            "replicas_to_aggregate to go on without stragglers)"))
+            "replicas_to_aggregate to go on without stragglers)"), s)
 
     def _wait_for_step(self, local_step) -> np.int64:
         """A worker's wait for the chief to apply the step it pushed for; the new step."""
@@ -208,4 +232,4 @@ class KerasSync(KerasAsync):
         return self.keras_strategy.reporting(self._poll)(ready, lambda t: (
             f"sync: worker {self.worker_index} waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT) for "
             f"the chief to apply step {s}; still missing the gradients of worker(s) "
-            f"{self._missing(s)}. Is a worker or the chief dead?"))
+            f"{self._missing(s)}. Is a worker or the chief dead?"), s, (0,))
