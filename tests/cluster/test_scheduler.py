@@ -320,3 +320,24 @@ def test_a_server_serves_on_without_the_scheduler_for_a_bounded_time(sched):
         server.wait_job_end(loss_timeout=1.5)
     assert time.monotonic() - start < 10
     assert workers[0].finish(patience=0.5) is None  # logged, not raised: training is done
+
+
+def test_a_node_reported_dead_that_registers_again_is_alive(sched, caplog):
+    """A worker restarted with its node id (by hand, or after a long pause) is alive again:
+    the job end waits for it, not past it."""
+    service, client, _ = sched(server_num=1, worker_num=2, heartbeat_timeout=0.3)
+    workers = [client("worker", f"w{i}") for i in range(2)]
+    server = client("server", "s0")
+    for i, c in enumerate(workers + [server]):
+        c.register(_addr(i), None, 5)
+    time.sleep(0.5)
+    service.check_heartbeats()
+    assert {n.state for n in service.nodes.values()} == {"dead"}
+    again = client("worker", "w1")
+    assert again.register(_addr(1), None, 5) == (1, _addr(1))
+    assert service.nodes["w1"].state == "registered"
+    assert "reported dead, registered again: alive, same rank" in caplog.text
+    workers[0].finish()
+    assert not server.status().over  # worker 1 is alive again: the job is not over
+    again.finish()
+    assert server.status().over

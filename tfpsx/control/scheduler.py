@@ -184,7 +184,15 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                                   f"node id {node_id!r} registered as {node.role} rank "
                                   f"{node.rank}; it cannot re-register as a {role}")
                 node.last_seen = now
-                logger.info("re-registration of %s (node %s): same rank", node.name(), node_id)
+                if node.state == DEAD:  # restarted (a worker by hand, a node after a blip)
+                    node.state = REGISTERED
+                    logger.warning("%s (node %s), reported dead, registered again: alive, "
+                                   "same rank", node.name(), node_id)
+                    self._save()
+                    self._cv.notify_all()
+                else:
+                    logger.info("re-registration of %s (node %s): same rank", node.name(),
+                                node_id)
                 return pb.RegisterReply(rank=node.rank, address=node.address)
             taken = self._ranks[role]
             num = self.nums[role]
