@@ -225,7 +225,8 @@ def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
     assert starts[1]["global_step"] >= 100, starts  # not from scratch
     assert "restart 1 of 1 after server 0 exited with code -9" in (logs / "serverlog.0").read_text()
     final = tfpsx.metrics.read(str(logs), "worker", 0, "training")[-1]
-    assert final["global_step"] >= 1500 and final["start_step"] == starts[1]["global_step"], final
+    # (The chief reads its start step after the other worker may have trained a step.)
+    assert starts[1]["global_step"] <= final["start_step"] < 1500 <= final["global_step"], final
     assert final["eval_loss"] < 0.05, final
 
 
