@@ -140,12 +140,28 @@ def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
     assert _all_gone(pids.values())
 
 
+def _kill_one_child(launcher, match, ready, timeout):
+    """Once ``ready()`` returned, SIGKILLs the one process the launcher started (at any
+    depth) that ``match(psutil.Process)`` picks, by PID; returns the launcher's (stdout,
+    stderr) when it exits. The launcher's process group is killed if it outlives the test."""
+    import psutil
+
+    try:
+        ready()
+        chosen = [p for p in psutil.Process(launcher.pid).children(recursive=True) if match(p)]
+        assert len(chosen) == 1, chosen
+        chosen[0].kill()
+        return launcher.communicate(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
 def test_a_killed_scheduler_is_restarted_and_the_job_goes_on(tmp_path):
     """The scheduler holds no model: killed, it is restarted on its address, takes the
     job back from its journal, and the job ends normally (a barrier after the restart
     passes; the servers see both workers finish)."""
-    import psutil
-
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     launcher = subprocess.Popen(
@@ -155,17 +171,9 @@ def test_a_killed_scheduler_is_restarted_and_the_job_goes_on(tmp_path):
                  TFPSX_HEARTBEAT_INTERVAL="0.5"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         cwd=str(tmp_path))
-    try:
-        _pids(pid_dir, 3, launcher)  # registered: the cluster is complete
-        scheduler = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                     if "tfpsx.control.scheduler" in " ".join(p.cmdline())]
-        assert len(scheduler) == 1, scheduler
-        scheduler[0].kill()
-        out, err = launcher.communicate(timeout=90)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+    out, err = _kill_one_child(
+        launcher, lambda p: "tfpsx.control.scheduler" in " ".join(p.cmdline()),
+        ready=lambda: _pids(pid_dir, 3, launcher), timeout=90)  # once the cluster is complete
     assert launcher.returncode == 0, out + err
     assert re.search(r"the scheduler exited with code -9 \(killed by SIGKILL\); restarting it "
                      r"on 127\.0\.0\.1:\d+ \(1 of 3\): the job goes on", err), err
@@ -191,8 +199,6 @@ def _saved_step(ckpt) -> int:
 def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
     """--max_restarts 1: the server killed mid-training, the job starts again and the chief
     resumes from its last checkpoint; the job runs to its last step and learns."""
-    import psutil
-
     import tfpsx
 
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
@@ -203,20 +209,15 @@ def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
                "--checkpoint_dir", str(ckpt), "--save_steps", "50", "--step_delay", "0.02"],
         env=_env(TFPSX_HEARTBEAT_INTERVAL="0.5"), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
-    try:
+
+    def checkpointed():  # a checkpoint to resume from (TF saves step 0 too)
         deadline = time.monotonic() + 120
-        while _saved_step(ckpt) < 100:  # a checkpoint to resume from (TF saves step 0 too)
+        while _saved_step(ckpt) < 100:
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        server = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                  if p.environ().get("TFPSX_ROLE") == "server"]
-        assert len(server) == 1, server
-        server[0].kill()
-        out, err = launcher.communicate(timeout=200)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+
+    out, err = _kill_one_child(launcher, lambda p: p.environ().get("TFPSX_ROLE") == "server",
+                               ready=checkpointed, timeout=200)
     assert launcher.returncode == 0, out[-3000:] + err
     assert re.search(r"server 0 exited with code -9 \(killed by SIGKILL; see .*serverlog\.0\); "
                      r"restarting the job \(1 of 1\)", err), err
