@@ -320,6 +320,10 @@ def test_a_server_serves_on_without_the_scheduler_for_a_bounded_time(sched):
         server.wait_job_end(loss_timeout=1.5)
     assert time.monotonic() - start < 10
     assert workers[0].finish(patience=0.5) is None  # logged, not raised: training is done
+    with pytest.raises(errors.ClusterTimeoutError,
+                       match=r"barrier_worker\(\) #1 on worker 1 waited 1\.5 s; the scheduler "
+                             r"did not answer"):
+        workers[1].barrier(1, timeout=1.5)
 
 
 def test_a_node_reported_dead_that_registers_again_is_alive(sched, caplog):
