@@ -245,15 +245,19 @@ def test_a_restarted_job_resumes_from_the_chiefs_checkpoint(make_cluster, tmp_pa
                          args=["--mode", mode, "--epochs", "2", "--checkpoint", ckpt] + extra)
     finish(first.start())
     trained = reports(first, 2)[0]
-    # A new model has not learned (its loss is random-init's, once measured 0.58); the
-    # restored one has.
-    assert trained["loss_before_fit"] > LEARNED and trained["val_loss"][-1] < LEARNED, trained
+    # A new model has not learned (its loss is random-init's, measured 0.58 .. 0.93); the
+    # trained one has, by an amount that varies with the schedule (GEO k=8 once ended at
+    # 0.458 from 0.932). The restored model must start nearer the trained loss than the
+    # new one: below the midpoint of the two.
+    start, end = trained["loss_before_fit"], trained["val_loss"][-1]
+    assert end < start - 0.1, trained
+    midpoint = (start + end) / 2
     again = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
                          args=["--mode", mode, "--epochs", "1", "--checkpoint", ckpt] + extra)
     finish(again.start())
     for r in reports(again, 2).values():
         # Every worker starts from the restored model (its tables too).
-        assert r["loss_before_fit"] < LEARNED, r
+        assert r["loss_before_fit"] < midpoint, (r, trained)
 
 
 @pytest.mark.timeout(300)

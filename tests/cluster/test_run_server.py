@@ -73,8 +73,11 @@ def test_worker_gives_up_on_a_missing_server(make_cluster):
 
 
 def test_server_reports_a_worker_that_never_comes(make_cluster):
-    c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_REGISTER_TIMEOUT": "5"})
-    # The worker first: the server's 5 s must not run out while a loaded machine is still
+    # 15 s: the server's clock starts when it serves, and on a loaded 2-core machine the
+    # waiting worker once needed more than 5 s from there to register (CI: "never came:
+    # worker 0 (...), worker 1 (...)").
+    c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_REGISTER_TIMEOUT": "15"})
+    # The worker first: the server's 15 s must not run out while a loaded machine is still
     # importing TensorFlow into the worker.
     c.start([("worker", 0)])
     wait_for_log(c, "worker", 0, "waiting for ps:0")
