@@ -1,6 +1,7 @@
 // Native unit tests of the TF-free table core: g++ -O2 -pthread, no TensorFlow.
 // Built and run by `make native-test` (and so by `make test`).
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -316,6 +317,81 @@ void TestMemoryFollowsRows() {
   CHECK(small.ReservedBytes() - small.UsedBytes() < (64 << 10) + 64 * 16 * 4);
 }
 
+bool SameRows(const tfpsx::ExportedRows& a, const tfpsx::ExportedRows& b) {
+  return a.keys == b.keys && a.values == b.values && a.slots == b.slots && a.freq == b.freq &&
+         a.step == b.step;
+}
+
+// Applies one checkpoint export to `replica` the way a restore does: removed keys out,
+// rows in (a full one replaces everything).
+void ApplyCheckpoint(tfpsx::HashTable& replica, const tfpsx::CheckpointRows& c, bool full) {
+  if (!c.removed.empty())
+    replica.Remove(c.removed.data(), static_cast<int64_t>(c.removed.size()));
+  const auto& r = c.rows;
+  CHECK(replica.Import(r.keys.data(), static_cast<int64_t>(r.keys.size()), r.values.data(),
+                       r.slots.data(), static_cast<int64_t>(r.slots.size()), r.freq.data(),
+                       r.step.data(), full) == "");
+}
+
+// Random lookups, inserts, optimizer updates, removals and both evictions between
+// checkpoint exports: a full export plus every delta since, replayed into a new table,
+// equals a full export of the same moment, bit for bit; and a delta holds only what
+// changed.
+void TestCheckpointDeltas() {
+  tfpsx::TableOptions o = Opts(4, 1);
+  o.num_stripes = 8;
+  tfpsx::HashTable t(o), replica(o);
+  std::mt19937_64 rng(11);
+  std::vector<float> out(4 * 64), grads(4 * 64, 0.5f);
+  {
+    const auto unarmed = t.CheckpointExport(/*full=*/false);
+    CHECK(!unarmed.complete && unarmed.rows.keys.empty());
+  }
+  int64_t step = 0;
+  for (int round = 0; round < 12; ++round) {
+    const bool full = round % 4 == 0;
+    for (int op = 0; op < 40; ++op, ++step) {
+      std::vector<int64_t> keys;
+      const int64_t span = round < 6 ? 500 : 2000;  // later rounds grow the table
+      for (int i = 0; i < 16; ++i) keys.push_back(static_cast<int64_t>(rng() % span));
+      std::sort(keys.begin(), keys.end());
+      keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+      const int64_t n = static_cast<int64_t>(keys.size());
+      switch (rng() % 5) {
+        case 0: t.FindOrInsert(keys.data(), n, step, out.data()); break;  // freq counts
+        case 1: t.Insert(keys.data(), n, grads.data(), step); break;
+        case 2:
+          t.ApplyGradients(keys.data(), n, grads.data(), step, [](float* row, const float* g) {
+            for (int j = 0; j < 4; ++j) { row[4 + j] += g[j] * g[j]; row[j] -= 0.1f * g[j]; }
+          });
+          break;
+        case 3: t.Remove(keys.data(), n / 2); break;
+        default: t.Find(keys.data(), n, out.data(), nullptr); break;  // no write
+      }
+    }
+    if (round == 5) t.EvictOlderThan(step - 60);
+    if (round == 9) t.EvictToTopN(300);
+    const tfpsx::ExportedRows truth = t.Export();
+    const tfpsx::CheckpointRows c = t.CheckpointExport(full);
+    CHECK(c.complete);
+    if (full) CHECK(SameRows(c.rows, truth));
+    if (!full) CHECK(c.rows.keys.size() < truth.keys.size());
+    ApplyCheckpoint(replica, c, full);
+    CHECK(SameRows(replica.Export(), truth));
+  }
+  // Nothing written since: an empty delta; a clear disarms tracking.
+  const auto idle = t.CheckpointExport(false);
+  CHECK(idle.complete && idle.rows.keys.empty() && idle.removed.empty());
+  const tfpsx::ExportedRows all = t.Export();
+  CHECK(t.Import(all.keys.data(), static_cast<int64_t>(all.keys.size()), all.values.data(),
+                 all.slots.data(), static_cast<int64_t>(all.slots.size()), all.freq.data(),
+                 all.step.data(), /*clear_first=*/true) == "");
+  CHECK(!t.CheckpointExport(false).complete);
+  CHECK(!t.CheckpointExport(false).complete);  // still no base: only a full one arms it
+  CHECK(t.CheckpointExport(true).complete);
+  CHECK(t.CheckpointExport(false).complete);
+}
+
 }  // namespace
 
 int main() {
@@ -329,6 +405,7 @@ int main() {
   TestTableFull();
   TestReservedCapacity();
   TestMemoryFollowsRows();
+  TestCheckpointDeltas();
   if (failures) {
     std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
     return 1;

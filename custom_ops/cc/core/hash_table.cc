@@ -6,6 +6,7 @@
 #include <mutex>
 #include <numeric>
 #include <shared_mutex>
+#include <utility>
 
 namespace tfpsx {
 
@@ -69,6 +70,7 @@ int64_t HashTable::NewRow(Stripe& s, int64_t key, uint64_t h, uint64_t empty, bo
   for (int k = 0; k < options_.num_slots; ++k)
     std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
   s.rows.set_freq(r, freq);
+  MarkRow(s, r);
   StripeState& state = stripe_state_[s.id];
   ++state.admitted;
   if (!state.pending.empty()) state.pending.erase(key);  // admitted: no longer counted
@@ -96,6 +98,7 @@ void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float
       inserted.push_back(key);
     } else if (s.rows.freq(r) != UINT32_MAX) {
       s.rows.set_freq(r, s.rows.freq(r) + 1);
+      MarkRow(s, r);
     }
     std::memcpy(out + i * dim, s.rows.row(r), dim * sizeof(float));
   });
@@ -135,7 +138,7 @@ int64_t HashTable::RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evic
     state.pending.erase(keys[i]);
     const int64_t r = s.FindRow(keys[i], h);
     if (r >= 0) {
-      s.RemoveRow(r);
+      RemoveTrackedRow(s, r);
       ++removed;
       if (count_as_evicted) ++state.evicted;
     }
@@ -147,23 +150,18 @@ int64_t HashTable::Size() const {
   return store_.SumOverStripes([](const Stripe& s) { return s.size(); });
 }
 
-ExportedRows HashTable::ExportSince(int64_t since_step) const {
+void HashTable::AppendRow(const Stripe& s, int64_t r, ExportedRows& out) const {
+  out.keys.push_back(s.rows.key(r));
+  const float* row = s.rows.row(r);
+  out.values.insert(out.values.end(), row, row + options_.dim);
+  out.slots.insert(out.slots.end(), row + options_.dim, row + row_width_);
+  out.freq.push_back(s.rows.freq(r));
+  out.step.push_back(s.rows.step(r));
+}
+
+ExportedRows HashTable::SortedByKey(ExportedRows raw) const {
   const int64_t dim = options_.dim, slots = options_.num_slots;
-  ExportedRows raw;
-  for (int i = 0; i < store_.num_stripes(); ++i) {
-    const Stripe& s = store_.stripe(i);
-    std::shared_lock<std::shared_mutex> lock(s.mu);
-    for (int64_t r = 0; r < s.size(); ++r) {
-      if (s.rows.step(r) < since_step) continue;
-      raw.keys.push_back(s.rows.key(r));
-      const float* row = s.rows.row(r);
-      raw.values.insert(raw.values.end(), row, row + dim);
-      raw.slots.insert(raw.slots.end(), row + dim, row + row_width_);
-      raw.freq.push_back(s.rows.freq(r));
-      raw.step.push_back(s.rows.step(r));
-    }
-  }
-  // Sort by key so that exports (and so checkpoints) are deterministic.
+  // Sorted by key so that exports (and so checkpoints) are deterministic.
   std::vector<int64_t> order(raw.keys.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(),
@@ -188,6 +186,68 @@ ExportedRows HashTable::ExportSince(int64_t since_step) const {
   return out;
 }
 
+ExportedRows HashTable::ExportSince(int64_t since_step) const {
+  ExportedRows raw;
+  for (int i = 0; i < store_.num_stripes(); ++i) {
+    const Stripe& s = store_.stripe(i);
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    for (int64_t r = 0; r < s.size(); ++r) {
+      if (s.rows.step(r) >= since_step) AppendRow(s, r, raw);
+    }
+  }
+  return SortedByKey(std::move(raw));
+}
+
+void HashTable::RemoveTrackedRow(Stripe& s, int64_t r) {
+  StripeState& st = stripe_state_[s.id];
+  if (st.tracked) {
+    const int64_t last = s.size() - 1;  // RemoveRow moves it to r
+    const bool last_marked = RowMarked(st, last);
+    st.removed.insert(s.rows.key(r));
+    if (static_cast<size_t>(last >> 6) < st.dirty.size())
+      st.dirty[last >> 6] &= ~(uint64_t{1} << (last & 63));
+    if (static_cast<size_t>(r >> 6) < st.dirty.size())
+      st.dirty[r >> 6] &= ~(uint64_t{1} << (r & 63));
+    if (last_marked && last != r) MarkRow(s, r);
+  }
+  s.RemoveRow(r);
+}
+
+CheckpointRows HashTable::CheckpointExport(bool full) {
+  CheckpointRows out;
+  ExportedRows raw;
+  for (int i = 0; i < store_.num_stripes(); ++i) {
+    Stripe& s = store_.stripe(i);
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    StripeState& st = stripe_state_[i];
+    if (full) {
+      for (int64_t r = 0; r < s.size(); ++r) AppendRow(s, r, raw);
+    } else if (!st.tracked) {
+      out.complete = false;
+    } else {
+      for (size_t w = 0; w < st.dirty.size(); ++w) {
+        for (uint64_t bits = st.dirty[w]; bits != 0; bits &= bits - 1) {
+          const int64_t r = static_cast<int64_t>(w * 64) + __builtin_ctzll(bits);
+          if (r < s.size()) AppendRow(s, r, raw);
+        }
+      }
+      for (int64_t key : st.removed) {
+        if (s.FindRow(key, HashKey(key)) < 0) out.removed.push_back(key);  // not back since
+      }
+    }
+    if (full) st.tracked = true;  // only a full export is a base for deltas
+    std::fill(st.dirty.begin(), st.dirty.end(), 0);
+    st.removed.clear();
+  }
+  if (!out.complete) {
+    out.removed.clear();
+    return out;
+  }
+  out.rows = SortedByKey(std::move(raw));
+  std::sort(out.removed.begin(), out.removed.end());
+  return out;
+}
+
 ExportedRows HashTable::Export() const { return ExportSince(INT64_MIN); }
 
 std::string HashTable::Import(const int64_t* keys, int64_t n, const float* values,
@@ -203,7 +263,11 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
       Stripe& s = store_.stripe(i);
       std::unique_lock<std::shared_mutex> lock(s.mu);
       store_.ClearLocked(s);  // a reserved table keeps its index size
-      stripe_state_[i].pending.clear();
+      StripeState& st = stripe_state_[i];
+      st.pending.clear();
+      st.tracked = false;  // a clear is no delta: the next checkpoint must be full
+      st.dirty.clear();
+      st.removed.clear();
     }
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -225,6 +289,7 @@ std::string HashTable::Import(const int64_t* keys, int64_t n, const float* value
                                                                UINT32_MAX))
                      : 1);
     s.rows.set_step(r, step ? step[i] : 0);
+    MarkRow(s, r);
   }
   changes_.Mark(keys, n);
   return "";
@@ -237,7 +302,7 @@ int64_t HashTable::EvictOlderThan(int64_t min_step) {
     std::unique_lock<std::shared_mutex> lock(s.mu);
     for (int64_t r = s.size() - 1; r >= 0; --r) {
       if (s.rows.step(r) < min_step) {
-        s.RemoveRow(r);
+        RemoveTrackedRow(s, r);
         ++stripe_state_[i].evicted;
         ++removed;
       }

@@ -9,7 +9,11 @@
 //   restart draws the same row;
 // - admission: with min_frequency > 1 a key is only counted until it has been seen that
 //   often; until then it has no row and lookups return its initial row;
-// - eviction: rows not updated since a step, or all but the N most frequent.
+// - eviction: rows not updated since a step, or all but the N most frequent;
+// - checkpoint tracking (incremental checkpoints): once a full checkpoint export arms
+//   it, every row written since (inserted, updated, counted by a lookup, imported) is
+//   marked in a per-stripe bitmap by row id, and every removed key is kept, so that a
+//   delta export returns exactly what changed without a hash set on the write path.
 // Optimizers are row functors (optimizers.h) that reach the rows through ApplyGradients;
 // optimizer_registry.h finds them by name.
 //
@@ -22,6 +26,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "custom_ops/cc/core/change_log.h"
@@ -60,6 +65,17 @@ struct ExportedRows {
   std::vector<float> slots;      // n * num_slots * dim
   std::vector<int64_t> freq;     // n
   std::vector<int64_t> step;     // n: step of the last update
+};
+
+// A checkpoint export (HashTable::CheckpointExport).
+struct CheckpointRows {
+  ExportedRows rows;             // sorted by key
+  // Sorted: keys removed since the previous export and absent now (a key removed that
+  // the previous export did not hold may be among them; removing it again is harmless).
+  std::vector<int64_t> removed;
+  // False when a delta was asked of a table not tracking since its last full export (a
+  // new process, or a clear in between): the rows are then not a delta; save a full one.
+  bool complete = true;
 };
 
 class HashTable {
@@ -117,6 +133,13 @@ class HashTable {
                      int64_t slots_len, const int64_t* freq, const int64_t* step,
                      bool clear_first);
 
+  // Incremental checkpoints. full: every row (like Export) and arms tracking; else the
+  // rows written and the keys removed since the previous CheckpointExport (complete ==
+  // false when no full export armed tracking since the last clear: see CheckpointRows).
+  // Either way the marks are cleared, stripe by stripe under its lock, so each write
+  // lands in exactly one export.
+  CheckpointRows CheckpointExport(bool full);
+
   // Keys changed since `reader`'s previous call (change_log.h).
   std::vector<int64_t> TakeChanged(int64_t reader) { return changes_.Take(reader); }
 
@@ -144,7 +167,31 @@ class HashTable {
     std::unordered_map<int64_t, uint32_t> pending;  // admission: sightings so far
     int64_t admitted = 0;
     int64_t evicted = 0;
+    // Checkpoint tracking (CheckpointExport): armed by a full export, disarmed by a clear.
+    bool tracked = false;
+    std::vector<uint64_t> dirty;          // bit r: row r written since the last export
+    std::unordered_set<int64_t> removed;  // keys removed since the last export
   };
+
+  // Checkpoint tracking of stripe s (its lock held): row r was written.
+  void MarkRow(const Stripe& s, int64_t r) {
+    StripeState& st = stripe_state_[s.id];
+    if (!st.tracked) return;
+    const size_t word = static_cast<size_t>(r >> 6);
+    if (word >= st.dirty.size()) st.dirty.resize(word + 1 + (word >> 1), 0);
+    st.dirty[word] |= uint64_t{1} << (r & 63);
+  }
+  bool RowMarked(const StripeState& st, int64_t r) const {
+    const size_t word = static_cast<size_t>(r >> 6);
+    return word < st.dirty.size() && (st.dirty[word] >> (r & 63) & 1);
+  }
+  // Removes row r of s (its lock held), keeping the checkpoint marks with their rows (the
+  // last row takes r's id) and the key as removed.
+  void RemoveTrackedRow(Stripe& s, int64_t r);
+  // Appends row r of s to `out`.
+  void AppendRow(const Stripe& s, int64_t r, ExportedRows& out) const;
+  // `raw` ordered by key.
+  ExportedRows SortedByKey(ExportedRows raw) const;
 
   // Adds a missing key's row at the probe's free slot `empty`: its initial value (when
   // init_value), slots at slot_init, frequency `freq`, admission bookkeeping. May throw
@@ -184,6 +231,7 @@ void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, 
     }
     fn(s.rows.row(r), i);
     s.rows.set_step(r, step);
+    MarkRow(s, r);
     if (track) changed.push_back(key);
   });
   if (track) changes_.Mark(changed.data(), static_cast<int64_t>(changed.size()));

@@ -1,5 +1,6 @@
-// Kernels over a whole table: export and import (checkpoints, shard moves), the keys
-// changed per reader (sparse GEO), eviction, and stats.
+// Kernels over a whole table: export and import (checkpoints, shard moves), the
+// incremental checkpoint export, the keys changed per reader (sparse GEO), eviction,
+// and stats.
 
 #include <algorithm>
 #include <climits>
@@ -15,27 +16,50 @@
 namespace tfpsx {
 namespace {
 
+// Writes rows to outputs first..first+4 (keys, values, slots, freq, step).
+void OutputRows(OpKernelContext* ctx, const HashTable& t, const ExportedRows& rows, int first) {
+  const int64_t n = static_cast<int64_t>(rows.keys.size()), dim = t.dim(),
+                slots = t.options().num_slots;
+  Tensor* out[5];
+  const TensorShape shapes[5] = {TensorShape({n}), TensorShape({n, dim}),
+                                 TensorShape({n, slots, dim}), TensorShape({n}),
+                                 TensorShape({n})};
+  for (int i = 0; i < 5; ++i) {
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(first + i, shapes[i], &out[i]));
+  }
+  std::copy(rows.keys.begin(), rows.keys.end(), out[0]->flat<int64_t>().data());
+  std::copy(rows.values.begin(), rows.values.end(), out[1]->flat<float>().data());
+  std::copy(rows.slots.begin(), rows.slots.end(), out[2]->flat<float>().data());
+  std::copy(rows.freq.begin(), rows.freq.end(), out[3]->flat<int64_t>().data());
+  std::copy(rows.step.begin(), rows.step.end(), out[4]->flat<int64_t>().data());
+}
+
 class ExportOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t since = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "since_step", &since));
-    HashTable& t = table.table();
-    ExportedRows rows = t.ExportSince(since);
-    const int64_t n = static_cast<int64_t>(rows.keys.size()), dim = t.dim(),
-                  slots = t.options().num_slots;
-    Tensor* out[5];
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out[0]));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, dim}), &out[1]));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n, slots, dim}), &out[2]));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &out[3]));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({n}), &out[4]));
-    std::copy(rows.keys.begin(), rows.keys.end(), out[0]->flat<int64_t>().data());
-    std::copy(rows.values.begin(), rows.values.end(), out[1]->flat<float>().data());
-    std::copy(rows.slots.begin(), rows.slots.end(), out[2]->flat<float>().data());
-    std::copy(rows.freq.begin(), rows.freq.end(), out[3]->flat<int64_t>().data());
-    std::copy(rows.step.begin(), rows.step.end(), out[4]->flat<int64_t>().data());
+    OutputRows(ctx, table.table(), table.table().ExportSince(since), 0);
+  }
+};
+
+class CheckpointExportOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    bool full = false;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "full", &full));
+    const CheckpointRows got = table.table().CheckpointExport(full);
+    OutputRows(ctx, table.table(), got.rows, 0);
+    if (!ctx->status().ok()) return;
+    Tensor* removed = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            5, TensorShape({static_cast<int64_t>(got.removed.size())}), &removed));
+    std::copy(got.removed.begin(), got.removed.end(), removed->flat<int64_t>().data());
+    Tensor* complete = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(6, TensorShape({}), &complete));
+    complete->scalar<bool>()() = got.complete;
   }
 };
 
@@ -137,6 +161,8 @@ class StatsOp : public TableOpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExport").Device(DEVICE_CPU), ExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableImport").Device(DEVICE_CPU), ImportOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCheckpointExport").Device(DEVICE_CPU),
+                        CheckpointExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableEvict").Device(DEVICE_CPU), EvictOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableStats").Device(DEVICE_CPU), StatsOp);

@@ -126,6 +126,36 @@ Rows whose last update step is >= since_step (all rows for the int64 minimum), s
 by key: values [n, dim], slots [n, num_slots, dim], frequency and last-update step.
 )doc");
 
+REGISTER_OP("TfpsxHashTableCheckpointExport")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("full: bool")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("freq: int64")
+    .Output("step: int64")
+    .Output("removed: int64")
+    .Output("complete: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle n = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, c->UnknownDim()));
+      c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
+      c->set_output(3, c->Vector(n));
+      c->set_output(4, c->Vector(n));
+      c->set_output(5, c->Vector(c->UnknownDim()));
+      c->set_output(6, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Incremental checkpoints. full=true: every row, as Export, and the table tracks its
+writes from now on. full=false: the rows written (inserted, updated, counted by a
+lookup, imported) and the keys removed since the previous CheckpointExport, sorted by
+key; complete=false (and nothing else) when the table was not tracking (a new process,
+or a clear since): save a full one. Each call clears the marks.
+)doc");
+
 REGISTER_OP("TfpsxHashTableImport")
     .SetIsStateful()
     .Input("handle: resource")
