@@ -277,6 +277,34 @@ class ShardedTable:
         return {name: tf.concat([p[j] for p in parts], axis=0)
                 for j, name in enumerate(EXPORT_FIELDS)}
 
+    def checkpoint_export(self, full) -> Dict[str, tf.Tensor]:
+        """An incremental checkpoint's part of this table, all shards merged.
+
+        ``full`` (a bool, or a bool tensor): every row, as ``export()``, and each shard
+        tracks its writes from then on. Otherwise a delta: the rows written (inserted,
+        updated, counted by a lookup, imported) and the keys removed (``removed``) since
+        the previous ``checkpoint_export``. ``complete`` is False when some shard has no
+        full export as its base (a restarted server, or a clearing import since): the
+        delta is then unusable, save a full one. Each call starts the next delta.
+        """
+        full = tf.convert_to_tensor(full, tf.bool)
+        parts = self.on_shards(lambda i, s: s.checkpoint_export(full))
+        out = {name: tf.concat([p[j] for p in parts], axis=0)
+               for j, name in enumerate(EXPORT_FIELDS + ("removed",))}
+        out["complete"] = tf.reduce_all(tf.stack([p[-1] for p in parts]))
+        return out
+
+    def apply_checkpoint(self, rows: Dict[str, tf.Tensor], full: bool):
+        """Applies one part of :meth:`checkpoint_export`: a full one replaces the
+        table's rows; a delta removes ``rows["removed"]``, then writes its rows."""
+        removed = self._key_vector(rows["removed"])
+        fields = {f: rows[f] for f in EXPORT_FIELDS}
+        if full:
+            return self.import_rows(fields, clear=True)
+        gone = self.remove(removed)
+        with tf.control_dependencies([gone] if not tf.executing_eagerly() else []):
+            return self.import_rows(fields, clear=False)
+
     def import_rows(self, rows: Dict[str, tf.Tensor], clear: bool = True):
         """Loads exported rows (from any shard count) into this table's shards.
 

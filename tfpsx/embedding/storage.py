@@ -89,6 +89,12 @@ class TableStorage(abc.ABC):
         """(keys, values, slots, freq, step) of the rows updated at ``since_step`` or later."""
 
     @abc.abstractmethod
+    def checkpoint_export(self, full) -> Sequence[tf.Tensor]:
+        """(keys, values, slots, freq, step, removed, complete): every row (``full``), or
+        the rows written and keys removed since the previous call, for incremental
+        checkpoints; ``complete`` is False when no full export is the delta's base."""
+
+    @abc.abstractmethod
     def import_rows(self, keys, values, slots, freq, step, clear: bool):
         """Writes exported rows back (``clear``: replacing the shard's contents)."""
 
@@ -176,6 +182,9 @@ class HashTableStorage(TableStorage):
 
     def export(self, since_step):
         return self._run(bindings.table_export, since_step)
+
+    def checkpoint_export(self, full):
+        return self._run(bindings.table_checkpoint_export, full)
 
     def import_rows(self, keys, values, slots, freq, step, clear: bool):
         return self._run(bindings.table_import, keys, values, slots, freq, step, clear)

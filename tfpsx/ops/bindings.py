@@ -100,6 +100,13 @@ def table_export(handle, since_step):
     return load_ops().tfpsx_hash_table_export(handle, since_step)
 
 
+def table_checkpoint_export(handle, full):
+    """(keys, values, slots, freq, step, removed, complete): all rows when ``full`` (and
+    tracking armed), else the rows written and keys removed since the previous call;
+    ``complete`` is False when no full export is its base (save a full one)."""
+    return load_ops().tfpsx_hash_table_checkpoint_export(handle, full)
+
+
 def table_import(handle, keys, values, slots, freq, step, clear: bool):
     return load_ops().tfpsx_hash_table_import(handle, keys, values, slots, freq, step,
                                               clear=clear)
