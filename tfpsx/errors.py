@@ -40,3 +40,8 @@ class SchedulerRejectedError(RuntimeError):
 class BackgroundTaskError(RuntimeError):
     """A tfpsx background thread (GEO communicator, sync update, heartbeat) failed; the
     original exception is chained as ``__cause__``."""
+
+
+class CheckpointError(FileNotFoundError):
+    """An incremental checkpoint cannot be restored: a part of its chain is missing or
+    unfinished (the message names the part and the chain)."""

@@ -198,7 +198,9 @@ def _saved_step(ckpt) -> int:
 @pytest.mark.timeout(240)
 def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
     """--max_restarts 1: the server killed mid-training, the job starts again and the chief
-    resumes from its last checkpoint; the job runs to its last step and learns."""
+    resumes from its last checkpoint, its table restored from an incremental checkpoint's
+    chain (a full export every 3 saves, deltas between); the job runs to its last step
+    and learns."""
     import tfpsx
 
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
@@ -206,7 +208,8 @@ def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
         RUN + ["--log_dir", str(logs), "--server_num", "1", "--worker_num", "2",
                "--max_restarts", "1", "--timeout", "200",
                os.path.join(SCRIPTS, "training_job.py"), "--mode", "async", "--steps", "1500",
-               "--checkpoint_dir", str(ckpt), "--save_steps", "50", "--step_delay", "0.02"],
+               "--checkpoint_dir", str(ckpt), "--save_steps", "50", "--step_delay", "0.02",
+               "--table", "--incremental", "3"],
         env=_env(TFPSX_HEARTBEAT_INTERVAL="0.5"), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
 
@@ -229,6 +232,9 @@ def test_max_restarts_brings_a_job_back_after_its_server_is_killed(tmp_path):
     # (The chief reads its start step after the other worker may have trained a step.)
     assert starts[1]["global_step"] <= final["start_step"] < 1500 <= final["global_step"], final
     assert final["eval_loss"] < 0.05, final
+    chief = (logs / "workerlog.0").read_text()
+    assert re.search(r"checkpoint .*model\.ckpt-\d+: tables delta \(\d+ rows", chief), chief[-3000:]
+    assert re.search(r"restored .*model\.ckpt-\d+: tables from \d part\(s\)", chief), chief[-3000:]
 
 
 def test_a_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):

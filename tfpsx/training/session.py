@@ -13,6 +13,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfpsx import errors, settings
+from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
 from tfpsx.training.hooks import ResumeLogHook
@@ -52,7 +53,8 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
                              save_checkpoint_steps=None, save_checkpoint_secs=None,
                              save_summaries_steps=None, scaffold=None,
                              log_step_count_steps: int = 0, session_timeout=None,
-                             stop_grace_period_secs: float = 10):
+                             stop_grace_period_secs: float = 10,
+                             incremental_checkpoints: Optional[int] = None):
     """TF's ``MonitoredTrainingSession`` for this worker of the tfpsx cluster.
 
     The chief (worker 0) initializes, or restores from ``checkpoint_dir`` on a restart
@@ -63,8 +65,27 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     (TFPSX_SESSION_TIMEOUT, 600 s). tfpsx's own hooks (the GEO communicator) and a
     ``StopAtStepHook(last_step)`` are added. Master, ``is_chief`` and the session config
     (device filters) come from the resolved cluster.
+
+    ``incremental_checkpoints=M``: tables are saved as a full export every M checkpoints
+    and as deltas (rows written and keys removed since the previous one) in between,
+    through :class:`tfpsx.checkpoint.IncrementalSaver`; restore applies the chain. Needs
+    ``checkpoint_dir``; a ``scaffold`` of your own then carries that saver itself.
     """
     config = RUNTIME.require_role("MonitoredTrainingSession", "worker")
+    if incremental_checkpoints is not None:
+        every = settings.parse_int(incremental_checkpoints,
+                                   "MonitoredTrainingSession(incremental_checkpoints=...)",
+                                   minimum=1)
+        if checkpoint_dir is None:
+            raise ValueError("MonitoredTrainingSession(incremental_checkpoints="
+                             f"{incremental_checkpoints!r}) needs checkpoint_dir")
+        if scaffold is not None:
+            raise ValueError("MonitoredTrainingSession(incremental_checkpoints=...) with a "
+                             "scaffold: build it with saver=tfpsx.checkpoint.IncrementalSaver("
+                             "full_every=M) instead")
+        if config.is_chief:  # only the chief saves and restores
+            scaffold = tf.compat.v1.train.Scaffold(saver=IncrementalSaver(
+                full_every=every, sharded=True, max_to_keep=5, allow_empty=True))
     mode = modes.mode_of()
     session = _monitored_session(config, checkpoint_dir, list(hooks or []) +
                                  (mode.hooks() if mode else []), chief_only_hooks, last_step,

@@ -2,7 +2,8 @@
 distributed_optimizer / MonitoredTrainingSession; emits one "training" metrics record per worker.
 
   training_job.py --mode async|geo [--k_steps K] [--deterministic] [--syncs T]
-                  [--steps S] [--checkpoint_dir D] [--save_steps N] [--partitioned]
+                  [--steps S] [--checkpoint_dir D] [--save_steps N] [--incremental M]
+                  [--partitioned]
                   [--table] [--export DIR]
 
 --export DIR: after training (every worker's pushes in) the chief exports the inference
@@ -43,6 +44,8 @@ def main(argv):
     p.add_argument("--steps", type=int, default=300, help="last global step (StopAtStepHook)")
     p.add_argument("--checkpoint_dir", default=None)
     p.add_argument("--save_steps", type=int, default=None)
+    p.add_argument("--incremental", type=int, default=None,
+                   help="incremental checkpoints: a full table export every N saves")
     p.add_argument("--step_delay", type=float, default=0.0)
     p.add_argument("--slow_worker", type=int, default=None,
                    help="only this worker sleeps --step_delay after each step")
@@ -99,6 +102,7 @@ def main(argv):
         fixed = args.mode == "geo" and args.deterministic
         with tfpsx.MonitoredTrainingSession(
                 checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_steps,
+                incremental_checkpoints=args.incremental,
                 last_step=None if fixed else args.steps) as sess:
             ready = time.time()
             print(f"session ready at {ready:.3f}", flush=True)

@@ -1,0 +1,161 @@
+"""The on-disk form of incremental table checkpoints: parts and chains.
+
+A *part* is one save of every table: a directory ``<prefix>.tables`` beside the
+checkpoint ``<prefix>`` (TF's ``model.ckpt-<step>``) holding, per table, one ``.npy`` file
+per field (keys, values, slots, freq, step, and for a delta the removed keys) and an
+``index.json`` naming the tables, the kind (``full`` or ``delta``), the step and the
+*chain*: the parts, oldest first (a full one, then the deltas since), whose application
+in order gives this moment's tables.
+
+Writes are atomic: a part is written into a temporary directory, its files and the
+directory synced, and renamed into place; the checkpoint that refers to it is only
+recorded afterwards (by TF's ``checkpoint`` state file), so a crash during a save leaves
+the previous checkpoint and its chain as they were. Parts are never modified once
+written; the ones no kept checkpoint's chain names are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, Iterable, List, Optional
+
+import numpy as np
+
+from tfpsx import errors
+
+SUFFIX = ".tables"
+INDEX = "index.json"
+FORMAT = 1
+FULL, DELTA = "full", "delta"
+FIELDS = ("keys", "values", "slots", "freq", "step")
+DELTA_FIELDS = FIELDS + ("removed",)
+
+
+def part_path(checkpoint_prefix: str) -> str:
+    """Where the tables of checkpoint ``checkpoint_prefix`` go."""
+    return checkpoint_prefix + SUFFIX
+
+
+def _sync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: int,
+          chain: List[str], name: Optional[str] = None) -> None:
+    """Writes the part ``path`` atomically.
+
+    Args:
+      path: the part's directory (``part_path(prefix)``); must not exist yet.
+      tables: table name -> field -> array (FIELDS, and "removed" for a delta).
+      kind: FULL or DELTA.
+      step: the global step of the save.
+      chain: the basenames of the parts before this one in its chain (empty for FULL).
+      name: the part's name in its chain, if it is written elsewhere first and renamed
+        (default: ``path``'s basename).
+    """
+    if kind not in (FULL, DELTA):
+        raise ValueError(f"part kind must be {FULL!r} or {DELTA!r}, got {kind!r}")
+    if os.path.exists(path):
+        raise FileExistsError(f"checkpoint part {path} exists already; parts are never "
+                              "overwritten (was this step saved before?)")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    index = {"format": FORMAT, "kind": kind, "step": int(step),
+             "chain": list(chain) + [name or os.path.basename(path)], "tables": {}}
+    for t, (name, fields) in enumerate(sorted(tables.items())):
+        stem = f"t{t}"
+        index["tables"][name] = {"file": stem, "rows": int(len(fields["keys"])),
+                                 "removed": int(len(fields.get("removed", ())))}
+        for field in (DELTA_FIELDS if kind == DELTA else FIELDS):
+            file = os.path.join(tmp, f"{stem}.{field}.npy")
+            with open(file, "wb") as f:
+                np.save(f, np.ascontiguousarray(fields[field]), allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+    with open(os.path.join(tmp, INDEX), "w") as f:
+        json.dump(index, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _sync(tmp)
+    os.rename(tmp, path)
+    _sync(os.path.dirname(os.path.abspath(path)))
+
+
+def read_index(path: str) -> dict:
+    """The index of part ``path``.
+
+    Raises:
+      CheckpointError: no part there (or one that never finished: no index).
+      ValueError: an index of another format.
+    """
+    file = os.path.join(path, INDEX)
+    if not os.path.exists(file):
+        raise errors.CheckpointError(f"no incremental checkpoint part at {path} (no {INDEX})")
+    with open(file) as f:
+        index = json.load(f)
+    if index.get("format") != FORMAT:
+        raise ValueError(f"checkpoint part {path}: format {index.get('format')!r}, expected "
+                         f"{FORMAT}")
+    return index
+
+
+def chain(path: str) -> List[str]:
+    """The parts to apply, oldest first, for the tables of part ``path`` (full paths).
+
+    Raises:
+      CheckpointError: naming the first part of the chain that is missing.
+    """
+    index = read_index(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    parts = [os.path.join(directory, name) for name in index["chain"]]
+    for p in parts:
+        if not os.path.exists(os.path.join(p, INDEX)):
+            raise errors.CheckpointError(
+                f"incremental checkpoint {path} needs part {p}, which is missing: its chain "
+                f"is {index['chain']}")
+    return parts
+
+
+def load_table(path: str, index: dict, name: str) -> Dict[str, np.ndarray]:
+    """One table's fields of part ``path`` (its index given)."""
+    entry = index["tables"][name]
+    fields = DELTA_FIELDS if index["kind"] == DELTA else FIELDS
+    out = {f: np.load(os.path.join(path, f"{entry['file']}.{f}.npy"), allow_pickle=False)
+           for f in fields}
+    if "removed" not in out:
+        out["removed"] = np.zeros([0], np.int64)
+    return out
+
+
+def referenced(parts: Iterable[str]) -> set:
+    """The basenames of every part the chains of ``parts`` (paths) need."""
+    needed = set()
+    for p in parts:
+        try:
+            needed.update(read_index(p)["chain"])
+        except (errors.CheckpointError, ValueError, OSError):
+            continue
+    return needed
+
+
+def remove_unreferenced(directory: str, base: str, keep: Iterable[str]) -> List[str]:
+    """Deletes the parts (and unfinished temporaries) of checkpoints named ``base``-* in
+    ``directory`` that no part of ``keep`` (paths) needs; returns what went."""
+    needed = referenced(keep)
+    gone = []
+    for entry in sorted(os.listdir(directory)):
+        if not entry.startswith(base + "-"):
+            continue
+        finished = entry.endswith(SUFFIX)
+        unfinished = SUFFIX + ".tmp-" in entry
+        if (finished and entry not in needed) or unfinished:
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+            gone.append(entry)
+    return gone
