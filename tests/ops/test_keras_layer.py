@@ -116,3 +116,49 @@ def test_bad_inputs_are_clear():
         layer(pad_id=0)
     with pytest.raises(ValueError, match="dim must be a positive int, got 0"):
         tfpsx.keras.DynamicEmbedding(0)
+
+
+def test_incremental_checkpoint_callback_saves_deltas_and_restores_bit_exact(tmp_path):
+    name = f"kinc{next(_names)}"
+
+    def build(dim=2, table=name):
+        emb = tfpsx.keras.DynamicEmbedding(dim, table_name=table, combiner="mean", pad_id=-1,
+                                           initializer=E.normal(stddev=0.1),
+                                           optimizer=E.Adagrad(0.3))
+        ids = keras.Input((3,), dtype="int64")
+        model = keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+        model.compile("adam", "mse")
+        return model, emb
+
+    def rows(emb):
+        got = {k: v.numpy() for k, v in emb.table.export().items()}
+        order = np.argsort(got["keys"])
+        return {k: v[order].tobytes() for k, v in got.items()}
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-1, 200, size=(256, 3))
+    y = rng.normal(size=(256, 1)).astype(np.float32)
+    model, emb = build()
+    cb = tfpsx.keras.IncrementalCheckpoint(tmp_path / "ck", full_every=2)
+    saves = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda *_: saves.append(dict(cb.last_save)))
+    model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[cb, record])
+    assert [s["kind"] for s in saves] == ["full", "delta", "full", "delta"], saves
+    assert 0 < saves[1]["rows"] <= saves[0]["rows"]
+    want_rows, want_pred = rows(emb), model.predict(x, verbose=0)
+    # Training goes on past the checkpoint (new ids too), then the process is lost.
+    model.fit(x + 300, y, batch_size=32, epochs=1, verbose=0)
+    assert rows(emb) != want_rows
+    # Another model of the same layers (the same local table) restores the last save.
+    again, emb2 = build()
+    step = tfpsx.keras.IncrementalCheckpoint(tmp_path / "ck").restore(again)
+    assert step == 4 * 8
+    assert rows(emb2) == want_rows
+    np.testing.assert_array_equal(again.predict(x, verbose=0), want_pred)
+    # A checkpoint of another model is refused before anything changes.
+    other, emb3 = build(dim=3, table=f"kinc{next(_names)}")
+    before = rows(emb3)
+    with pytest.raises(ValueError, match=r"has no table\(s\) \['kinc"):
+        tfpsx.keras.IncrementalCheckpoint(tmp_path / "ck").restore(other)
+    assert rows(emb3) == before

@@ -27,6 +27,7 @@ from tfpsx import errors
 
 SUFFIX = ".tables"
 INDEX = "index.json"
+EXTRA = "extra.npz"
 FORMAT = 1
 FULL, DELTA = "full", "delta"
 FIELDS = ("keys", "values", "slots", "freq", "step")
@@ -47,7 +48,8 @@ def _sync(path: str) -> None:
 
 
 def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: int,
-          chain: List[str], name: Optional[str] = None) -> None:
+          chain: List[str], name: Optional[str] = None,
+          extra: Optional[Dict[str, np.ndarray]] = None) -> None:
     """Writes the part ``path`` atomically.
 
     Args:
@@ -58,6 +60,8 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
       chain: the basenames of the parts before this one in its chain (empty for FULL).
       name: the part's name in its chain, if it is written elsewhere first and renamed
         (default: ``path``'s basename).
+      extra: arrays by name kept with the part (``EXTRA``; the Keras callback's dense
+        weights), read back by :func:`load_extra`.
     """
     if kind not in (FULL, DELTA):
         raise ValueError(f"part kind must be {FULL!r} or {DELTA!r}, got {kind!r}")
@@ -79,6 +83,12 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
                 np.save(f, np.ascontiguousarray(fields[field]), allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
+    if extra is not None:
+        index["extra"] = sorted(extra)
+        with open(os.path.join(tmp, EXTRA), "wb") as f:
+            np.savez(f, **extra)
+            f.flush()
+            os.fsync(f.fileno())
     with open(os.path.join(tmp, INDEX), "w") as f:
         json.dump(index, f, indent=1, sort_keys=True)
         f.flush()
@@ -132,6 +142,15 @@ def load_table(path: str, index: dict, name: str) -> Dict[str, np.ndarray]:
     if "removed" not in out:
         out["removed"] = np.zeros([0], np.int64)
     return out
+
+
+def load_extra(path: str) -> Dict[str, np.ndarray]:
+    """The ``extra`` arrays of part ``path`` (empty when it has none)."""
+    file = os.path.join(path, EXTRA)
+    if not os.path.exists(file):
+        return {}
+    with np.load(file, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
 
 
 def referenced(parts: Iterable[str]) -> set:

@@ -5,14 +5,17 @@
   staleness); the per-mode parts are :mod:`~tfpsx.keras.modes`, the hooks around
   ``fit`` :mod:`~tfpsx.keras.fit`, the PS-resident variables
   :mod:`~tfpsx.keras.variables`;
-* :mod:`~tfpsx.keras.layers`: ``DynamicEmbedding``, a layer over a growing table.
+* :mod:`~tfpsx.keras.layers`: ``DynamicEmbedding``, a layer over a growing table;
+* :mod:`~tfpsx.keras.checkpoint`: ``IncrementalCheckpoint``, a callback saving tables as
+  full exports every M saves and deltas between.
 
 The communication of each mode is graph mode's (:mod:`tfpsx.training.modes`): this
 package is a front-end over it.
 """
 
 from tfpsx.keras import layers
+from tfpsx.keras.checkpoint import IncrementalCheckpoint
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.strategy import ParameterServerStrategy
 
-__all__ = ["ParameterServerStrategy", "DynamicEmbedding", "layers"]
+__all__ = ["ParameterServerStrategy", "DynamicEmbedding", "IncrementalCheckpoint", "layers"]

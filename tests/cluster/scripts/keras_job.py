@@ -137,6 +137,9 @@ def main(argv):
     p.add_argument("--uneven", action="store_true")
     p.add_argument("--save", default=None)
     p.add_argument("--export", default=None)
+    p.add_argument("--incremental", type=int, default=None,
+                   help="with --checkpoint: tfpsx.keras.IncrementalCheckpoint, a full table "
+                        "export every N saves")
     p.add_argument("--checkpoint", default=None,
                    help="the chief saves weights there every epoch (ModelCheckpoint) and, "
                         "when a file is there already, restores it before fit")
@@ -160,7 +163,12 @@ def main(argv):
         model = wide_and_deep() if args.model == "wide_deep" else linear_model()
 
     callbacks = []
-    if args.checkpoint:
+    if args.checkpoint and args.incremental:
+        saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=args.incremental)
+        if me == 0:
+            saver.restore(model)  # the job restarts from it, if any (published at fit)
+        callbacks.append(saver)  # saves on the chief only
+    elif args.checkpoint:
         path = os.path.join(args.checkpoint, "model.weights.h5")
         if me == 0 and os.path.exists(path):
             model.load_weights(path)  # the job restarts from it (published at fit)

@@ -1,0 +1,184 @@
+"""``IncrementalCheckpoint``: Keras's side of incremental checkpoints.
+
+A callback for ``model.fit`` on the chief (or on one machine without a cluster): the
+tables of the model's ``DynamicEmbedding`` layers are saved as a full export every
+``full_every`` saves and as deltas in between (``tfpsx.checkpoint``'s parts and chains);
+the model's weights (what ``save_weights`` holds) go whole into every part. The
+directory's ``checkpoint.json`` names the latest save and the kept ones; it is replaced
+atomically after the part is complete, so a crash during a save leaves the previous
+checkpoint as it was. ``restore(model)`` before ``fit`` loads the latest one (on a
+cluster the chief's ``fit`` then publishes it, as after ``load_weights``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpsx import settings
+from tfpsx.checkpoint import parts
+from tfpsx.checkpoint.chain import ChainWriter, plan
+from tfpsx.keras.layers import DynamicEmbedding
+from tfpsx.runtime import RUNTIME
+
+logger = logging.getLogger("tfpsx")
+
+STATE = "checkpoint.json"
+BASE = "ckpt"
+
+
+def _tables(model) -> Dict[str, object]:
+    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001 — Keras's own walk
+              if isinstance(layer, DynamicEmbedding)]
+    unbuilt = [layer.name for layer in layers if layer.table is None]
+    if unbuilt:
+        raise ValueError(f"IncrementalCheckpoint: DynamicEmbedding layer(s) {unbuilt} are not "
+                         "built yet; build the model (call it, or fit) first")
+    return {layer.table.name: layer.table for layer in layers}
+
+
+def _weights(model) -> Dict[str, object]:
+    """The model's weights by position (as ``save_weights`` matches them: layer names of
+    a rebuilt model differ, e.g. ``dense_1``)."""
+    return {f"{i:04d}": v for i, v in enumerate(model.weights)}
+
+
+class IncrementalCheckpoint(keras.callbacks.Callback):
+    """Saves the model into ``directory`` at the end of every epoch (or every
+    ``save_freq`` batches), on the chief only; tables incrementally.
+
+    Args:
+      directory: where the parts and ``checkpoint.json`` go.
+      full_every: saves per full table export (1: every save is full).
+      save_freq: ``"epoch"``, or a number of batches.
+      max_to_keep: checkpoints kept (their chains' parts too); older ones are deleted.
+    """
+
+    def __init__(self, directory: str, full_every: int = 10, save_freq="epoch",
+                 max_to_keep: int = 5):
+        super().__init__()
+        if save_freq != "epoch":
+            save_freq = settings.parse_int(save_freq, "IncrementalCheckpoint(save_freq=...) "
+                                           "('epoch' or batches)", minimum=1)
+        self.directory = os.fspath(directory)
+        self.save_freq = save_freq
+        self.max_to_keep = settings.parse_int(max_to_keep, "IncrementalCheckpoint("
+                                              "max_to_keep=...)", minimum=1)
+        self._writer = ChainWriter(full_every, "IncrementalCheckpoint")
+        self._batches = 0
+
+    @property
+    def last_save(self) -> Dict[str, object]:
+        """What the last save wrote: kind, part, chain, rows, removed, seconds."""
+        return self._writer.last
+
+    # ------------------------------------------------------------------ callback
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self.save()
+
+    # ------------------------------------------------------------------ save
+    def save(self, model=None) -> Optional[str]:
+        """Saves ``model`` (default: the fitted one) now; returns the part's path (None
+        on a worker other than the chief, which saves nothing)."""
+        if RUNTIME.config is not None and not RUNTIME.config.is_chief:
+            return None
+        model = model or self.model
+        tables = _tables(model)
+        step = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
+        os.makedirs(self.directory, exist_ok=True)
+        name = f"{BASE}-{step}"
+        part = parts.part_path(os.path.join(self.directory, name))
+
+        def export(full: bool):
+            return {n: {k: v.numpy() for k, v in t.checkpoint_export(full).items()}
+                    for n, t in tables.items()}
+
+        dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}
+        info = self._writer.save(part, export, step, extra=dense)
+        try:
+            kept = [n for n in self._state().get("kept", []) if n != name] + [name]
+            kept = kept[-self.max_to_keep:]
+            self._write_state({"latest": name, "kept": kept})
+        except BaseException:
+            self._writer.reset()
+            raise
+        parts.remove_unreferenced(self.directory, BASE, [
+            parts.part_path(os.path.join(self.directory, n)) for n in kept])
+        logger.info("checkpoint %s: tables %s (%d rows, %d removed), %d weights, in %.2f s",
+                    part, info["kind"], info["rows"], info["removed"], len(dense),
+                    info["seconds"])
+        return part
+
+    def _state(self) -> dict:
+        return latest_state(self.directory) or {}
+
+    def _write_state(self, state: dict) -> None:
+        file = os.path.join(self.directory, STATE)
+        with open(file + ".tmp", "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(file + ".tmp", file)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, model, name: Optional[str] = None) -> Optional[int]:
+        """Loads the latest checkpoint of ``directory`` (or ``name``, e.g. "ckpt-300")
+        into ``model``: tables (full part, then every delta) and weights. Returns the
+        step it was saved at, or None when there is none. Call it before ``fit``.
+
+        Raises:
+          CheckpointError: a part of the chain is missing; ValueError: the checkpoint
+            is of another model (tables or weights that do not match), before any change.
+        """
+        if name is None:
+            name = (latest_state(self.directory) or {}).get("latest")
+            if name is None:
+                return None
+        part = parts.part_path(os.path.join(self.directory, name))
+        tables = _tables(model)
+        steps = plan(part, {n: (t.dim, t.num_slots) for n, t in tables.items()})
+        dense = parts.load_extra(part)
+        weights = _weights(model)
+        if sorted(dense) != sorted(weights):
+            raise ValueError(f"checkpoint {part} holds {len(dense)} weights, this model has "
+                             f"{len(weights)}: was it saved from another model?")
+        wrong = [f"{v.path}: {list(v.shape)} here, {list(dense[k].shape)} saved"
+                 for k, v in weights.items() if tuple(v.shape) != dense[k].shape]
+        if wrong:
+            raise ValueError(f"checkpoint {part}: weights of other shapes: {wrong}")
+        for path, index in steps:
+            for n, t in tables.items():
+                data = parts.load_table(path, index, n)
+                t.apply_checkpoint({k: tf.constant(v) for k, v in data.items()},
+                                   full=index["kind"] == parts.FULL)
+        for key, v in weights.items():
+            v.assign(dense[key])
+        self._writer.reset()
+        index = parts.read_index(part)
+        logger.info("restored %s: tables from %d part(s), %d weights (step %d)", part,
+                    len(steps), len(weights), index["step"])
+        return int(index["step"])
+
+
+def latest_state(directory: str) -> Optional[dict]:
+    """``checkpoint.json`` of ``directory`` ({"latest": name, "kept": [names]}), or None."""
+    file = os.path.join(os.fspath(directory), STATE)
+    if not os.path.exists(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+__all__: List[str] = ["IncrementalCheckpoint", "latest_state"]
