@@ -48,6 +48,23 @@ class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
                 "chief (worker 0) to initialize or restore the model; is it running?") from e
 
 
+class _IncrementalScaffold(tf.compat.v1.train.Scaffold):
+    """A Scaffold whose saver is an IncrementalSaver, built when the session is created
+    (as TF builds its default saver): by then the modes' hooks have made every table of
+    the graph (GEO makes the global tables' ops in its communicator's ``begin``), and a
+    saver built earlier would miss them."""
+
+    def __init__(self, full_every: int):
+        super().__init__()
+        self._full_every = full_every
+
+    def finalize(self):
+        if self._saver is None:
+            self._saver = IncrementalSaver(full_every=self._full_every, sharded=True,
+                                           max_to_keep=5, allow_empty=True)
+        return super().finalize()
+
+
 def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  # noqa: N802
                              chief_only_hooks=None, last_step: Optional[int] = None,
                              save_checkpoint_steps=None, save_checkpoint_secs=None,
@@ -84,8 +101,7 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
                              "scaffold: build it with saver=tfpsx.checkpoint.IncrementalSaver("
                              "full_every=M) instead")
         if config.is_chief:  # only the chief saves and restores
-            scaffold = tf.compat.v1.train.Scaffold(saver=IncrementalSaver(
-                full_every=every, sharded=True, max_to_keep=5, allow_empty=True))
+            scaffold = _IncrementalScaffold(every)
     mode = modes.mode_of()
     session = _monitored_session(config, checkpoint_dir, list(hooks or []) +
                                  (mode.hooks() if mode else []), chief_only_hooks, last_step,
