@@ -177,6 +177,8 @@ class LocalCluster:
             raise RuntimeError(f"{role} {index} is still running (pid {old.pid})")
         env = self.task_env(role, index)
         env.update(extra_env or {})
+        if task in self._logs:
+            self._logs[task].close()  # the previous process's
         log = open(self.log_path(role, index), "ab")
         self._logs[task] = log
         # `-m tfpsx.control.scheduler` would warn: the package imports the module first.

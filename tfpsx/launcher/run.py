@@ -11,8 +11,11 @@ separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` an
 the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's token.
 The launcher watches every process it started. A server or the chief (worker 0) that
 fails ends the job: every process is stopped and the summary names the one that failed
-and its log. With ``--max_restarts N`` such a failure restarts the whole job instead (up to N
-times; new ports, a fresh scheduler; the chief resumes from its last checkpoint). A
+and its log. With ``--max_restarts N`` such a failure restarts the whole job instead (new
+ports, a fresh scheduler; the chief resumes from its last checkpoint), and a non-chief
+worker that fails is started again in place (same rank and address: it registers again,
+waits for the chief's session and trains on; in sync it takes the lost worker's part of
+each step); N restarts in all. A
 scheduler that fails is restarted on its address (up to 3 times; it
 journals the job in ``log_dir/scheduler.state`` and takes it back, while servers serve
 and workers train on). A non-chief worker that fails is reported and the others go on
@@ -54,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--server_grace", type=str, default="60",
                    help="seconds servers get to exit after the last worker did")
     p.add_argument("--max_restarts", type=str, default="0",
-                   help="when a server or the chief fails, restart the whole job up to this "
-                        "many times (the chief resumes from its last checkpoint)")
+                   help="restarts in all: a server or the chief that fails restarts the whole "
+                        "job (the chief resumes from its last checkpoint); a non-chief worker "
+                        "that fails is started again in place (same rank and address)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -195,6 +199,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                     continue
                 if task == ("worker", 0):
                     failed = (task, code)  # the chief: it initializes and checkpoints
+                elif job_restarts < max_restarts:
+                    # Its share of the model is on the servers: a new process of the same
+                    # rank and address joins the running job.
+                    job_restarts += 1
+                    print(f"tfpsx-run: {_name(task)} exited with code {code} ({_how(code)}; "
+                          f"see {job.log_path(*task)}); starting it again in place "
+                          f"({job_restarts} of {max_restarts}): same rank and address, the "
+                          "others go on", file=sys.stderr, flush=True)
+                    with open(job.log_path(*task), "a") as log:
+                        log.write(f"\n===== tfpsx-run: restart {job_restarts} of {max_restarts}"
+                                  f" after {_name(task)} exited with code {code} =====\n")
+                    job.start_task(*task)
                 else:
                     lost_workers.append((task, code))
                     print(f"tfpsx-run: {_name(task)} exited with code {code} "
