@@ -1,6 +1,7 @@
 """Graph-mode training modes on local clusters (tests/cluster/scripts/training_job.py)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -314,6 +315,30 @@ def test_sparse_sync_dead_worker_is_a_clear_timeout(make_cluster):
     assert codes[("worker", 0)] != 0
     log = c.log("worker", 0)
     assert "ClusterTimeoutError" in log and "TFPSX_SYNC_STEP_TIMEOUT=4 s" in log, log[-3000:]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("script", ["training_job.py", "sparse_job.py"])
+def test_sync_fails_fast_naming_the_worker_the_scheduler_declared_dead(make_cluster, script):
+    """With a scheduler, a killed worker is declared dead after TFPSX_HEARTBEAT_TIMEOUT;
+    the chief's blocked sync step (dense SyncReplicas tokens; table tokens) fails then,
+    naming it and its address, long before TFPSX_SYNC_STEP_TIMEOUT (300 s)."""
+    args = (["--mode", "sync", "--steps", "100000", "--step_delay", "0.01",
+             "--no_final_barrier"] if script == "training_job.py"
+            else ["--mode", "sync", "--syncs", "1000000"])
+    c = make_cluster(1 if script == "training_job.py" else 2, 2, script=script,
+                     config_mode="scheduler", args=args,
+                     env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="300")).start()
+    wait_for_log(c, "worker", 1, "session ready")
+    time.sleep(1.0)
+    c.kill("worker", 1)
+    killed = time.monotonic()
+    codes = c.wait([("worker", 0)], timeout=120)
+    assert codes[("worker", 0)] != 0
+    assert time.monotonic() - killed < int(FAST["TFPSX_HEARTBEAT_TIMEOUT"]) + 30, c.logs()
+    log = c.log("worker", 0)
+    assert re.search(r"ClusterTimeoutError: sync: worker 0 waited for .*, which cannot "
+                     r"complete: worker 1 at 127\.0\.0\.1:\d+ died", log), log[-3000:]
 
 
 @pytest.mark.timeout(240)

@@ -19,6 +19,12 @@ applies them once.
   gradient from each worker, and a dead worker stops the step, which the others report
   as ``ClusterTimeoutError``. A straggler (fewer replicas than workers) that finds several
   tokens takes them all and goes on from the newest step; at most 2 wait per worker.
+* A dead worker, with a scheduler: once the scheduler declares a worker dead (no
+  heartbeat for TFPSX_HEARTBEAT_TIMEOUT), no step that needs it can complete. Every
+  worker watches for that (:class:`_DeadWorkerWatch`), closes the token queues so that
+  blocked steps return at once, and fails with ``ClusterTimeoutError`` naming the dead
+  worker and its address, instead of after TFPSX_SYNC_STEP_TIMEOUT. A worker restarted
+  before it is declared dead (``tfpsx-run --max_restarts``) takes its part of the steps.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode
 from tfpsx.training.placement import worker_device_of
@@ -135,6 +142,11 @@ class SyncMode(Mode):
         self.dense_sync = False  # a SyncOptimizer counts global_step
         self._steps_vars = None
         self._table_hook = _TableSyncHook(self)
+        # What closes the token queues (functions building the ops, called in begin()),
+        # and the workers found dead; see _DeadWorkerWatch.
+        self.token_closers = []
+        self.lost = None
+        self._watch = _DeadWorkerWatch(self)
 
     def validate(self) -> None:
         self.replicas = replicas_to_aggregate(self.strategy, self.config.worker_num, "model_scope")
@@ -156,10 +168,19 @@ class SyncMode(Mode):
         return SyncTableUpdater(self)
 
     def hooks(self):
-        return [self._table_hook] + super().hooks()
+        return [self._table_hook, self._watch] + super().hooks()
 
     def wrap_session(self, session):
-        return _SyncTimeoutMessages(session, self.total) if self.dense_sync else session
+        return _SyncTimeoutMessages(session, self)
+
+    def lost_error(self, waited: str) -> errors.ClusterTimeoutError:
+        """The error of a step that cannot complete: the workers found dead, named."""
+        names = ", ".join(f"worker {rank} at {address}" for rank, address in self.lost)
+        return errors.ClusterTimeoutError(
+            f"sync: worker {self.config.index} waited for {waited}, which cannot complete: "
+            f"{names} died (the scheduler saw no heartbeat for TFPSX_HEARTBEAT_TIMEOUT="
+            f"{settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); restart the job from its last "
+            "checkpoint (tfpsx-run --max_restarts restarts a lost worker in place)")
 
     # ------------------------------------------------------------------ tables
     def steps(self):
@@ -215,6 +236,8 @@ class SyncOptimizer(tf.compat.v1.train.SyncReplicasOptimizer):
         is_chief = self._tfpsx_config.is_chief
         mode.add_hook(self.make_session_run_hook(is_chief))
         mode.add_hook(_SyncEndHook(self, is_chief))
+        mode.token_closers.append(
+            lambda: self._sync_token_queue.close(cancel_pending_enqueues=True))
         mode.dense_sync = True
         return train_op
 
@@ -239,11 +262,54 @@ class _SyncEndHook(tf.compat.v1.train.SessionRunHook):
             session.run(self._close)
 
 
-class _SyncTimeoutMessages:
-    """A monitored session whose step timeouts say what a sync step waited for."""
+class _DeadWorkerWatch(tf.compat.v1.train.SessionRunHook):
+    """Polls the scheduler's dead workers (every 0.5 s, in a background thread); the
+    first time there are some, records them in the mode and closes every token queue, so
+    that steps blocked on the dead worker's gradients return now (see the module doc)."""
 
-    def __init__(self, session, workers: int):
-        self._session, self._workers = session, workers
+    def __init__(self, mode: SyncMode):
+        self._mode = mode
+        self._close = None
+        self._loop = None
+        self._session = None
+
+    def begin(self):
+        if self._mode.token_closers and self._close is None:
+            self._close = tf.group(*[build() for build in self._mode.token_closers])
+
+    def after_create_session(self, session, coord):
+        if self._close is None or self._loop is not None:
+            return
+        self._session = session
+        self._loop = BackgroundLoop("sync: the watch for dead workers", self._check,
+                                    interval=0.5).start()
+
+    def _check(self):
+        dead = RUNTIME.dead_workers()
+        if not dead:
+            return True
+        self._mode.lost = dead
+        logger.error("sync: %s declared dead by the scheduler; stopping this worker's steps "
+                     "(they cannot complete)",
+                     ", ".join(f"worker {r} at {a}" for r, a in dead))
+        try:
+            self._session.run(self._close)
+        except tf.errors.OpError:  # already closed (the chief's end), or the session is
+            pass
+        return False
+
+    def end(self, session):
+        if self._loop is not None:
+            self._loop.stop(timeout=0)
+
+
+class _SyncTimeoutMessages:
+    """A monitored session whose step timeouts (and steps a dead worker stopped) say
+    what a sync step waited for."""
+
+    def __init__(self, session, mode: SyncMode):
+        self._session, self._mode = session, mode
+        self._workers = mode.total
 
     def __getattr__(self, name):
         return getattr(self._session, name)
@@ -258,7 +324,12 @@ class _SyncTimeoutMessages:
     def run(self, *args, **kwargs):
         try:
             return self._session.run(*args, **kwargs)
-        except tf.errors.DeadlineExceededError as e:
+        except (tf.errors.OutOfRangeError, tf.errors.CancelledError,
+                tf.errors.DeadlineExceededError) as e:
+            if self._mode.lost:
+                raise self._mode.lost_error("the other workers' gradients") from e
+            if not isinstance(e, tf.errors.DeadlineExceededError):
+                raise
             raise errors.ClusterTimeoutError(
                 f"a sync step waited TFPSX_SYNC_STEP_TIMEOUT="
                 f"{settings.get('TFPSX_SYNC_STEP_TIMEOUT'):g} s for the gradients of the other "
@@ -293,6 +364,8 @@ class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
             with tf.control_dependencies(bump):
                 self._step_op = release_tokens(queues, counter.read_value())
             self._close = tf.group(*[q.close(cancel_pending_enqueues=True) for q in queues])
+            mode.token_closers.append(
+                lambda: tf.group(*[q.close(cancel_pending_enqueues=True) for q in queues]))
             newest = take_token(queues[mode.config.index])
         with tf.compat.v1.device(mode.worker_device):
             self._wait = local_step.assign(newest)
@@ -324,7 +397,9 @@ class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
             return
         try:
             run_context.session.run(self._wait, options=self._timeout)
-        except tf.errors.OutOfRangeError:
+        except tf.errors.OutOfRangeError as e:
+            if self._mode.lost:
+                raise self._mode.lost_error("its token (every worker's gradients)") from e
             run_context.request_stop()  # the chief ended training
         except tf.errors.DeadlineExceededError as e:
             raise errors.ClusterTimeoutError(
