@@ -215,8 +215,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     lost_workers.append((task, code))
                     print(f"tfpsx-run: {_name(task)} exited with code {code} "
                           f"({_how(code)}; see {job.log_path(*task)}); the other workers go "
-                          "on (async and GEO train without it; sync fails after "
-                          "TFPSX_SYNC_STEP_TIMEOUT)", file=sys.stderr, flush=True)
+                          "on (async and GEO train without it; sync fails: within "
+                          "TFPSX_HEARTBEAT_TIMEOUT with a scheduler, else after "
+                          "TFPSX_SYNC_STEP_TIMEOUT; --max_restarts starts it again)",
+                          file=sys.stderr, flush=True)
             if failed:
                 continue
             if all(job.procs[t].poll() is not None for t in workers):
