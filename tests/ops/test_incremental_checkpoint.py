@@ -3,6 +3,9 @@ full table exports every M saves and deltas between, restored bit-exactly; atomi
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -76,22 +79,22 @@ def test_full_and_delta_chain_restores_bit_exact(tmp_path):
     rng = np.random.default_rng(3)
     saved = []
     with tf.Graph().as_default():
-        model = Model(prefix, full_every=3)
+        model = Model(prefix, full_every=4)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for round_ in range(7):
+            for round_ in range(9):
                 train_between_saves(model, sess, rng, round_)
                 path = model.saver.save(sess, str(tmp_path / "model"), global_step=model.step)
                 saved.append((path, dict(model.saver.last_save), model.state(sess)))
     kinds = [s[1]["kind"] for s in saved]
-    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"], kinds
-    assert [len(s[1]["chain"]) for s in saved] == [1, 2, 3, 1, 2, 3, 1]
+    assert kinds == ["full", "delta", "delta", "delta"] * 2 + ["full"], kinds
+    assert [len(s[1]["chain"]) for s in saved] == [1, 2, 3, 4, 1, 2, 3, 4, 1]
     # A delta holds what changed since the previous save, not the table.
     for (_, full_info, (rows, _)), (_, delta_info, _) in zip(saved[:1], saved[1:2]):
         assert 0 < delta_info["rows"] < full_info["rows"] + 60
     assert any(s[1]["removed"] > 0 for s in saved if s[1]["kind"] == "delta"), \
         [s[1] for s in saved]
-    for path, info, want in saved[1:3] + saved[5:]:
+    for path, info, want in saved[2:4] + saved[7:]:  # full + 3 deltas among them
         assert restored_state(prefix, path) == want, (path, info)
 
 
@@ -207,3 +210,53 @@ def test_bad_arguments_are_named():
     with tf.Graph().as_default():
         with pytest.raises(ValueError, match=r"full_every=...\): expected an integer >= 1, got 0"):
             Model(f"inc{next(_names)}", full_every=0)
+
+
+_KILLED_SAVE = textwrap.dedent("""
+    import os, pickle, signal, sys
+    import numpy as np
+    import tensorflow as tf
+    sys.path.insert(0, {here!r})
+    from test_incremental_checkpoint import Model, train_between_saves
+    directory, prefix = sys.argv[1], sys.argv[2]
+    rng = np.random.default_rng(9)
+    with tf.Graph().as_default():
+        model = Model(prefix, full_every=5)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for round_ in range(2):
+                train_between_saves(model, sess, rng, round_)
+                path = model.saver.save(sess, os.path.join(directory, "model"),
+                                        global_step=model.step)
+            with open(os.path.join(directory, "state.pkl"), "wb") as f:
+                pickle.dump((path, model.state(sess)), f)
+            train_between_saves(model, sess, rng, 2)
+            real, calls = np.save, []
+            def save_then_die(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 4:  # the third save's fourth file: halfway
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)
+            np.save = save_then_die
+            model.saver.save(sess, os.path.join(directory, "model"), global_step=model.step)
+    print("NOT KILLED")
+""")
+
+
+@pytest.mark.timeout(240)
+def test_a_process_killed_halfway_through_a_save_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL in the middle of writing a delta's part: the checkpoint state still names
+    the previous save, which restores bit-exact, and its chain is intact."""
+    import pickle
+
+    prefix = f"inc{next(_names)}"
+    script = tmp_path / "save_and_die.py"
+    script.write_text(_KILLED_SAVE.format(here=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), prefix],
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == -9, proc.stdout + proc.stderr[-3000:]
+    with open(tmp_path / "state.pkl", "rb") as f:
+        good, want = pickle.load(f)
+    assert tf.train.latest_checkpoint(str(tmp_path)) == good
+    assert any(".tmp-" in e for e in os.listdir(tmp_path))  # the unfinished part
+    assert restored_state(prefix, good) == want
