@@ -110,7 +110,7 @@ cuda-native-test: $(CUDA_NATIVE_TESTS)
 	@for t in $^; do echo $$t; $$t || exit 1; done
 
 test: setup native-test cuda-check
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
 
 demo: setup
 	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --server_num 1 --worker_num 2 \

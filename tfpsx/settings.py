@@ -155,6 +155,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_SCHED_STATE", "path", None,
             "the scheduler journals its job state there; a scheduler restarted with it "
             "takes the job back (tfpsx-run: <log_dir>/scheduler.state)", "scheduler"),
+    Setting("TFPSX_RESTART_WAIT", "seconds", 120.0,
+            "the scheduler, once every worker died and none finished (a lost server takes "
+            "them all): how long it keeps the job for them to be started again (an "
+            "orchestrator's restart policy) before the job ends", "scheduler"),
     Setting("TFPSX_SCHED_LOSS_TIMEOUT", "seconds", 600.0,
             "how long a server keeps serving while the scheduler is unreachable (waiting for "
             "a restarted one) before it exits with an error", "scheduler"),

@@ -75,3 +75,43 @@ def test_without_its_scheduler_a_server_serves_on_then_gives_up_within_its_bound
     log = c.log("server", 0)
     assert "lost the scheduler" in log and "serving on (the model stays here)" in log, log
     assert re.search(r"was unreachable for \d+ s \(TFPSX_SCHED_LOSS_TIMEOUT=4\); giving up", log)
+
+
+@pytest.mark.timeout(300)
+def test_by_hand_every_process_restarted_like_an_orchestrator_resumes_the_job(make_cluster,
+                                                                              tmp_path):
+    """The by-hand (scheduler) setup's recovery policy: the server is killed, the workers
+    exit with 75 (EX_TEMPFAIL) within their bound; an orchestrator (here the test, as a
+    Kubernetes restartPolicy would) starts the server and the workers again on their
+    addresses while the scheduler runs on: they register again (the scheduler revives
+    the nodes it had declared dead), the chief resumes from its last checkpoint and the
+    job runs to its end."""
+    ckpt = tmp_path / "ckpt"
+    c = make_cluster(1, 2, script="training_job.py", env=ENV, timeout=280,
+                     config_mode="scheduler",
+                     args=["--mode", "async", "--steps", "800", "--step_delay", "0.02",
+                           "--checkpoint_dir", str(ckpt), "--save_steps", "50"]).start()
+    def saved_step():
+        steps = [int(p.name[len("model.ckpt-"):-len(".index")])
+                 for p in (ckpt.iterdir() if ckpt.exists() else [])
+                 if p.name.startswith("model.ckpt-") and p.name.endswith(".index")]
+        return max(steps, default=-1)
+
+    deadline = time.monotonic() + 120
+    while saved_step() < 100:
+        assert time.monotonic() < deadline, c.logs()
+        time.sleep(0.1)
+    c.kill("server", 0)
+    codes = c.wait([("worker", 0), ("worker", 1)], timeout=60)
+    assert codes == {("worker", 0): 75, ("worker", 1): 75}, c.logs()
+    for task in [("server", 0), ("worker", 0), ("worker", 1)]:
+        c.start_task(*task)
+    codes = c.wait([("server", 0), ("worker", 0), ("worker", 1)], timeout=200)
+    assert set(codes.values()) == {0}, c.logs()
+    resumed = [r for r in c.metrics("worker", 0, "resumed") if r["checkpoint"] is not None]
+    assert len(resumed) == 1 and resumed[0]["global_step"] >= 100, resumed
+    final = c.metrics("worker", 0, "training")[-1]
+    assert final["global_step"] >= 800 and final["eval_loss"] < 0.05, final
+    sched = c.log("scheduler", 0)
+    assert "every worker died and none finished; keeping the job" in sched, sched[-3000:]
+    assert re.search(r"a worker is back after [\d.]+ s: the job goes on", sched), sched[-3000:]

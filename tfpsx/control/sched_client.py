@@ -166,10 +166,19 @@ class SchedulerClient:
             logger.warning("heartbeat to the scheduler failed (%d in a row): %s",
                            self._heartbeat_failures, e)
             return
+        # The scheduler's current list: a node started again (same rank) and registered
+        # is alive again, and no longer dead here either.
         new = [n for n in reply.dead if n not in self.dead]
+        back = [n for n in self.dead if n not in reply.dead]
         if new:
             logger.warning("scheduler reports dead: %s", describe(new))
-            self.dead.extend(new)
+        if back:
+            logger.info("scheduler reports alive again: %s", describe(back))
+        self.dead = list(reply.dead)
+
+    def beat_now(self) -> None:
+        """One heartbeat now (refreshing :attr:`dead`), besides the periodic ones."""
+        self._beat()
 
     def stop_heartbeat(self) -> None:
         if self._heartbeat is not None:
@@ -309,7 +318,10 @@ class SchedulerCoordinator(Coordinator):
         self.config, self.client = config, client
 
     def worker_start(self) -> None:
-        pass  # registered and heartbeating since tfpsx.init()
+        # Registered and heartbeating since tfpsx.init(). The servers accept connections
+        # now, so they are registered: a fresh beat drops any of them the scheduler had
+        # declared dead before (restarted ones), before the server watch reads the list.
+        self.client.beat_now()
 
     def worker_stop(self) -> None:
         self.client.stop_heartbeat()

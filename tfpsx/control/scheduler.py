@@ -66,10 +66,15 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     """The scheduler's state and RPCs. Thread-safe; one condition guards everything."""
 
     def __init__(self, server_num: int, worker_num: int, token: Optional[str] = None,
-                 heartbeat_timeout: float = 60.0, journal: Optional[Journal] = None):
+                 heartbeat_timeout: float = 60.0, journal: Optional[Journal] = None,
+                 restart_wait: float = 0.0):
         self.nums = {_cluster.SERVER: server_num, _cluster.WORKER: worker_num}
         self.token = token
         self.heartbeat_timeout = heartbeat_timeout
+        # When every worker died and none finished (a lost server takes them all), the
+        # job is kept this long for them to be started again (see job_over).
+        self.restart_wait = restart_wait
+        self._all_died_at: Optional[float] = None
         self._cv = threading.Condition()
         self.nodes: Dict[str, _Node] = {}
         self._ranks: Dict[str, Dict[int, str]] = {_cluster.SERVER: {}, _cluster.WORKER: {}}
@@ -146,9 +151,26 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return [n.proto() for n in self.nodes.values() if n.state == DEAD]
 
     def job_over(self) -> bool:
+        """Every worker finished or died (the condition held). A job whose workers all
+        died, none finished, is not over for ``restart_wait`` seconds: an orchestrator
+        may be starting them (and the lost server) again; a server that registers again
+        meanwhile waits with them instead of ending."""
         workers = self._by_role(_cluster.WORKER)
-        return (self.ready_at is not None and
-                all(n.state in (FINISHED, DEAD) for n in workers))
+        over = self.ready_at is not None and all(n.state in (FINISHED, DEAD) for n in workers)
+        all_died = over and all(n.state == DEAD for n in workers)
+        if not all_died or self.restart_wait <= 0:
+            if self._all_died_at is not None and not over:
+                logger.info("a worker is back after %.1f s: the job goes on",
+                            time.monotonic() - self._all_died_at)
+            self._all_died_at = None
+            return over
+        now = time.monotonic()
+        if self._all_died_at is None:
+            self._all_died_at = now
+            logger.warning("every worker died and none finished; keeping the job %g s "
+                           "(TFPSX_RESTART_WAIT) for them to be started again",
+                           self.restart_wait)
+        return now - self._all_died_at >= self.restart_wait
 
     def _wait(self, predicate, seconds: float) -> bool:
         """Waits on the condition (held) until predicate() or ``seconds`` pass."""
@@ -325,17 +347,20 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 def serve(address: str, server_num: int, worker_num: int, token: Optional[str] = None,
           register_timeout: float = 600.0, heartbeat_timeout: float = 60.0,
           tls: Optional[TlsConfig] = None, server_grace: Optional[float] = None,
-          state_file: Optional[str] = None) -> int:
+          state_file: Optional[str] = None, restart_wait: float = 0.0) -> int:
     """Runs the scheduler until the job ends; returns a process exit code.
 
     Returns 0 when every worker finished or died and the servers confirmed the end (or the
     grace ran out); raises ClusterTimeoutError when the cluster was not complete within
     ``register_timeout`` (after telling every waiting node). With ``state_file`` the job
     state is journaled there (and taken back from it when it exists); removed when the
-    job ends.
+    job ends. When every worker died and none finished (a lost server takes them all),
+    the job is kept ``restart_wait`` seconds more for them to be started again (they
+    register again and are alive: the job goes on).
     """
     journal = (Journal(state_file, server_num, worker_num, token) if state_file else None)
-    service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal)
+    service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal,
+                               restart_wait=restart_wait)
     server = grpc.server(futures.ThreadPoolExecutor(
         max_workers=2 * (server_num + worker_num) + 8, thread_name_prefix="tfpsx-sched"))
     pb_grpc.add_SchedulerServicer_to_server(service, server)
@@ -354,6 +379,8 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
             with service._cv:
                 ready, over = service.ready_at is not None, service.job_over()
                 missing = service.missing()
+                if over:
+                    service._cv.notify_all()  # RPCs long-polling for the end (a wait ran out)
             if not ready and time.monotonic() - service.started > register_timeout:
                 message = (f"cluster not complete after {register_timeout:g} s "
                            f"(TFPSX_REGISTER_TIMEOUT); missing: {missing}")
@@ -392,7 +419,8 @@ def run_scheduler(config: _cluster.ClusterConfig) -> int:
     return serve(info.address, info.server_num, info.worker_num, token=info.token,
                  register_timeout=settings.get("TFPSX_REGISTER_TIMEOUT"),
                  heartbeat_timeout=settings.get("TFPSX_HEARTBEAT_TIMEOUT"),
-                 tls=TlsConfig.from_env(), state_file=settings.get("TFPSX_SCHED_STATE"))
+                 tls=TlsConfig.from_env(), state_file=settings.get("TFPSX_SCHED_STATE"),
+                 restart_wait=settings.get("TFPSX_RESTART_WAIT"))
 
 
 def main() -> int:
