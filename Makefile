@@ -122,6 +122,7 @@ bench: setup
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/incremental_checkpoint.py
+	$(PY) benchmarks/fault_soak.py
 
 # Bazel 4 (Debian's bazel-bootstrap) builds the same library offline against the
 # installed wheel, and the core's native tests; the check loads the library through

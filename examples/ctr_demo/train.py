@@ -23,15 +23,17 @@ import tfpsx
 FIELDS, VOCAB, DENSE, EMB = 8, 1000, 8, 8
 
 
-def make_data(seed: int, rows: int):
-    """Clicks from a fixed planted model (same for every worker); rows differ by seed."""
+def make_data(seed: int, rows: int, fields: int = FIELDS, vocab: int = VOCAB,
+              bias: float = -0.5):
+    """Clicks from a fixed planted model (same for every worker); rows differ by seed.
+    (benchmarks/_soak_job.py draws its data here too, with other sizes.)"""
     truth = np.random.default_rng(1234)
-    id_weight = truth.normal(0, 1.0, size=VOCAB).astype(np.float32)
+    id_weight = truth.normal(0, 1.0, size=vocab).astype(np.float32)
     dense_weight = truth.normal(0, 0.5, size=DENSE).astype(np.float32)
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, VOCAB, size=(rows, FIELDS)).astype(np.int64)
+    ids = rng.integers(0, vocab, size=(rows, fields)).astype(np.int64)
     dense = rng.normal(size=(rows, DENSE)).astype(np.float32)
-    logit = id_weight[ids].sum(axis=1) / np.sqrt(FIELDS) + dense @ dense_weight - 0.5
+    logit = id_weight[ids].sum(axis=1) / np.sqrt(fields) + dense @ dense_weight + bias
     clicks = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.float32)
     return ids, dense, clicks
 
