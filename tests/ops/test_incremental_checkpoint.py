@@ -74,18 +74,24 @@ def restored_state(prefix, path, shards=3):
             return model.state(sess)
 
 
+def saved_rounds(model, sess, rng, rounds, directory):
+    """Trains and saves ``rounds`` times; [(path, what the save wrote, state)] per save."""
+    saved = []
+    for round_ in range(rounds):
+        train_between_saves(model, sess, rng, round_)
+        path = model.saver.save(sess, os.path.join(directory, "model"), global_step=model.step)
+        saved.append((path, dict(model.saver.last_save), model.state(sess)))
+    return saved
+
+
 def test_full_and_delta_chain_restores_bit_exact(tmp_path):
     prefix = f"inc{next(_names)}"
     rng = np.random.default_rng(3)
-    saved = []
     with tf.Graph().as_default():
         model = Model(prefix, full_every=4)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for round_ in range(9):
-                train_between_saves(model, sess, rng, round_)
-                path = model.saver.save(sess, str(tmp_path / "model"), global_step=model.step)
-                saved.append((path, dict(model.saver.last_save), model.state(sess)))
+            saved = saved_rounds(model, sess, rng, 9, str(tmp_path))
     kinds = [s[1]["kind"] for s in saved]
     assert kinds == ["full", "delta", "delta", "delta"] * 2 + ["full"], kinds
     assert [len(s[1]["chain"]) for s in saved] == [1, 2, 3, 4, 1, 2, 3, 4, 1]
@@ -106,11 +112,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_valid(tmp_path, mo
         model = Model(prefix, full_every=4)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for round_ in range(2):
-                train_between_saves(model, sess, rng, round_)
-                good = model.saver.save(sess, os.path.join(directory, "model"),
-                                        global_step=model.step)
-            want = model.state(sess)
+            good, _, want = saved_rounds(model, sess, rng, 2, directory)[-1]
             assert model.saver.last_save["kind"] == "delta"
             # 1) the process dies while writing a table part: a temporary is left.
             train_between_saves(model, sess, rng, 2)
@@ -148,15 +150,11 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_valid(tmp_path, mo
 def test_a_missing_part_is_a_clear_error_before_any_change(tmp_path):
     prefix = f"inc{next(_names)}"
     rng = np.random.default_rng(7)
-    paths = []
     with tf.Graph().as_default():
         model = Model(prefix, full_every=5)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for round_ in range(3):
-                train_between_saves(model, sess, rng, round_)
-                paths.append(model.saver.save(sess, str(tmp_path / "model"),
-                                              global_step=model.step))
+            paths = [path for path, _, _ in saved_rounds(model, sess, rng, 3, str(tmp_path))]
     shutil.rmtree(parts.part_path(paths[1]))
     with tf.Graph().as_default():
         model = Model(prefix, shards=1)

@@ -364,8 +364,7 @@ class _TableSyncHook(tf.compat.v1.train.SessionRunHook):
             with tf.control_dependencies(bump):
                 self._step_op = release_tokens(queues, counter.read_value())
             self._close = tf.group(*[q.close(cancel_pending_enqueues=True) for q in queues])
-            mode.token_closers.append(
-                lambda: tf.group(*[q.close(cancel_pending_enqueues=True) for q in queues]))
+            mode.token_closers.append(lambda: self._close)  # the dead-worker watch's too
             newest = take_token(queues[mode.config.index])
         with tf.compat.v1.device(mode.worker_device):
             self._wait = local_step.assign(newest)
