@@ -394,6 +394,42 @@ void TestCheckpointDeltas() {
 
 }  // namespace
 
+// A worker cache's bookkeeping: CacheFind touches only present keys (frequency, step),
+// inserts nothing and marks nothing changed; CacheVictims picks the lowest frequency,
+// then the oldest step (LFU), or the oldest step, then the lowest frequency (LRU), the
+// larger key first on ties, and removes nothing.
+void TestCacheFindAndVictims() {
+  tfpsx::HashTable t(Opts(2));
+  std::vector<int64_t> keys = {10, 20, 30, 40};
+  std::vector<float> vals = {1, 1, 2, 2, 3, 3, 4, 4};
+  t.Insert(keys.data(), 4, vals.data(), /*step=*/1);
+  t.TakeChanged(0);  // register a reader
+  float out[6];
+  bool found[3];
+  const int64_t probe[3] = {20, 99, 40};
+  t.CacheFind(probe, 3, /*step=*/7, out, found);
+  CHECK(found[0] && !found[1] && found[2]);
+  CHECK(out[0] == 2 && out[4] == 4);
+  float init[2];
+  t.InitialRow(99, init);
+  CHECK(out[2] == init[0] && out[3] == init[1]);
+  CHECK(t.Size() == 4);                 // a miss is not inserted
+  CHECK(t.TakeChanged(0).empty());      // touching is not a change
+  t.CacheFind(probe, 1, /*step=*/8, out, found);  // 20 again
+  // freq: 10 -> 1, 20 -> 3, 30 -> 1, 40 -> 2 ; step: 10 -> 1, 20 -> 8, 30 -> 1, 40 -> 7
+  auto lfu = t.CacheVictims(3, /*by_step=*/false);
+  CHECK((lfu == std::vector<int64_t>{30, 10, 40}));
+  auto lru = t.CacheVictims(2, /*by_step=*/true);
+  CHECK((lru == std::vector<int64_t>{30, 10}));
+  const int64_t late = 10;
+  t.Insert(&late, 1, vals.data(), /*step=*/9);  // 10: freq 1, but the newest: 30 goes first
+  CHECK((t.CacheVictims(1, false) == std::vector<int64_t>{30}));
+  CHECK((t.CacheVictims(2, true) == std::vector<int64_t>{30, 40}));
+  CHECK(t.CacheVictims(0, false).empty());
+  CHECK(t.CacheVictims(99, true).size() == 4);
+  CHECK(t.Size() == 4);                 // choosing removes nothing
+}
+
 int main() {
   TestRandomOpsAgainstReference();
   TestDeterministicInitializer();
@@ -406,6 +442,7 @@ int main() {
   TestReservedCapacity();
   TestMemoryFollowsRows();
   TestCheckpointDeltas();
+  TestCacheFindAndVictims();
   if (failures) {
     std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
     return 1;

@@ -249,22 +249,51 @@ def sparse_geo_reference(workers: int, k: int, syncs: int):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster, workers):
+@pytest.mark.parametrize("workers,cache", [(1, 0), (2, 0), (2, 32)])
+def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster, workers,
+                                                                   cache):
+    """cache: each worker keeps a worker cache of 32 rows (of the 20-30 ids it trains),
+    not a copy of every row: GEO's values all the same."""
     k, syncs = 3, 4
     c = make_cluster(2, workers, script="sparse_job.py", env=FAST,
-                     args=["--k_steps", str(k), "--syncs", str(syncs)]).start()
+                     args=["--k_steps", str(k), "--syncs", str(syncs),
+                           "--cache_size", str(cache)]).start()
     finish(c)
     want, rows_sent = sparse_geo_reference(workers, k, syncs)
     for i, r in reports(c, workers, "sparse").items():
         assert r["pushes"] == syncs
-        assert r["rows_sent"] == rows_sent[i]  # only changed rows travelled
+        if cache:  # rows a pull brought and training left alone (zero deltas) stay home
+            assert 0 < r["rows_sent"] < rows_sent[i]
+        else:
+            assert r["rows_sent"] == rows_sent[i]  # only changed rows travelled
         assert r["rows_sent"] < syncs * sparse.VOCAB
         assert r["bytes_sent"] == r["rows_sent"] * (8 + 4 * sparse.DIM)
         got = {int(key): np.array(v, np.float32) for key, v in r["rows"].items()}
         assert sorted(got) == sorted(int(u) for u in want)
         for u, row in want.items():
             np.testing.assert_allclose(got[int(u)], row, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_async_worker_cache_trains_flushes_and_reports(make_cluster):
+    """Async through a worker cache of 8 rows (each worker trains 20-30 ids): the PS rows
+    learn their targets through evictions and flushes, the session's end flushes the
+    last updates, and each worker logs and emits its cache's counters."""
+    c = make_cluster(2, 2, script="sparse_job.py", env=FAST,
+                     args=["--mode", "async", "--syncs", "300", "--cache_size", "8",
+                           "--flush_steps", "5"]).start()
+    finish(c)
+    rows = reports(c, 2, "sparse")[0]["rows"]
+    assert sorted(int(k) for k in rows) == list(range(30))
+    for key, row in rows.items():
+        target = sparse.targets([int(key)])[0]
+        # From 0, each row covered at least half of the way to its target.
+        assert np.abs(np.array(row) - target).max() <= 0.5 * np.abs(target).max() + 1e-6, key
+    for i, r in reports(c, 2, "cache").items():
+        assert r["table"] == "sparse"
+        assert r["flushes"] >= 300 // 5 and r["evictions"] > 0 and r["size"] <= 8 + 6
+        assert 0 < r["hit_rate"] < 1 and r["lookups"] == 300 * sparse.BATCH
+    assert "tfpsx worker cache sparse: hit rate" in c.logs()
 
 
 def sparse_sync_reference(steps: int):

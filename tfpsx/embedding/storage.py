@@ -4,8 +4,9 @@ A :class:`TableStorage` is one shard of one table on one device: it knows how to
 insert, accumulate, apply an optimizer, remove, count, evict, export and import rows and
 track changed keys, and nothing about sharding or training modes. A :class:`Backend`
 creates shards (TFRA's ``KVCreator`` shape). Today's backend is
-:class:`HashTableBackend` (the ``TfpsxHashTable`` resource of the C++ core); a worker-side
-cache and a GPU store plug in as further backends.
+:class:`HashTableBackend` (the ``TfpsxHashTable`` resource of the C++ core), which also
+holds worker caches (:mod:`tfpsx.embedding.cache`); a GPU store plugs in as a further
+backend.
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ class TableStorage(abc.ABC):
     def take_changed(self, reader) -> tf.Tensor:
         """Keys changed since ``reader``'s last call; its first call registers it."""
 
+    def cache_find(self, keys, step) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(rows, found) as ``find``; a present key's frequency is counted and its step
+        set (a worker cache's LFU / LRU bookkeeping). Nothing is inserted."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold a worker cache")
+
+    def cache_victims(self, count, by_step) -> tf.Tensor:
+        """Keys of the ``count`` rows a cache evicts first (lowest frequency, or with
+        ``by_step`` the oldest step), not removed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold a worker cache")
+
 
 class Backend(abc.ABC):
     """Creates the shards of tables (one backend serves many tables)."""
@@ -191,6 +202,12 @@ class HashTableStorage(TableStorage):
 
     def take_changed(self, reader):
         return self._run(bindings.table_take_changed, reader)
+
+    def cache_find(self, keys, step):
+        return self._run(bindings.table_cache_find, keys, step)
+
+    def cache_victims(self, count, by_step):
+        return self._run(bindings.table_cache_victims, count, by_step)
 
 
 class HashTableBackend(Backend):

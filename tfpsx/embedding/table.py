@@ -26,10 +26,11 @@ trains (directly, GEO, sync) is its updater's business (:mod:`tfpsx.embedding.up
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tfpsx.embedding.cache import CacheOptions, WorkerCache
 from tfpsx.embedding.initializers import Initializer
 from tfpsx.embedding.saveable import TableSaveable
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
@@ -71,18 +72,31 @@ class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
         so inserting up to that many keys neither rehashes nor page-faults (inserts
         of new keys run ~2x faster in ``benchmarks/embedding_ops.py``). A hint: the
         table still grows past it; ignored for a shard that already exists.
+      cache_size: rows to keep in a cache on this worker (None: no cache). Lookups of
+        cached rows stay local, misses are fetched from the PS in one call per shard,
+        the cached rows train on the worker and sync with the PS every ``flush_steps``
+        updates, on eviction and at the end of training (see
+        :mod:`tfpsx.embedding.cache`). Not with sync training.
+      cache_policy: which cached rows go first when the cache is full: ``"lfu"`` (least
+        often looked up) or ``"lru"`` (least recently).
+      flush_steps: updates between two syncs of the cache with the PS (in GEO mode the
+        mode's K steps instead).
       updater: how the table trains (default: the training mode of the enclosing
         ``tfpsx.model_scope``, else the server-side optimizer on each shard).
       backend: creates the shards (default: the C++ hash table).
 
     Raises:
-      ValueError: a bad dim, optimizer, shard count or device list.
+      ValueError: a bad dim, optimizer, shard count, device list or cache option, or
+        a cache with sync training.
     """
 
     def __init__(self, name: str, dim: int, initializer: Initializer = None, optimizer=None,
                  shards: Optional[int] = None, devices: Optional[Sequence[str]] = None,
                  seed: int = 0, min_frequency: int = 1, capacity: Optional[int] = None,
-                 updater: Optional[TableUpdater] = None, backend: Optional[Backend] = None):
+                 cache_size: Optional[int] = None, cache_policy: str = "lfu",
+                 flush_steps: int = 100, updater: Optional[TableUpdater] = None,
+                 backend: Optional[Backend] = None):
+        self.cache_options = CacheOptions.parse(name, cache_size, cache_policy, flush_steps)
         if devices is None:
             devices = _default_devices(shards)
         devices = list(devices)
@@ -94,7 +108,43 @@ class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
                          backend=backend)
         self._saveable_graphs: "weakref.WeakSet" = weakref.WeakSet()
         self.updater = updater or updater_for(self)
+        if self.cache_options is not None and not self.updater.supports_cache:
+            raise ValueError(
+                f"DynamicEmbedding {name!r}: cache_size={cache_size} with "
+                f"{type(self.updater).__name__}: sync training aggregates every step's "
+                "gradients of every row, and a cache trains its rows locally between "
+                "syncs; use async or GEO training with a cache, or no cache with sync")
         self.updater.attach(self)
+
+    @property
+    def cache(self) -> Optional[WorkerCache]:
+        """This worker's cache of the table (``cache_size``), or None."""
+        return getattr(self.updater, "cache", None)
+
+    def _require_cache(self, what: str) -> WorkerCache:
+        if self.cache is None:
+            raise ValueError(f"DynamicEmbedding {self.name!r}: {what} needs a worker cache; "
+                             "create the table with cache_size=N")
+        return self.cache
+
+    def prefetch(self, ids, step=None):
+        """Fetches the next batch's rows that the worker cache lacks while this step runs
+        (see :meth:`tfpsx.embedding.cache.WorkerCache.prefetch`); needs ``cache_size``."""
+        return self._require_cache("prefetch").prefetch(ids, step)
+
+    def flush_cache(self, step=None):
+        """Syncs the worker cache with the PS now: its trained rows' deltas go out, the
+        rows other workers changed come in (training does it at its end); needs
+        ``cache_size``. Returns the op (None in eager mode)."""
+        return self._require_cache("flush_cache").flush(step)
+
+    def stats(self) -> Dict[str, tf.Tensor]:
+        """The PS shards' counters (``ShardedTable.stats``), and with a worker cache its
+        counters as ``cache_<name>`` (``cache_hit_rate``, ``cache_rows_fetched``, ...)."""
+        out = super().stats()
+        if self.cache is not None:
+            out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
+        return out
 
     def _before_shard_ops(self) -> None:
         # A default tf.compat.v1.train.Saver (and MonitoredTrainingSession's) saves what

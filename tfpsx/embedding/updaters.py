@@ -12,26 +12,51 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, List
+from typing import Callable, List, Optional, Tuple
+
+from tfpsx.embedding.cache import WorkerCache
+from tfpsx.runtime import RUNTIME
 
 _scopes = threading.local()
 
 
 class TableUpdater:
     """The default: lookups read the table, gradients go to its server-side optimizer
-    (async, bounded staleness, and a table with no cluster)."""
+    (async, bounded staleness, and a table with no cluster). A table with a worker cache
+    (``cache_size``) reads and trains the cache instead, which syncs with the table by
+    GEO's rule with n = 1 (:mod:`tfpsx.embedding.cache`)."""
+
+    #: Whether a table with a worker cache can train with this updater.
+    supports_cache = True
+
+    def __init__(self):
+        self.cache = None
 
     def attach(self, table) -> None:
         """Called once, when ``table`` is created with this updater."""
+        options = getattr(table, "cache_options", None)
+        if options is not None:
+            # A local table (no PS device) keeps its cache beside it.
+            remote = any(device is not None for device in table.devices)
+            device, reader = worker_placement() if remote else (None, 0)
+            self.cache = WorkerCache(table, options, device, reader)
 
     def lookup_source(self, table):
         """The :class:`~tfpsx.embedding.sharding.ShardedTable` lookups of ``table`` read."""
-        return table
+        return self.cache or table
 
     def apply_gradients(self, table, keys, grads, step):
         """Applies row gradients ``grads`` ``[n, dim]`` of unique ``keys``; returns the op
         (None in eager mode)."""
-        return table.apply(keys, grads, step)
+        return (self.cache or table).apply(keys, grads, step)
+
+
+def worker_placement() -> Tuple[Optional[str], int]:
+    """(this worker's device, its index) in a cluster; (None, 0) without one."""
+    config = RUNTIME.config
+    if config is None or config.role != "worker" or not config.servers:
+        return None, 0
+    return f"/job:{config.job_name}/replica:0/task:{config.task_index}", config.index
 
 
 def _stack() -> List[Callable]:

@@ -41,6 +41,7 @@ import tensorflow as tf
 from tfpsx import embedding as E
 from tfpsx.embedding import initializers as _initializers
 from tfpsx.embedding import optimizers as _optimizers
+from tfpsx.embedding.cache import CacheOptions
 from tfpsx.embedding.sharding import EXPORT_FIELDS
 from tfpsx.keras.modes.base import TRIGGER
 from tfpsx.keras.strategy import ParameterServerStrategy
@@ -94,13 +95,21 @@ class DynamicEmbedding(keras.layers.Layer):
       combiner: None, "sum", "mean" or "sqrtn" (see the module doc).
       pad_id: with a combiner, ids equal to it are skipped.
       min_frequency, capacity, seed: the table's options (``tfpsx.embedding.DynamicEmbedding``).
+      cache_size, cache_policy, flush_steps: a worker cache of the table's hot rows
+        (``tfpsx.embedding.DynamicEmbedding``; async and GEO strategies).
     """
 
     def __init__(self, dim: int, table_name: Optional[str] = None, initializer=None,
                  optimizer="adagrad", combiner: Optional[str] = None,
                  pad_id: Optional[int] = None, min_frequency: int = 1,
-                 capacity: Optional[int] = None, seed: int = 0, **kwargs):
+                 capacity: Optional[int] = None, seed: int = 0,
+                 cache_size: Optional[int] = None, cache_policy: str = "lfu",
+                 flush_steps: int = 100, **kwargs):
         super().__init__(**kwargs)
+        CacheOptions.parse(f"{table_name or self.name} (layer)", cache_size, cache_policy,
+                           flush_steps)
+        self.cache_size, self.cache_policy = cache_size, cache_policy
+        self.flush_steps = flush_steps
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"DynamicEmbedding layer {self.name!r}: dim must be a positive "
                              f"int, got {dim!r}")
@@ -127,7 +136,9 @@ class DynamicEmbedding(keras.layers.Layer):
         self.table = E.DynamicEmbedding(
             self.table_name or self.name, self.dim, initializer=self.initializer,
             optimizer=self.table_optimizer, seed=self.seed, min_frequency=self.min_frequency,
-            capacity=self.capacity, devices=None if on_ps else [None])
+            capacity=self.capacity, devices=None if on_ps else [None],
+            cache_size=self.cache_size, cache_policy=self.cache_policy,
+            flush_steps=self.flush_steps)
         self._step = self.add_weight(name="table_step", shape=(), dtype="int64",
                                      initializer="zeros", trainable=False)
         if self.table_optimizer is not None:
@@ -217,13 +228,17 @@ class DynamicEmbedding(keras.layers.Layer):
             initializer={"kind": self.initializer.kind, "a": self.initializer.a,
                          "b": self.initializer.b},
             optimizer=None if self.table_optimizer is None else self.table_optimizer.get_config(),
-            min_frequency=self.min_frequency, capacity=self.capacity, seed=self.seed)
+            min_frequency=self.min_frequency, capacity=self.capacity, seed=self.seed,
+            cache_size=self.cache_size, cache_policy=self.cache_policy,
+            flush_steps=self.flush_steps)
         return config
 
     def _keras_variables(self):
         return list(self._trainable_variables) + list(self._non_trainable_variables)
 
     def save_own_variables(self, store):
+        if self.table.cache is not None:
+            self.table.flush_cache()  # the worker cache's updates reach the table first
         for i, var in enumerate(self._keras_variables()):
             store[str(i)] = var.numpy()
         for name, value in self.table.export().items():

@@ -38,6 +38,7 @@ from tensorflow.python.framework import ops
 
 from tfpsx import errors
 from tfpsx.control.watchdog import lost_server
+from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
 from tfpsx.keras.modes import mode_class
@@ -270,6 +271,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
                                self.mode, e)
             raise
         self._mode.end_fit(model)
+        flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
         return result
 
     def before_inference(self, model) -> None:

@@ -57,6 +57,17 @@ def table_find(handle, keys):
     return load_ops().tfpsx_hash_table_find(handle, keys)
 
 
+def table_cache_find(handle, keys, step):
+    """(rows, found) like ``table_find``; a present key is touched (frequency counted,
+    step set): a worker cache's lookup."""
+    return load_ops().tfpsx_hash_table_cache_find(handle, keys, step)
+
+
+def table_cache_victims(handle, count, by_step):
+    """Keys of the ``count`` rows to evict first (LFU, or LRU with ``by_step``), kept."""
+    return load_ops().tfpsx_hash_table_cache_victims(handle, count, by_step)
+
+
 def table_find_or_insert(handle, keys, step):
     return load_ops().tfpsx_hash_table_find_or_insert(handle, keys, step)
 

@@ -8,6 +8,7 @@ from typing import Dict, Iterable, Optional
 import tensorflow as tf
 
 from tfpsx import metrics
+from tfpsx.embedding import cache as _cache
 
 logger = logging.getLogger("tfpsx")
 
@@ -56,3 +57,24 @@ class TrainStepDetector:
             self._cache[op.name] = op.name in self._names or (op.type == "NoOp" and any(
                 self._runs_train(c) for c in op.control_inputs))
         return self._cache[op.name]
+
+
+class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
+    """The end of training for the graph's worker caches (``DynamicEmbedding(cache_size=
+    ...)``): the last updates reach the PS (a final flush; GEO mode's caches sync in its
+    communicator), and each cache's counters go to the log and a ``cache`` metrics
+    record."""
+
+    def begin(self):
+        caches = tf.compat.v1.get_collection(CACHES)
+        self._flush = [c.flush() for c in caches if c.flush_in_step]
+        self._stats = {c.table.name: c.stats() for c in caches}
+
+    def end(self, session):
+        session.run(self._flush)
+        for name, values in session.run(self._stats).items():
+            _cache.report(name, values)
+
+
+#: The graph collection of its worker caches (:class:`tfpsx.embedding.cache.WorkerCache`).
+CACHES = _cache.GRAPH_COLLECTION

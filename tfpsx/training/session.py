@@ -2,8 +2,8 @@
 
 The chief initializes or restores and checkpoints; a non-chief is ready within
 ~TFPSX_RECOVERY_WAIT of the chief's init (TF's own polls every 30 s); the graph's mode
-adds its hooks (GEO's communicator, sync's tokens, staleness clocks) and may wrap the
-session (sync: step timeouts that say what they waited for).
+adds its hooks (GEO's communicator, sync's tokens, staleness clocks; the worker caches'
+final flush) and may wrap the session (sync: step timeouts that say what they waited for).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tfpsx import errors, settings
 from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.hooks import ResumeLogHook
+from tfpsx.training.hooks import CACHES, ResumeLogHook, WorkerCacheHook
 
 
 class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
@@ -103,8 +103,11 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
         if config.is_chief:  # only the chief saves and restores
             scaffold = _IncrementalScaffold(every)
     mode = modes.mode_of()
-    session = _monitored_session(config, checkpoint_dir, list(hooks or []) +
-                                 (mode.hooks() if mode else []), chief_only_hooks, last_step,
+    own = mode.hooks() if mode else []
+    if tf.compat.v1.get_collection(CACHES):
+        own.append(WorkerCacheHook())
+    session = _monitored_session(config, checkpoint_dir, list(hooks or []) + own,
+                                 chief_only_hooks, last_step,
                                  save_checkpoint_steps, save_checkpoint_secs,
                                  save_summaries_steps, scaffold, log_step_count_steps,
                                  session_timeout, stop_grace_period_secs)

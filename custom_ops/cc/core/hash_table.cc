@@ -77,6 +77,57 @@ int64_t HashTable::NewRow(Stripe& s, int64_t key, uint64_t h, uint64_t empty, bo
   return r;
 }
 
+void HashTable::CacheFind(const int64_t* keys, int64_t n, int64_t step, float* out,
+                          bool* found) {
+  const int64_t dim = options_.dim;
+  store_.ForEachByStripe<true>(keys, n, nullptr, 0, [&](Stripe& s, int64_t i, uint64_t h) {
+    const int64_t r = s.FindRow(keys[i], h);
+    found[i] = r >= 0;
+    if (r < 0) {
+      InitialRow(keys[i], out + i * dim);
+      return;
+    }
+    if (s.rows.freq(r) != UINT32_MAX) s.rows.set_freq(r, s.rows.freq(r) + 1);
+    s.rows.set_step(r, step);
+    MarkRow(s, r);
+    std::memcpy(out + i * dim, s.rows.row(r), dim * sizeof(float));
+  });
+}
+
+std::vector<int64_t> HashTable::CacheVictims(int64_t count, bool by_step) const {
+  struct Scored {
+    int64_t first, second, key;  // LFU: (freq, step); LRU: (step, freq)
+  };
+  std::vector<Scored> all;
+  all.reserve(static_cast<size_t>(Size()));
+  for (int i = 0; i < store_.num_stripes(); ++i) {
+    const Stripe& s = store_.stripe(i);
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    for (int64_t r = 0; r < s.size(); ++r) {
+      const int64_t freq = s.rows.freq(r), step = s.rows.step(r);
+      all.push_back(by_step ? Scored{step, freq, s.rows.key(r)}
+                            : Scored{freq, step, s.rows.key(r)});
+    }
+  }
+  if (count <= 0) return {};
+  // Lowest score first, then the other measure; last, the larger key (EvictToTopN keeps
+  // the smaller), so the choice is deterministic.
+  auto first = [](const Scored& a, const Scored& b) {
+    if (a.first != b.first) return a.first < b.first;
+    if (a.second != b.second) return a.second < b.second;
+    return a.key > b.key;
+  };
+  if (count < static_cast<int64_t>(all.size())) {
+    std::nth_element(all.begin(), all.begin() + count, all.end(), first);
+    all.resize(static_cast<size_t>(count));
+  }
+  std::sort(all.begin(), all.end(), first);
+  std::vector<int64_t> victims;
+  victims.reserve(all.size());
+  for (const Scored& scored : all) victims.push_back(scored.key);
+  return victims;
+}
+
 void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out) {
   const int64_t dim = options_.dim;
   std::vector<int64_t> inserted;

@@ -99,6 +99,17 @@ class HashTable {
   void Find(const int64_t* keys, int64_t n, float* out, bool* found,
             bool use_initializer = true) const;
 
+  // Worker cache lookup: like Find (found[n] required), and a present key is touched: its
+  // frequency counted and its step set to `step` (LFU / LRU bookkeeping for CacheVictims).
+  // Nothing is inserted, and touching is not a change (TakeChanged does not see it).
+  void CacheFind(const int64_t* keys, int64_t n, int64_t step, float* out, bool* found);
+
+  // The keys of the `count` rows a cache evicts first, without removing them: the lowest
+  // frequency, then the oldest step (by_step false: LFU), or the oldest step, then the
+  // lowest frequency (by_step true: LRU); last, the larger key goes first, so the choice
+  // is deterministic. All keys when count >= size.
+  std::vector<int64_t> CacheVictims(int64_t count, bool by_step) const;
+
   // Like Find, but a missing key is inserted with its initial row (subject to
   // admission) and every key's frequency is counted.
   void FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out);

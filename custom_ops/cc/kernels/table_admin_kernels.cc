@@ -140,6 +140,22 @@ class EvictOp : public TableOpKernel {
   }
 };
 
+class CacheVictimsOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t count = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "count", &count));
+    bool by_step = false;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "by_step", &by_step));
+    const std::vector<int64_t> keys = table.table().CacheVictims(count, by_step);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+        0, TensorShape({static_cast<int64_t>(keys.size())}), &out));
+    std::copy(keys.begin(), keys.end(), out->flat<int64_t>().data());
+  }
+};
+
 class StatsOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
@@ -165,6 +181,7 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCheckpointExport").Device(DEVICE_CPU
                         CheckpointExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableEvict").Device(DEVICE_CPU), EvictOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCacheVictims").Device(DEVICE_CPU), CacheVictimsOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableStats").Device(DEVICE_CPU), StatsOp);
 
 }  // namespace tfpsx

@@ -63,6 +63,39 @@ REGISTER_OP("TfpsxHashTableFind")
     })
     .Doc("Rows of `keys`; a missing key gets its initial row and found=false.");
 
+REGISTER_OP("TfpsxHashTableCacheFind")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("step: int64")
+    .Output("values: float")
+    .Output("found: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(RowsLikeKeys(c));
+      c->set_output(1, c->input(1));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A worker cache's lookup: rows of `keys` and which were present, like Find; a present
+key's frequency is counted and its step set to `step` (LFU / LRU bookkeeping). Nothing
+is inserted and no key is marked changed.
+)doc");
+
+REGISTER_OP("TfpsxHashTableCacheVictims")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("count: int64")
+    .Input("by_step: bool")
+    .Output("keys: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The keys of the `count` rows a cache evicts first, without removing them: lowest
+frequency (LFU), or with `by_step` the oldest step (LRU); ties: larger key first.
+)doc");
+
 REGISTER_OP("TfpsxHashTableFindOrInsert")
     .SetIsStateful()
     .Input("handle: resource")

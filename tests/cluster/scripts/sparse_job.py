@@ -1,8 +1,11 @@
 """A DynamicEmbedding trained on 2 PS shards; emits one "sparse" metrics record per worker with
 the global rows.
 
-  sparse_job.py --mode geo --k_steps K --syncs T
-      k-step GEO (SGD), syncing in the training thread (deterministic).
+  sparse_job.py --mode geo --k_steps K --syncs T [--cache_size N]
+      k-step GEO (SGD), syncing in the training thread (deterministic); with a worker
+      cache of N rows instead of the whole worker copy.
+  sparse_job.py --mode async --syncs T --cache_size N [--flush_steps F]
+      async (SGD) for T steps per worker, through a worker cache of N rows.
   sparse_job.py --mode sync --syncs T
       sync (Adagrad) for T global steps; every worker trains on the same batch, so each
       step's update is deterministic whichever worker's gradients it aggregates.
@@ -33,9 +36,11 @@ def targets(ids):
 
 def main(argv):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["geo", "sync"], default="geo")
+    p.add_argument("--mode", choices=["geo", "async", "sync"], default="geo")
     p.add_argument("--k_steps", type=int, default=3)
     p.add_argument("--syncs", type=int, default=4)
+    p.add_argument("--cache_size", type=int, default=0)
+    p.add_argument("--flush_steps", type=int, default=100)
     args = p.parse_args(argv)
     tfpsx.init()
     if tfpsx.is_server():
@@ -43,14 +48,16 @@ def main(argv):
         return 0
     tfpsx.init_worker()
     me = tfpsx.worker_index()
-    geo = args.mode == "geo"
-    strategy = tfpsx.DistributedStrategy(a_sync=geo, a_sync_configs={
+    geo, sgd = args.mode == "geo", args.mode != "sync"
+    strategy = tfpsx.DistributedStrategy(a_sync=sgd, a_sync_configs={
         "k_steps": args.k_steps, "geo_sync_in_train_thread": True} if geo else {})
     with tf.Graph().as_default():
         with tfpsx.model_scope(strategy):
             step = tf.compat.v1.train.get_or_create_global_step()
             emb = E.DynamicEmbedding("sparse", DIM, initializer=E.zeros(),
-                                     optimizer=E.SGD(LR) if geo else E.Adagrad(LR))
+                                     optimizer=E.SGD(LR) if sgd else E.Adagrad(LR),
+                                     cache_size=args.cache_size or None,
+                                     flush_steps=args.flush_steps)
             ids = tf.compat.v1.placeholder(tf.int64, [None])
             want = tf.compat.v1.placeholder(tf.float32, [None, DIM])
             looked = emb.lookup_unique(ids)
@@ -58,11 +65,14 @@ def main(argv):
             train_op = tf.group(emb.minimize(loss, [looked]), name="user_group")
             exported_rows = emb.export()  # the PS shards' rows, read at the end
         runs = 0
-        if geo:
+        counters = None
+        if sgd:
+            steps = args.k_steps * args.syncs if geo else args.syncs
             with tfpsx.MonitoredTrainingSession() as sess:
-                for batch in batches(me, args.k_steps * args.syncs):
+                for batch in batches(me, steps):
                     sess.run(train_op, {ids: batch, want: targets(batch)})
-            counters = tfpsx.metrics.snapshot()["geo"]
+            if geo:
+                counters = tfpsx.metrics.snapshot()["geo"]
         else:
             batch = next(batches(0, 1))
             with tfpsx.MonitoredTrainingSession(last_step=args.syncs) as sess:
@@ -70,7 +80,6 @@ def main(argv):
                 while not sess.should_stop():
                     sess.run(train_op, {ids: batch, want: targets(batch)})
                     runs += 1
-            counters = None
         tfpsx.barrier_worker()
         exported = {}
         with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:

@@ -217,7 +217,11 @@ class KerasGeo(KerasMode):
             v.old.assign(value)
         zero = tf.constant(0, tf.int64)
         for t in self.tables:
-            rows = t.global_.export()
+            if t.cached:  # a worker cache: the rows it holds, not the whole table
+                keys = t.local.export()["keys"]
+                rows = {"keys": keys, "values": t.global_.rows(keys, train=False)}
+            else:
+                rows = t.global_.export()
             with tf.device(t.device):
                 t.local.shards[0].insert(rows["keys"], rows["values"], zero)
                 t.old.shards[0].insert(rows["keys"], rows["values"], zero)

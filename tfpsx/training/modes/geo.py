@@ -7,7 +7,8 @@ syncs with the parameter servers. Dense variables and tables, one rule:
   changed on the PS since this worker's last pull: the PS keeps a changed-key set per
   worker).
 
-The push and pull run in a background communicator thread while training goes on
+The table rule lives with the tables (:mod:`tfpsx.embedding.geo_rule`: a worker cache
+flushes by it too); the dense rule is here. The push and pull run in a background communicator thread while training goes on
 (Paddle's GeoCommunicator), or, with ``geo_sync_in_train_thread=True``, in the training
 thread between steps (deterministic: all workers push, meet at a barrier, pull, meet
 again). The rule itself is the functions :func:`dense_push`, :func:`dense_pull`,
@@ -26,6 +27,8 @@ import tensorflow as tf
 
 from tfpsx import errors, metrics, settings
 from tfpsx.background import BackgroundLoop
+from tfpsx.embedding.cache import WorkerCache
+from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push, table_readers
 from tfpsx.embedding.sharding import ShardedTable, as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.runtime import RUNTIME
@@ -57,16 +60,6 @@ class GeoVariable:
     global_: tf.Variable   # on the parameter server
 
 
-@dataclasses.dataclass
-class GeoTable:
-    """A table in GEO: the sharded PS table, this worker's copy and its snapshot."""
-    global_: ShardedTable
-    local: ShardedTable
-    old: ShardedTable
-    device: str            # this worker's device, where local and old live
-    reader: int            # this worker's id in the PS shards' changed-key sets
-
-
 def dense_push(v: GeoVariable, n: float):
     """delta = (local - old) / n; old += delta; global += delta (n = 1: a counter, e.g.
     the step count, whose global value is the sum of every worker's)."""
@@ -89,54 +82,6 @@ def dense_pull(v: GeoVariable, after=()):
         g = tf.identity(g)  # one transfer, used twice
         with tf.control_dependencies([v.local.assign_add(g - v.old.read_value())]):
             return v.old.assign(g)
-
-
-def _local_rows(table: ShardedTable, keys):
-    return table.shards[0].find(keys)[0]
-
-
-def table_push(t: GeoTable, n: float, step):
-    """The rows changed in the local copy since the last push: delta = (local - old) / n,
-    old += delta, the PS shards += delta. Returns (op, rows pushed)."""
-    zero = tf.constant(0, tf.int64)
-    local, old = t.local.shards[0], t.old.shards[0]
-    with tf.compat.v1.device(t.device):
-        keys = local.take_changed(zero)
-        delta = (_local_rows(t.local, keys) - _local_rows(t.old, keys)) / n
-        bump_old = old.accumulate(keys, delta, zero)
-    return tf.group(bump_old, t.global_.accumulate(keys, delta, step)), tf.size(keys)
-
-
-def table_pull(t: GeoTable, after=()):
-    """After the ops ``after``: the rows any worker changed on the PS since this worker's
-    last pull; local += global - old, old = global. Returns (op, rows pulled)."""
-    me = tf.constant(t.reader, tf.int64)
-    zero = tf.constant(0, tf.int64)
-    got_keys, got_rows = [], []
-
-    def changed_rows(i, shard):
-        changed = shard.take_changed(me)
-        got_keys.append(changed)
-        got_rows.append(shard.find(changed)[0])
-
-    with tf.control_dependencies(list(after)):
-        t.global_.on_shards(changed_rows)
-    with tf.compat.v1.device(t.device):
-        keys, rows = tf.concat(got_keys, 0), tf.concat(got_rows, 0)
-        moved = t.local.shards[0].accumulate(keys, rows - _local_rows(t.old, keys), zero)
-        with tf.control_dependencies([moved]):
-            pull = t.old.shards[0].insert(keys, rows, zero)
-    return pull, tf.size(keys)
-
-
-def table_readers(t: GeoTable) -> list:
-    """Registers this worker's changed-key readers: of its local copy (reader 0) and of
-    every PS shard (reader = worker index). A table tracks changes only for readers it
-    knows, so this runs before anyone pushes."""
-    zero, me = tf.constant(0, tf.int64), tf.constant(t.reader, tf.int64)
-    with tf.compat.v1.device(t.device):
-        ops = [t.local.shards[0].take_changed(zero)]
-    return ops + t.global_.on_shards(lambda i, shard: shard.take_changed(me))
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -203,15 +148,25 @@ class GeoTableUpdater(TableUpdater):
     """Lookups read this worker's copy; gradients train it (its optimizer, locally).
 
     ``mode`` is the GEO state the table joins (graph mode's ``GeoMode`` or the Keras
-    strategy's): it has ``worker_index``, ``worker_device``, ``tables`` and ``train_ops``.
+    strategy's): it has ``worker_index``, ``worker_num``, ``worker_device``, ``tables``
+    and ``train_ops``. A table with ``cache_size`` keeps a bounded copy: a worker cache
+    (:mod:`tfpsx.embedding.cache`) whose sync is the mode's every K steps, with n = N.
     """
 
     def __init__(self, mode):
+        super().__init__()
         self._mode = mode
         self._geo: Optional[GeoTable] = None
 
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
+        options = getattr(table, "cache_options", None)
+        if options is not None:
+            self.cache = WorkerCache(table, options, mode.worker_device, me,
+                                     scale=float(mode.worker_num), flush_in_step=False)
+            self._geo = self.cache.geo
+            mode.tables.append(self._geo)
+            return
         copy = dict(initializer=table.initializer, seed=table.seed,
                     devices=[mode.worker_device])
         local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,

@@ -210,8 +210,15 @@ class SyncTableUpdater(TableUpdater):
     """Row gradients go to the sync accumulators of ``mode`` (graph mode's ``SyncMode`` or
     the Keras strategy's: anything with ``push(table, keys, grads)``)."""
 
+    #: A cache's rows train locally between syncs: no per-step aggregation of them.
+    supports_cache = False
+
     def __init__(self, mode):
+        super().__init__()
         self._mode = mode
+
+    def attach(self, table) -> None:
+        pass
 
     def apply_gradients(self, table, keys, grads, step):
         return self._mode.push(table, keys, grads)

@@ -1,0 +1,342 @@
+"""The worker cache of a DynamicEmbedding (cache_size=...), in one process.
+
+Workers are simulated in-process: each cache is a WorkerCache with its own reader id over
+one shared (2-shard) table, as N workers' caches are over the PS shards. The GEO
+reference is the rule graph and Keras GEO run (tfpsx.embedding.geo_rule) on uncached
+worker copies.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpsx
+from tfpsx import embedding as E
+from tfpsx.embedding import geo_rule
+from tfpsx.embedding.cache import CacheOptions, WorkerCache
+from tfpsx.embedding.sharding import ShardedTable
+
+_names = iter(range(10 ** 6))
+DIM, LR = 3, 0.1
+
+
+def name(prefix="c"):
+    return f"{prefix}{next(_names)}"
+
+
+def shared_table(optimizer="sgd"):
+    return ShardedTable(name("g"), DIM, [None, None], initializer=E.normal(stddev=0.1),
+                        optimizer=E.SGD(LR) if optimizer == "sgd" else optimizer, seed=3)
+
+
+def targets(keys):
+    keys = np.asarray(keys, np.float32)
+    return np.stack([keys / 50.0, -keys / 80.0, np.sin(keys)], axis=-1).astype(np.float32)
+
+
+def train_step(source, ids):
+    """One SGD step of mean((emb - target(id))^2) through ``source`` (a cache or a GEO
+    worker copy): the gradient depends on the rows, so stale or lost rows show."""
+    with tf.GradientTape() as tape:
+        looked = source.lookup_unique(tf.constant(ids, tf.int64), tape=tape)
+        loss = tf.reduce_mean(tf.square(looked.embeddings - targets(ids)))
+    source.apply(looked.unique_keys, tape.gradient(loss, looked.unique_rows))
+
+
+def worker_batches(worker, steps, vocab, batch, seed=0):
+    rng = np.random.default_rng(seed * 100 + worker)
+    return [rng.integers(0, vocab, size=batch) for _ in range(steps)]
+
+
+def global_rows(table):
+    rows = {k: v.numpy() for k, v in table.export().items()}
+    return dict(zip(rows["keys"].tolist(), rows["values"]))
+
+
+def assert_same_rows(got, want):
+    assert sorted(got) == sorted(want)
+    for key, row in want.items():
+        np.testing.assert_allclose(got[key], row, rtol=1e-5, atol=1e-6, err_msg=f"key {key}")
+
+
+def geo_schedule(make_worker, sync, workers, k, syncs, vocab, batch):
+    """Deterministic GEO: every worker runs k local steps, all push, all pull."""
+    copies = [make_worker(i) for i in range(workers)]
+    data = [worker_batches(i, k * syncs, vocab, batch) for i in range(workers)]
+    for s in range(syncs):
+        for i, copy in enumerate(copies):
+            for ids in data[i][s * k:(s + 1) * k]:
+                train_step(copy, ids)
+        pushed = [sync(c, "push") for c in copies]
+        for c in copies:
+            sync(c, "pull")
+    return copies, pushed
+
+
+def run_uncached_geo(workers, k, syncs, vocab, batch):
+    g = shared_table()
+
+    def make(i):
+        copy = dict(initializer=g.initializer, seed=g.seed, devices=[None])
+        t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
+                              ShardedTable(name("o"), DIM, **copy), None, i + 1)
+        geo_rule.table_readers(t)
+        t.lookup_unique, t.apply = t.local.lookup_unique, t.local.apply
+        return t
+
+    def sync(t, what):
+        if what == "push":
+            return geo_rule.table_push(t, float(workers), None)[1]
+        return geo_rule.table_pull(t)[1]
+
+    geo_schedule(make, sync, workers, k, syncs, vocab, batch)
+    return global_rows(g)
+
+
+def run_cached_geo(workers, k, syncs, vocab, batch, size, policy="lfu"):
+    g = shared_table()
+    options = CacheOptions(size, policy)
+
+    def make(i):
+        return WorkerCache(g, options, None, i + 1, scale=float(workers), flush_in_step=False)
+
+    def sync(c, what):
+        if what == "push":
+            return geo_rule.table_push(c.geo, c.scale, None)[1]
+        return geo_rule.table_pull(c.geo)[1]
+
+    caches, _ = geo_schedule(make, sync, workers, k, syncs, vocab, batch)
+    return global_rows(g), caches
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_cached_geo_equals_uncached_geo(workers):
+    """A cache that holds what a worker touches trains GEO exactly: the global table
+    after the last sync equals the uncached GEO run's on the same schedule (1e-5)."""
+    args = dict(workers=workers, k=4, syncs=5, vocab=60, batch=12)
+    want = run_uncached_geo(**args)
+    got, caches = run_cached_geo(**args, size=64)
+    assert_same_rows(got, want)
+    for c in caches:
+        stats = {k: float(v) for k, v in c.stats().items()}
+        assert stats["evictions"] == 0 and stats["flushes"] == 0  # GEO's sync, not its own
+        assert 0 < stats["hit_rate"] < 1 and stats["size"] <= 64
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_one_worker_evicting_cache_equals_uncached_geo(policy):
+    """With one worker an evicted row's delta is on the PS before the row is fetched
+    again, so a cache of 8 rows over 60 ids still gives GEO's values exactly."""
+    args = dict(workers=1, k=4, syncs=5, vocab=60, batch=12)
+    want = run_uncached_geo(**args)
+    got, (cache,) = run_cached_geo(**args, size=8, policy=policy)
+    assert_same_rows(got, want)
+    assert float(cache.stats()["evictions"]) > 50
+
+
+def constant_gradient_run(workers, size, steps, vocab, batch, flush_steps, lr=0.5):
+    """Async caches (n = 1) of several workers training one table in turns with a
+    gradient that does not depend on the rows (loss = sum(emb * w[id])): whatever is
+    cached, evicted, flushed or refreshed, the PS must end at init - lr * sum of all
+    gradients. Returns (got, want, caches)."""
+    g = ShardedTable(name("g"), DIM, [None, None], initializer=E.normal(stddev=0.1),
+                     optimizer=E.SGD(lr), seed=5)
+    init_keys = np.arange(vocab, dtype=np.int64)
+    init = dict(zip(init_keys.tolist(), g.rows(tf.constant(init_keys), train=False).numpy()))
+    weights = np.random.default_rng(9).normal(size=(vocab, DIM)).astype(np.float32)
+    caches = [WorkerCache(g, CacheOptions(size, "lfu", flush_steps), None, i + 1)
+              for i in range(workers)]
+    data = [worker_batches(i, steps, vocab, batch, seed=1) for i in range(workers)]
+    total = {}
+    for step in range(steps):
+        for i, cache in enumerate(caches):
+            ids = data[i][step]
+            with tf.GradientTape() as tape:
+                looked = cache.lookup_unique(tf.constant(ids, tf.int64), tape=tape)
+                loss = tf.reduce_sum(looked.embeddings * weights[ids])
+            cache.apply(looked.unique_keys, tape.gradient(loss, looked.unique_rows))
+            for key in ids.tolist():
+                total[key] = total.get(key, 0) + 1
+    for cache in caches:
+        cache.flush()
+    want = {k: init[k] - np.float32(lr) * n * weights[k] for k, n in total.items()}
+    return global_rows(g), want, caches
+
+
+def test_eviction_writes_back_every_update():
+    got, want, caches = constant_gradient_run(workers=2, size=10, steps=40, vocab=50,
+                                              batch=8, flush_steps=3)
+    assert_same_rows(got, want)
+    for c in caches:
+        stats = {k: float(v) for k, v in c.stats().items()}
+        assert stats["evictions"] > 100 and stats["flushes"] >= 13
+        assert stats["rows_refreshed"] > 0  # the other worker's rows came back
+        assert stats["size"] <= 10 + 8
+
+
+def test_a_cache_smaller_than_one_batch_serves_it_whole():
+    """A batch with more distinct ids than the cache holds is served and trained whole;
+    nothing is lost, and the cache is back within its size by the next lookup."""
+    got, want, (cache,) = constant_gradient_run(workers=1, size=4, steps=10, vocab=200,
+                                                batch=50, flush_steps=100)
+    assert_same_rows(got, want)
+    assert int(cache.stats()["size"]) <= 50
+    ids = tf.constant(np.arange(300, 360), tf.int64)
+    cache.lookup_unique(ids)
+    assert int(cache.stats()["size"]) <= 4 + 60
+
+
+def test_zipf_stream_hit_rate():
+    """Zipf(1.1) ids over a vocabulary of 1M, a cache of 5% of it (LFU): at least 85% of
+    4M looked-up ids hit the cache (its steady state is ~89%; the first sightings miss)."""
+    vocab, size, batch, steps = 1_000_000, 50_000, 16_384, 250
+    rng = np.random.default_rng(0)
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -1.1)
+    cdf /= cdf[-1]
+    ranks = rng.permutation(vocab)  # hot ids anywhere in the key space
+    emb = E.DynamicEmbedding(name("zipf"), 4, optimizer=E.SGD(0.1), devices=[None],
+                             cache_size=size, flush_steps=50)
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            looked = emb.lookup_unique(ids, tape=tape)
+            loss = tf.reduce_sum(looked.embeddings)
+        emb.apply_gradients(looked, tape.gradient(loss, looked.unique_rows))
+
+    seen = np.zeros(vocab, bool)
+    for _ in range(steps):
+        draw = np.minimum(np.searchsorted(cdf, rng.random(batch)), vocab - 1)
+        seen[ranks[draw]] = True
+        step(tf.constant(ranks[draw].astype(np.int64)))
+    emb.flush_cache()
+    stats = {k: float(v) for k, v in emb.stats().items()}
+    assert stats["cache_lookups"] == batch * steps
+    assert stats["cache_hit_rate"] >= 0.85, stats
+    assert stats["cache_size"] <= size + batch  # the last batch's misses are evicted next
+    # Every id was fetched once into the PS table, and every sighting trained its row by
+    # -0.1 (loss = sum): nothing was lost, the PS rows moved by -0.1 * 4M in each column.
+    assert stats["size"] == seen.sum()
+    rows = emb.export()
+    fresh = ShardedTable(name("fresh"), 4, [None], initializer=emb.initializer, seed=emb.seed)
+    moved = rows["values"].numpy() - fresh.rows(rows["keys"], train=False).numpy()
+    np.testing.assert_allclose(moved.astype(np.float64).sum(axis=0), -0.1 * batch * steps,
+                               rtol=1e-4)
+
+
+def test_prefetch_stages_the_next_batch():
+    g = shared_table()
+    cache = WorkerCache(g, CacheOptions(100), None, 1)
+    plain = WorkerCache(shared_table(), CacheOptions(100), None, 1)
+    batches = worker_batches(0, 6, 40, 10)
+    for i, ids in enumerate(batches):
+        train_step(plain, ids)
+        train_step(cache, ids)
+        if i + 1 < len(batches):
+            cache.prefetch(tf.constant(batches[i + 1], tf.int64))
+    for c in (cache, plain):
+        c.flush()
+    assert_same_rows(global_rows(g), global_rows(plain.table))
+    stats = {k: float(v) for k, v in cache.stats().items()}
+    first = len(np.unique(batches[0]))
+    assert stats["rows_fetched"] == first  # every later miss had been staged
+    assert stats["prefetched"] == float(plain.stats()["rows_fetched"]) - first
+
+
+def test_graph_mode_cache_trains_like_the_table_it_caches():
+    """Graph mode, one worker: a cache of 16 rows over 40 ids (evicting, flushing every
+    2 updates) leaves the PS rows the uncached table gets from the same SGD steps."""
+    with tf.Graph().as_default():
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        want = tf.gather(tf.constant(targets(range(40))), ids)
+        tables, trains = [], []
+        for cache_size in (16, None):
+            emb = E.DynamicEmbedding(name("graph"), DIM, optimizer=E.SGD(LR), devices=[None],
+                                     initializer=E.zeros(), cache_size=cache_size,
+                                     flush_steps=2)
+            looked = emb.lookup_unique(ids)
+            loss = tf.reduce_sum(tf.square(looked.embeddings - want))
+            tables.append(emb)
+            trains.append(emb.minimize(loss, [looked]))
+        cached, plain = tables
+        flush = cached.flush_cache()
+        stats = cached.stats()
+        assert tf.compat.v1.get_collection("tfpsx_worker_caches") == [cached.cache]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.local_variables_initializer())
+            for ids_ in worker_batches(0, 60, 40, 10):
+                sess.run(trains, {ids: ids_})
+            sess.run(flush)
+            got, rows, plain_rows = sess.run([stats, cached.export(), plain.export()])
+    assert got["cache_evictions"] > 0
+    assert got["cache_flushes"] == 30 + 1  # every 2 updates, and the final flush
+    assert_same_rows(dict(zip(rows["keys"].tolist(), rows["values"])),
+                     dict(zip(plain_rows["keys"].tolist(), plain_rows["values"])))
+
+
+def test_bad_cache_options_are_clear_errors():
+    for kwargs, pattern in [
+            (dict(cache_size=0), r"cache_size must be None \(no cache\) or an int >= 1.*got 0"),
+            (dict(cache_size=2.5), r"cache_size .* got 2\.5"),
+            (dict(cache_size=8, cache_policy="fifo"), r"cache_policy must be one of "
+                                                      r"\['lfu', 'lru'\], got 'fifo'"),
+            (dict(cache_size=8, flush_steps=0), r"flush_steps must be an int >= 1.*got 0")]:
+        with pytest.raises(ValueError, match=pattern):
+            E.DynamicEmbedding(name("bad"), 2, devices=[None], **kwargs)
+    plain = E.DynamicEmbedding(name("plain"), 2, devices=[None])
+    with pytest.raises(ValueError, match="prefetch needs a worker cache; create the table "
+                                         "with cache_size=N"):
+        plain.prefetch([1, 2])
+    assert plain.cache is None
+
+
+def test_a_cache_with_sync_training_is_refused():
+    from tfpsx.training.modes.sync import SyncTableUpdater
+    with pytest.raises(ValueError, match=r"cache_size=8 with SyncTableUpdater: sync training "
+                                         r"aggregates"):
+        E.DynamicEmbedding(name("sync"), 2, devices=[None], cache_size=8,
+                           updater=SyncTableUpdater(mode=None))
+
+
+def test_stats_without_cluster_and_float_ids_error():
+    emb = E.DynamicEmbedding(name("s"), 2, devices=[None], optimizer=E.SGD(0.1),
+                             cache_size=4)
+    with pytest.raises(TypeError, match="ids must be integers"):
+        emb.lookup_unique(tf.constant([1.5]))
+    emb.lookup_unique(tf.constant([1, 2, 2]))
+    s = {k: float(v) for k, v in emb.stats().items()}
+    assert s["cache_lookups"] == 3 and s["cache_hits"] == 0 and s["cache_size"] == 2
+    assert tfpsx.embedding.DynamicEmbedding is E.DynamicEmbedding
+
+
+def test_keras_layer_with_a_cache_trains_like_without():
+    """The Keras layer with cache_size, fit without a cluster: the cache (8 rows over 30
+    ids, evicting) trains the rows as the table alone would (SGD, one worker), and the
+    saved model holds them (a save flushes the cache first)."""
+    import keras
+    from tfpsx.keras import layers
+
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 30, size=(256, 3)).astype(np.int64)
+    y = (x.sum(axis=1) % 7 / 7.0).astype(np.float32)
+
+    def train(cache_size):
+        keras.utils.set_random_seed(1)
+        emb = layers.DynamicEmbedding(4, table_name=name("keras"), combiner="sum",
+                                      optimizer=E.SGD(0.05), initializer="zeros",
+                                      cache_size=cache_size, flush_steps=3)
+        model = keras.Sequential([keras.Input((3,), dtype="int64"), emb, keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+        store = {}
+        emb.save_own_variables(store)
+        return model.predict(x, verbose=0), store, emb
+
+    want, want_store, _ = train(None)
+    got, got_store, emb = train(8)
+    assert float(emb.table.stats()["cache_evictions"]) > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_rows(dict(zip(got_store["table_keys"].tolist(), got_store["table_values"])),
+                     dict(zip(want_store["table_keys"].tolist(), want_store["table_values"])))
+    with pytest.raises(ValueError, match=r"cache_policy must be one of"):
+        layers.DynamicEmbedding(4, cache_size=8, cache_policy="mru")

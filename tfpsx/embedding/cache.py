@@ -1,0 +1,358 @@
+"""The worker cache of a table: the hot rows on the worker, the rest on the PS.
+
+``DynamicEmbedding(..., cache_size=N)`` keeps up to N rows of the table in a hash table on
+this worker (the C++ core's table, with the table's optimizer and slots) and a snapshot
+``old`` of each beside it:
+
+* a training lookup reads cached rows locally; the misses are fetched from the PS shards
+  in one batched call per shard (none when every id hits) and enter the cache, with
+  ``old`` = the fetched row. Rows staged by :meth:`WorkerCache.prefetch` are taken
+  instead of fetching;
+* gradients train the cached rows locally (the table's optimizer, on the worker);
+* every ``flush_steps`` updates (and on :meth:`WorkerCache.flush`, which training runs
+  at its end) the cache syncs with the PS by GEO's rule (:mod:`tfpsx.embedding.geo_rule`):
+  the trained rows are pushed as ``(local - old) / n`` and the cached rows other workers
+  changed are pulled back. n = 1 (every update reaches the PS whole), or the worker count
+  when the table trains in GEO mode, whose communicator then runs the sync every K steps;
+* when a training lookup finds more than N rows cached, the excess and a 1/16 margin are
+  evicted (least frequently looked up first: ``"lfu"``, or least recently: ``"lru"``),
+  their deltas pushed first, so nothing trained is lost. A batch with more distinct ids
+  than N is served whole (the cache holds it for the step, then evicts).
+
+Hot rows so train as in GEO (local updates, synced every ``flush_steps``), cold rows as the
+table's mode does. The cached rows' optimizer slots are the worker's: an evicted row's
+slots are dropped, and a fetched row's start from the optimizer's initial values (as GEO's
+worker copy). Counters (hit rate, rows fetched and flushed, evictions, bytes) are in
+:meth:`WorkerCache.stats`, ``DynamicEmbedding.stats()`` and the training logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Dict, Optional
+
+import tensorflow as tf
+
+from tfpsx import metrics
+from tfpsx.embedding.geo_rule import GeoTable, push_rows, table_pull, table_push, table_readers
+from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
+from tfpsx.embedding.storage import on_device
+
+POLICIES = ("lfu", "lru")
+COUNTER_FIELDS = ("lookups", "hits", "rows_fetched", "bytes_fetched", "rows_flushed",
+                  "bytes_flushed", "evictions", "rows_refreshed", "prefetched", "flushes")
+_STATE = ("registered", "clock", "updates")
+GRAPH_COLLECTION = "tfpsx_worker_caches"
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+logger = logging.getLogger("tfpsx")
+
+
+def eager_caches():
+    """The worker caches of this process used in eager code or ``tf.function`` (Keras)
+    that sync on their own (not GEO mode's): ``fit`` flushes them when it returns."""
+    return [c for c in list(_LIVE) if c.flush_in_step and c._eager_vars is not None]
+
+
+def report(name: str, values: Dict[str, float]) -> None:
+    """Logs a cache's counters and emits them as a ``cache`` metrics record."""
+    values = {k: float(v) for k, v in values.items()}
+    logger.info("tfpsx worker cache %s: hit rate %.3f over %d ids, %d rows cached, %d fetched, "
+                "%d flushed, %d evicted, %d refreshed", name, values["hit_rate"],
+                values["lookups"], values["size"], values["rows_fetched"],
+                values["rows_flushed"], values["evictions"], values["rows_refreshed"])
+    metrics.emit("cache", table=name, **values)
+
+
+def flush_eager_caches() -> None:
+    """Flushes and reports every cache of :func:`eager_caches` (the end of ``fit``)."""
+    for cache in eager_caches():
+        cache.flush()
+        report(cache.table.name, {k: v.numpy() for k, v in cache.stats().items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """A table's cache: ``size`` rows, eviction ``policy``, sync every ``flush_steps``."""
+    size: int
+    policy: str = "lfu"
+    flush_steps: int = 100
+
+    @classmethod
+    def parse(cls, table: str, cache_size, cache_policy, flush_steps) -> Optional["CacheOptions"]:
+        """The options of ``DynamicEmbedding(cache_size=..., cache_policy=...,
+        flush_steps=...)``, or None without a cache; a bad value is a ValueError naming it."""
+        what = f"DynamicEmbedding {table!r}"
+        if cache_size is None:
+            return None
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"{what}: cache_size must be None (no cache) or an int >= 1 (rows "
+                             f"cached on the worker), got {cache_size!r}")
+        if cache_policy not in POLICIES:
+            raise ValueError(f"{what}: cache_policy must be one of {list(POLICIES)}, got "
+                             f"{cache_policy!r}")
+        if isinstance(flush_steps, bool) or not isinstance(flush_steps, int) or flush_steps < 1:
+            raise ValueError(f"{what}: flush_steps must be an int >= 1 (updates between two "
+                             f"syncs of the cache with the PS), got {flush_steps!r}")
+        return cls(cache_size, cache_policy, flush_steps)
+
+
+# The cache's methods build graph code already (no Python control flow on tensors):
+# AutoGraph need not convert them when a tf.function (a Keras train step) calls them.
+_graph_code = tf.autograph.experimental.do_not_convert
+
+
+def _after(deps, fn):
+    """``fn()`` after ``deps`` (graph and tf.function; eager code runs in order)."""
+    deps = [d for d in tf.nest.flatten(deps) if d is not None]
+    if tf.executing_eagerly() or not deps:
+        return fn()
+    with tf.control_dependencies(deps):
+        return fn()
+
+
+def _when(pred, fn):
+    """Runs the ops of ``fn()`` only when ``pred`` holds; returns a bool tensor to wait on."""
+    def run():
+        return _after(fn(), lambda: tf.constant(True))
+    return tf.cond(pred, run, lambda: tf.constant(False))
+
+
+class WorkerCache(ShardedTable):
+    """The cache of ``table`` on this worker (see the module doc); the cached rows are
+    this one-shard table's, trained by the table's optimizer.
+
+    Args:
+      table: the sharded PS table.
+      options: a :class:`CacheOptions`.
+      device: this worker's device (None: the current one, for a local table).
+      reader: this worker's id in the PS shards' changed-key sets.
+      scale: the push's n (1; the worker count in GEO mode).
+      flush_in_step: sync every ``options.flush_steps`` updates inside the update (False:
+        GEO mode's communicator syncs).
+    """
+
+    def __init__(self, table: ShardedTable, options: CacheOptions, device: Optional[str],
+                 reader: int, scale: float = 1.0, flush_in_step: bool = True):
+        name = f"{table.name}/cache_w{reader}"
+        copy = dict(initializer=table.initializer, seed=table.seed, devices=[device])
+        super().__init__(name, table.dim, optimizer=table.optimizer, **copy)
+        self.old = ShardedTable(f"{name}/old", table.dim, **copy)
+        self.staged = ShardedTable(f"{name}/staged", table.dim, **copy)
+        self.table, self.options, self.device = table, options, device
+        self.scale, self.flush_in_step = scale, flush_in_step
+        self.geo = GeoTable(table, self, self.old, device, reader, cached=True)
+        # Evict down to this many rows when a lookup finds more than options.size.
+        self.evict_to = max(0, options.size - max(1, options.size // 16))
+        self._row_bytes = 8 + 4 * table.dim
+        self._eager_vars = None
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ state
+    def _vars(self):
+        """(state [registered, clock, updates], counters): int64 variables on this
+        worker, local (every worker initializes its own): one pair for eager code and
+        ``tf.function`` s, one per graph in graph mode (a ``tf.cond`` branch of that graph
+        finds its graph's)."""
+        with tf.init_scope():
+            if tf.executing_eagerly():
+                if self._eager_vars is None:
+                    with on_device(self.device):
+                        self._eager_vars = self._make_vars(None)
+                return self._eager_vars
+            graph = tf.compat.v1.get_default_graph()
+            made = getattr(graph, "_tfpsx_cache_vars", None)
+            if made is None:
+                made = {}
+                setattr(graph, "_tfpsx_cache_vars", made)
+            if self.name not in made:
+                with on_device(self.device):
+                    made[self.name] = self._make_vars([tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+                graph.add_to_collection(GRAPH_COLLECTION, self)
+            return made[self.name]
+
+    @staticmethod
+    def _make_vars(collections):
+        return tuple(tf.compat.v1.Variable(tf.zeros([n], tf.int64), trainable=False,
+                                           collections=collections, name=name)
+                     for n, name in ((len(_STATE), "tfpsx_cache_state"),
+                                     (len(COUNTER_FIELDS), "tfpsx_cache_counters")))
+
+    def _count(self, **values):
+        """Adds to the counters (int scalars by name)."""
+        counters = self._vars()[1]
+        delta = [tf.cast(values.get(f, 0), tf.int64) for f in COUNTER_FIELDS]
+        return counters.assign_add(tf.stack(delta))
+
+    def _tick(self, field: str):
+        """state[field] += 1; returns the new value."""
+        state = self._vars()[0]
+        one_hot = tf.one_hot(_STATE.index(field), len(_STATE), dtype=tf.int64)
+        return state.assign_add(one_hot)[_STATE.index(field)]
+
+    @_graph_code
+    def stats(self) -> Dict[str, tf.Tensor]:
+        """The cache's counters by name (int64 scalars), plus ``size`` (rows cached) and
+        ``hit_rate`` (float): ``hits`` / ``lookups``, both counting the ids of training
+        lookups (an id twice in a batch is two lookups). ``rows_fetched`` counts the
+        rows training lookups waited for from the PS, ``prefetched`` those a prefetch
+        staged, ``rows_flushed`` the deltas pushed (syncs and evictions),
+        ``rows_refreshed`` the rows pulled back; ``bytes_*`` their keys and values."""
+        counters = self._vars()[1].read_value()
+        out = {f: counters[i] for i, f in enumerate(COUNTER_FIELDS)}
+        out["size"] = self.shards[0].size()
+        out["hit_rate"] = tf.math.divide_no_nan(tf.cast(out["hits"], tf.float64),
+                                                tf.cast(out["lookups"], tf.float64))
+        return out
+
+    # ------------------------------------------------------------------ lookups
+    @_graph_code
+    def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
+        keys = self._keys(ids)
+        unique, index, counts = tf.unique_with_counts(tf.reshape(keys, [-1]))
+        unique_rows = tf.reshape(self.rows(unique, train, step, counts), [-1, self.dim])
+        if tape is not None:
+            tape.watch(unique_rows)
+        embeddings = tf.reshape(tf.gather(unique_rows, index),
+                                tf.concat([tf.shape(keys), [self.dim]], axis=0))
+        return EmbeddingLookup(unique, unique_rows, index, embeddings)
+
+    lookup_unique.__doc__ = ShardedTable.lookup_unique.__doc__
+
+    @_graph_code
+    def rows(self, keys, train: bool, step=None, counts=None) -> tf.Tensor:
+        """Rows of unique ``keys``: cached ones locally, the misses from the PS (a
+        training lookup caches them, after evicting what exceeds the cache's size).
+        ``counts``: how many ids of the batch each key stands for (the hit rate counts
+        ids; default one each)."""
+        step = as_step(step)
+        local = self.shards[0]
+        with on_device(self.device):
+            if not train:
+                cached, found = local.find(keys)
+                return self._merge(cached, found, keys, train, step)
+            state = self._vars()[0]
+            registered = _when(tf.equal(state[0], 0), self._register)
+            evicted = _after(registered, lambda: self._evict_over(step))
+            return _after(evicted, lambda: self._train_rows(keys, step, counts))
+
+    def _train_rows(self, keys, step, counts):
+        clock = self._tick("clock")
+        local = self.shards[0]
+        cached, found = local.cache_find(keys, clock)
+        rows, miss, fetched, from_ps = self._merge(cached, found, keys, True, step, parts=True)
+        if counts is None:
+            counts = tf.ones_like(keys, tf.int32)
+        counts = tf.cast(counts, tf.int64)
+
+        def cache_misses():
+            return [local.insert(miss, fetched, clock),
+                    self.old.shards[0].insert(miss, fetched, tf.constant(0, tf.int64)),
+                    self.staged.shards[0].remove(miss)]
+
+        inserted = _when(tf.size(miss) > 0, cache_misses)
+        counted = self._count(lookups=tf.reduce_sum(counts),
+                              hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
+                              rows_fetched=from_ps,
+                              bytes_fetched=tf.cast(from_ps, tf.int64) * self._row_bytes)
+        return _after([inserted, counted], lambda: tf.identity(rows))
+
+    def _merge(self, cached, found, keys, train, step, parts=False):
+        """The cached rows with the misses' rows put in (staged, or fetched); with
+        ``parts`` also (the missing keys, their rows, how many came from the PS)."""
+        missing = tf.logical_not(found)
+        miss = tf.boolean_mask(keys, missing)
+        fetched, from_ps = tf.cond(tf.size(miss) > 0, lambda: self._fetch(miss, train, step),
+                                   lambda: (tf.zeros([0, self.dim]), tf.constant(0)))
+        rows = tf.tensor_scatter_nd_update(cached, tf.where(missing), fetched)
+        return (rows, miss, fetched, from_ps) if parts else rows
+
+    def _fetch(self, miss, train, step):
+        """(rows of the missing keys: staged by a prefetch, else from the PS shards;
+        how many came from the PS)."""
+        staged_rows, staged = self.staged.shards[0].find(miss)
+        need_mask = tf.logical_not(staged)
+        need = tf.boolean_mask(miss, need_mask)
+        got = tf.cond(tf.size(need) > 0, lambda: self.table.rows(need, train, step),
+                      lambda: tf.zeros([0, self.dim]))
+        return tf.tensor_scatter_nd_update(staged_rows, tf.where(need_mask), got), tf.size(need)
+
+    @_graph_code
+    def prefetch(self, ids, step=None):
+        """Fetches the rows of ``ids`` (the next batch's) that the cache lacks into a
+        staging table, so that their lookup need not wait for the PS: run it while the
+        current step runs (graph mode: in the same ``session.run``; ``tf.function``:
+        right after this step's lookup). Each call replaces what the previous one staged.
+        Returns the op (None in eager mode)."""
+        step = as_step(step)
+        with on_device(self.device):
+            keys, _ = tf.unique(tf.reshape(self._keys(ids), [-1]))
+            _, found = self.shards[0].find(keys)
+            miss = tf.boolean_mask(keys, tf.logical_not(found))
+            rows = tf.cond(tf.size(miss) > 0, lambda: self.table.rows(miss, True, step),
+                           lambda: tf.zeros([0, self.dim]))
+            n = tf.size(miss)
+            staged = self.staged.import_rows(
+                {"keys": miss, "values": rows, "slots": tf.zeros([0]),
+                 "freq": tf.ones([n], tf.int64), "step": tf.zeros([n], tf.int64)}, clear=True)
+            counted = self._count(prefetched=n)
+        return self._group([staged, counted])
+
+    # ------------------------------------------------------------------ updates
+    @_graph_code
+    def apply(self, keys, grads, step=None):
+        """Trains the cached rows of unique ``keys`` (all cached by this step's lookup)
+        with the table's optimizer on the worker; every ``flush_steps`` updates the
+        cache syncs with the PS. Returns the op (None in eager mode)."""
+        with on_device(self.device):
+            clock = self._vars()[0][_STATE.index("clock")]
+            applied = super().apply(keys, grads, clock)
+            if not self.flush_in_step:
+                return applied
+            updates = _after(applied, lambda: self._tick("updates"))
+            every = self.options.flush_steps
+            flushed = _when(tf.equal(updates % every, 0), lambda: self._sync(step))
+        return self._group([applied, flushed])
+
+    @_graph_code
+    def flush(self, step=None):
+        """Syncs with the PS now: pushes every trained row's delta, pulls the cached rows
+        other workers changed. Training runs it at its end. Returns the op (None in eager
+        mode)."""
+        with on_device(self.device):
+            state = self._vars()[0]
+            registered = _when(tf.equal(state[0], 0), self._register)
+            done = _after(registered, lambda: self._sync(as_step(step)))
+        return self._group([done])
+
+    def _sync(self, step):
+        push, pushed = table_push(self.geo, self.scale, step)
+        pull, pulled = table_pull(self.geo, after=[push])
+        counted = self._count(rows_flushed=pushed,
+                              bytes_flushed=tf.cast(pushed, tf.int64) * self._row_bytes,
+                              rows_refreshed=pulled, flushes=1)
+        return [push, pull, counted]
+
+    def _register(self):
+        """This worker's changed-key readers, before its first row is cached."""
+        state = self._vars()[0]
+        ops = table_readers(self.geo)
+        return _after(ops, lambda: state.assign_add(tf.one_hot(0, len(_STATE), dtype=tf.int64)))
+
+    def _evict_over(self, step):
+        size = self.shards[0].size()
+        return _when(size > self.options.size, lambda: self._evict(size - self.evict_to, step))
+
+    def _evict(self, count, step):
+        victims = self.shards[0].cache_victims(count, self.options.policy == "lru")
+        push, pushed = push_rows(self.geo, victims, self.scale, step)
+
+        def remove():
+            return [self.shards[0].remove(victims), self.old.shards[0].remove(victims)]
+
+        gone = _after(push, remove)
+        counted = self._count(evictions=tf.size(victims), rows_flushed=pushed,
+                              bytes_flushed=tf.cast(pushed, tf.int64) * self._row_bytes)
+        return [push, gone, counted]

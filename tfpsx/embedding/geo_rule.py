@@ -1,0 +1,104 @@
+"""GEO's rule for table rows, written once: GEO mode's tables and the worker cache
+(:mod:`tfpsx.embedding.cache`) both sync by it.
+
+A worker holds a copy ``local`` of some rows of a sharded table and a snapshot ``old``:
+
+* push: the rows changed in ``local`` since the last push: ``delta = (local - old) / n``;
+  ``old += delta``; the PS rows ``+= delta``;
+* pull: the rows any worker changed on the PS since this worker's last pull (each shard
+  keeps a changed-key set per reader): ``local += global - old``; ``old = global``.
+
+GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
+changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
+it holds (the others are fetched fresh on their next miss), and the push skips rows whose
+delta is zero (rows fetched and not trained since). The functions build ops in graph mode
+and run in eager mode or ``tf.function``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tfpsx.embedding.sharding import ShardedTable
+
+
+@dataclasses.dataclass
+class GeoTable:
+    """A table in GEO: the sharded PS table, this worker's copy and its snapshot."""
+    global_: ShardedTable
+    local: ShardedTable
+    old: ShardedTable
+    device: str            # this worker's device, where local and old live
+    reader: int            # this worker's id in the PS shards' changed-key sets
+    cached: bool = False   # local holds a bounded set of rows (a worker cache)
+
+
+def local_rows(table: ShardedTable, keys):
+    """Rows of a one-shard worker table (missing keys: their initial rows)."""
+    return table.shards[0].find(keys)[0]
+
+
+def nonzero_rows(keys, deltas):
+    """(keys, deltas) without the rows whose delta is all zeros."""
+    moved = tf.reduce_any(tf.not_equal(deltas, 0.0), axis=1)
+    return tf.boolean_mask(keys, moved), tf.boolean_mask(deltas, moved)
+
+
+def push_rows(t: GeoTable, keys, n: float, step):
+    """The push of ``keys`` (rows of the local copy): delta = (local - old) / n, old +=
+    delta, the PS shards += delta. Returns (op, rows pushed)."""
+    zero = tf.constant(0, tf.int64)
+    with tf.compat.v1.device(t.device):
+        delta = local_rows(t.local, keys) - local_rows(t.old, keys)
+        if n != 1:
+            delta = delta / n
+        if t.cached:
+            keys, delta = nonzero_rows(keys, delta)
+        bump_old = t.old.shards[0].accumulate(keys, delta, zero)
+    return tf.group(bump_old, t.global_.accumulate(keys, delta, step)), tf.size(keys)
+
+
+def table_push(t: GeoTable, n: float, step):
+    """The rows changed in the local copy since the last push (see the module doc).
+    Returns (op, rows pushed)."""
+    with tf.compat.v1.device(t.device):
+        keys = t.local.shards[0].take_changed(tf.constant(0, tf.int64))
+    return push_rows(t, keys, n, step)
+
+
+def table_pull(t: GeoTable, after=()):
+    """After the ops ``after``: the rows any worker changed on the PS since this worker's
+    last pull (a cache: those it holds); local += global - old, old = global. Returns
+    (op, rows pulled)."""
+    me = tf.constant(t.reader, tf.int64)
+    zero = tf.constant(0, tf.int64)
+    got_keys, got_rows = [], []
+
+    def changed_rows(i, shard):
+        changed = shard.take_changed(me)
+        if t.cached:
+            with tf.compat.v1.device(t.device):
+                changed = tf.boolean_mask(changed, t.local.shards[0].find(changed)[1])
+        got_keys.append(changed)
+        got_rows.append(shard.find(changed)[0])
+
+    with tf.control_dependencies(list(after)):
+        t.global_.on_shards(changed_rows)
+    with tf.compat.v1.device(t.device):
+        keys, rows = tf.concat(got_keys, 0), tf.concat(got_rows, 0)
+        moved = t.local.shards[0].accumulate(keys, rows - local_rows(t.old, keys), zero)
+        with tf.control_dependencies([moved]):
+            pull = t.old.shards[0].insert(keys, rows, zero)
+    return pull, tf.size(keys)
+
+
+def table_readers(t: GeoTable) -> list:
+    """Registers this worker's changed-key readers: of its local copy (reader 0) and of
+    every PS shard (reader = worker index). A table tracks changes only for readers it
+    knows, so this runs before anyone pushes."""
+    zero, me = tf.constant(0, tf.int64), tf.constant(t.reader, tf.int64)
+    with tf.compat.v1.device(t.device):
+        ops = [t.local.shards[0].take_changed(zero)]
+    return ops + t.global_.on_shards(lambda i, shard: shard.take_changed(me))
