@@ -244,8 +244,11 @@ def test_prefetch_stages_the_next_batch():
 
 
 def test_graph_mode_cache_trains_like_the_table_it_caches():
-    """Graph mode, one worker: a cache of 16 rows over 40 ids (evicting, flushing every
-    2 updates) leaves the PS rows the uncached table gets from the same SGD steps."""
+    """Graph mode, one worker, the hook MonitoredTrainingSession adds: a cache of 16 rows
+    over 40 ids (evicting; a sync every 2 updates, between steps; a final one at the
+    end) leaves the PS rows the uncached table gets from the same SGD steps."""
+    from tfpsx.training.hooks import WorkerCacheHook
+
     with tf.Graph().as_default():
         ids = tf.compat.v1.placeholder(tf.int64, [None])
         want = tf.gather(tf.constant(targets(range(40))), ids)
@@ -259,17 +262,17 @@ def test_graph_mode_cache_trains_like_the_table_it_caches():
             tables.append(emb)
             trains.append(emb.minimize(loss, [looked]))
         cached, plain = tables
-        flush = cached.flush_cache()
         stats = cached.stats()
+        exports = [cached.export(), plain.export()]
         assert tf.compat.v1.get_collection("tfpsx_worker_caches") == [cached.cache]
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.local_variables_initializer())
+        with tf.compat.v1.train.MonitoredSession(hooks=[WorkerCacheHook()]) as sess:
             for ids_ in worker_batches(0, 60, 40, 10):
                 sess.run(trains, {ids: ids_})
-            sess.run(flush)
-            got, rows, plain_rows = sess.run([stats, cached.export(), plain.export()])
+            got = sess.run(stats)
+        with tf.compat.v1.Session() as sess:  # the tables outlive the session
+            rows, plain_rows = sess.run(exports)
     assert got["cache_evictions"] > 0
-    assert got["cache_flushes"] == 30 + 1  # every 2 updates, and the final flush
+    assert got["cache_flushes"] == 30  # every 2 updates (the final one came after)
     assert_same_rows(dict(zip(rows["keys"].tolist(), rows["values"])),
                      dict(zip(plain_rows["keys"].tolist(), plain_rows["values"])))
 

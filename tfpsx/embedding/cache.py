@@ -9,8 +9,9 @@ this worker (the C++ core's table, with the table's optimizer and slots) and a s
   ``old`` = the fetched row. Rows staged by :meth:`WorkerCache.prefetch` are taken
   instead of fetching;
 * gradients train the cached rows locally (the table's optimizer, on the worker);
-* every ``flush_steps`` updates (and on :meth:`WorkerCache.flush`, which training runs
-  at its end) the cache syncs with the PS by GEO's rule (:mod:`tfpsx.embedding.geo_rule`):
+* every ``flush_steps`` updates, between two steps (``tfpsx.MonitoredTrainingSession``
+  and Keras ``fit`` do it; a loop of your own calls :meth:`WorkerCache.flush`), and at
+  the end of training, the cache syncs with the PS by GEO's rule (:mod:`tfpsx.embedding.geo_rule`):
   the trained rows are pushed as ``(local - old) / n`` and the cached rows other workers
   changed are pulled back. n = 1 (every update reaches the PS whole), or the worker count
   when the table trains in GEO mode, whose communicator then runs the sync every K steps;
@@ -70,7 +71,14 @@ def flush_eager_caches() -> None:
     """Flushes and reports every cache of :func:`eager_caches` (the end of ``fit``)."""
     for cache in eager_caches():
         cache.flush()
+        cache.flushed(int(cache.updates()))
         report(cache.table.name, {k: v.numpy() for k, v in cache.stats().items()})
+
+
+def flush_due_eager_caches() -> None:
+    """Syncs every cache of :func:`eager_caches` that is due (between ``fit``'s steps)."""
+    for cache in eager_caches():
+        cache.flush_if_due()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +122,20 @@ def _after(deps, fn):
 
 
 def _when(pred, fn):
-    """Runs the ops of ``fn()`` only when ``pred`` holds; returns a bool tensor to wait on."""
+    """Runs the ops of ``fn()`` only when ``pred`` holds; returns a bool tensor to wait on.
+    Only for worker-local ops: a PS op under a ``tf.cond`` makes every step wait one
+    more round trip for the predicate (the cond lowers to switches on both sides)."""
     def run():
         return _after(fn(), lambda: tf.constant(True))
     return tf.cond(pred, run, lambda: tf.constant(False))
+
+
+def _unless_empty(keys, fn, empty):
+    """``fn()``, which must handle empty ``keys``; eager code skips it when they are
+    empty (one RPC less), graphs always run it (see :func:`_when`)."""
+    if tf.executing_eagerly() and int(tf.size(keys)) == 0:
+        return empty()
+    return fn()
 
 
 class WorkerCache(ShardedTable):
@@ -130,7 +148,7 @@ class WorkerCache(ShardedTable):
       device: this worker's device (None: the current one, for a local table).
       reader: this worker's id in the PS shards' changed-key sets.
       scale: the push's n (1; the worker count in GEO mode).
-      flush_in_step: sync every ``options.flush_steps`` updates inside the update (False:
+      flush_in_step: sync every ``options.flush_steps`` updates, between steps (False:
         GEO mode's communicator syncs).
     """
 
@@ -148,6 +166,9 @@ class WorkerCache(ShardedTable):
         self.evict_to = max(0, options.size - max(1, options.size // 16))
         self._row_bytes = 8 + 4 * table.dim
         self._eager_vars = None
+        self._flushed_at = 0  # updates() at the last sync
+        self._eager_registered = False
+        self.apply_ops = []  # the update ops built in graphs
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ state
@@ -233,6 +254,7 @@ class WorkerCache(ShardedTable):
             if not train:
                 cached, found = local.find(keys)
                 return self._merge(cached, found, keys, train, step)
+            self._register_eagerly()
             state = self._vars()[0]
             registered = _when(tf.equal(state[0], 0), self._register)
             evicted = _after(registered, lambda: self._evict_over(step))
@@ -264,8 +286,8 @@ class WorkerCache(ShardedTable):
         ``parts`` also (the missing keys, their rows, how many came from the PS)."""
         missing = tf.logical_not(found)
         miss = tf.boolean_mask(keys, missing)
-        fetched, from_ps = tf.cond(tf.size(miss) > 0, lambda: self._fetch(miss, train, step),
-                                   lambda: (tf.zeros([0, self.dim]), tf.constant(0)))
+        fetched, from_ps = _unless_empty(miss, lambda: self._fetch(miss, train, step),
+                                         lambda: (tf.zeros([0, self.dim]), tf.constant(0)))
         rows = tf.tensor_scatter_nd_update(cached, tf.where(missing), fetched)
         return (rows, miss, fetched, from_ps) if parts else rows
 
@@ -275,8 +297,8 @@ class WorkerCache(ShardedTable):
         staged_rows, staged = self.staged.shards[0].find(miss)
         need_mask = tf.logical_not(staged)
         need = tf.boolean_mask(miss, need_mask)
-        got = tf.cond(tf.size(need) > 0, lambda: self.table.rows(need, train, step),
-                      lambda: tf.zeros([0, self.dim]))
+        got = _unless_empty(need, lambda: self.table.rows(need, train, step),
+                            lambda: tf.zeros([0, self.dim]))
         return tf.tensor_scatter_nd_update(staged_rows, tf.where(need_mask), got), tf.size(need)
 
     @_graph_code
@@ -291,8 +313,8 @@ class WorkerCache(ShardedTable):
             keys, _ = tf.unique(tf.reshape(self._keys(ids), [-1]))
             _, found = self.shards[0].find(keys)
             miss = tf.boolean_mask(keys, tf.logical_not(found))
-            rows = tf.cond(tf.size(miss) > 0, lambda: self.table.rows(miss, True, step),
-                           lambda: tf.zeros([0, self.dim]))
+            rows = _unless_empty(miss, lambda: self.table.rows(miss, True, step),
+                                 lambda: tf.zeros([0, self.dim]))
             n = tf.size(miss)
             staged = self.staged.import_rows(
                 {"keys": miss, "values": rows, "slots": tf.zeros([0]),
@@ -304,23 +326,51 @@ class WorkerCache(ShardedTable):
     @_graph_code
     def apply(self, keys, grads, step=None):
         """Trains the cached rows of unique ``keys`` (all cached by this step's lookup)
-        with the table's optimizer on the worker; every ``flush_steps`` updates the
-        cache syncs with the PS. Returns the op (None in eager mode)."""
+        with the table's optimizer on the worker. Returns the op (None in eager mode).
+
+        The sync with the PS every ``flush_steps`` updates runs between steps, never in
+        one (a PS op in the step would cost every step a round trip): eager code syncs
+        here; ``tfpsx.MonitoredTrainingSession`` and Keras ``fit`` sync between steps
+        when :meth:`updates` says one is due; a loop of your own runs :meth:`flush`."""
         with on_device(self.device):
             clock = self._vars()[0][_STATE.index("clock")]
             applied = super().apply(keys, grads, clock)
-            if not self.flush_in_step:
-                return applied
-            updates = _after(applied, lambda: self._tick("updates"))
-            every = self.options.flush_steps
-            flushed = _when(tf.equal(updates % every, 0), lambda: self._sync(step))
-        return self._group([applied, flushed])
+            counted = _after(applied, lambda: self._tick("updates"))
+        if tf.executing_eagerly():
+            self.flush_if_due(step)
+            return None
+        op = self._group([applied, counted])
+        self.apply_ops.append(op)  # a graph's driver tells training runs by them
+        return op
+
+    def updates(self) -> tf.Tensor:
+        """How many updates (``apply`` calls) the cache has run (int64 scalar)."""
+        return self._vars()[0][_STATE.index("updates")]
+
+    def flush_due(self, updates: int) -> bool:
+        """Whether ``flush_steps`` updates ran since the last sync (a cache GEO mode
+        syncs never is); ``updates``: the value of :meth:`updates`."""
+        return self.flush_in_step and updates - self._flushed_at >= self.options.flush_steps
+
+    def flushed(self, updates: int) -> None:
+        """Records that the cache synced after ``updates`` updates."""
+        self._flushed_at = updates
+
+    def flush_if_due(self, step=None) -> bool:
+        """Eager: syncs when due; returns whether it did."""
+        updates = int(self.updates())
+        if not self.flush_due(updates):
+            return False
+        self.flush(step)
+        self.flushed(updates)
+        return True
 
     @_graph_code
     def flush(self, step=None):
         """Syncs with the PS now: pushes every trained row's delta, pulls the cached rows
         other workers changed. Training runs it at its end. Returns the op (None in eager
         mode)."""
+        self._register_eagerly()
         with on_device(self.device):
             state = self._vars()[0]
             registered = _when(tf.equal(state[0], 0), self._register)
@@ -335,19 +385,47 @@ class WorkerCache(ShardedTable):
                               rows_refreshed=pulled, flushes=1)
         return [push, pull, counted]
 
-    def _register(self):
-        """This worker's changed-key readers, before its first row is cached."""
+    def register(self):
+        """Registers this worker's readers of changed keys, of the cache and of every PS
+        shard, so that the first sync pulls every row others changed since. Training runs
+        it before the first step (``tfpsx.MonitoredTrainingSession``'s hook; eager code
+        and ``tf.function`` s when first tracing or running a lookup). Returns the op
+        (None in eager mode)."""
         state = self._vars()[0]
         ops = table_readers(self.geo)
-        return _after(ops, lambda: state.assign_add(tf.one_hot(0, len(_STATE), dtype=tf.int64)))
+        return self._group([_after(ops, lambda: state.assign(
+            tf.one_hot(0, len(_STATE), dtype=tf.int64) + state * (1 - tf.one_hot(
+                0, len(_STATE), dtype=tf.int64))))])
+
+    def _register_eagerly(self):
+        """:meth:`register`, once, when the outermost context is eager (also while a
+        ``tf.function`` traces: it runs before the function does)."""
+        with tf.init_scope():
+            if tf.executing_eagerly() and not self._eager_registered:
+                self._eager_registered = True
+                with on_device(self.device):
+                    self.register()
+
+    def _register(self):
+        """In a graph without a driver that registered (a session of your own): this
+        worker's reader of the cache's own changes, before its first row is cached. Its
+        readers of the PS shards' changes then register at the first sync's pull (whose
+        first take returns nothing): a cached row that others change only before it is
+        refreshed at the next change after it."""
+        state = self._vars()[0]
+        with on_device(self.device):
+            op = self.shards[0].take_changed(tf.constant(0, tf.int64))
+        return _after(op, lambda: state.assign_add(tf.one_hot(0, len(_STATE), dtype=tf.int64)))
 
     def _evict_over(self, step):
+        """Evicts down to ``evict_to`` rows when more than the cache's size are held:
+        the victims' deltas go to the PS first (an empty push when none are due)."""
         size = self.shards[0].size()
-        return _when(size > self.options.size, lambda: self._evict(size - self.evict_to, step))
-
-    def _evict(self, count, step):
+        count = tf.where(size > self.options.size, size - self.evict_to, tf.zeros_like(size))
         victims = self.shards[0].cache_victims(count, self.options.policy == "lru")
-        push, pushed = push_rows(self.geo, victims, self.scale, step)
+        push, pushed = _unless_empty(victims, lambda: push_rows(self.geo, victims, self.scale,
+                                                                step),
+                                     lambda: (None, tf.constant(0)))
 
         def remove():
             return [self.shards[0].remove(victims), self.old.shards[0].remove(victims)]

@@ -18,6 +18,8 @@ import weakref
 
 import keras
 
+from tfpsx.embedding.cache import flush_due_eager_caches
+
 _lock = threading.Lock()
 _originals = {}
 _strategies: "weakref.WeakSet" = weakref.WeakSet()
@@ -33,6 +35,7 @@ class ModeCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._mode.batch_end(self.model)
+        flush_due_eager_caches()  # worker caches sync between steps
 
 
 def install(strategy) -> None:

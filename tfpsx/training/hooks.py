@@ -60,15 +60,34 @@ class TrainStepDetector:
 
 
 class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
-    """The end of training for the graph's worker caches (``DynamicEmbedding(cache_size=
-    ...)``): the last updates reach the PS (a final flush; GEO mode's caches sync in its
-    communicator), and each cache's counters go to the log and a ``cache`` metrics
+    """Drives the graph's worker caches (``DynamicEmbedding(cache_size=...)``): it
+    registers their readers of changed keys before the first step; between steps, a cache that ran ``flush_steps`` updates since its last sync syncs with the PS
+    (GEO mode's caches sync in its communicator); at the end, the last updates reach the
+    PS (a final flush) and each cache's counters go to the log and a ``cache`` metrics
     record."""
 
     def begin(self):
-        caches = tf.compat.v1.get_collection(CACHES)
-        self._flush = [c.flush() for c in caches if c.flush_in_step]
-        self._stats = {c.table.name: c.stats() for c in caches}
+        self._caches = tf.compat.v1.get_collection(CACHES)
+        self._own = [c for c in self._caches if c.flush_in_step]
+        self._detectors = [TrainStepDetector(c.apply_ops) for c in self._own]
+        self._steps = [0] * len(self._own)  # training runs since each cache's last sync
+        self._register = [c.register() for c in self._own]
+        self._flush = [c.flush() for c in self._own]
+        self._stats = {c.table.name: c.stats() for c in self._caches}
+
+    def after_create_session(self, session, coord):
+        session.run(self._register)  # before any step: every later change is pulled
+
+    def after_run(self, run_context, run_values):
+        due = []
+        for i, (cache, detector) in enumerate(zip(self._own, self._detectors)):
+            if detector.ran_training(run_context):
+                self._steps[i] += 1
+                if self._steps[i] >= cache.options.flush_steps:
+                    self._steps[i] = 0
+                    due.append(self._flush[i])
+        if due:
+            run_context.session.run(due)
 
     def end(self, session):
         session.run(self._flush)

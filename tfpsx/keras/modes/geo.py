@@ -148,7 +148,12 @@ class KerasGeo(KerasMode):
             now = steps.read_value()
 
         def sync_in_step():
-            start = tf.py_function(time.monotonic, [], tf.float64)
+            start = begun = tf.py_function(time.monotonic, [], tf.float64)
+            if any(t.cached for t in self.tables):
+                # A worker cache reads the PS on a miss: no push may land while another
+                # worker still runs its local steps.
+                with tf.control_dependencies([start]):
+                    start = tf.py_function(self._barrier, [], tf.bool)
             with tf.control_dependencies([start]):
                 pushes, sent = self._push_ops()
             with tf.control_dependencies(pushes):
@@ -157,7 +162,7 @@ class KerasGeo(KerasMode):
             with tf.control_dependencies(pulls):
                 met_again = tf.py_function(self._barrier, [], tf.bool)
             with tf.control_dependencies([met_again]):
-                counted = tf.py_function(self._count_in_step, [start, now] +
+                counted = tf.py_function(self._count_in_step, [begun, now] +
                                          list(self._rows_and_bytes(sent)) +
                                          list(self._rows_and_bytes(received)), tf.bool)
             return counted

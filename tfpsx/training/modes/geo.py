@@ -340,6 +340,10 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         steps = self._steps
         new_steps = {self._new_steps: steps - self._pushed_steps}
         if barrier or self._push_pull is None:
+            if barrier and any(t.cached for t in self._mode.tables):
+                # A worker cache reads the PS on a miss: no push may land while another
+                # worker still runs its local steps (deterministic: as uncached GEO).
+                RUNTIME.barrier_worker()
             pushed = session.run(self._push, new_steps)
             if barrier:
                 RUNTIME.barrier_worker()

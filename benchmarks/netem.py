@@ -1,0 +1,90 @@
+"""A userspace network emulator for benchmarks: a TCP proxy that delays every chunk.
+
+The machines' kernels have no netem qdisc, so latency between processes on 127.0.0.1 is
+added here: :class:`DelayProxy` listens on a free port and forwards each connection to
+its target, holding every chunk ``one_way`` seconds in each direction (a request and its
+reply: ``2 * one_way`` more per round trip), in order. Put one in front of every server
+a process talks to (a cluster spec that lists the proxy's address instead of the
+server's) and all cross-process traffic pays the delay.
+
+  with DelayProxy(("127.0.0.1", ps_port), one_way=0.0005) as proxy:
+      ...  # clients dial proxy.address
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Optional, Tuple
+
+import portpicker
+
+
+class DelayProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``target``, each chunk ``one_way`` s late."""
+
+    def __init__(self, target: Tuple[str, int], one_way: float, port: Optional[int] = None):
+        self.target, self.one_way = target, float(one_way)
+        self.port = port or portpicker.pick_unused_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"DelayProxy {self.address}")
+        self._server = None
+
+    def start(self) -> "DelayProxy":
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port), self._loop)
+        self._server = future.result(timeout=10)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    async def _handle(self, reader, writer):
+        try:
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(*self.target), timeout=10)
+        except (OSError, asyncio.TimeoutError):
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+                             return_exceptions=True)
+
+    async def _pump(self, source, sink):
+        """Copies ``source`` to ``sink``, each chunk sent ``one_way`` s after it came."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def send():
+            while True:
+                due, data = await queue.get()
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not data:
+                    sink.close()
+                    return
+                sink.write(data)
+                await sink.drain()
+
+        sender = loop.create_task(send())
+        try:
+            while True:
+                data = await source.read(1 << 16)
+                await queue.put((loop.time() + self.one_way, data))
+                if not data:
+                    break
+        except (ConnectionError, OSError):
+            await queue.put((loop.time(), b""))
+        await sender
