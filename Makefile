@@ -8,6 +8,7 @@
 #   make native-test      the TF-free table core's native tests (g++ only)
 #   make cuda-check       compile the CUDA sources with nvcc, no GPU needed (skipped without nvcc)
 #   make cuda-native-test run the core's native CUDA tests (a machine with a GPU, no TF needed)
+#   make cuda-bench       the GPU table's native benchmark (a machine with a GPU)
 #   make bench            benchmarks (ratios measured side by side in one run)
 #   make bazel            build the op library with Bazel (apt-get install bazel-bootstrap)
 #   make proto            regenerate tfpsx/control/proto/*_pb2*.py from scheduler.proto
@@ -30,7 +31,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test native-test native-asan cuda-check cuda-native-test demo bench bazel \
+.PHONY: setup build test native-test native-asan cuda-check cuda-native-test cuda-bench demo bench bazel \
     proto clean
 
 ifeq ($(TF),2.21)
@@ -81,18 +82,32 @@ native-asan:
 
 # CUDA. nvcc is looked for on PATH, then at /usr/local/cuda/bin; NVCC=... overrides.
 NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))
-CUDA_CORE_SOURCES := $(wildcard custom_ops/cc/core/*.cu.cc)
+CUDA_CORE_SOURCES := $(wildcard custom_ops/cc/core/*.cu.cc custom_ops/cuda/*.cu.cc)
+CUDA_CORE_SOURCES := $(filter-out %_bench.cu.cc,$(CUDA_CORE_SOURCES))
 CUDA_NATIVE_TESTS := $(patsubst custom_ops/tests/%.cu.cc,build/native/cuda/%,\
     $(wildcard custom_ops/tests/*_test.cu.cc))
+CUDA_BENCH := build/native/cuda/gpu_table_bench
+CUDA_OBJ := build/native/cuda/obj
+CUDA_CORE_OBJS := $(patsubst %.cu.cc,$(CUDA_OBJ)/%.o,$(CUDA_CORE_SOURCES))
+CUDA_HEADERS := $(wildcard custom_ops/cc/core/*.h custom_ops/cuda/*.h)
+NVCC_FLAGS := -std=c++17 -O2 -DGOOGLE_CUDA=1 --expt-relaxed-constexpr -I.
+NVCC_CHECK = $(if $(NVCC),,$(error no nvcc on PATH or at /usr/local/cuda/bin/nvcc; set NVCC=/path/to/nvcc))
 
-# The core's CUDA tests (custom_ops/tests/*_test.cu.cc) need nvcc only, no TensorFlow, so
-# they build and run on the GPU machines, which have none.
-build/native/cuda/%_test: custom_ops/tests/%_test.cu.cc $(CUDA_CORE_SOURCES) \
-    $(wildcard custom_ops/cc/core/*.h)
-	$(if $(NVCC),,$(error no nvcc on PATH or at /usr/local/cuda/bin/nvcc; set NVCC=/path/to/nvcc))
+# nvcc compiles one language per call (-x cu), so every CUDA source is its own object;
+# the CPU table core (NATIVE_CORE_OBJS, g++) links into the tests that check the GPU
+# against it. The tests and the benchmark need nvcc only, no TensorFlow, so they build
+# and run on the GPU machines, which have none.
+$(CUDA_OBJ)/%.o: %.cu.cc $(CUDA_HEADERS)
+	$(NVCC_CHECK)
 	@mkdir -p $(dir $@)
-	$(NVCC) -x cu -std=c++17 -O2 -DGOOGLE_CUDA=1 --expt-relaxed-constexpr -I. \
-	    $(filter %.cu.cc,$^) -o $@
+	$(NVCC) $(NVCC_FLAGS) -x cu -c $< -o $@
+
+build/native/cuda/%_test: $(CUDA_OBJ)/custom_ops/tests/%_test.o $(CUDA_CORE_OBJS) \
+    $(NATIVE_CORE_OBJS)
+	$(NVCC) $^ -Xcompiler -pthread -o $@
+
+$(CUDA_BENCH): $(CUDA_OBJ)/custom_ops/cuda/gpu_table_bench.o $(CUDA_CORE_OBJS)
+	$(NVCC) $^ -o $@
 
 # Compiles every CUDA source with nvcc, no GPU needed: the op library's *.cu.cc exactly
 # as a TFPSX_WITH_CUDA=1 build does (the installed TF's flags and the include shim:
@@ -103,11 +118,14 @@ ifeq ($(NVCC),)
 	    "(install the CUDA toolkit or set NVCC=/path/to/nvcc to check the CUDA sources)"
 else
 	NVCC=$(NVCC) $(PY) setup.py -q cuda_check
-	$(MAKE) --no-print-directory $(CUDA_NATIVE_TESTS) NVCC=$(NVCC)
+	$(MAKE) --no-print-directory $(CUDA_NATIVE_TESTS) $(CUDA_BENCH) NVCC=$(NVCC)
 endif
 
 cuda-native-test: $(CUDA_NATIVE_TESTS)
 	@for t in $^; do echo $$t; $$t || exit 1; done
+
+cuda-bench: $(CUDA_BENCH)
+	$(CUDA_BENCH)
 
 test: setup native-test cuda-check
 	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
@@ -119,6 +137,7 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/cluster_ready.py
 	$(PY) benchmarks/embedding_ops.py
+	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/incremental_checkpoint.py
