@@ -93,9 +93,10 @@ def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"]),
-                                        ("sync", []), ("sync", ["--replicas", "1"]),
+                                        ("sync", []),
                                         ("sync", ["--table"]),
                                         # a straggler among 2 workers, 1 replica per step
+                                        # (also the replicas_to_aggregate < workers case)
                                         ("sync", ["--table", "--replicas", "1",
                                                   "--step_delay", "0.05",
                                                   "--slow_worker", "1"]),
