@@ -43,12 +43,12 @@ class TableUpdater:
 
     def lookup_source(self, table):
         """The :class:`~tfpsx.embedding.sharding.ShardedTable` lookups of ``table`` read."""
-        return self.cache or table
+        return getattr(self, "cache", None) or table  # (a subclass may skip __init__)
 
     def apply_gradients(self, table, keys, grads, step):
         """Applies row gradients ``grads`` ``[n, dim]`` of unique ``keys``; returns the op
         (None in eager mode)."""
-        return (self.cache or table).apply(keys, grads, step)
+        return (getattr(self, "cache", None) or table).apply(keys, grads, step)
 
 
 def worker_placement() -> Tuple[Optional[str], int]:
