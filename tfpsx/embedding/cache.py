@@ -391,11 +391,8 @@ class WorkerCache(ShardedTable):
         it before the first step (``tfpsx.MonitoredTrainingSession``'s hook; eager code
         and ``tf.function`` s when first tracing or running a lookup). Returns the op
         (None in eager mode)."""
-        state = self._vars()[0]
         ops = table_readers(self.geo)
-        return self._group([_after(ops, lambda: state.assign(
-            tf.one_hot(0, len(_STATE), dtype=tf.int64) + state * (1 - tf.one_hot(
-                0, len(_STATE), dtype=tf.int64))))])
+        return self._group([_after(ops, self._mark_registered)])
 
     def _register_eagerly(self):
         """:meth:`register`, once, when the outermost context is eager (also while a
@@ -412,10 +409,13 @@ class WorkerCache(ShardedTable):
         readers of the PS shards' changes then register at the first sync's pull (whose
         first take returns nothing): a cached row that others change only before it is
         refreshed at the next change after it."""
-        state = self._vars()[0]
         with on_device(self.device):
             op = self.shards[0].take_changed(tf.constant(0, tf.int64))
-        return _after(op, lambda: state.assign_add(tf.one_hot(0, len(_STATE), dtype=tf.int64)))
+        return _after(op, self._mark_registered)
+
+    def _mark_registered(self):
+        state = self._vars()[0]
+        return state.scatter_nd_update([[_STATE.index("registered")]], [1])
 
     def _evict_over(self, step):
         """Evicts down to ``evict_to`` rows when more than the cache's size are held:

@@ -8,34 +8,16 @@
 namespace tfpsx {
 namespace {
 
+// Find, and a worker cache's find (kTouch: a present key's frequency counted and its
+// step set, from input 2).
+template <bool kTouch>
 class FindOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
-    HashTable& t = table.table();
-    Tensor* values = nullptr;
-    Tensor* found = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), t.dim()), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, keys.shape(), &found));
-    const int64_t* k = keys.flat<int64_t>().data();
-    float* v = values->flat<float>().data();
-    bool* f = found->flat<bool>().data();
-    const int64_t dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 20 + 2 * dim,
-                                       [&](int64_t b, int64_t e) {
-      t.Find(k + b, e - b, v + b * dim, f + b);
-    }));
-  }
-};
-
-class CacheFindOp : public TableOpKernel {
- public:
-  using TableOpKernel::TableOpKernel;
-  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
-    const Tensor& keys = ctx->input(1);
     int64_t step = 0;
-    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "step", &step));
+    if (kTouch) OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "step", &step));
     HashTable& t = table.table();
     Tensor* values = nullptr;
     Tensor* found = nullptr;
@@ -45,9 +27,14 @@ class CacheFindOp : public TableOpKernel {
     float* v = values->flat<float>().data();
     bool* f = found->flat<bool>().data();
     const int64_t dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 30 + 2 * dim,
+    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(),
+                                       (kTouch ? 30 : 20) + 2 * dim,
                                        [&](int64_t b, int64_t e) {
-      t.CacheFind(k + b, e - b, step, v + b * dim, f + b);
+      if (kTouch) {
+        t.CacheFind(k + b, e - b, step, v + b * dim, f + b);
+      } else {
+        t.Find(k + b, e - b, v + b * dim, f + b);
+      }
     }));
   }
 };
@@ -121,8 +108,8 @@ class SizeOp : public TableOpKernel {
 
 }  // namespace
 
-REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableFind").Device(DEVICE_CPU), FindOp);
-REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCacheFind").Device(DEVICE_CPU), CacheFindOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableFind").Device(DEVICE_CPU), FindOp<false>);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCacheFind").Device(DEVICE_CPU), FindOp<true>);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableFindOrInsert").Device(DEVICE_CPU), FindOrInsertOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableInsert").Device(DEVICE_CPU), WriteOp<false>);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableAccumulate").Device(DEVICE_CPU), WriteOp<true>);
