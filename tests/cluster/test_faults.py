@@ -45,6 +45,23 @@ def test_graph_mode_workers_exit_when_their_server_is_killed(make_cluster, mode,
 
 
 @pytest.mark.timeout(240)
+def test_a_worker_cache_fails_naming_the_killed_server(make_cluster):
+    """Async through worker caches (misses fetched, evictions pushed and syncs every 5
+    updates, all RPCs to the server): the server SIGKILLed, every worker ends within the
+    bound, naming it."""
+    c = make_cluster(2, 2, script="sparse_job.py", env=ENV, timeout=200,
+                     args=["--mode", "async", "--syncs", "1000000", "--cache_size", "8",
+                           "--flush_steps", "5"]).start()
+    codes, seconds = _kill_server_and_wait(c, "session ready")
+    assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
+    server = c.servers[0]
+    for i in range(2):
+        assert codes[("worker", i)] == 75, c.logs()
+        log = c.log("worker", i)
+        assert re.search(rf"worker {i} lost server 0 at {re.escape(server)}: ", log), log[-3000:]
+
+
+@pytest.mark.timeout(240)
 def test_keras_fit_fails_naming_the_killed_server(make_cluster):
     c = make_cluster(1, 2, script="keras_job.py", env=ENV, timeout=200, config_mode="scheduler",
                      args=["--mode", "async", "--epochs", "100", "--step_delay", "0.01"]).start()

@@ -69,6 +69,7 @@ def main(argv):
         if sgd:
             steps = args.k_steps * args.syncs if geo else args.syncs
             with tfpsx.MonitoredTrainingSession() as sess:
+                print("session ready", flush=True)
                 for batch in batches(me, steps):
                     sess.run(train_op, {ids: batch, want: targets(batch)})
             if geo:
