@@ -343,17 +343,3 @@ def test_keras_layer_with_a_cache_trains_like_without():
                      dict(zip(want_store["table_keys"].tolist(), want_store["table_values"])))
     with pytest.raises(ValueError, match=r"cache_policy must be one of"):
         layers.DynamicEmbedding(4, cache_size=8, cache_policy="mru")
-
-
-def test_gpu_table_ops_are_declared_and_need_a_cuda_build():
-    """The GPU table's ops exist in every build; their kernels come with a CUDA build
-    (TFPSX_WITH_CUDA=1) on a CUDA TF, so here (tensorflow-cpu) placing one says so."""
-    from tfpsx.ops.bindings import load_ops
-
-    ops = load_ops()
-    for op in ("handle_op", "find", "find_or_insert", "accumulate", "evict", "size"):
-        assert hasattr(ops, f"tfpsx_gpu_table_{op}")
-    if tf.config.list_physical_devices("GPU"):
-        pytest.skip("a GPU is present: the kernels' check is the native CUDA test")
-    with pytest.raises(tf.errors.NotFoundError, match="TfpsxGpuTableHandleOp"):
-        ops.tfpsx_gpu_table_handle_op(shared_name=name("gpu"), dim=4, capacity=16)
