@@ -2,6 +2,9 @@
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -58,3 +61,38 @@ def test_corrupt_library_chains_the_cause(tmp_path):
     with pytest.raises(ImportError, match="failed to load.*Rebuild") as info:
         _loader.load_ops(str(tmp_path))
     assert info.value.__cause__ is not None
+
+
+_CRASH = ("from tfpsx.ops import loader; loader.load_ops(); import ctypes; "
+          "print('loaded', flush=True); ctypes.string_at(0)")
+
+
+def _crash(env_value):
+    env = {k: v for k, v in os.environ.items() if k != "TFPSX_CRASH_TRACE"}
+    if env_value is not None:
+        env["TFPSX_CRASH_TRACE"] = env_value
+    return subprocess.run([sys.executable, "-c", _CRASH], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_fatal_signal_prints_the_native_and_python_stacks():
+    # A server that segfaults in a kernel says where, then still dies of the signal.
+    proc = _crash(None)
+    assert proc.returncode == -signal.SIGSEGV, proc
+    err = proc.stderr
+    assert "*** tfpsx: fatal SIGSEGV (11) in pid" in err, err
+    assert "address 0x0; native stack" in err, err
+    stack = err.split("native stack (innermost first):", 1)[1].split("*** end of native stack")[0]
+    assert "_tfpsx_ops" in stack and "libc.so" in stack, stack  # frames, named by library
+    # then Python's faulthandler: the Python frames of the thread that faulted
+    assert "Fatal Python error: Segmentation fault" in err, err
+    assert "in string_at" in err, err
+
+
+def test_crash_trace_can_be_turned_off_and_rejects_bad_values():
+    proc = _crash("0")
+    assert proc.returncode == -signal.SIGSEGV, proc
+    assert "tfpsx: fatal" not in proc.stderr, proc.stderr
+    proc = _crash("yes")
+    assert proc.returncode == 1 and "loaded" not in proc.stdout, proc
+    assert "TFPSX_CRASH_TRACE must be 0" in proc.stderr and "'yes'" in proc.stderr, proc.stderr

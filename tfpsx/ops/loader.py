@@ -17,6 +17,7 @@ import threading
 from typing import Optional
 
 from tfpsx.errors import OpLibraryError
+from tfpsx.ops import crash_trace
 
 REBUILD_COMMAND = "pip install --no-build-isolation -e .  (or: make build)"
 _BUILD_MARKER = re.compile(rb"tfpsx-build-info:tf=([^;\x00]{1,64});(?:cuda=([01]);)?")
@@ -86,6 +87,7 @@ def load_ops(lib_dir: Optional[str] = None):
             return _loaded
         import tensorflow as tf
 
+        crash_trace.wanted()  # a bad TFPSX_CRASH_TRACE fails before anything loads
         path = find_library(lib_dir)
         info = build_info(path)
         built_for = info["tf_version"]
@@ -102,6 +104,7 @@ def load_ops(lib_dir: Optional[str] = None):
                 f"running TensorFlow {tf.__version__}): {e}. Rebuild it with: "
                 f"{REBUILD_COMMAND}") from e
         if lib_dir is None:
+            crash_trace.install(path)
             _loaded_info.update(info, path=path)
             _loaded = module
         return module
