@@ -3,7 +3,8 @@
 Each example has FIELDS ids drawn from Zipf(1.1) over a vocabulary of --vocab (hot ids
 spread over the key space), a click from a planted logistic model over the ids'
 weights; the model is a DynamicEmbedding (Adagrad on the PS; with --cache_size the
-worker cache trains it locally) and a linear layer on the PS. Graph mode, async,
+worker cache trains it locally; with --local_table every worker trains one of its own on
+itself) and a linear layer on the PS. Graph mode, async,
 between-graph, started by the benchmark with TFPSX_* env (no launcher: its cluster
 specs route through delay proxies). Every worker emits one "cache_bench" metrics record:
 examples/s of its training loop, lookup latency of one batch (median ms, read-only: the
@@ -63,14 +64,31 @@ def global_eval_loss(strategy, eval_ids, eval_clicks, lr) -> float:
             return float(s.run(loss, {ids: eval_ids}))
 
 
+def traced_step(sess, fetch, feed, path):
+    """Runs one step with a full trace and writes it (chrome://tracing, Perfetto)."""
+    from tensorflow.python.client import timeline
+
+    meta = tf.compat.v1.RunMetadata()
+    opts = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    sess.run(fetch, feed, options=opts, run_metadata=meta)
+    with open(path, "w") as f:
+        f.write(timeline.Timeline(meta.step_stats).generate_chrome_trace_format())
+
+
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--cache_size", type=int, default=0, help="0: no cache")
+    p.add_argument("--admit_after", type=int, default=1, help="the cache's cache_admit_after")
+    p.add_argument("--local_table", action="store_true",
+                   help="each worker trains a table of its own, on itself: no PS rows at all "
+                        "(the ceiling of any cache on this machine; no global eval loss)")
     p.add_argument("--flush_steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--trace", default=None,
+                   help="folder: each worker writes a Chrome trace of its middle step there")
     args = p.parse_args(argv)
 
     tfpsx.init()
@@ -87,10 +105,13 @@ def main(argv):
             step = tf.compat.v1.train.get_or_create_global_step()
             ids = tf.compat.v1.placeholder(tf.int64, [None, FIELDS])
             clicks = tf.compat.v1.placeholder(tf.float32, [None])
-            emb = E.DynamicEmbedding("ctr", DIM, initializer=E.normal(stddev=0.01),
+            where = {"devices": [f"/job:worker/task:{me}"]} if args.local_table else {}
+            emb = E.DynamicEmbedding(f"ctr_w{me}" if args.local_table else "ctr", DIM,
+                                     initializer=E.normal(stddev=0.01),
                                      optimizer=E.Adagrad(args.lr),
                                      cache_size=args.cache_size or None,
-                                     flush_steps=args.flush_steps)
+                                     flush_steps=args.flush_steps,
+                                     cache_admit_after=args.admit_after, **where)
             w = tf.compat.v1.get_variable("w", [FIELDS * DIM, 1],
                                           initializer=tf.zeros_initializer())
             b = tf.compat.v1.get_variable("b", [], initializer=tf.zeros_initializer())
@@ -113,8 +134,11 @@ def main(argv):
             start = time.perf_counter()
             for s in range(1, args.steps):
                 lo = s * args.batch
-                sess.run(train, {ids: ids_np[lo:lo + args.batch],
-                                 clicks: clicks_np[lo:lo + args.batch]})
+                feed = {ids: ids_np[lo:lo + args.batch], clicks: clicks_np[lo:lo + args.batch]}
+                if args.trace and s == args.steps // 2:
+                    traced_step(sess, train, feed, f"{args.trace}/trace_w{me}.json")
+                else:
+                    sess.run(train, feed)
             seconds = time.perf_counter() - start
             for s in range(20):
                 lo = (s * 7 % args.steps) * args.batch
@@ -124,7 +148,7 @@ def main(argv):
     tfpsx.barrier_worker()  # every worker's final flush is in
     report = {"worker": me, "examples_per_sec": (args.steps - 1) * args.batch / seconds,
               "lookup_ms": statistics.median(latencies)}
-    if me == 0:
+    if me == 0 and not args.local_table:
         report["eval_loss"] = global_eval_loss(strategy, eval_ids, eval_clicks, args.lr)
     tfpsx.barrier_worker()
     tfpsx.metrics.emit("cache_bench", **report)

@@ -3,7 +3,9 @@
 The machines' kernels have no netem qdisc, so latency between processes on 127.0.0.1 is
 added here: :class:`DelayProxy` listens on a free port and forwards each connection to
 its target, holding every chunk ``one_way`` seconds in each direction (a request and its
-reply: ``2 * one_way`` more per round trip), in order. Put one in front of every server
+reply: ``2 * one_way`` more per round trip), in order. With ``rate`` (bytes/s) the proxy is
+also a link of that bandwidth, one per direction, shared by all its connections: a chunk
+leaves once the chunks before it went through. Put one in front of every server
 a process talks to (a cluster spec that lists the proxy's address instead of the
 server's) and all cross-process traffic pays the delay.
 
@@ -21,10 +23,16 @@ import portpicker
 
 
 class DelayProxy:
-    """Forwards ``127.0.0.1:<port>`` to ``target``, each chunk ``one_way`` s late."""
+    """Forwards ``127.0.0.1:<port>`` to ``target``, each chunk ``one_way`` s late (and
+    no faster than ``rate`` bytes/s in each direction, when given)."""
 
-    def __init__(self, target: Tuple[str, int], one_way: float, port: Optional[int] = None):
-        self.target, self.one_way = target, float(one_way)
+    def __init__(self, target: Tuple[str, int], one_way: float, port: Optional[int] = None,
+                 rate: Optional[float] = None):
+        if one_way < 0 or (rate is not None and rate <= 0):
+            raise ValueError(f"DelayProxy: one_way must be >= 0 and rate > 0 bytes/s, got "
+                             f"one_way={one_way!r}, rate={rate!r}")
+        self.target, self.one_way, self.rate = target, float(one_way), rate
+        self._link_free = {"up": 0.0, "down": 0.0}  # when each direction's link is idle again
         self.port = port or portpicker.pick_unused_port()
         self.address = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -58,11 +66,20 @@ class DelayProxy:
         except (OSError, asyncio.TimeoutError):
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
-                             return_exceptions=True)
+        await asyncio.gather(self._pump(reader, up_writer, "up"),
+                             self._pump(up_reader, writer, "down"), return_exceptions=True)
 
-    async def _pump(self, source, sink):
-        """Copies ``source`` to ``sink``, each chunk sent ``one_way`` s after it came."""
+    def _due(self, now: float, size: int, direction: str) -> float:
+        """When a chunk of ``size`` bytes that came at ``now`` reaches the other side."""
+        if self.rate is None:
+            return now + self.one_way
+        sent = max(now, self._link_free[direction]) + size / self.rate
+        self._link_free[direction] = sent
+        return sent + self.one_way
+
+    async def _pump(self, source, sink, direction):
+        """Copies ``source`` to ``sink``, each chunk sent ``one_way`` s after it came
+        (after the link carried it, with a ``rate``)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -82,7 +99,7 @@ class DelayProxy:
         try:
             while True:
                 data = await source.read(1 << 16)
-                await queue.put((loop.time() + self.one_way, data))
+                await queue.put((self._due(loop.time(), len(data), direction), data))
                 if not data:
                     break
         except (ConnectionError, OSError):
