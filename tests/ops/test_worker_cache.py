@@ -134,7 +134,8 @@ def test_one_worker_evicting_cache_equals_uncached_geo(policy):
     assert float(cache.stats()["evictions"]) > 50
 
 
-def constant_gradient_run(workers, size, steps, vocab, batch, flush_steps, lr=0.5):
+def constant_gradient_run(workers, size, steps, vocab, batch, flush_steps, lr=0.5,
+                          admit_after=1, zipf=False):
     """Async caches (n = 1) of several workers training one table in turns with a
     gradient that does not depend on the rows (loss = sum(emb * w[id])): whatever is
     cached, evicted, flushed or refreshed, the PS must end at init - lr * sum of all
@@ -144,9 +145,13 @@ def constant_gradient_run(workers, size, steps, vocab, batch, flush_steps, lr=0.
     init_keys = np.arange(vocab, dtype=np.int64)
     init = dict(zip(init_keys.tolist(), g.rows(tf.constant(init_keys), train=False).numpy()))
     weights = np.random.default_rng(9).normal(size=(vocab, DIM)).astype(np.float32)
-    caches = [WorkerCache(g, CacheOptions(size, "lfu", flush_steps), None, i + 1)
+    caches = [WorkerCache(g, CacheOptions(size, "lfu", flush_steps, admit_after), None, i + 1)
               for i in range(workers)]
     data = [worker_batches(i, steps, vocab, batch, seed=1) for i in range(workers)]
+    if zipf:  # a few hot ids and a long tail
+        rng = np.random.default_rng(4)
+        data = [[np.minimum(rng.zipf(1.3, size=batch) - 1, vocab - 1) for _ in range(steps)]
+                for _ in range(workers)]
     total = {}
     for step in range(steps):
         for i, cache in enumerate(caches):
@@ -172,6 +177,50 @@ def test_eviction_writes_back_every_update():
         assert stats["evictions"] > 100 and stats["flushes"] >= 13
         assert stats["rows_refreshed"] > 0  # the other worker's rows came back
         assert stats["size"] <= 10 + 8
+
+
+def test_admission_keeps_the_tail_on_the_ps_and_loses_nothing():
+    """cache_admit_after=2: a missed row enters at its second recent sighting; the rest
+    train on the PS directly. Two async workers over a Zipf stream: the PS still ends at
+    init - lr * sum of all gradients, the tail passed by (rows not admitted), and the
+    cache churned less than one that admits every miss."""
+    runs = {}
+    for admit_after in (1, 2):
+        got, want, caches = constant_gradient_run(workers=2, size=12, steps=40, vocab=400,
+                                                  batch=16, flush_steps=5, zipf=True,
+                                                  admit_after=admit_after)
+        assert_same_rows(got, want)
+        runs[admit_after] = [{k: float(v) for k, v in c.stats().items()} for c in caches]
+    for every, admitting in zip(runs[1], runs[2]):
+        assert every["not_admitted"] == 0
+        assert admitting["not_admitted"] > 50, admitting
+        assert admitting["evictions"] < every["evictions"] / 2, (admitting, every)
+        assert admitting["hit_rate"] > 0.3, admitting
+        assert admitting["size"] <= 12 + 16
+
+
+def test_admission_sketch_counts_recent_sightings_and_ages():
+    """The sketch admits at the K-th sighting (several in one batch count), and halves
+    every 10 x cache_size missed ids, so old sightings fade."""
+    cache = WorkerCache(shared_table(), CacheOptions(2, admit_after=3), None, 1)
+    assert cache.sketch_window == 20 and cache.sketch_width == 1024
+
+    def cached(key):
+        return bool(cache.shards[0].find(tf.constant([key], tf.int64))[1][0])
+
+    train_step(cache, [7])
+    train_step(cache, [7])
+    assert not cached(7)  # two sightings
+    train_step(cache, [7])
+    assert cached(7)  # the third
+    train_step(cache, [8, 8, 8])
+    assert cached(8)  # three in one batch
+    train_step(cache, [9, 9])  # 2 sightings of 9, then 14 more missed ids: halved
+    train_step(cache, list(range(100, 114)))
+    train_step(cache, [9])  # 2 // 2 + 1 = 2 < 3
+    assert not cached(9)
+    stats = {k: float(v) for k, v in cache.stats().items()}
+    assert stats["not_admitted"] == 2 + 1 + 14 + 1, stats
 
 
 def test_a_cache_smaller_than_one_batch_serves_it_whole():
@@ -243,10 +292,12 @@ def test_prefetch_stages_the_next_batch():
     assert stats["prefetched"] == float(plain.stats()["rows_fetched"]) - first
 
 
-def test_graph_mode_cache_trains_like_the_table_it_caches():
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_graph_mode_cache_trains_like_the_table_it_caches(admit_after):
     """Graph mode, one worker, the hook MonitoredTrainingSession adds: a cache of 16 rows
     over 40 ids (evicting; a sync every 2 updates, between steps; a final one at the
-    end) leaves the PS rows the uncached table gets from the same SGD steps."""
+    end) leaves the PS rows the uncached table gets from the same SGD steps; also with
+    admission (rows not yet admitted train on the PS in the step)."""
     from tfpsx.training.hooks import WorkerCacheHook
 
     with tf.Graph().as_default():
@@ -256,7 +307,7 @@ def test_graph_mode_cache_trains_like_the_table_it_caches():
         for cache_size in (16, None):
             emb = E.DynamicEmbedding(name("graph"), DIM, optimizer=E.SGD(LR), devices=[None],
                                      initializer=E.zeros(), cache_size=cache_size,
-                                     flush_steps=2)
+                                     flush_steps=2, cache_admit_after=admit_after)
             looked = emb.lookup_unique(ids)
             loss = tf.reduce_sum(tf.square(looked.embeddings - want))
             tables.append(emb)
@@ -272,6 +323,7 @@ def test_graph_mode_cache_trains_like_the_table_it_caches():
         with tf.compat.v1.Session() as sess:  # the tables outlive the session
             rows, plain_rows = sess.run(exports)
     assert got["cache_evictions"] > 0
+    assert (got["cache_not_admitted"] > 0) == (admit_after > 1)
     assert got["cache_flushes"] == 30  # every 2 updates (the final one came after)
     assert_same_rows(dict(zip(rows["keys"].tolist(), rows["values"])),
                      dict(zip(plain_rows["keys"].tolist(), plain_rows["values"])))
@@ -283,7 +335,10 @@ def test_bad_cache_options_are_clear_errors():
             (dict(cache_size=2.5), r"cache_size .* got 2\.5"),
             (dict(cache_size=8, cache_policy="fifo"), r"cache_policy must be one of "
                                                       r"\['lfu', 'lru'\], got 'fifo'"),
-            (dict(cache_size=8, flush_steps=0), r"flush_steps must be an int >= 1.*got 0")]:
+            (dict(cache_size=8, flush_steps=0), r"flush_steps must be an int >= 1.*got 0"),
+            (dict(cache_size=8, cache_admit_after=0),
+             r"cache_admit_after must be an int >= 1 .*got 0"),
+            (dict(cache_size=8, cache_admit_after="2"), r"cache_admit_after .*got '2'")]:
         with pytest.raises(ValueError, match=pattern):
             E.DynamicEmbedding(name("bad"), 2, devices=[None], **kwargs)
     plain = E.DynamicEmbedding(name("plain"), 2, devices=[None])

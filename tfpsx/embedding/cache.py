@@ -20,6 +20,13 @@ this worker (the C++ core's table, with the table's optimizer and slots) and a s
   their deltas pushed first, so nothing trained is lost. A batch with more distinct ids
   than N is served whole (the cache holds it for the step, then evicts).
 
+* admission (``cache_admit_after=K``, default 1: every miss enters): a missed row enters
+  the cache at its K-th sighting among recent misses (a count-min sketch on the worker,
+  halved every ``10 * cache_size`` missed ids, TinyLFU's aging). A row not admitted is
+  served from the PS for the step and its gradient goes to the PS's optimizer directly,
+  as without a cache: the one-off ids of a long tail pass by instead of evicting hot
+  rows (each eviction pushes a delta, each admission inserts twice).
+
 Hot rows so train as in GEO (local updates, synced every ``flush_steps``), cold rows as the
 table's mode does. The cached rows' optimizer slots are the worker's: an evicted row's
 slots are dropped, and a fetched row's start from the optimizer's initial values (as GEO's
@@ -43,8 +50,14 @@ from tfpsx.embedding.storage import on_device
 
 POLICIES = ("lfu", "lru")
 COUNTER_FIELDS = ("lookups", "hits", "rows_fetched", "bytes_fetched", "rows_flushed",
-                  "bytes_flushed", "evictions", "rows_refreshed", "prefetched", "flushes")
-_STATE = ("registered", "clock", "updates")
+                  "bytes_flushed", "evictions", "rows_refreshed", "prefetched", "flushes",
+                  "not_admitted")
+_STATE = ("registered", "clock", "updates", "sketched")
+# The admission sketch: SKETCH_DEPTH rows of counters, each indexed by its own hash of
+# the key: (key mod a prime < 2^31) * a + b, mod the width (no int64 overflow).
+SKETCH_DEPTH = 4
+_SKETCH_HASH = ((2147483647, 1103515245, 12345), (2147483629, 69069, 1013904223),
+                (2147483587, 1664525, 907633385), (2147483563, 22695477, 1))
 GRAPH_COLLECTION = "tfpsx_worker_caches"
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
@@ -83,15 +96,19 @@ def flush_due_eager_caches() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
-    """A table's cache: ``size`` rows, eviction ``policy``, sync every ``flush_steps``."""
+    """A table's cache: ``size`` rows, eviction ``policy``, sync every ``flush_steps``,
+    a miss admitted at its ``admit_after``-th recent sighting."""
     size: int
     policy: str = "lfu"
     flush_steps: int = 100
+    admit_after: int = 1
 
     @classmethod
-    def parse(cls, table: str, cache_size, cache_policy, flush_steps) -> Optional["CacheOptions"]:
+    def parse(cls, table: str, cache_size, cache_policy, flush_steps,
+              admit_after=1) -> Optional["CacheOptions"]:
         """The options of ``DynamicEmbedding(cache_size=..., cache_policy=...,
-        flush_steps=...)``, or None without a cache; a bad value is a ValueError naming it."""
+        flush_steps=..., cache_admit_after=...)``, or None without a cache; a bad value is
+        a ValueError naming it."""
         what = f"DynamicEmbedding {table!r}"
         if cache_size is None:
             return None
@@ -104,7 +121,11 @@ class CacheOptions:
         if isinstance(flush_steps, bool) or not isinstance(flush_steps, int) or flush_steps < 1:
             raise ValueError(f"{what}: flush_steps must be an int >= 1 (updates between two "
                              f"syncs of the cache with the PS), got {flush_steps!r}")
-        return cls(cache_size, cache_policy, flush_steps)
+        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
+            raise ValueError(f"{what}: cache_admit_after must be an int >= 1 (a missed row "
+                             f"enters the cache at its K-th recent sighting; 1: at once), got "
+                             f"{admit_after!r}")
+        return cls(cache_size, cache_policy, flush_steps, admit_after)
 
 
 # The cache's methods build graph code already (no Python control flow on tensors):
@@ -164,6 +185,10 @@ class WorkerCache(ShardedTable):
         self.geo = GeoTable(table, self, self.old, device, reader, cached=True)
         # Evict down to this many rows when a lookup finds more than options.size.
         self.evict_to = max(0, options.size - max(1, options.size // 16))
+        # The admission sketch: >= 4 counters per cached row, halved every 10x the
+        # cache's size in missed ids.
+        self.sketch_width = 1 << max(10, (4 * options.size - 1).bit_length())
+        self.sketch_window = 10 * options.size
         self._row_bytes = 8 + 4 * table.dim
         self._eager_vars = None
         self._flushed_at = 0  # updates() at the last sync
@@ -173,8 +198,8 @@ class WorkerCache(ShardedTable):
 
     # ------------------------------------------------------------------ state
     def _vars(self):
-        """(state [registered, clock, updates], counters): int64 variables on this
-        worker, local (every worker initializes its own): one pair for eager code and
+        """(state [registered, clock, updates, sketched], counters, the admission sketch
+        or None): variables on this worker, local (every worker initializes its own): one pair for eager code and
         ``tf.function`` s, one per graph in graph mode (a ``tf.cond`` branch of that graph
         finds its graph's)."""
         with tf.init_scope():
@@ -194,12 +219,17 @@ class WorkerCache(ShardedTable):
                 graph.add_to_collection(GRAPH_COLLECTION, self)
             return made[self.name]
 
-    @staticmethod
-    def _make_vars(collections):
-        return tuple(tf.compat.v1.Variable(tf.zeros([n], tf.int64), trainable=False,
-                                           collections=collections, name=name)
-                     for n, name in ((len(_STATE), "tfpsx_cache_state"),
-                                     (len(COUNTER_FIELDS), "tfpsx_cache_counters")))
+    def _make_vars(self, collections):
+        made = [tf.compat.v1.Variable(tf.zeros([n], tf.int64), trainable=False,
+                                      collections=collections, name=name)
+                for n, name in ((len(_STATE), "tfpsx_cache_state"),
+                                (len(COUNTER_FIELDS), "tfpsx_cache_counters"))]
+        sketch = None
+        if self.options.admit_after > 1:
+            sketch = tf.compat.v1.Variable(tf.zeros([SKETCH_DEPTH, self.sketch_width], tf.int32),
+                                           trainable=False, collections=collections,
+                                           name="tfpsx_cache_sketch")
+        return (*made, sketch)
 
     def _count(self, **values):
         """Adds to the counters (int scalars by name)."""
@@ -268,18 +298,55 @@ class WorkerCache(ShardedTable):
         if counts is None:
             counts = tf.ones_like(keys, tf.int32)
         counts = tf.cast(counts, tf.int64)
+        admit, rejected, admitted = miss, tf.constant(0), []
+        if self.options.admit_after > 1:
+            seen, admitted = self._sightings(miss, tf.boolean_mask(counts, tf.logical_not(found)))
+            enter = seen >= self.options.admit_after
+            admit, fetched = tf.boolean_mask(miss, enter), tf.boolean_mask(fetched, enter)
+            rejected = tf.size(miss) - tf.size(admit)
 
         def cache_misses():
-            return [local.insert(miss, fetched, clock),
-                    self.old.shards[0].insert(miss, fetched, tf.constant(0, tf.int64)),
+            return [local.insert(admit, fetched, clock),
+                    self.old.shards[0].insert(admit, fetched, tf.constant(0, tf.int64)),
                     self.staged.shards[0].remove(miss)]
 
         inserted = _when(tf.size(miss) > 0, cache_misses)
         counted = self._count(lookups=tf.reduce_sum(counts),
                               hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
                               rows_fetched=from_ps,
-                              bytes_fetched=tf.cast(from_ps, tf.int64) * self._row_bytes)
-        return _after([inserted, counted], lambda: tf.identity(rows))
+                              bytes_fetched=tf.cast(from_ps, tf.int64) * self._row_bytes,
+                              not_admitted=rejected)
+        return _after([inserted, counted] + admitted, lambda: tf.identity(rows))
+
+    def _sightings(self, keys, counts):
+        """Adds ``counts`` sightings of ``keys`` to the admission sketch; returns (each
+        key's estimated recent sightings, this one included; the ops to wait on). The
+        sketch halves once ``sketch_window`` missed ids went in since it last did."""
+        sketch = self._vars()[2]
+        n = tf.size(keys)
+        index = tf.stack([tf.math.floormod(tf.math.floormod(keys, p) * a + b,
+                                           self.sketch_width)
+                          for p, a, b in _SKETCH_HASH])  # [depth, n]
+        rows = tf.broadcast_to(tf.range(SKETCH_DEPTH, dtype=tf.int64)[:, None],
+                               [SKETCH_DEPTH, n])
+        where = tf.reshape(tf.stack([rows, index], axis=-1), [-1, 2])
+        added = sketch.scatter_nd_add(where, tf.reshape(
+            tf.broadcast_to(tf.cast(counts, tf.int32)[None, :], [SKETCH_DEPTH, n]), [-1]))
+        # gather from the variable itself: a read_value() would copy the whole sketch
+        # (and make the next scatter copy it again)
+        seen = _after(added, lambda: tf.reduce_min(
+            tf.reshape(sketch.gather_nd(where), [SKETCH_DEPTH, n]), axis=0))
+        state = self._vars()[0]
+        field = _STATE.index("sketched")
+        total = _after(seen, lambda: state.scatter_nd_add(
+            [[field]], [tf.reduce_sum(tf.cast(counts, tf.int64))])[field])
+
+        def halve():
+            return [sketch.assign(tf.math.floordiv(sketch.read_value(), 2)),
+                    state.scatter_nd_update([[field]], tf.zeros([1], tf.int64))]
+
+        aged = _when(total >= self.sketch_window, halve)
+        return seen, [aged]
 
     def _merge(self, cached, found, keys, train, step, parts=False):
         """The cached rows with the misses' rows put in (staged, or fetched); with
@@ -334,12 +401,22 @@ class WorkerCache(ShardedTable):
         when :meth:`updates` says one is due; a loop of your own runs :meth:`flush`."""
         with on_device(self.device):
             clock = self._vars()[0][_STATE.index("clock")]
+            direct = None
+            if self.options.admit_after > 1:
+                # Rows the lookup did not admit train on the PS, as without a cache.
+                keys = tf.reshape(self._keys(keys), [-1])
+                _, cached = self.shards[0].find(keys)
+                cold = tf.logical_not(cached)
+                cold_keys, cold_grads = tf.boolean_mask(keys, cold), tf.boolean_mask(grads, cold)
+                direct = _unless_empty(cold_keys, lambda: self.table.apply(
+                    cold_keys, cold_grads, as_step(step)), lambda: None)
+                keys, grads = tf.boolean_mask(keys, cached), tf.boolean_mask(grads, cached)
             applied = super().apply(keys, grads, clock)
-            counted = _after(applied, lambda: self._tick("updates"))
+            counted = _after([applied, direct], lambda: self._tick("updates"))
         if tf.executing_eagerly():
             self.flush_if_due(step)
             return None
-        op = self._group([applied, counted])
+        op = self._group([o for o in (applied, direct, counted) if o is not None])
         self.apply_ops.append(op)  # a graph's driver tells training runs by them
         return op
 

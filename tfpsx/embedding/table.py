@@ -81,6 +81,9 @@ class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
         often looked up) or ``"lru"`` (least recently).
       flush_steps: updates between two syncs of the cache with the PS (in GEO mode the
         mode's K steps instead).
+      cache_admit_after: a missed row enters the cache at its K-th sighting among recent
+        misses (default 1: at once); the rows not admitted train on the PS as without a
+        cache, so a long tail of rare ids does not churn the hot rows out.
       updater: how the table trains (default: the training mode of the enclosing
         ``tfpsx.model_scope``, else the server-side optimizer on each shard).
       backend: creates the shards (default: the C++ hash table).
@@ -94,9 +97,10 @@ class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
                  shards: Optional[int] = None, devices: Optional[Sequence[str]] = None,
                  seed: int = 0, min_frequency: int = 1, capacity: Optional[int] = None,
                  cache_size: Optional[int] = None, cache_policy: str = "lfu",
-                 flush_steps: int = 100, updater: Optional[TableUpdater] = None,
-                 backend: Optional[Backend] = None):
-        self.cache_options = CacheOptions.parse(name, cache_size, cache_policy, flush_steps)
+                 flush_steps: int = 100, cache_admit_after: int = 1,
+                 updater: Optional[TableUpdater] = None, backend: Optional[Backend] = None):
+        self.cache_options = CacheOptions.parse(name, cache_size, cache_policy, flush_steps,
+                                                cache_admit_after)
         if devices is None:
             devices = _default_devices(shards)
         devices = list(devices)

@@ -95,7 +95,8 @@ class DynamicEmbedding(keras.layers.Layer):
       combiner: None, "sum", "mean" or "sqrtn" (see the module doc).
       pad_id: with a combiner, ids equal to it are skipped.
       min_frequency, capacity, seed: the table's options (``tfpsx.embedding.DynamicEmbedding``).
-      cache_size, cache_policy, flush_steps: a worker cache of the table's hot rows
+      cache_size, cache_policy, flush_steps, cache_admit_after: a worker cache of the
+        table's hot rows
         (``tfpsx.embedding.DynamicEmbedding``; async and GEO strategies).
     """
 
@@ -104,12 +105,12 @@ class DynamicEmbedding(keras.layers.Layer):
                  pad_id: Optional[int] = None, min_frequency: int = 1,
                  capacity: Optional[int] = None, seed: int = 0,
                  cache_size: Optional[int] = None, cache_policy: str = "lfu",
-                 flush_steps: int = 100, **kwargs):
+                 flush_steps: int = 100, cache_admit_after: int = 1, **kwargs):
         super().__init__(**kwargs)
         CacheOptions.parse(f"{table_name or self.name} (layer)", cache_size, cache_policy,
-                           flush_steps)
+                           flush_steps, cache_admit_after)
         self.cache_size, self.cache_policy = cache_size, cache_policy
-        self.flush_steps = flush_steps
+        self.flush_steps, self.cache_admit_after = flush_steps, cache_admit_after
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"DynamicEmbedding layer {self.name!r}: dim must be a positive "
                              f"int, got {dim!r}")
@@ -138,7 +139,7 @@ class DynamicEmbedding(keras.layers.Layer):
             optimizer=self.table_optimizer, seed=self.seed, min_frequency=self.min_frequency,
             capacity=self.capacity, devices=None if on_ps else [None],
             cache_size=self.cache_size, cache_policy=self.cache_policy,
-            flush_steps=self.flush_steps)
+            flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after)
         self._step = self.add_weight(name="table_step", shape=(), dtype="int64",
                                      initializer="zeros", trainable=False)
         if self.table_optimizer is not None:
@@ -230,7 +231,7 @@ class DynamicEmbedding(keras.layers.Layer):
             optimizer=None if self.table_optimizer is None else self.table_optimizer.get_config(),
             min_frequency=self.min_frequency, capacity=self.capacity, seed=self.seed,
             cache_size=self.cache_size, cache_policy=self.cache_policy,
-            flush_steps=self.flush_steps)
+            flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after)
         return config
 
     def _keras_variables(self):
