@@ -501,7 +501,7 @@ class WorkerCache(ShardedTable):
         count = tf.where(size > self.options.size, size - self.evict_to, tf.zeros_like(size))
         victims = self.shards[0].cache_victims(count, self.options.policy == "lru")
         push, pushed = _unless_empty(victims, lambda: push_rows(self.geo, victims, self.scale,
-                                                                step),
+                                                                step, keep_old=False),
                                      lambda: (None, tf.constant(0)))
 
         def remove():

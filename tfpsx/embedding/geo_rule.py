@@ -46,9 +46,10 @@ def nonzero_rows(keys, deltas):
     return tf.boolean_mask(keys, moved), tf.boolean_mask(deltas, moved)
 
 
-def push_rows(t: GeoTable, keys, n: float, step):
+def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
     """The push of ``keys`` (rows of the local copy): delta = (local - old) / n, old +=
-    delta, the PS shards += delta. Returns (op, rows pushed)."""
+    delta (not with ``keep_old=False``: rows about to leave the copy), the PS shards +=
+    delta. Returns (op, rows pushed)."""
     zero = tf.constant(0, tf.int64)
     with tf.compat.v1.device(t.device):
         delta = local_rows(t.local, keys) - local_rows(t.old, keys)
@@ -56,8 +57,9 @@ def push_rows(t: GeoTable, keys, n: float, step):
             delta = delta / n
         if t.cached:
             keys, delta = nonzero_rows(keys, delta)
-        bump_old = t.old.shards[0].accumulate(keys, delta, zero)
-    return tf.group(bump_old, t.global_.accumulate(keys, delta, step)), tf.size(keys)
+        bump_old = t.old.shards[0].accumulate(keys, delta, zero) if keep_old else None
+    pushed = t.global_.accumulate(keys, delta, step)
+    return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)
 
 
 def table_push(t: GeoTable, n: float, step):
