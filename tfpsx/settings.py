@@ -197,6 +197,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_METRICS_DIR", "path", None,
             "folder where every process appends its metrics as JSON lines "
             "(metrics.<role>.<rank>.jsonl); tfpsx-run sets it to --log_dir", "runtime"),
+    Setting("TFPSX_CRASH_TRACE", "bool", True,
+            "a process that dies of a fatal signal (SIGSEGV ...) first writes its native stack "
+            "and every Python thread's to stderr (its log); off: signal handlers left alone",
+            "runtime"),
     Setting("TFPSX_TABLE_HUGE_PAGES", "bool", False,
             "transparent huge pages for table rows (off: slower in a TF process on these VMs)",
             "runtime", read_by="the C++ table core"),

@@ -15,18 +15,15 @@ import faulthandler
 import os
 import sys
 
-ENV = "TFPSX_CRASH_TRACE"
+from tfpsx import settings
+
 _installed = False
 
 
 def wanted() -> bool:
-    """Whether ``TFPSX_CRASH_TRACE`` (default 1) asks for the handlers; ValueError for a
-    value other than 0 or 1."""
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 (leave signal handlers alone) or 1 (print a native "
-                         f"stack on a fatal signal, the default), got {value!r}")
-    return value == "1"
+    """Whether ``TFPSX_CRASH_TRACE`` (default on) asks for the handlers; a ValueError
+    names a value that is not a bool."""
+    return settings.get("TFPSX_CRASH_TRACE")
 
 
 def install(library_path: str) -> bool:
