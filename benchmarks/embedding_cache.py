@@ -97,9 +97,17 @@ def run(table: str, network: str, args) -> dict:
             raise RuntimeError(f"table={table} network={network} failed: "
                                + "\n".join(o[-3000:] for o in outputs))
         reports = [tfpsx.metrics.read(logs, "worker", i, "cache_bench")[-1] for i in range(2)]
-    return {"examples_per_sec": sum(r["examples_per_sec"] for r in reports),
-            "eval_loss": reports[0].get("eval_loss"),
-            "lookup_ms": statistics.mean(r["lookup_ms"] for r in reports)}
+        # the caches' counters, as the training hook emitted them at the end
+        caches = [records[-1] for records in
+                  (tfpsx.metrics.read(logs, "worker", i, "cache") for i in range(2)) if records]
+    got = {"examples_per_sec": sum(r["examples_per_sec"] for r in reports),
+           "eval_loss": reports[0].get("eval_loss"),
+           "lookup_ms": statistics.mean(r["lookup_ms"] for r in reports)}
+    if caches:
+        got["cache"] = {k: statistics.mean(c[k] / (1 if k == "hit_rate" else args.steps)
+                                           for c in caches)
+                        for k in ("hit_rate", "rows_fetched", "evictions", "not_admitted")}
+    return got
 
 
 def main(argv=None):
@@ -128,7 +136,11 @@ def main(argv=None):
             loss = "  n/a " if got["eval_loss"] is None else f"{got['eval_loss']:.4f}"
             print(f"  round {r + 1}: {config[0]:6s} {config[1]:9s} "
                   f"{got['examples_per_sec']:9.0f} examples/s, eval loss {loss}, "
-                  f"lookup {got['lookup_ms']:.2f} ms", flush=True)
+                  f"lookup {got['lookup_ms']:.2f} ms" + (
+                      "" if "cache" not in got else
+                      ", hit rate {hit_rate:.3f}, per step: {rows_fetched:.0f} rows fetched, "
+                      "{evictions:.0f} evicted, {not_admitted:.0f} not admitted".format(
+                          **got["cache"])), flush=True)
 
     def med(config, key):
         values = [x[key] for x in results[config] if x[key] is not None]
