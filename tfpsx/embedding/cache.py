@@ -199,9 +199,9 @@ class WorkerCache(ShardedTable):
     # ------------------------------------------------------------------ state
     def _vars(self):
         """(state [registered, clock, updates, sketched], counters, the admission sketch
-        or None): variables on this worker, local (every worker initializes its own): one pair for eager code and
-        ``tf.function`` s, one per graph in graph mode (a ``tf.cond`` branch of that graph
-        finds its graph's)."""
+        or None): variables on this worker, local (every worker initializes its own): one
+        set for eager code and ``tf.function`` s, one per graph in graph mode (a
+        ``tf.cond`` branch of that graph finds its graph's)."""
         with tf.init_scope():
             if tf.executing_eagerly():
                 if self._eager_vars is None:
