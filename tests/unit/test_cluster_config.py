@@ -96,7 +96,21 @@ def test_flags_and_user_defined_agree():
         (user.role, user.index, user.servers, user.workers)
 
 
-def test_fleet_api_after_init():
+@pytest.fixture
+def fresh_runtime(monkeypatch):
+    """The process runtime as no init left it, put back afterwards: a role set here must
+    not reach later tests (a server role makes tables in this process look remote)."""
+    from tfpsx.metrics import sinks
+    from tfpsx.runtime import RUNTIME
+    for attr in ("config", "role_maker", "_coord"):
+        monkeypatch.setattr(RUNTIME, attr, None)
+    monkeypatch.setattr(sinks, "_identity", dict(sinks._identity))
+    yield
+    if RUNTIME._coord is not None:
+        RUNTIME._coord.close()
+
+
+def test_fleet_api_after_init(fresh_runtime):
     tfpsx.init(UserDefinedRoleMaker("worker", 0, PS, WK))
     assert tfpsx.is_worker() and tfpsx.is_chief() and not tfpsx.is_server()
     assert (tfpsx.worker_index(), tfpsx.worker_num(), tfpsx.server_num()) == (0, 3, 2)
