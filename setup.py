@@ -57,8 +57,12 @@ def query_tensorflow():
 
 
 def op_sources(cuda: bool):
-    """The op library's sources (paths relative to HERE): *.cc for g++, or *.cu.cc for nvcc."""
+    """The op library's sources (paths relative to HERE): *.cc for g++, or *.cu.cc for nvcc
+    (with the TF-free CUDA core of custom_ops/cuda, its native benchmark left out)."""
     paths = glob.glob(os.path.join(HERE, "custom_ops", "cc", "**", "*.cc"), recursive=True)
+    if cuda:
+        paths += [p for p in glob.glob(os.path.join(HERE, "custom_ops", "cuda", "*.cu.cc"))
+                  if not p.endswith("_bench.cu.cc")]
     return sorted(os.path.relpath(p, HERE) for p in paths if p.endswith(".cu.cc") == cuda)
 
 

@@ -22,6 +22,20 @@ def test_loads_once_and_has_control_ops():
     assert _loader.build_info(_loader.find_library())["tf_version"] == tf.__version__
 
 
+def test_gpu_table_ops_come_only_with_a_cuda_build():
+    """The GPU table's ops and kernels are *.cu.cc sources, which only a CUDA build
+    (TFPSX_WITH_CUDA=1) compiles (`make cuda-check` compiles them here): a CPU library
+    registers the ops it did before the GPU table existed, and none of the GPU table's."""
+    ops = tfpsx.load_ops()
+    info = _loader.library_info()
+    gpu_ops = sorted(n for n in dir(ops) if n.startswith("tfpsx_gpu_table"))
+    if info["cuda"]:
+        assert "tfpsx_gpu_table_find_or_insert" in gpu_ops, gpu_ops
+    else:
+        assert gpu_ops == [], (info, gpu_ops)
+    assert hasattr(ops, "tfpsx_hash_table_find")
+
+
 def _copy_with_version(tmp_path, version: str) -> str:
     src = _loader.find_library()
     data = open(src, "rb").read()
