@@ -5,26 +5,16 @@
 // and the CUDA build compiles this file with nvcc like every other *.cu.cc (it has no
 // device code; nvcc hands it to the host compiler).
 
+#include "custom_ops/cc/ops/shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace tfpsx {
 
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
-
-namespace {
-
-// values: keys' shape + [dim] (dim unknown here).
-absl::Status GpuRowsLikeKeys(InferenceContext* c) {
-  ShapeHandle out;
-  TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(InferenceContext::kUnknownDim), &out));
-  c->set_output(0, out);
-  return absl::OkStatus();
-}
-
-}  // namespace
+using shape_fns::NoOutputs;
+using shape_fns::RowsAndFound;
+using shape_fns::RowsLikeKeys;
 
 REGISTER_OP("TfpsxGpuTableHandleOp")
     .Output("handle: resource")
@@ -50,11 +40,7 @@ REGISTER_OP("TfpsxGpuTableFind")
     .Input("keys: int64")
     .Output("values: float")
     .Output("found: bool")
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(GpuRowsLikeKeys(c));
-      c->set_output(1, c->input(1));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(RowsAndFound)
     .Doc("Rows of `keys`; a missing key gets its initial row and found=false.");
 
 REGISTER_OP("TfpsxGpuTableFindOrInsert")
@@ -62,7 +48,7 @@ REGISTER_OP("TfpsxGpuTableFindOrInsert")
     .Input("handle: resource")
     .Input("keys: int64")
     .Output("values: float")
-    .SetShapeFn(GpuRowsLikeKeys)
+    .SetShapeFn(RowsLikeKeys)
     .Doc("Rows of `keys`, inserting missing keys with their initial rows; a full table is an error.");
 
 REGISTER_OP("TfpsxGpuTableAccumulate")
@@ -70,14 +56,14 @@ REGISTER_OP("TfpsxGpuTableAccumulate")
     .Input("handle: resource")
     .Input("keys: int64")
     .Input("deltas: float")
-    .SetShapeFn([](InferenceContext*) { return absl::OkStatus(); })
+    .SetShapeFn(NoOutputs)
     .Doc("row += delta for `keys` (repeats add up); a missing key starts from its initial row.");
 
 REGISTER_OP("TfpsxGpuTableEvict")
     .SetIsStateful()
     .Input("handle: resource")
     .Input("keys: int64")
-    .SetShapeFn([](InferenceContext*) { return absl::OkStatus(); })
+    .SetShapeFn(NoOutputs)
     .Doc("Removes `keys` from the GPU table (their slots are reused).");
 
 REGISTER_OP("TfpsxGpuTableSize")

@@ -4,6 +4,7 @@
 // reads or changes the table, so TF must neither fold, merge nor prune one (a tf.function
 // pruned an apply whose only user was a control dependency: Keras tables did not train).
 
+#include "custom_ops/cc/ops/shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -14,19 +15,9 @@ using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
-namespace {
-
-// Output: keys' shape + [dim] (dim from the values input's last dimension is unknown here).
-absl::Status RowsLikeKeys(InferenceContext* c) {
-  ShapeHandle out;
-  TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(InferenceContext::kUnknownDim), &out));
-  c->set_output(0, out);
-  return absl::OkStatus();
-}
-
-absl::Status NoOutputs(InferenceContext*) { return absl::OkStatus(); }
-
-}  // namespace
+using shape_fns::NoOutputs;
+using shape_fns::RowsAndFound;
+using shape_fns::RowsLikeKeys;
 
 REGISTER_OP("TfpsxHashTableHandleOp")
     .Output("handle: resource")
@@ -56,11 +47,7 @@ REGISTER_OP("TfpsxHashTableFind")
     .Input("keys: int64")
     .Output("values: float")
     .Output("found: bool")
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(RowsLikeKeys(c));
-      c->set_output(1, c->input(1));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(RowsAndFound)
     .Doc("Rows of `keys`; a missing key gets its initial row and found=false.");
 
 REGISTER_OP("TfpsxHashTableCacheFind")
@@ -70,11 +57,7 @@ REGISTER_OP("TfpsxHashTableCacheFind")
     .Input("step: int64")
     .Output("values: float")
     .Output("found: bool")
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(RowsLikeKeys(c));
-      c->set_output(1, c->input(1));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(RowsAndFound)
     .Doc(R"doc(
 A worker cache's lookup: rows of `keys` and which were present, like Find; a present
 key's frequency is counted and its step set to `step` (LFU / LRU bookkeeping). Nothing
