@@ -150,7 +150,7 @@ bazel: setup
 	$(PY) configure.py
 	bazel build //:_tfpsx_ops.so
 	bazel test --test_output=errors //:all
-	$(PY) -c "from tfpsx import _loader; import tensorflow as tf; \
+	$(PY) -c "from tfpsx.ops import loader as _loader; import tensorflow as tf; \
 	    ops = _loader.load_ops('bazel-bin'); \
 	    h = ops.tfpsx_counter_handle_op(shared_name='bazel/check'); \
 	    assert int(ops.tfpsx_counter_add(h, tf.constant(2, tf.int64))) == 2; \
