@@ -5,7 +5,6 @@ needed; where there is no nvcc the test is skipped and says so, as ``make cuda-c
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -44,23 +43,16 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def _nvcc():
-    for path in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if path and os.access(path, os.X_OK):
-            return path
-    return None
-
-
 @pytest.mark.timeout(900)
 def test_a_cuda_build_links_loads_and_keeps_its_cpu_ops(tmp_path):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH, in $NVCC or at /usr/local/cuda/bin/nvcc: the CUDA "
-                    "build cannot be checked on this machine")
-    env = {**os.environ, "TFPSX_WITH_CUDA": "1", "NVCC": nvcc}
+    env = {**os.environ, "TFPSX_WITH_CUDA": "1"}
     build = subprocess.run(
         [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    # setup.py looks for nvcc where a user's build does; its message says where it looked.
+    no_nvcc = [line for line in build.stderr.splitlines() if "need nvcc, but none" in line]
+    if build.returncode != 0 and no_nvcc:
+        pytest.skip(f"the CUDA build cannot be checked on this machine: {no_nvcc[0]}")
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     assert "(with CUDA)" in build.stdout, build.stdout[-2000:]
     check = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path / "tfpsx")], cwd=ROOT,
