@@ -11,7 +11,7 @@
 #   make cuda-bench       the GPU table's native benchmark (a machine with a GPU)
 #   make bench            benchmarks (ratios measured side by side in one run)
 #   make bazel            build the op library with Bazel (apt-get install bazel-bootstrap)
-#   make proto            regenerate tfpsx/control/proto/*_pb2*.py from scheduler.proto
+#   make proto            regenerate tfpsx/control/proto/*_pb2*.py from its .proto files
 
 PYTHON ?= python3
 TF ?= 2.21
@@ -164,6 +164,8 @@ proto:
 	.venv-proto/bin/pip install -q "grpcio-tools==1.62.3"
 	.venv-proto/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
 	    tfpsx/control/proto/scheduler.proto
+	.venv-proto/bin/python -m grpc_tools.protoc -I. --python_out=. \
+	    tfpsx/control/proto/tf_eager.proto
 
 else
 

@@ -65,7 +65,7 @@ __all__ = [
     "init", "is_server", "is_worker", "is_chief", "is_evaluator", "role", "worker_index",
     "worker_num", "server_index", "server_num", "cluster_spec", "cluster_config",
     "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker",
-    "server_target", "session_config", "load_ops", "op_library_info", "ClusterConfig",
+    "server_target", "session_config", "anchor_eager_service", "load_ops", "op_library_info", "ClusterConfig",
     "ServerReport", "RoleMaker", "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker",
     "UserDefinedRoleMaker", "FlagsRoleMaker", "OpLibraryError", "errors", "metrics",
     "settings", "__version__", *_LAZY,
@@ -170,6 +170,26 @@ def run_server(register_timeout: Optional[float] = None,
       A :class:`ServerReport` listing the workers that stopped and those lost.
     """
     return _RUNTIME.run_server(register_timeout, heartbeat_timeout)
+
+
+def anchor_eager_service(server, timeout: Optional[float] = None) -> None:
+    """Makes a ``tf.distribute.Server`` you started yourself safe for several eager
+    clients (Keras workers), as ``run_server()`` does for its own.
+
+    TF's eager service can crash a server when two clients create their contexts on it
+    at the same moment (docs/eager-anchor.md); the server's own context, created here
+    before any client connects, closes that window for good. Keras workers wait for it.
+
+    Args:
+      server: the ``tf.distribute.Server`` of this process, started.
+      timeout: seconds the call may take (TFPSX_RPC_TIMEOUT, default 30).
+
+    Raises:
+      ServerUnavailableError: the server did not accept it.
+    """
+    from tfpsx.control import eager_anchor
+
+    eager_anchor.anchor(server.server_def, settings.get("TFPSX_RPC_TIMEOUT", timeout))
 
 
 def run_scheduler() -> int:

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 from tfpsx import cluster as _cluster
 from tfpsx import errors, metrics, settings
-from tfpsx.control import sched_client
+from tfpsx.control import eager_anchor, sched_client
 from tfpsx.control.channels import wait_for_servers
 from tfpsx.control.counters import CounterCoordinator
 from tfpsx.control.protocol import Coordinator
@@ -217,6 +217,9 @@ class Runtime:
         start = time.monotonic()
         self._server = tf.distribute.Server(config.cluster_spec(), job_name="ps",
                                             task_index=config.index, start=True)
+        # Before any worker's eager context can reach it (workers wait for the anchor):
+        # TF's CreateContext race (tfpsx.control.eager_anchor).
+        eager_anchor.anchor(self._server.server_def, settings.get("TFPSX_RPC_TIMEOUT"))
         me = f"server {config.index}"
         logger.info("%s serving at %s (tfpsx ops for TF %s, CUDA kernels %s); waiting for %d "
                     "worker(s)", me, config.servers[config.index], info["tf_version"],

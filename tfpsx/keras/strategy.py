@@ -36,7 +36,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, one_device_strategy
 from tensorflow.python.framework import ops
 
-from tfpsx import errors
+from tfpsx import errors, settings
+from tfpsx.control import eager_anchor
 from tfpsx.control.watchdog import lost_server
 from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
@@ -330,5 +331,7 @@ def _connect(config) -> None:
     # A sparse spec (the PS tasks and this worker only): two clients whose specs list
     # each other hang (measured). A dict keeps this task's index in a sparse job.
     spec = tf.train.ClusterSpec({"ps": list(config.servers), job: {task: config.task_address()}})
-    tf.config.experimental_connect_to_cluster(spec, job_name=job, task_index=task)
+    eager_anchor.connect(spec, job, task, {f"ps:{i}": a for i, a in enumerate(config.servers)},
+                         settings.get("TFPSX_CONNECT_TIMEOUT"),
+                         log=lambda m: logger.info("worker %d %s", config.index, m))
     _connected = key
