@@ -142,6 +142,8 @@ bench: setup
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/incremental_checkpoint.py
 	$(PY) benchmarks/fault_soak.py
+	$(PY) benchmarks/startup_soak.py --kind keras --jobs 24 --parallel 2
+	$(PY) benchmarks/startup_soak.py --kind graph --jobs 12 --parallel 2
 
 # Bazel 4 (Debian's bazel-bootstrap) builds the same library offline against the
 # installed wheel, and the core's native tests; the check loads the library through
