@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tfpsx/control/proto/tf_eager.proto\x12\x0etfpsx.tf_eager\"\x7f\n\x14\x43reateContextRequest\x12\x12\n\nserver_def\x18\x01 \x01(\x0c\x12\r\n\x05\x61sync\x18\x02 \x01(\x08\x12\x17\n\x0fkeep_alive_secs\x18\x03 \x01(\x03\x12\x12\n\ncontext_id\x18\x07 \x01(\x06\x12\x17\n\x0f\x63ontext_view_id\x18\x08 \x01(\x06\"\x17\n\x15\x43reateContextResponse\"&\n\x10KeepAliveRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\x06\",\n\x11KeepAliveResponse\x12\x17\n\x0f\x63ontext_view_id\x18\x01 \x01(\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tfpsx/control/proto/tf_eager.proto\x12\x0etfpsx.tf_eager\"\x7f\n\x14\x43reateContextRequest\x12\x12\n\nserver_def\x18\x01 \x01(\x0c\x12\r\n\x05\x61sync\x18\x02 \x01(\x08\x12\x17\n\x0fkeep_alive_secs\x18\x03 \x01(\x03\x12\x12\n\ncontext_id\x18\x07 \x01(\x06\x12\x17\n\x0f\x63ontext_view_id\x18\x08 \x01(\x06\"\x17\n\x15\x43reateContextResponse\"&\n\x10KeepAliveRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\x06\",\n\x11KeepAliveResponse\x12\x17\n\x0f\x63ontext_view_id\x18\x01 \x01(\x06\"5\n\tOperation\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"9\n\tQueueItem\x12,\n\toperation\x18\x02 \x01(\x0b\x32\x19.tfpsx.tf_eager.Operation\"N\n\x0e\x45nqueueRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\x06\x12(\n\x05queue\x18\x03 \x03(\x0b\x32\x19.tfpsx.tf_eager.QueueItem\"\x11\n\x0f\x45nqueueResponse\"B\n\x13\x43loseContextRequest\x12\x12\n\ncontext_id\x18\x01 \x01(\x06\x12\x17\n\x0f\x63ontext_view_id\x18\x02 \x01(\x06\"\x16\n\x14\x43loseContextResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -29,4 +29,16 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_KEEPALIVEREQUEST']._serialized_end=246
   _globals['_KEEPALIVERESPONSE']._serialized_start=248
   _globals['_KEEPALIVERESPONSE']._serialized_end=292
+  _globals['_OPERATION']._serialized_start=294
+  _globals['_OPERATION']._serialized_end=347
+  _globals['_QUEUEITEM']._serialized_start=349
+  _globals['_QUEUEITEM']._serialized_end=406
+  _globals['_ENQUEUEREQUEST']._serialized_start=408
+  _globals['_ENQUEUEREQUEST']._serialized_end=486
+  _globals['_ENQUEUERESPONSE']._serialized_start=488
+  _globals['_ENQUEUERESPONSE']._serialized_end=505
+  _globals['_CLOSECONTEXTREQUEST']._serialized_start=507
+  _globals['_CLOSECONTEXTREQUEST']._serialized_end=573
+  _globals['_CLOSECONTEXTRESPONSE']._serialized_start=575
+  _globals['_CLOSECONTEXTRESPONSE']._serialized_end=597
 # @@protoc_insertion_point(module_scope)
