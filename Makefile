@@ -1,7 +1,9 @@
 # tfpsx developer entry points. `make demo` and `make test` set everything up on a fresh
 # machine (virtualenv, TensorFlow, the op library built against it) and then run.
 #
-#   make test             tests against tensorflow-cpu 2.21 (what CI runs)
+#   make test             tests against tensorflow-cpu 2.21 (what CI runs; builds the docs too)
+#   make test-fast        the unit and single-process tests (pytest -m "unit or ops")
+#   make docs             the documentation site (MkDocs, --strict) into build/site
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
 #   make demo             a local 1-PS 2-worker job training examples/ctr_demo
 #   make build            rebuild the op library after changing custom_ops/
@@ -31,7 +33,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test native-test native-asan cuda-check cuda-native-test cuda-bench demo bench bazel \
+.PHONY: setup build test test-fast docs native-test native-asan cuda-check cuda-native-test cuda-bench demo bench bazel \
     proto clean
 
 ifeq ($(TF),2.21)
@@ -127,8 +129,16 @@ cuda-native-test: $(CUDA_NATIVE_TESTS)
 cuda-bench: $(CUDA_BENCH)
 	$(CUDA_BENCH)
 
-test: setup native-test cuda-check
+test: setup native-test cuda-check docs
 	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -ra --durations=10 -m "unit or ops" $(PYTEST_ARGS)
+
+# MkDocs + mkdocs-material (the site's theme): a docs extra, installed on first use.
+docs: setup
+	$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -m pip install -q mkdocs mkdocs-material
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 demo: setup
 	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --server_num 1 --worker_num 2 \
@@ -171,7 +181,7 @@ proto:
 
 else
 
-setup test demo build bench:
+setup test test-fast docs demo build bench:
 	mkdir -p $(ALT_DIR)/src
 	git ls-files -z --cached --others --exclude-standard | \
 	    tar --null -T - -cf - | tar -xf - -C $(ALT_DIR)/src

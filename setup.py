@@ -243,6 +243,7 @@ setup(
     install_requires=["numpy", "grpcio", "protobuf>=4.21", "portpicker"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "import-linter", "psutil"],
+        "docs": ["mkdocs", "mkdocs-material"],
         "cpu": ["tensorflow-cpu"],
     },
     entry_points={"console_scripts": ["tfpsx-run=tfpsx.launcher.run:main",

@@ -3,8 +3,8 @@
 Code reads a setting through :func:`get` (an argument, when given, overrides the
 environment), never ``os.environ`` directly, so a value is parsed and validated one way
 everywhere and a bad one is a ``ValueError`` that names the variable, the value and what
-was expected. The README's tables of variables are generated from this registry
-(``python -m tfpsx.settings`` prints them; a test keeps the README in step).
+was expected. The tables of variables in docs/settings.md are generated from this
+registry (``python -m tfpsx.settings`` prints them; a test keeps the page in step).
 
 This module is a bottom layer: it imports nothing from tfpsx (``setup.py`` loads it by
 path, before the package is installed).
@@ -96,8 +96,8 @@ class Setting:
       type: "seconds", "int" (>= 0), "count" (>= 1), "bool", "str", "path", or a
         description of a value the cluster resolver parses ("host:port", ...).
       default: the value when unset (None: no default).
-      doc: one line for the README.
-      group: the README table it is listed in.
+      doc: one line for the docs.
+      group: the docs table it is listed in.
       read_by: who reads it, when not tfpsx's Python code (e.g. "setup.py").
     """
     name: str
@@ -246,7 +246,7 @@ def get(name: str, override: Any = None, env: Optional[Mapping[str, str]] = None
 
 
 def markdown(groups: Sequence[str] = tuple(_GROUPS)) -> str:
-    """The README's tables of variables, one per group."""
+    """docs/settings.md's tables of variables, one per group."""
     out = []
     for group in groups:
         out.append(f"**{_GROUPS[group]}**\n")

@@ -1,4 +1,4 @@
-"""The settings registry: one place for every TFPSX_* variable, and the README in step."""
+"""The settings registry: one place for every TFPSX_* variable, and the docs in step."""
 
 import os
 import re
@@ -10,12 +10,12 @@ from tfpsx import settings
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_readme_tables_are_the_generated_ones():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    block = re.search(r"<!-- settings:begin -->\n(.*?)<!-- settings:end -->", readme, re.S)
-    assert block, "README.md lost its <!-- settings:begin/end --> markers"
+def test_docs_tables_are_the_generated_ones():
+    page = open(os.path.join(ROOT, "docs", "settings.md"), encoding="utf-8").read()
+    block = re.search(r"<!-- settings:begin -->\n(.*?)<!-- settings:end -->", page, re.S)
+    assert block, "docs/settings.md lost its <!-- settings:begin/end --> markers"
     assert block.group(1) == settings.markdown(), (
-        "README.md's settings tables differ from tfpsx/settings.py; regenerate them with "
+        "docs/settings.md's tables differ from tfpsx/settings.py; regenerate them with "
         "`python -m tfpsx.settings`")
 
 

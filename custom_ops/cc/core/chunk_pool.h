@@ -14,7 +14,7 @@
 // madvise'd for transparent huge pages: one page fault per 2 MiB instead of 512. Off by
 // default: on this project's VMs it made inserting new keys ~35% faster in the native
 // benchmark but 2-3x slower inside a TF process (huge-page faults there were slow and
-// erratic), see README.
+// erratic), see docs/tables.md.
 //
 // Thread safety: every method may be called concurrently (one mutex; a table asks for a
 // chunk once per chunk of rows).
