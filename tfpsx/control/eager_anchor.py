@@ -2,7 +2,7 @@
 
 Several eager clients (Keras workers) connect to one server: each
 ``tf.config.experimental_connect_to_cluster`` sends that server a ``CreateContext``
-request. TF's ``EagerServiceImpl::CreateContext`` (TF 2.4 .. 2.21) decides under a lock
+request. TF's ``EagerServiceImpl::CreateContext`` (read in TF 2.21's source) decides under a lock
 that the server has no context yet, drops the lock, then *replaces* the server's
 collective executor manager (freeing the old one) and gives the new context a raw pointer
 to the new manager; the context is registered only at its end. Two creations that
@@ -100,8 +100,8 @@ def _anchored(channel, timeout: float) -> str:
         call(pb.KeepAliveRequest(context_id=ANCHOR_CONTEXT_ID), timeout=timeout)
         return "ok"
     except grpc.RpcError as e:
-        # TF answers "Unable to find a context_id ..." (INVALID_ARGUMENT before 2.17,
-        # ABORTED since).
+        # TF answers "Unable to find a context_id ..." (ABORTED in TF 2.21; older
+        # releases said INVALID_ARGUMENT).
         if e.code() in _REFUSED and "context_id" in (e.details() or ""):
             return "answers, but has no tfpsx anchor context"
         return f"does not answer ({e.code().name})"
