@@ -65,10 +65,10 @@ __all__ = [
     "init", "is_server", "is_worker", "is_chief", "is_evaluator", "role", "worker_index",
     "worker_num", "server_index", "server_num", "cluster_spec", "cluster_config",
     "run_server", "run_scheduler", "init_worker", "stop_worker", "barrier_worker",
-    "server_target", "session_config", "anchor_eager_service", "load_ops", "op_library_info", "ClusterConfig",
-    "ServerReport", "RoleMaker", "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker",
-    "UserDefinedRoleMaker", "FlagsRoleMaker", "OpLibraryError", "errors", "metrics",
-    "settings", "__version__", *_LAZY,
+    "server_target", "session_config", "anchor_eager_service", "load_ops", "op_library_info",
+    "ClusterConfig", "ServerReport", "RoleMaker", "AutoRoleMaker", "TFConfigRoleMaker",
+    "EnvRoleMaker", "UserDefinedRoleMaker", "FlagsRoleMaker", "OpLibraryError", "errors",
+    "metrics", "settings", "__version__", *_LAZY,
 ]
 
 

@@ -55,7 +55,7 @@ def _own_address(server_def) -> str:
 
 def anchor(server_def, timeout: float) -> None:
     """Creates the anchor context on the server that ``server_def`` describes (in this
-    process, just started). Idempotent: an anchor already there is kept.
+    process, just started). Idempotent: an anchor already there is kept as it is.
 
     Args:
       server_def: the ``tf.distribute.Server``'s ``server_def``.
@@ -78,13 +78,16 @@ def anchor(server_def, timeout: float) -> None:
     # TF's gRPC server listens on every interface: reach it on loopback.
     target = f"127.0.0.1:{address.rsplit(':', 1)[1]}"
     with grpc.insecure_channel(target, options=FAST_RECONNECT) as channel:
-        call = channel.unary_unary(_CREATE, request_serializer=pb.CreateContextRequest.SerializeToString,
-                                   response_deserializer=pb.CreateContextResponse.FromString)
+        # Never a second CreateContext for the anchor's id: TF replaces a context whose
+        # id it gets again (erasing it first), which would empty the server for a moment.
+        if _anchored(channel, timeout, wait=True) == "ok":
+            return
+        create = channel.unary_unary(
+            _CREATE, request_serializer=pb.CreateContextRequest.SerializeToString,
+            response_deserializer=pb.CreateContextResponse.FromString)
         try:
-            call(request, timeout=timeout, wait_for_ready=True)
+            create(request, timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as e:
-            if e.code() in _REFUSED and "already exists" in (e.details() or ""):
-                return
             raise errors.ServerUnavailableError(
                 f"/job:{server_def.job_name}/task:{server_def.task_index} at {target}: its "
                 f"eager service did not create tfpsx's anchor context within {timeout:g} s "
@@ -92,12 +95,15 @@ def anchor(server_def, timeout: float) -> None:
                 "at once can crash this server (docs/eager-anchor.md)") from e
 
 
-def _anchored(channel, timeout: float) -> str:
-    """"ok", or why the anchor is not (yet) visible on the server behind ``channel``."""
-    call = channel.unary_unary(_KEEP_ALIVE, request_serializer=pb.KeepAliveRequest.SerializeToString,
-                               response_deserializer=pb.KeepAliveResponse.FromString)
+def _anchored(channel, timeout: float, wait: bool = False) -> str:
+    """"ok", or why the anchor is not (yet) visible on the server behind ``channel``
+    (``wait``: for the server to accept the connection too, within ``timeout``)."""
+    keep_alive = channel.unary_unary(
+        _KEEP_ALIVE, request_serializer=pb.KeepAliveRequest.SerializeToString,
+        response_deserializer=pb.KeepAliveResponse.FromString)
     try:
-        call(pb.KeepAliveRequest(context_id=ANCHOR_CONTEXT_ID), timeout=timeout)
+        keep_alive(pb.KeepAliveRequest(context_id=ANCHOR_CONTEXT_ID), timeout=timeout,
+                   wait_for_ready=wait)
         return "ok"
     except grpc.RpcError as e:
         # TF answers "Unable to find a context_id ..." (ABORTED in TF 2.21; older

@@ -5,9 +5,9 @@ CreateContext (docs/eager-anchor.md).
 Each worker joins (init_worker), prints READY, waits for the file GO_FILE (the test writes
 a start time into it once every worker is READY), sleeps until that instant and then
 creates tfpsx.keras.ParameterServerStrategy (the eager connect) at once. It then builds a
-Keras model in the scope (shared variables on the servers), fits two steps and runs ops of many kinds on
-every server, so each server builds new kernels for this client's context: a context
-holding a freed collective executor manager crashes its server there.
+Keras model in the scope (shared variables on the servers), fits two steps and runs ops of
+many kinds on every server, so each server builds new kernels for this client's context:
+a context holding a freed collective executor manager crashes its server there.
 """
 import os
 import sys
