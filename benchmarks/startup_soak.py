@@ -96,7 +96,8 @@ def main() -> int:
         jobs = pool.map(lambda i: run_job(i, args.kind, work, args), range(args.jobs))
         for r, n in zip(jobs, itertools.count(1)):
             records.append(r)
-            flag = "SERVER DIED " + "; ".join(r["evidence"]) if r["server_death"] else "ok"
+            flag = ("SERVER DIED " + "; ".join(r["evidence"]) if r["server_death"]
+                    else "ok" if r["rc"] == 0 else "failed (no server death)")
             print(f"[{n}/{args.jobs}] job {r['job']} {r['mode']} {r['servers']} PS "
                   f"{r['workers']} workers: rc {r['rc']} in {r['seconds']} s: {flag}", flush=True)
             for line in r["trace"]:
