@@ -2,7 +2,7 @@
 # machine (virtualenv, TensorFlow, the op library built against it) and then run.
 #
 #   make test             tests against tensorflow-cpu 2.21 (what CI runs; builds the docs too)
-#   make test-fast        the unit and single-process tests (pytest -m "unit or ops")
+#   make test-fast        the unit and single-process tests, not the slow ones
 #   make docs             the documentation site (MkDocs, --strict) into build/site
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
 #   make demo             a local 1-PS 2-worker job training examples/ctr_demo
@@ -133,7 +133,7 @@ test: setup native-test cuda-check docs
 	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -ra --durations=10 -m "unit or ops" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=10 -m "(unit or ops) and not slow" $(PYTEST_ARGS)
 
 # MkDocs + mkdocs-material (the site's theme): a docs extra, installed on first use.
 docs: setup

@@ -95,6 +95,7 @@ def test_without_its_scheduler_a_server_serves_on_then_gives_up_within_its_bound
     assert re.search(r"was unreachable for \d+ s \(TFPSX_SCHED_LOSS_TIMEOUT=4\); giving up", log)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_by_hand_every_process_restarted_like_an_orchestrator_resumes_the_job(make_cluster,
                                                                               tmp_path):

@@ -196,6 +196,7 @@ def _saved_step(ckpt) -> int:
     return int(found.group(1)) if found else -1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_max_restarts_starts_a_lost_worker_again_in_place(tmp_path):
     """--max_restarts 1: a non-chief worker killed mid-training is started again with its
@@ -235,6 +236,7 @@ def test_max_restarts_starts_a_lost_worker_again_in_place(tmp_path):
     assert chief["global_step"] >= 600 and chief["eval_loss"] < 0.05, chief
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path):
     """Deterministic GEO with a table, the server killed mid-training, --max_restarts 1:

@@ -347,6 +347,7 @@ def test_sparse_sync_dead_worker_is_a_clear_timeout(make_cluster):
     assert "ClusterTimeoutError" in log and "TFPSX_SYNC_STEP_TIMEOUT=4 s" in log, log[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("script", ["training_job.py", "sparse_job.py"])
 def test_sync_fails_fast_naming_the_worker_the_scheduler_declared_dead(make_cluster, script):
@@ -400,6 +401,7 @@ def test_bounded_staleness_holds_the_fast_worker_back(make_cluster):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,env", [("staleness", {"TFPSX_STALENESS_TIMEOUT": "4"}),
                                       ("sync", {"TFPSX_SYNC_STEP_TIMEOUT": "4"})])
+@pytest.mark.slow
 def test_a_dead_worker_is_a_clear_timeout_not_a_hang(make_cluster, mode, env):
     c = make_cluster(1, 2, script="training_job.py", env=dict(FAST, **env),
                      args=["--mode", mode, "--max_staleness", "1", "--steps", "100000",

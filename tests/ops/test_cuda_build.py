@@ -43,6 +43,7 @@ CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_cuda_build_links_loads_and_keeps_its_cpu_ops(tmp_path):
     env = {**os.environ, "TFPSX_WITH_CUDA": "1"}
