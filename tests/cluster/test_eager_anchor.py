@@ -110,3 +110,20 @@ def test_a_storm_of_simultaneous_contexts_never_crashes_a_tfpsx_server(make_clus
     time.sleep(0.5)
     assert c.procs[("server", 0)].poll() is None, c.logs()
     assert "fatal SIGSEGV" not in c.logs(), c.logs()
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_waiting_for_the_anchor_of_a_killed_server_fails_naming_it(make_cluster):
+    from tfpsx import errors
+    from tfpsx.control import eager_anchor
+
+    c = make_cluster(1, 1, timeout=200, env={"TFPSX_REGISTER_TIMEOUT": "180"})
+    c.start_task("server", 0)
+    wait_for_log(c, "server", 0, "serving at", timeout=120)
+    eager_anchor.wait_anchored({"ps:0": c.servers[0]}, timeout=10)  # anchored while alive
+    c.kill("server", 0)  # SIGKILL
+    started = time.monotonic()
+    with pytest.raises(errors.ClusterTimeoutError,
+                       match=rf"ps:0 at {c.servers[0]} does not answer \(UNAVAILABLE\)"):
+        eager_anchor.wait_anchored({"ps:0": c.servers[0]}, timeout=3)
+    assert time.monotonic() - started < 10
