@@ -158,13 +158,13 @@ void TestRegistryInterface() {
   CHECK(tfpsx::OptimizerNames() == "sgd, adagrad, adam, ftrl");
   const tfpsx::OptimizerInfo* adam = tfpsx::FindOptimizer("adam");
   CHECK(adam != nullptr && adam->num_slots == 2 &&
-        adam->HparamList() == "[lr, beta1, beta2, epsilon]");
+        adam->HparamList() == "[learning_rate, beta1, beta2, epsilon]");
   const tfpsx::OptimizerInfo* ftrl = tfpsx::FindOptimizer("ftrl");
-  CHECK(ftrl != nullptr && ftrl->num_slots == 2 && ftrl->HparamList() == "[lr, lr_power, l1, l2]");
+  CHECK(ftrl != nullptr && ftrl->num_slots == 2 && ftrl->HparamList() == "[learning_rate, learning_rate_power, l1, l2]");
   const tfpsx::OptimizerInfo* adagrad = tfpsx::FindOptimizer("adagrad");
-  CHECK(adagrad != nullptr && adagrad->num_slots == 1 && adagrad->HparamList() == "[lr, epsilon]");
+  CHECK(adagrad != nullptr && adagrad->num_slots == 1 && adagrad->HparamList() == "[learning_rate, epsilon]");
   const tfpsx::OptimizerInfo* sgd = tfpsx::FindOptimizer("sgd");
-  CHECK(sgd != nullptr && sgd->num_slots == 0 && sgd->HparamList() == "[lr]");
+  CHECK(sgd != nullptr && sgd->num_slots == 0 && sgd->HparamList() == "[learning_rate]");
   CHECK(tfpsx::FindOptimizer("rmsprop") == nullptr);
   CHECK(tfpsx::FindOptimizer("Adam") == nullptr);  // names are exact
 }

@@ -10,13 +10,19 @@ import tensorflow as tf
 
 import tfpsx
 
-# name -> (slot_init, hyperparameters in the op's order, the legacy op)
-OPTIMIZERS = {
-    "sgd": ((), (0.1,), "tfpsx_hash_table_apply_sgd"),
-    "adagrad": ((0.1,), (0.05, 1e-7), "tfpsx_hash_table_apply_adagrad"),
-    "adam": ((0.0, 0.0), (0.01, 0.9, 0.999, 1e-7), "tfpsx_hash_table_apply_adam"),
-    "ftrl": ((0.0, 0.1), (0.05, -0.5, 0.01, 0.02), "tfpsx_hash_table_apply_ftrl"),
-}
+from tfpsx.embedding.optimizers import OPTIMIZERS as SPECS
+from tfpsx.ops import bindings
+
+# What the op library registers (the single source of truth): name -> (slot_init,
+# hyperparameters in the op's order, the legacy op). Values: the spec's defaults, with a
+# larger learning rate so that rows move visibly.
+REGISTRY = bindings.optimizer_registry()
+OPTIMIZERS = {}
+for _name, _slots, _hparams in REGISTRY:
+    _spec = SPECS[_name](**({"learning_rate": 0.05}))
+    OPTIMIZERS[_name] = (tuple(_spec.slot_init),
+                         tuple(float(getattr(_spec, h)) for h in _hparams),
+                         f"tfpsx_hash_table_apply_{_name}")
 DIM = 6
 _names = itertools.count()
 
@@ -44,7 +50,7 @@ def step_of(step):
     return tf.constant(step, tf.int64)
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", [name for name, _, _ in REGISTRY])
 def test_apply_equals_legacy_op(ops, name):
     slot_init, hparams, legacy = OPTIMIZERS[name]
     _, new = new_table(ops, slot_init)
@@ -85,7 +91,7 @@ def test_errors_name_table_optimizer_expected_and_given(ops):
         ops.tfpsx_hash_table_apply(adam_table, keys, grads, [0.1], step_of(1), optimizer="rmsprop")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"tfpsx table '{name}': optimizer 'adam' takes 4 "
-                             r"hyperparameter\(s\) \[lr, beta1, beta2, epsilon\] as a vector, "
+                             r"hyperparameter\(s\) \[learning_rate, beta1, beta2, epsilon\] as a vector, "
                              r"got hparams of shape \[2\]"):
         ops.tfpsx_hash_table_apply(adam_table, keys, grads, [0.1, 0.9], step_of(1),
                                    optimizer="adam")
@@ -102,7 +108,7 @@ def test_errors_name_table_optimizer_expected_and_given(ops):
     # The legacy ops name the hyperparameter that is not a scalar.
     _, sgd_table = new_table(ops)
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"lr must be a scalar, got shape \[2\]"):
+                       match=r"learning_rate must be a scalar, got shape \[2\]"):
         ops.tfpsx_hash_table_apply_sgd(sgd_table, keys, grads, [0.1, 0.2], step_of(1))
     # Nothing was applied by any failed call.
     assert len(export(ops, adam_table)[0]) == 0 and len(export(ops, sgd_table)[0]) == 0

@@ -1,18 +1,24 @@
 """Server-side optimizers of a table: their slots live beside each row, on the PS.
 
-Each optimizer is a spec here and one functor in the C++ core
-(``custom_ops/cc/core/optimizers.h``), registered there under the same ``name``; one op,
-``TfpsxHashTableApply``, runs any of them. A new optimizer is one functor and one spec:
-its ``name``, its ``HYPERPARAMS`` (attribute names, in the functor's order) and its
-``slot_init`` (each slot's initial value).
+Each optimizer is one functor in the C++ core (``custom_ops/cc/core/optimizers.h``),
+registered there under its ``name`` with its slot count and hyperparameter names in order:
+that registry is the single source of truth, and one op, ``TfpsxHashTableApply``, runs
+any of them. A spec here is the Python face of one entry: its constructor arguments, its
+``HYPERPARAMS`` (attributes, named and ordered as the registry's) and its ``slot_init``
+(each slot's initial value). :func:`check_registry` compares the specs with the registry
+the op library reports, the first time an optimizer is resolved: a mismatch is an error
+naming both sides. A new optimizer is one functor, one line in the C++ list and one spec.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Sequence, Tuple
+import threading
+from typing import Iterable, Optional, Sequence, Tuple
 
 import tensorflow as tf
+
+from tfpsx.ops import bindings
 
 
 class SparseOptimizer:
@@ -85,6 +91,59 @@ class Ftrl(SparseOptimizer):
 OPTIMIZERS = {cls.name: cls for cls in (SGD, Adagrad, Adam, Ftrl)}
 
 
+class RegistryMismatchError(RuntimeError):
+    """The Python optimizer specs and the op library's registry disagree."""
+
+
+def check_registry(native: Iterable[Tuple[str, int, Tuple[str, ...]]],
+                   specs: Optional[dict] = None) -> None:
+    """Raises RegistryMismatchError unless ``specs`` (default :data:`OPTIMIZERS`) and the
+    library's registry ``native`` (``[(name, num_slots, hyperparameters)]``, see
+    ``tfpsx.ops.bindings.optimizer_registry``) list the same optimizers with the same slot
+    counts and the same hyperparameters in the same order."""
+    specs = OPTIMIZERS if specs is None else specs
+    native = {name: (slots, tuple(hparams)) for name, slots, hparams in native}
+    problems = []
+    for name in sorted(set(native) | set(specs)):
+        if name not in specs:
+            problems.append(f"{name!r} is in the op library's registry but has no Python spec")
+            continue
+        if name not in native:
+            problems.append(f"{name!r} has a Python spec ({specs[name].__name__}) but is not in "
+                            "the op library's registry")
+            continue
+        spec = specs[name]
+        spec_slots = len(spec().slot_init)
+        slots, hparams = native[name]
+        if spec_slots != slots:
+            problems.append(f"{name!r}: the op library keeps {slots} slot(s), "
+                            f"{spec.__name__} initializes {spec_slots}")
+        if tuple(spec.HYPERPARAMS) != hparams:
+            problems.append(f"{name!r}: the op library takes hyperparameters "
+                            f"[{', '.join(hparams)}], {spec.__name__} sends "
+                            f"[{', '.join(spec.HYPERPARAMS)}]")
+    if problems:
+        raise RegistryMismatchError(
+            "the server-side optimizers of tfpsx's Python specs (tfpsx/embedding/"
+            "optimizers.py) and of its op library (custom_ops/cc/core/optimizers.h) "
+            "differ: " + "; ".join(problems) + ". Rebuild the op library from the same "
+            "source tree (pip install -e .) or fix the spec.")
+
+
+_checked = False
+_check_lock = threading.Lock()
+
+
+def _check_library_once() -> None:
+    global _checked
+    if _checked:
+        return
+    with _check_lock:
+        if not _checked:
+            check_registry(bindings.optimizer_registry())
+            _checked = True
+
+
 def from_config(config: dict) -> SparseOptimizer:
     """The optimizer ``get_config()`` described."""
     config = dict(config)
@@ -94,7 +153,10 @@ def from_config(config: dict) -> SparseOptimizer:
 def resolve(spec) -> Optional[SparseOptimizer]:
     """An optimizer from a spec, a name ("adagrad"), a ``get_config()`` dict or None (no
     training)."""
-    if spec is None or isinstance(spec, SparseOptimizer):
+    if spec is None:
+        return spec
+    _check_library_once()
+    if isinstance(spec, SparseOptimizer):
         return spec
     if isinstance(spec, str) and spec.lower() in OPTIMIZERS:
         return OPTIMIZERS[spec.lower()]()

@@ -80,6 +80,15 @@ def table_accumulate(handle, keys, deltas, step):
     return load_ops().tfpsx_hash_table_accumulate(handle, keys, deltas, step)
 
 
+def optimizer_registry():
+    """The server-side optimizers the library was built with, in registration order:
+    ``[(name, num_slots, (hyperparameter, ...)), ...]`` (the C++ registry, the one source
+    of truth the Python specs are checked against)."""
+    names, slots, hparams = load_ops().tfpsx_optimizer_registry()
+    return [(n.decode(), int(k), tuple(h.decode().split(",")) if h else ())
+            for n, k, h in zip(names.numpy(), slots.numpy(), hparams.numpy())]
+
+
 def table_apply(handle, optimizer: str, keys, grads, hparams, step):
     """The server-side optimizer ``optimizer`` applied to the rows of (unique) ``keys``;
     ``hparams`` in the optimizer's order (see :mod:`tfpsx.embedding.optimizers`)."""

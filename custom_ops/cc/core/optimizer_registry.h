@@ -23,7 +23,7 @@ struct OptimizerInfo {
   void (*apply)(HashTable& table, const int64_t* keys, int64_t n, const float* grads,
                 const float* hparams, int64_t step);
 
-  // "[lr, beta1, beta2, epsilon]", for messages.
+  // "[learning_rate, beta1, beta2, epsilon]", for messages.
   std::string HparamList() const;
 };
 

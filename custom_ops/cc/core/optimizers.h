@@ -6,7 +6,10 @@
 // A functor declares
 //   kName      the name TfpsxHashTableApply's `optimizer` attr selects it by;
 //   kSlots     slot vectors it keeps beside each row's value;
-//   kHparams   its hyperparameters' names, in the order the `hparams` input lists them;
+//   kHparams   its hyperparameters' names, in the order the `hparams` input lists them
+//              (the Python specs in tfpsx/embedding/optimizers.py are checked against
+//              these names, this order and kSlots when the library loads: the registry
+//              here is the single source of truth);
 // is built on the host once per batch from those hyperparameters and the global step
 // (values that depend only on them, such as Adam's bias-corrected rate, are computed
 // there), and updates one row in place:
@@ -30,7 +33,7 @@ namespace tfpsx {
 struct SgdOptimizer {
   static constexpr const char* kName = "sgd";
   static constexpr int kSlots = 0;
-  static constexpr const char* kHparams[] = {"lr"};
+  static constexpr const char* kHparams[] = {"learning_rate"};
 
   SgdOptimizer(const float* h, int64_t /*step*/) : lr(h[0]) {}
 
@@ -45,7 +48,7 @@ struct SgdOptimizer {
 struct AdagradOptimizer {
   static constexpr const char* kName = "adagrad";
   static constexpr int kSlots = 1;
-  static constexpr const char* kHparams[] = {"lr", "epsilon"};
+  static constexpr const char* kHparams[] = {"learning_rate", "epsilon"};
 
   AdagradOptimizer(const float* h, int64_t /*step*/) : lr(h[0]), eps(h[1]) {}
 
@@ -65,7 +68,7 @@ struct AdagradOptimizer {
 struct AdamOptimizer {
   static constexpr const char* kName = "adam";
   static constexpr int kSlots = 2;
-  static constexpr const char* kHparams[] = {"lr", "beta1", "beta2", "epsilon"};
+  static constexpr const char* kHparams[] = {"learning_rate", "beta1", "beta2", "epsilon"};
 
   AdamOptimizer(const float* h, int64_t step) : beta1(h[1]), beta2(h[2]), eps(h[3]) {
     const double t = static_cast<double>(std::max<int64_t>(step, 1));
@@ -92,7 +95,7 @@ struct AdamOptimizer {
 struct FtrlOptimizer {
   static constexpr const char* kName = "ftrl";
   static constexpr int kSlots = 2;
-  static constexpr const char* kHparams[] = {"lr", "lr_power", "l1", "l2"};
+  static constexpr const char* kHparams[] = {"learning_rate", "learning_rate_power", "l1", "l2"};
 
   FtrlOptimizer(const float* h, int64_t /*step*/)
       : lr(h[0]), lr_power(h[1]), l1(h[2]), l2(h[3]) {}

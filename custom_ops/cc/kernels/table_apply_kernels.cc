@@ -90,8 +90,31 @@ class FixedApplyOp : public ApplyOp {
   explicit FixedApplyOp(OpKernelConstruction* ctx) : ApplyOp(ctx, Optimizer::kName) {}
 };
 
+// TfpsxOptimizerRegistry: the registry, for the Python specs to be checked against.
+class OptimizerRegistryOp : public ::tensorflow::OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const std::vector<OptimizerInfo>& all = Optimizers();
+    const ::tensorflow::TensorShape shape({static_cast<int64_t>(all.size())});
+    ::tensorflow::Tensor *names, *slots, *hparams;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &names));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, shape, &slots));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, shape, &hparams));
+    for (size_t i = 0; i < all.size(); ++i) {
+      names->vec<::tensorflow::tstring>()(i) = all[i].name;
+      slots->vec<int32_t>()(i) = all[i].num_slots;
+      std::string joined;
+      for (const std::string& h : all[i].hparam_names) joined += (joined.empty() ? "" : ",") + h;
+      hparams->vec<::tensorflow::tstring>()(i) = joined;
+    }
+  }
+};
+
 }  // namespace
 
+REGISTER_KERNEL_BUILDER(Name("TfpsxOptimizerRegistry").Device(DEVICE_CPU), OptimizerRegistryOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableApply").Device(DEVICE_CPU), ApplyOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableApplySgd").Device(DEVICE_CPU),
                         FixedApplyOp<SgdOptimizer>);

@@ -202,6 +202,21 @@ Keys changed since `reader`'s previous call (sorted), and resets them. A reader 
 registered by its first call, which returns nothing.
 )doc");
 
+REGISTER_OP("TfpsxOptimizerRegistry")
+    .Output("names: string")
+    .Output("num_slots: int32")
+    .Output("hparams: string")
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < 3; ++i) c->set_output(i, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The server-side optimizers this library was built with, in registration order: each
+one's name (what TfpsxHashTableApply's `optimizer` attr selects), its slot count and its
+hyperparameter names joined by commas, in the order `hparams` lists them. The Python
+specs are checked against it: the C++ registry is the one source of truth.
+)doc");
+
 REGISTER_OP("TfpsxHashTableApply")
     .SetIsStateful()
     .Input("handle: resource")
@@ -219,9 +234,9 @@ REGISTER_OP("TfpsxHashTableApply")
 Applies `grads` (keys' shape + [dim]) to the rows of `keys` (expected unique) with the
 server-side optimizer named by `optimizer`; a missing key starts from its initial row
 (with admission on, it gets no row). The table must have the optimizer's slot count.
-`hparams` lists the optimizer's hyperparameters in this order:
-  sgd: [lr]   adagrad: [lr, epsilon]   adam: [lr, beta1, beta2, epsilon]
-  ftrl: [lr, lr_power, l1, l2]
+`hparams` lists the optimizer's hyperparameters in the order TfpsxOptimizerRegistry
+gives (sgd [learning_rate], adagrad [learning_rate, epsilon], adam [learning_rate,
+beta1, beta2, epsilon], ftrl [learning_rate, learning_rate_power, l1, l2]).
 adam is lazy Adam with bias correction from `step` (taken as 1 when smaller).
 )doc");
 
