@@ -31,6 +31,30 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+
+def _load_settings():
+    """tfpsx/settings.py, loaded by path (the package is not installed yet): the build
+    parses its TFPSX_* variables with the registry's parsers (a bool is 1/0, true/false,
+    yes/no, on/off, as everywhere else)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "_tfpsx_settings", os.path.join(HERE, "tfpsx", "settings.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses looks the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+_settings = _load_settings()
+
+
+def build_setting(name: str):
+    """The build setting ``name`` from the environment; exits naming a bad value."""
+    try:
+        return _settings.get(name)
+    except ValueError as e:
+        sys.exit(str(e))
+
 _TF_QUERY = r"""
 import json, tensorflow as tf
 print(json.dumps({"tf_version": tf.__version__,
@@ -45,7 +69,7 @@ def query_tensorflow():
     for var in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME"):
         env.pop(var, None)
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    python = os.environ.get("TFPSX_TF_PYTHON", sys.executable)
+    python = build_setting("TFPSX_TF_PYTHON") or sys.executable
     proc = subprocess.run([python, "-c", _TF_QUERY], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(
@@ -72,10 +96,7 @@ CUDA_SOURCES = op_sources(cuda=True)
 
 
 def cuda_wanted() -> bool:
-    value = os.environ.get("TFPSX_WITH_CUDA", "0")
-    if value not in ("0", "1"):
-        sys.exit(f"TFPSX_WITH_CUDA must be 0 or 1, got {value!r}")
-    return value == "1"
+    return build_setting("TFPSX_WITH_CUDA")
 
 
 def find_cuda():
@@ -150,7 +171,7 @@ def compile_sources(sources, compiler, flags, obj_dir, force=False):
         subprocess.run(cmd, check=True)
         return obj
 
-    jobs = int(os.environ.get("TFPSX_BUILD_JOBS", os.cpu_count() or 1))
+    jobs = build_setting("TFPSX_BUILD_JOBS") or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(compile_one, sources))
 

@@ -111,3 +111,36 @@ def test_crash_trace_can_be_turned_off_and_rejects_bad_values():
     assert proc.returncode == 1 and "loaded" not in proc.stdout, proc
     assert "TFPSX_CRASH_TRACE: expected one of" in proc.stderr, proc.stderr
     assert "'maybe'" in proc.stderr, proc.stderr
+
+
+def _load_in_a_process(env):
+    code = "import tfpsx; tfpsx.load_ops(); print('loaded')"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_cores_boolean_settings_take_the_registry_spellings():
+    # The C++ core reads TFPSX_TABLE_HUGE_PAGES itself (env_bool.cc: the same spellings,
+    # natively tested); the loader names a bad value before the library loads.
+    proc = _load_in_a_process({"TFPSX_TABLE_HUGE_PAGES": "On"})
+    assert proc.returncode == 0 and "loaded" in proc.stdout, proc
+    proc = _load_in_a_process({"TFPSX_TABLE_HUGE_PAGES": "maybe"})
+    assert proc.returncode == 1 and "loaded" not in proc.stdout, proc
+    assert "TFPSX_TABLE_HUGE_PAGES: expected one of 1, true, yes, on, 0, false, no, off, " \
+           "got 'maybe'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value, expected", [("yes", "True"), ("off", "False"), ("1", "True")])
+def test_setup_py_parses_booleans_as_the_registry_does(value, expected):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import runpy, sys; sys.argv = ['setup.py']; "
+            "import setuptools; setuptools.setup = lambda **kw: None; "
+            "g = runpy.run_path('setup.py'); print(g['cuda_wanted']())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TFPSX_WITH_CUDA": value})
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == expected, proc
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TFPSX_WITH_CUDA": "2"})
+    assert proc.returncode == 1, proc
+    assert "TFPSX_WITH_CUDA: expected one of 1, true, yes, on, 0, false, no, off, got '2'" \
+        in proc.stderr, proc.stderr

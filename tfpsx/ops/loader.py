@@ -16,6 +16,7 @@ import re
 import threading
 from typing import Optional
 
+from tfpsx import settings
 from tfpsx.errors import OpLibraryError
 from tfpsx.ops import crash_trace
 
@@ -88,6 +89,7 @@ def load_ops(lib_dir: Optional[str] = None):
         import tensorflow as tf
 
         crash_trace.wanted()  # a bad TFPSX_CRASH_TRACE fails before anything loads
+        settings.get("TFPSX_TABLE_HUGE_PAGES")  # read by the C++ core: a bad value named here
         path = find_library(lib_dir)
         info = build_info(path)
         built_for = info["tf_version"]

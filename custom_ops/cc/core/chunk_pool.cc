@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "custom_ops/cc/core/env_bool.h"
+
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -15,10 +17,7 @@
 namespace tfpsx {
 namespace {
 
-bool HugePagesWanted() {
-  const char* v = std::getenv("TFPSX_TABLE_HUGE_PAGES");
-  return v != nullptr && std::string(v) == "1";
-}
+bool HugePagesWanted() { return EnvBool("TFPSX_TABLE_HUGE_PAGES", false); }
 
 size_t RoundUp(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * unit; }
 
