@@ -31,3 +31,18 @@ def test_no_module_past_600_lines():
                 if lines > 600:
                     big.append(f"{os.path.relpath(path, ROOT)} ({lines} lines)")
     assert not big, f"split these by concept: {big}"
+
+
+def test_private_tensorflow_symbols_are_reached_through_compat_only():
+    # tfpsx/compat.py names each private TF symbol with why and on which TF versions.
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "tfpsx")):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path.endswith(os.path.join("tfpsx", "compat.py")):
+                continue
+            text = open(path, encoding="utf-8").read()
+            for needle in ("tensorflow.python", "tf.__internal__", "keras.src"):
+                if needle in text:
+                    found.append(f"{os.path.relpath(path, ROOT)}: {needle}")
+    assert not found, f"import these through tfpsx.compat: {found}"

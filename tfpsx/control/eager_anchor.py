@@ -160,11 +160,11 @@ def connect(cluster_spec, job_name: str, task_index: int, servers: Dict[str, str
     context to servers that other clients share."""
     import tensorflow as tf
 
-    from tensorflow.python.eager import context
+    from tfpsx import compat  # TF loads here, not when a server imports this module
 
     wait_anchored(servers, timeout, log)
     tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
                                               task_index=task_index)
     # TF defers the servers' CreateContext to the process's first eager op: make it here,
     # where a failure names the connect, not a later op.
-    context.ensure_initialized()
+    compat.ensure_eager_context_initialized()

@@ -11,19 +11,19 @@ slot count) is refused before any shard changes.
 
 from __future__ import annotations
 
-from tensorflow.python.training.saving import saveable_object as _saveable_object
+from tfpsx import compat
 
 from tfpsx.embedding.sharding import EXPORT_FIELDS
 
 
-class TableSaveable(_saveable_object.SaveableObject):
+class TableSaveable(compat.SaveableObject):
     """Saver glue: exports all shards on save; re-shards into the current table on restore.
     Tensors are named ``<table>-keys``, ``-values``, ``-slots``, ``-freq``, ``-step``."""
 
     def __init__(self, table):
         self.table = table
         rows = table.export()
-        specs = [_saveable_object.SaveSpec(rows[k], "", f"{table.name}-{k}")
+        specs = [compat.SaveSpec(rows[k], "", f"{table.name}-{k}")
                  for k in EXPORT_FIELDS]
         super().__init__(rows["keys"], specs, table.name)
 

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tfpsx import compat
 from tfpsx.embedding.cache import CacheOptions, WorkerCache
 from tfpsx.embedding.initializers import Initializer
 from tfpsx.embedding.saveable import TableSaveable
@@ -50,7 +51,7 @@ def _default_devices(shards: Optional[int]) -> List[Optional[str]]:
     return [None] * (1 if shards is None else shards)
 
 
-class DynamicEmbedding(ShardedTable, tf.__internal__.tracking.Trackable):
+class DynamicEmbedding(ShardedTable, compat.Trackable):
     """A growable int64 -> float32[dim] table, sharded over the parameter servers.
 
     Args:

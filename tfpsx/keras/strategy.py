@@ -33,10 +33,9 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, one_device_strategy
-from tensorflow.python.framework import ops
 
 from tfpsx import errors, settings
+from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
 from tfpsx.control.watchdog import lost_server
 from tfpsx.embedding.cache import flush_eager_caches
@@ -76,7 +75,7 @@ def creation_context() -> CreationContext:
     return CreationContext(variable, "other", None)
 
 
-class _Extended(one_device_strategy.OneDeviceExtended):
+class _Extended(OneDeviceExtended):
     """One replica on this worker; every placement and update decision is the mode's."""
 
     def __init__(self, container, device: str, mode):
@@ -99,7 +98,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
 
     def update_on(self, device: str, var, fn, args, kwargs, group):
         """``fn(var, *args)`` on ``device`` (OneDevice runs every update on the worker)."""
-        with ops.device(device), distribute_lib.UpdateContext(device):
+        with tf.device(device), distribute_lib.UpdateContext(device):
             result = fn(var, *args, **(kwargs or {}))
             return result if group else tf.nest.map_structure(self._local_results, result)
 

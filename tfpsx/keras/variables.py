@@ -16,15 +16,12 @@ import time
 from typing import Optional
 
 import tensorflow as tf
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import gen_resource_variable_ops as gen_rv
-from tensorflow.python.ops import handle_data_util
-from tensorflow.python.ops import resource_variable_ops as rv
 
-from tfpsx import errors
+from tfpsx import compat, errors
+from tfpsx.compat import gen_resource_variable_ops as gen_rv
 
 
-class SharedVariable(rv.BaseResourceVariable):
+class SharedVariable(compat.BaseResourceVariable):
     """An eager resource variable named ``shared_name`` on ``device``.
 
     Keyword-only on purpose: ``tf.Variable``'s metaclass forwards positional arguments to
@@ -36,11 +33,10 @@ class SharedVariable(rv.BaseResourceVariable):
                  aggregation=tf.VariableAggregation.NONE,
                  synchronization=tf.VariableSynchronization.AUTO, distribute_strategy=None):
         shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
-        with ops.init_scope(), ops.device(device):
+        with tf.init_scope(), tf.device(device):
             handle = gen_rv.var_handle_op(shape=shape, dtype=dtype, shared_name=shared_name,
                                           container="", debug_name=name or shared_name)
-            rv._set_handle_shapes_and_types(  # noqa: SLF001 — what TF's own variables do
-                handle, handle_data_util.create_handle_data(shape, dtype), graph_mode=False)
+            compat.set_handle_shapes_and_types(handle, shape, dtype)
         super().__init__(trainable=trainable, shape=shape, dtype=dtype, handle=handle,
                          unique_id=shared_name, handle_name=name or shared_name,
                          in_graph_mode=False, aggregation=aggregation,
@@ -49,7 +45,7 @@ class SharedVariable(rv.BaseResourceVariable):
         self.shared_name = shared_name
 
     def initialized(self) -> bool:
-        with ops.init_scope():
+        with tf.init_scope():
             return bool(gen_rv.var_is_initialized_op(self.handle))
 
 
@@ -62,7 +58,7 @@ def initialize(var: SharedVariable, initial_value, is_chief: bool, timeout: floa
       ClusterTimeoutError: a non-chief waited ``timeout`` seconds (TFPSX_SESSION_TIMEOUT)
         for the chief.
     """
-    with ops.init_scope():
+    with tf.init_scope():
         if is_chief:
             if not var.initialized():
                 value = initial_value() if callable(initial_value) else initial_value

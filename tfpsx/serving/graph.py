@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.ops import gen_resource_variable_ops
+from tfpsx.compat import gen_resource_variable_ops
 
 from tfpsx.embedding.initializers import Initializer
 from tfpsx.ops import bindings

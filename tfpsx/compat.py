@@ -1,0 +1,60 @@
+"""Every private TensorFlow symbol tfpsx uses, in one place, with why and on which TF.
+
+tfpsx builds on TF's public API; where that has no door, the private symbol is named
+here and nowhere else (a test keeps ``tensorflow.python`` imports out of every other
+module), so a TF upgrade that moves one breaks this file alone, with the reason beside it.
+Checked on TF 2.16 and 2.21 (the versions CI and ``make test TF=2.16`` run); each
+symbol has existed unchanged in that range.
+
+* :data:`SaveableObject`, :data:`SaveSpec` — a table's checkpoint entries in TF1 graph
+  mode: ``tf.compat.v1.train.Saver`` takes saveables, and TF exports no public base
+  class for them (``tensorflow.python.training.saving.saveable_object``; TF 2.16-2.21).
+* :data:`distribute_lib`, :data:`OneDeviceExtended` — the Keras strategy subclasses
+  ``tf.distribute.OneDeviceStrategy``'s extended object (the hooks Keras calls:
+  ``_create_variable``, ``_update``, ``_batch_reduce_to``, ``_call_for_each_replica``)
+  and enters ``UpdateContext`` as TF's own strategies do; neither is public (TF 2.16-2.21).
+* :data:`BaseResourceVariable`, :func:`set_handle_shapes_and_types`,
+  :func:`create_handle_data` — an eager variable bound to a named resource on a PS
+  (``tf.Variable`` makes anonymous resources other clients cannot reach; TF 2.16-2.21).
+* :data:`gen_resource_variable_ops` — ``VarHandleOp`` with a ``shared_name``,
+  ``VarIsInitializedOp`` and ``ReadVariableOp`` on a handle (raw ops: also
+  ``tf.raw_ops``, but the generated module carries the shape inference TF's variables
+  rely on; TF 2.16-2.21).
+* :func:`ensure_eager_context_initialized` — creates the remote eager contexts at
+  connect time (TF defers it to the first op; ``context.ensure_initialized``, TF
+  2.16-2.21).
+* :data:`Trackable` — a table's object-based checkpoint entry (``tf.train.Checkpoint``);
+  ``tf.__internal__.tracking.Trackable`` is TF's exported-but-internal name for it.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
+from tensorflow.python.eager import context as _context
+from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import handle_data_util as _handle_data_util
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+from tensorflow.python.training.saving.saveable_object import SaveableObject, SaveSpec
+
+BaseResourceVariable = _resource_variable_ops.BaseResourceVariable
+Trackable = tf.__internal__.tracking.Trackable
+
+
+def set_handle_shapes_and_types(handle, shape, dtype) -> None:
+    """Gives an eager resource handle the shape and dtype its variable holds (what TF's
+    own eager variables do to their handles)."""
+    _resource_variable_ops._set_handle_shapes_and_types(  # noqa: SLF001
+        handle, _handle_data_util.create_handle_data(shape, dtype), graph_mode=False)
+
+
+def ensure_eager_context_initialized() -> None:
+    """Creates this process's eager context now, with the remote contexts of the cluster
+    it was connected to."""
+    _context.ensure_initialized()
+
+
+__all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
+           "BaseResourceVariable", "gen_resource_variable_ops", "set_handle_shapes_and_types",
+           "ensure_eager_context_initialized", "Trackable"]
