@@ -298,7 +298,7 @@ def test_graph_mode_cache_trains_like_the_table_it_caches(admit_after):
     over 40 ids (evicting; a sync every 2 updates, between steps; a final one at the
     end) leaves the PS rows the uncached table gets from the same SGD steps; also with
     admission (rows not yet admitted train on the PS in the step)."""
-    from tfpsx.training.hooks import WorkerCacheHook
+    from tfpsx.training.hooks import WorkerCacheHook, graph_caches
 
     with tf.Graph().as_default():
         ids = tf.compat.v1.placeholder(tf.int64, [None])
@@ -315,7 +315,12 @@ def test_graph_mode_cache_trains_like_the_table_it_caches(admit_after):
         cached, plain = tables
         stats = cached.stats()
         exports = [cached.export(), plain.export()]
-        assert tf.compat.v1.get_collection("tfpsx_worker_caches") == [cached.cache]
+        assert graph_caches() == [cached.cache]
+        # One state object on the graph, nothing of tfpsx's in its collections.
+        graph = tf.compat.v1.get_default_graph()
+        assert hasattr(graph, "_tfpsx_state") and not any(hasattr(graph, a) for a in (
+            "_tfpsx_mode", "_tfpsx_table_handles", "_tfpsx_cache_vars", "_tfpsx_checked_rows"))
+        assert not [k for k in graph.get_all_collection_keys() if "tfpsx" in str(k)]
         with tf.compat.v1.train.MonitoredSession(hooks=[WorkerCacheHook()]) as sess:
             for ids_ in worker_batches(0, 60, 40, 10):
                 sess.run(trains, {ids: ids_})

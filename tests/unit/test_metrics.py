@@ -10,6 +10,11 @@ class _Demo(metrics.Counters):
     FIELDS = ("events", "bytes")
 
 
+class _Gone(metrics.Counters):
+    GROUP = "gone"
+    FIELDS = ("events",)
+
+
 def test_counters_add_snapshot_and_group_sums():
     a, b = _Demo(), _Demo()
     a.add(events=1, bytes=10)
@@ -18,6 +23,19 @@ def test_counters_add_snapshot_and_group_sums():
     assert metrics.snapshot()["demo"] == {"events": 3, "bytes": 10}
     with pytest.raises(KeyError, match=r"no counter\(s\) \['rows'\].*events"):
         a.add(rows=1)
+
+
+def test_the_registry_is_bounded_and_keeps_the_totals_of_groups_that_are_gone():
+    from tfpsx.metrics import counters
+
+    before = metrics.snapshot().get("gone", {}).get("events", 0)
+    live = len(counters._REGISTRY)
+    for _ in range(1000):
+        _Gone().add(events=2)  # each dies at once
+    keep = _Gone()
+    keep.add(events=1)
+    assert len(counters._REGISTRY) <= live + 1  # not 1001 more
+    assert metrics.snapshot()["gone"]["events"] == before + 2001
 
 
 def test_emit_appends_records_that_read_returns(tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ from typing import Dict, Optional
 
 import tensorflow as tf
 
-from tfpsx import metrics
+from tfpsx import graph_state, metrics
 from tfpsx.embedding.geo_rule import GeoTable, push_rows, table_pull, table_push, table_readers
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 from tfpsx.embedding.storage import on_device
@@ -58,7 +58,6 @@ _STATE = ("registered", "clock", "updates", "sketched")
 SKETCH_DEPTH = 4
 _SKETCH_HASH = ((2147483647, 1103515245, 12345), (2147483629, 69069, 1013904223),
                 (2147483587, 1664525, 907633385), (2147483563, 22695477, 1))
-GRAPH_COLLECTION = "tfpsx_worker_caches"
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 logger = logging.getLogger("tfpsx")
@@ -208,16 +207,13 @@ class WorkerCache(ShardedTable):
                     with on_device(self.device):
                         self._eager_vars = self._make_vars(None)
                 return self._eager_vars
-            graph = tf.compat.v1.get_default_graph()
-            made = getattr(graph, "_tfpsx_cache_vars", None)
-            if made is None:
-                made = {}
-                setattr(graph, "_tfpsx_cache_vars", made)
-            if self.name not in made:
+            state = graph_state.of()
+            if self.name not in state.cache_variables:
                 with on_device(self.device):
-                    made[self.name] = self._make_vars([tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-                graph.add_to_collection(GRAPH_COLLECTION, self)
-            return made[self.name]
+                    state.cache_variables[self.name] = self._make_vars(
+                        [tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+                state.worker_caches.append(self)
+            return state.cache_variables[self.name]
 
     def _make_vars(self, collections):
         made = [tf.compat.v1.Variable(tf.zeros([n], tf.int64), trainable=False,

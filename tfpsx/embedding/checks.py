@@ -16,6 +16,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from tfpsx import graph_state
+
 EXPORT_FIELDS = ("keys", "values", "slots", "freq", "step")
 _INTEGER, _REAL = "integer", "real"
 
@@ -235,12 +237,8 @@ def rows_like_keys(what: str, name: str, dim: int, keys: tf.Tensor, rows) -> tf.
 def _checked_rows(graph) -> dict:
     """Row gradients already checked in ``graph``: id -> (tensor, keys, dim). A table's
     apply checks what its apply_gradients checked already; this spares the graph a
-    second assert per step. Kept on the graph, so it goes with it."""
-    checked = getattr(graph, "_tfpsx_checked_rows", None)
-    if checked is None:
-        checked = {}
-        setattr(graph, "_tfpsx_checked_rows", checked)
-    return checked
+    second assert per step."""
+    return graph_state.of(graph).checked_rows
 
 
 def row_gradients(what: str, dim: int, unique_keys: tf.Tensor, grads) -> tf.Tensor:

@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from tfpsx import graph_state
 from tfpsx.embedding.initializers import Initializer
 from tfpsx.ops import bindings
 
@@ -136,14 +137,8 @@ class HashTableStorage(TableStorage):
             if self._eager_handle is None:
                 self._eager_handle = self._make_handle()
             return self._eager_handle
-        # A graph keeps its handles itself (a dictionary of ours keyed by graph would keep
-        # every graph alive: the handle refers to it). The same spec on the same device is
-        # the same handle op.
-        graph = tf.compat.v1.get_default_graph()
-        handles = getattr(graph, "_tfpsx_table_handles", None)
-        if handles is None:
-            handles = {}
-            setattr(graph, "_tfpsx_table_handles", handles)
+        # The same spec on the same device is the same handle op in a graph.
+        handles = graph_state.of().table_handles
         key = (self.spec, self.device)
         if key not in handles:
             handles[key] = self._make_handle()

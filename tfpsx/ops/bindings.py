@@ -84,9 +84,17 @@ def optimizer_registry():
     """The server-side optimizers the library was built with, in registration order:
     ``[(name, num_slots, (hyperparameter, ...)), ...]`` (the C++ registry, the one source
     of truth the Python specs are checked against)."""
-    names, slots, hparams = load_ops().tfpsx_optimizer_registry()
+    import tensorflow as tf
+
+    ops = load_ops()
+    # A graph and in-process session of its own: the same in eager code, in a graph
+    # being built and in a process with eager execution disabled.
+    with tf.Graph().as_default() as graph:
+        fetches = ops.tfpsx_optimizer_registry()
+        with tf.compat.v1.Session(graph=graph) as session:
+            names, slots, hparams = session.run(fetches)
     return [(n.decode(), int(k), tuple(h.decode().split(",")) if h else ())
-            for n, k, h in zip(names.numpy(), slots.numpy(), hparams.numpy())]
+            for n, k, h in zip(names, slots, hparams)]
 
 
 def table_apply(handle, optimizer: str, keys, grads, hparams, step):

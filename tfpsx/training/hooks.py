@@ -7,7 +7,7 @@ from typing import Dict, Iterable, Optional
 
 import tensorflow as tf
 
-from tfpsx import metrics
+from tfpsx import graph_state, metrics
 from tfpsx.embedding import cache as _cache
 
 logger = logging.getLogger("tfpsx")
@@ -67,7 +67,7 @@ class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
     record."""
 
     def begin(self):
-        self._caches = tf.compat.v1.get_collection(CACHES)
+        self._caches = graph_caches()
         self._own = [c for c in self._caches if c.flush_in_step]
         self._detectors = [TrainStepDetector(c.apply_ops) for c in self._own]
         self._steps = [0] * len(self._own)  # training runs since each cache's last sync
@@ -95,5 +95,8 @@ class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
             _cache.report(name, values)
 
 
-#: The graph collection of its worker caches (:class:`tfpsx.embedding.cache.WorkerCache`).
-CACHES = _cache.GRAPH_COLLECTION
+
+def graph_caches(graph=None) -> list:
+    """The worker caches (:class:`tfpsx.embedding.cache.WorkerCache`) of ``graph``."""
+    state = graph_state.peek(graph)
+    return list(state.worker_caches) if state is not None else []

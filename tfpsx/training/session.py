@@ -16,7 +16,7 @@ from tfpsx import errors, settings
 from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.hooks import CACHES, ResumeLogHook, WorkerCacheHook
+from tfpsx.training.hooks import ResumeLogHook, WorkerCacheHook, graph_caches
 
 
 class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
@@ -104,7 +104,7 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
             scaffold = _IncrementalScaffold(every)
     mode = modes.mode_of()
     own = mode.hooks() if mode else []
-    if tf.compat.v1.get_collection(CACHES):
+    if graph_caches():
         own.append(WorkerCacheHook())
     session = _monitored_session(config, checkpoint_dir, list(hooks or []) + own,
                                  chief_only_hooks, last_step,

@@ -22,11 +22,9 @@ from typing import Callable, List, Optional
 
 import tensorflow as tf
 
+from tfpsx import graph_state
 from tfpsx.embedding.updaters import TableUpdater, updater_scope
 
-# The graph's mode object. An attribute rather than a WeakKeyDictionary: the mode's hooks
-# hold the graph's ops, which would keep a dictionary's key alive forever.
-_ATTR = "_tfpsx_mode"
 
 
 class Mode:
@@ -47,10 +45,10 @@ class Mode:
           ValueError: the graph already trains with a strategy of other options.
         """
         graph = graph or tf.compat.v1.get_default_graph()
-        mode = getattr(graph, _ATTR, None)
+        state = graph_state.of(graph)
+        mode = state.mode
         if mode is None:
-            mode = cls(strategy, config, graph)
-            setattr(graph, _ATTR, mode)
+            mode = state.mode = cls(strategy, config, graph)
         elif mode.strategy.key() != strategy.key():
             raise ValueError(
                 f"{strategy.mode}: this graph's model was built for {mode.strategy!r}, but "
@@ -121,4 +119,5 @@ class WrappedOptimizer(tf.compat.v1.train.Optimizer):
 
 def mode_of(graph=None) -> Optional[Mode]:
     """The mode a graph trains with, or None (no model_scope / distributed_optimizer)."""
-    return getattr(graph or tf.compat.v1.get_default_graph(), _ATTR, None)
+    state = graph_state.peek(graph)
+    return None if state is None else state.mode
