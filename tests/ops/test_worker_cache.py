@@ -123,13 +123,14 @@ def test_cached_geo_equals_uncached_geo(workers):
         assert 0 < stats["hit_rate"] < 1 and stats["size"] <= 64
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru"])
+@pytest.mark.parametrize("policy", ["lfu", "lru", E.LFU(), E.LRU()])
 def test_one_worker_evicting_cache_equals_uncached_geo(policy):
     """With one worker an evicted row's delta is on the PS before the row is fetched
     again, so a cache of 8 rows over 60 ids still gives GEO's values exactly."""
     args = dict(workers=1, k=4, syncs=5, vocab=60, batch=12)
     want = run_uncached_geo(**args)
     got, (cache,) = run_cached_geo(**args, size=8, policy=policy)
+    assert cache.options.policy == {"lfu": E.LFU(), "lru": E.LRU()}.get(policy, policy)
     assert_same_rows(got, want)
     assert float(cache.stats()["evictions"]) > 50
 
@@ -203,7 +204,7 @@ def test_admission_sketch_counts_recent_sightings_and_ages():
     """The sketch admits at the K-th sighting (several in one batch count), and halves
     every 10 x cache_size missed ids, so old sightings fade."""
     cache = WorkerCache(shared_table(), CacheOptions(2, admit_after=3), None, 1)
-    assert cache.sketch_window == 20 and cache.sketch_width == 1024
+    assert cache.sketch.window == 20 and cache.sketch.width == 1024
 
     def cached(key):
         return bool(cache.shards[0].find(tf.constant([key], tf.int64))[1][0])
@@ -339,7 +340,9 @@ def test_bad_cache_options_are_clear_errors():
             (dict(cache_size=0), r"cache_size must be None \(no cache\) or an int >= 1.*got 0"),
             (dict(cache_size=2.5), r"cache_size .* got 2\.5"),
             (dict(cache_size=8, cache_policy="fifo"), r"cache_policy must be one of "
-                                                      r"\['lfu', 'lru'\], got 'fifo'"),
+                                                      r"\['lfu', 'lru'\] or a "
+                                                      r"tfpsx.embedding.LFU\(\) / LRU\(\), "
+                                                      r"got 'fifo'"),
             (dict(cache_size=8, flush_steps=0), r"flush_steps must be an int >= 1.*got 0"),
             (dict(cache_size=8, cache_admit_after=0),
              r"cache_admit_after must be an int >= 1 .*got 0"),

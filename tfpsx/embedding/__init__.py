@@ -12,10 +12,13 @@ Layers, each using only the ones listed before it:
   every operation written once; mode-free;
 * :mod:`~tfpsx.embedding.updaters`: the seam where a training mode decides where a
   table's lookups read and its gradients go;
+* :mod:`~tfpsx.embedding.cache`: a table's worker cache (options and eviction policies,
+  the admission sketch, the sync schedule);
 * :mod:`~tfpsx.embedding.table`: ``DynamicEmbedding``, the user's table (training via its
   updater, checkpoints via :mod:`~tfpsx.embedding.saveable`).
 """
 
+from tfpsx.embedding.cache import LFU, LRU, EvictionPolicy
 from tfpsx.embedding.initializers import Initializer, constant, normal, uniform, zeros
 from tfpsx.embedding.optimizers import OPTIMIZERS, SGD, Adagrad, Adam, Ftrl, SparseOptimizer
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
@@ -28,5 +31,5 @@ __all__ = [
     "DynamicEmbedding", "EmbeddingLookup", "ShardedTable", "Initializer", "zeros", "constant",
     "uniform", "normal", "SparseOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "OPTIMIZERS",
     "TableStorage", "Backend", "HashTableBackend", "HASH_TABLE", "ShardSpec", "TableUpdater",
-    "updater_scope",
+    "updater_scope", "EvictionPolicy", "LFU", "LRU",
 ]

@@ -78,8 +78,9 @@ class DynamicEmbedding(ShardedTable, compat.Trackable):
         the cached rows train on the worker and sync with the PS every ``flush_steps``
         updates, on eviction and at the end of training (see
         :mod:`tfpsx.embedding.cache`). Not with sync training.
-      cache_policy: which cached rows go first when the cache is full: ``"lfu"`` (least
-        often looked up) or ``"lru"`` (least recently).
+      cache_policy: which cached rows go first when the cache is full:
+        ``tfpsx.embedding.LFU()`` (least often looked up; or ``"lfu"``) or ``LRU()``
+        (least recently; or ``"lru"``).
       flush_steps: updates between two syncs of the cache with the PS (in GEO mode the
         mode's K steps instead).
       cache_admit_after: a missed row enters the cache at its K-th sighting among recent

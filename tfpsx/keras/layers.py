@@ -230,7 +230,8 @@ class DynamicEmbedding(keras.layers.Layer):
                          "b": self.initializer.b},
             optimizer=None if self.table_optimizer is None else self.table_optimizer.get_config(),
             min_frequency=self.min_frequency, capacity=self.capacity, seed=self.seed,
-            cache_size=self.cache_size, cache_policy=self.cache_policy,
+            cache_size=self.cache_size,
+            cache_policy=getattr(self.cache_policy, "name", self.cache_policy),
             flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after)
         return config
 

@@ -28,13 +28,12 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
 from typing import Optional
 
 import keras
 import tensorflow as tf
 
-from tfpsx import errors, settings
+from tfpsx import compat, errors, settings
 from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
 from tfpsx.control.watchdog import lost_server
@@ -52,27 +51,25 @@ logger = logging.getLogger("tfpsx")
 _connected: Optional[tuple] = None  # (job, task, cluster) this process is connected to
 
 
-def creation_context() -> CreationContext:
-    """What Keras is creating, read off the call stack: the ``keras.Variable`` being
-    initialized and the nearest Keras object that asked for it. Keras passes neither to
-    ``tf.Variable`` (only a short ``name``, not unique in a model: two ``kernel`` s)."""
-    variable = None
-    frame = sys._getframe(2)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not None:
-            if isinstance(owner, keras.Variable):
-                variable = owner if variable is None else variable
-            elif isinstance(owner, keras.optimizers.Optimizer):
-                return CreationContext(variable, "optimizer", owner)
-            elif isinstance(owner, keras.metrics.Metric):
-                return CreationContext(variable, "metric", owner)
-            elif isinstance(owner, keras.layers.Layer):
-                return CreationContext(variable, "layer", owner)
-            elif isinstance(owner, keras.random.SeedGenerator):
-                return CreationContext(variable, "seed", owner)
-        frame = frame.f_back
-    return CreationContext(variable, "other", None)
+_KINDS = ((keras.optimizers.Optimizer, "optimizer"), (keras.metrics.Metric, "metric"),
+          (keras.layers.Layer, "layer"), (keras.random.SeedGenerator, "seed"))
+
+
+def creation_context(kwargs) -> CreationContext:
+    """What Keras is creating, read off the Keras name scopes open around it: the
+    variable's path (the scopes' path and its name, as ``keras.Variable.path``) and the
+    innermost Keras object that opened one (the layer, optimizer, metric or seed
+    generator that asked). Keras passes ``tf.Variable`` only a short ``name``, not unique
+    in a model (two ``kernel`` s)."""
+    name = kwargs.get("name")
+    name = name if isinstance(name, str) and name else None
+    prefix = compat.keras_current_path()
+    path = None if name is None else (f"{prefix}/{name}" if prefix else name)
+    for owner in reversed(compat.keras_name_scopes()):
+        for cls, kind in _KINDS:
+            if isinstance(owner, cls):
+                return CreationContext(path, name, kind, owner)
+    return CreationContext(path, name, "other", None)
 
 
 class _Extended(OneDeviceExtended):
@@ -85,7 +82,7 @@ class _Extended(OneDeviceExtended):
 
     # ------------------------------------------------------------------ variables
     def _create_variable(self, next_creator, **kwargs):
-        return self.mode.create_variable(self, next_creator, kwargs, creation_context())
+        return self.mode.create_variable(self, next_creator, kwargs, creation_context(kwargs))
 
     def create_local(self, next_creator, kwargs):
         """An ordinary variable on this worker (OneDevice's placement)."""

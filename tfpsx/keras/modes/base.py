@@ -36,28 +36,24 @@ TRIGGER = "tfpsx_gradient_trigger"  # the name of a DynamicEmbedding layer's tri
 
 
 class CreationContext:
-    """What Keras is creating: its variable (``keras.Variable``) and the kind of object
-    that asked for it ("layer", "optimizer", "metric", "seed" or "other")."""
+    """What Keras is creating: the variable's ``path`` and ``name`` (as its
+    ``keras.Variable`` has them; None when unnamed) and the kind of object that asked for
+    it ("layer", "optimizer", "metric", "seed" or "other")."""
 
-    def __init__(self, variable, kind: str, owner):
-        self.variable, self.kind, self.owner = variable, kind, owner
-
-    @property
-    def path(self) -> Optional[str]:
-        return None if self.variable is None else self.variable.path
+    def __init__(self, path: Optional[str], name: Optional[str], kind: str, owner):
+        self.path, self.name, self.kind, self.owner = path, name, kind, owner
 
     def is_model_weight(self, kwargs) -> bool:
         """A trainable weight of a layer (a DynamicEmbedding's gradient trigger aside)."""
         return (self.kind == "layer" and bool(kwargs.get("trainable", True))
-                and self.variable is not None and self.variable.name != TRIGGER)
+                and self.path is not None and self.name != TRIGGER)
 
     def is_slot(self, kwargs) -> bool:
         """An optimizer variable made from a model variable (momentum, Adam's m and v)."""
         return self.kind == "optimizer" and kwargs.get("colocate_with") is not None
 
     def is_iterations(self) -> bool:
-        return (self.kind == "optimizer" and self.variable is not None
-                and self.variable.name == "iteration")
+        return self.kind == "optimizer" and self.name == "iteration"
 
 
 class KerasMode:

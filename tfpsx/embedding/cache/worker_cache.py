@@ -36,95 +36,22 @@ worker copy). Counters (hit rate, rows fetched and flushed, evictions, bytes) ar
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import weakref
 from typing import Dict, Optional
 
 import tensorflow as tf
 
-from tfpsx import graph_state, metrics
+from tfpsx import graph_state
+from tfpsx.embedding.cache.admission import AdmissionSketch
+from tfpsx.embedding.cache.options import CacheOptions
+from tfpsx.embedding.cache.sync import FlushSchedule, track_eager
 from tfpsx.embedding.geo_rule import GeoTable, push_rows, table_pull, table_push, table_readers
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 from tfpsx.embedding.storage import on_device
 
-POLICIES = ("lfu", "lru")
 COUNTER_FIELDS = ("lookups", "hits", "rows_fetched", "bytes_fetched", "rows_flushed",
                   "bytes_flushed", "evictions", "rows_refreshed", "prefetched", "flushes",
                   "not_admitted")
 _STATE = ("registered", "clock", "updates", "sketched")
-# The admission sketch: SKETCH_DEPTH rows of counters, each indexed by its own hash of
-# the key: (key mod a prime < 2^31) * a + b, mod the width (no int64 overflow).
-SKETCH_DEPTH = 4
-_SKETCH_HASH = ((2147483647, 1103515245, 12345), (2147483629, 69069, 1013904223),
-                (2147483587, 1664525, 907633385), (2147483563, 22695477, 1))
-
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()
-logger = logging.getLogger("tfpsx")
-
-
-def eager_caches():
-    """The worker caches of this process used in eager code or ``tf.function`` (Keras)
-    that sync on their own (not GEO mode's): ``fit`` flushes them when it returns."""
-    return [c for c in list(_LIVE) if c.flush_in_step and c._eager_vars is not None]
-
-
-def report(name: str, values: Dict[str, float]) -> None:
-    """Logs a cache's counters and emits them as a ``cache`` metrics record."""
-    values = {k: float(v) for k, v in values.items()}
-    logger.info("tfpsx worker cache %s: hit rate %.3f over %d ids, %d rows cached, %d fetched, "
-                "%d flushed, %d evicted, %d refreshed", name, values["hit_rate"],
-                values["lookups"], values["size"], values["rows_fetched"],
-                values["rows_flushed"], values["evictions"], values["rows_refreshed"])
-    metrics.emit("cache", table=name, **values)
-
-
-def flush_eager_caches() -> None:
-    """Flushes and reports every cache of :func:`eager_caches` (the end of ``fit``)."""
-    for cache in eager_caches():
-        cache.flush()
-        cache.flushed(int(cache.updates()))
-        report(cache.table.name, {k: v.numpy() for k, v in cache.stats().items()})
-
-
-def flush_due_eager_caches() -> None:
-    """Syncs every cache of :func:`eager_caches` that is due (between ``fit``'s steps)."""
-    for cache in eager_caches():
-        cache.flush_if_due()
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheOptions:
-    """A table's cache: ``size`` rows, eviction ``policy``, sync every ``flush_steps``,
-    a miss admitted at its ``admit_after``-th recent sighting."""
-    size: int
-    policy: str = "lfu"
-    flush_steps: int = 100
-    admit_after: int = 1
-
-    @classmethod
-    def parse(cls, table: str, cache_size, cache_policy, flush_steps,
-              admit_after=1) -> Optional["CacheOptions"]:
-        """The options of ``DynamicEmbedding(cache_size=..., cache_policy=...,
-        flush_steps=..., cache_admit_after=...)``, or None without a cache; a bad value is
-        a ValueError naming it."""
-        what = f"DynamicEmbedding {table!r}"
-        if cache_size is None:
-            return None
-        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
-            raise ValueError(f"{what}: cache_size must be None (no cache) or an int >= 1 (rows "
-                             f"cached on the worker), got {cache_size!r}")
-        if cache_policy not in POLICIES:
-            raise ValueError(f"{what}: cache_policy must be one of {list(POLICIES)}, got "
-                             f"{cache_policy!r}")
-        if isinstance(flush_steps, bool) or not isinstance(flush_steps, int) or flush_steps < 1:
-            raise ValueError(f"{what}: flush_steps must be an int >= 1 (updates between two "
-                             f"syncs of the cache with the PS), got {flush_steps!r}")
-        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
-            raise ValueError(f"{what}: cache_admit_after must be an int >= 1 (a missed row "
-                             f"enters the cache at its K-th recent sighting; 1: at once), got "
-                             f"{admit_after!r}")
-        return cls(cache_size, cache_policy, flush_steps, admit_after)
 
 
 # The cache's methods build graph code already (no Python control flow on tensors):
@@ -184,16 +111,12 @@ class WorkerCache(ShardedTable):
         self.geo = GeoTable(table, self, self.old, device, reader, cached=True)
         # Evict down to this many rows when a lookup finds more than options.size.
         self.evict_to = max(0, options.size - max(1, options.size // 16))
-        # The admission sketch: >= 4 counters per cached row, halved every 10x the
-        # cache's size in missed ids.
-        self.sketch_width = 1 << max(10, (4 * options.size - 1).bit_length())
-        self.sketch_window = 10 * options.size
+        self.sketch = AdmissionSketch(options.size) if options.admit_after > 1 else None
+        self.schedule = FlushSchedule(options.flush_steps, own=flush_in_step)
         self._row_bytes = 8 + 4 * table.dim
         self._eager_vars = None
-        self._flushed_at = 0  # updates() at the last sync
         self._eager_registered = False
         self.apply_ops = []  # the update ops built in graphs
-        _LIVE.add(self)
 
     # ------------------------------------------------------------------ state
     def _vars(self):
@@ -206,6 +129,7 @@ class WorkerCache(ShardedTable):
                 if self._eager_vars is None:
                     with on_device(self.device):
                         self._eager_vars = self._make_vars(None)
+                    track_eager(self)
                 return self._eager_vars
             state = graph_state.of()
             if self.name not in state.cache_variables:
@@ -220,11 +144,7 @@ class WorkerCache(ShardedTable):
                                       collections=collections, name=name)
                 for n, name in ((len(_STATE), "tfpsx_cache_state"),
                                 (len(COUNTER_FIELDS), "tfpsx_cache_counters"))]
-        sketch = None
-        if self.options.admit_after > 1:
-            sketch = tf.compat.v1.Variable(tf.zeros([SKETCH_DEPTH, self.sketch_width], tf.int32),
-                                           trainable=False, collections=collections,
-                                           name="tfpsx_cache_sketch")
+        sketch = self.sketch.variable(collections) if self.sketch is not None else None
         return (*made, sketch)
 
     def _count(self, **values):
@@ -319,29 +239,17 @@ class WorkerCache(ShardedTable):
         key's estimated recent sightings, this one included; the ops to wait on). The
         sketch halves once ``sketch_window`` missed ids went in since it last did."""
         sketch = self._vars()[2]
-        n = tf.size(keys)
-        index = tf.stack([tf.math.floormod(tf.math.floormod(keys, p) * a + b,
-                                           self.sketch_width)
-                          for p, a, b in _SKETCH_HASH])  # [depth, n]
-        rows = tf.broadcast_to(tf.range(SKETCH_DEPTH, dtype=tf.int64)[:, None],
-                               [SKETCH_DEPTH, n])
-        where = tf.reshape(tf.stack([rows, index], axis=-1), [-1, 2])
-        added = sketch.scatter_nd_add(where, tf.reshape(
-            tf.broadcast_to(tf.cast(counts, tf.int32)[None, :], [SKETCH_DEPTH, n]), [-1]))
-        # gather from the variable itself: a read_value() would copy the whole sketch
-        # (and make the next scatter copy it again)
-        seen = _after(added, lambda: tf.reduce_min(
-            tf.reshape(sketch.gather_nd(where), [SKETCH_DEPTH, n]), axis=0))
+        seen = self.sketch.add(sketch, keys, counts)
         state = self._vars()[0]
         field = _STATE.index("sketched")
         total = _after(seen, lambda: state.scatter_nd_add(
             [[field]], [tf.reduce_sum(tf.cast(counts, tf.int64))])[field])
 
         def halve():
-            return [sketch.assign(tf.math.floordiv(sketch.read_value(), 2)),
+            return [self.sketch.halve(sketch),
                     state.scatter_nd_update([[field]], tf.zeros([1], tf.int64))]
 
-        aged = _when(total >= self.sketch_window, halve)
+        aged = _when(total >= self.sketch.window, halve)
         return seen, [aged]
 
     def _merge(self, cached, found, keys, train, step, parts=False):
@@ -423,11 +331,11 @@ class WorkerCache(ShardedTable):
     def flush_due(self, updates: int) -> bool:
         """Whether ``flush_steps`` updates ran since the last sync (a cache GEO mode
         syncs never is); ``updates``: the value of :meth:`updates`."""
-        return self.flush_in_step and updates - self._flushed_at >= self.options.flush_steps
+        return self.schedule.due(updates)
 
     def flushed(self, updates: int) -> None:
         """Records that the cache synced after ``updates`` updates."""
-        self._flushed_at = updates
+        self.schedule.flushed(updates)
 
     def flush_if_due(self, step=None) -> bool:
         """Eager: syncs when due; returns whether it did."""
@@ -495,7 +403,7 @@ class WorkerCache(ShardedTable):
         the victims' deltas go to the PS first (an empty push when none are due)."""
         size = self.shards[0].size()
         count = tf.where(size > self.options.size, size - self.evict_to, tf.zeros_like(size))
-        victims = self.shards[0].cache_victims(count, self.options.policy == "lru")
+        victims = self.shards[0].cache_victims(count, self.options.policy.by_step)
         push, pushed = _unless_empty(victims, lambda: push_rows(self.geo, victims, self.scale,
                                                                 step, keep_old=False),
                                      lambda: (None, tf.constant(0)))
