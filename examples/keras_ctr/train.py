@@ -98,7 +98,8 @@ def main(argv):
         model = build_model()
 
     start = time.perf_counter()
-    history = model.fit(data, epochs=FLAGS.epochs, verbose=FLAGS.verbose, shuffle=False)
+    history = model.fit(data, epochs=FLAGS.epochs, verbose=FLAGS.verbose, shuffle=False,
+                        callbacks=strategy.callbacks() if strategy else None)
     seconds = time.perf_counter() - start
 
     if strategy is not None:

@@ -1,64 +1,109 @@
-"""Where ``fit``, ``evaluate`` and ``predict`` meet the strategy.
+"""Where Keras 3's ``fit`` meets the strategy: the callback the strategy supplies.
 
-Keras 3 has no hook around ``fit`` for a ``tf.distribute`` strategy, and tfpsx's modes
-need one (the chief's initialization, GEO's communicator and final sync, a bounded wait
-that failed inside a step re-raised as itself). :func:`install` wraps ``keras.Model``'s
-three methods once, for the process: a model built in a
-``tfpsx.keras.ParameterServerStrategy`` scope goes through the strategy's ``call_keras``;
-every other model through Keras unchanged (unless a strategy exists and the model was
-built outside its scope: then its ``fit`` would train a local model only, a clear error).
-The user adds no callback: the strategy adds :class:`ModeCallback` to ``fit``'s.
+Keras 3 calls a ``tf.distribute`` strategy only to distribute a dataset, to open its
+scope, to run a step and to reduce its outputs; it has no hook around ``fit``, which
+tfpsx's modes need (the chief's initialization, GEO's communicator and its final sync,
+sync's leaving the group, a bounded wait that failed inside a step re-raised as itself).
+As Horovod does, the strategy supplies the callback that joins ``fit`` to it::
+
+    model.fit(dataset, epochs=3, callbacks=strategy.callbacks())
+
+* ``on_train_begin``: the model's checks and the mode's start (a non-chief waits for the
+  chief's model; GEO starts its communicator);
+* ``on_train_batch_end``: GEO wakes its communicator; worker caches sync;
+* ``on_train_end``: the mode's end (GEO's final sync, sync leaves the group).
+
+A ``fit`` without it fails at its first training step with an error naming the fix (the
+strategy's step checks a worker-local flag this callback sets). ``evaluate`` and
+``predict`` need nothing: the strategy's ``experimental_distribute_dataset``, which Keras
+calls when each of them starts, is their hook.
+
+The one hook Keras lacks is ``fit``'s failure: ``on_train_end`` is not called when a
+step raises. For the duration of ``fit`` the callback wraps *this model's*
+``train_function`` and ``test_function`` (instance attributes Keras itself assigns and
+caches), so a failed step ends the mode (GEO's communicator stops, a sync worker leaves
+the group) and a tfpsx error raised inside the step (a bounded wait that ran out, a lost
+server) comes out as itself; both are restored when ``fit`` ends. ``keras.Model`` itself
+is never touched: a model built outside a tfpsx scope trains as Keras trains it.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
+import logging
 
 import keras
+import tensorflow as tf
 
 from tfpsx.embedding.cache import flush_due_eager_caches
 
-_lock = threading.Lock()
-_originals = {}
-_strategies: "weakref.WeakSet" = weakref.WeakSet()
+logger = logging.getLogger("tfpsx")
+
+_STEP_FUNCTIONS = ("train_function", "test_function")
 
 
-class ModeCallback(keras.callbacks.Callback):
-    """Tells the mode when an execution of the train function ended (GEO wakes its
-    communicator there; ``steps_per_execution`` steps ran)."""
+class StrategyCallback(keras.callbacks.Callback):
+    """Joins one ``fit`` to a ``tfpsx.keras.ParameterServerStrategy`` (from
+    ``strategy.callbacks()``; the same object may serve every ``fit``)."""
 
-    def __init__(self, mode):
+    def __init__(self, strategy):
         super().__init__()
-        self._mode = mode
+        self._strategy = strategy
+        self._originals = {}  # step-function name -> Keras's own, while fit runs
+        self._active = False
+
+    # ------------------------------------------------------------------ Keras's hooks
+    def on_train_begin(self, logs=None):
+        self._strategy.begin_fit(self.model)
+        self._active = True
+        self._wrap("train_function")
+
+    def on_test_begin(self, logs=None):
+        if self._active:  # a validation inside fit
+            self._wrap("test_function")
 
     def on_train_batch_end(self, batch, logs=None):
-        self._mode.batch_end(self.model)
+        self._strategy.batch_end(self.model)
         flush_due_eager_caches()  # worker caches sync between steps
 
+    def on_train_end(self, logs=None):
+        self._restore()
+        self._active = False
+        self._strategy.end_fit(self.model)
 
-def install(strategy) -> None:
-    """Routes fit / evaluate / predict of models built in ``strategy``'s scope through it."""
-    with _lock:
-        _strategies.add(strategy)
-        for name in ("fit", "evaluate", "predict"):
-            if name not in _originals:
-                _originals[name] = getattr(keras.Model, name)
-                setattr(keras.Model, name, _routed(name, _originals[name]))
+    # ------------------------------------------------------------------ the failure path
+    def _wrap(self, name: str) -> None:
+        original = getattr(self.model, name, None)
+        if original is None or name in self._originals:
+            return
 
+        @functools.wraps(original)
+        def step(*args, **kwargs):
+            try:
+                return self._strategy.translating(original, *args, **kwargs)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise  # the end of an epoch's data: Keras's own loop ends the epoch
+            except BaseException:
+                self._fail()
+                raise
 
-def _routed(name: str, original):
-    @functools.wraps(original)
-    def method(model, *args, **kwargs):
-        strategy = getattr(model, "_distribute_strategy", None)
-        if strategy in _strategies:
-            return strategy.call_keras(name, original, model, args, kwargs)
-        if len(_strategies):
-            raise ValueError(
-                f"this model was built outside tfpsx.keras.ParameterServerStrategy.scope(), "
-                f"so {name}() would use a local model only: build and compile it inside "
-                "`with strategy.scope():`")
-        return original(model, *args, **kwargs)
+        self._originals[name] = (original, step)
+        setattr(self.model, name, step)
 
-    return method
+    def _restore(self) -> None:
+        for name, (original, step) in self._originals.items():
+            if getattr(self.model, name, None) is step:
+                setattr(self.model, name, original)
+        self._originals = {}
+
+    def _fail(self) -> None:
+        """A step of this fit raised: Keras will not call ``on_train_end``."""
+        if not self._active:
+            return
+        self._active = False
+        self._restore()
+        try:
+            self._strategy.end_fit(self.model, failed=True)
+        except Exception as e:  # noqa: BLE001 — the step's failure is the one to report
+            logger.warning("after a failed fit(), ending the %s mode failed too: %s",
+                           self._strategy.mode, e)

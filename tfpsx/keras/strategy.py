@@ -8,7 +8,9 @@ only; two clients whose specs list each other hang), and is a one-replica
 (:mod:`tfpsx.keras.modes`): where each variable Keras creates lives (its
 ``_create_variable``), where the optimizer's update runs (``_update``), how gradients are
 reduced across workers (``_batch_reduce_to``), what follows every training step (around
-the step function) and what happens around ``fit`` (:mod:`tfpsx.keras.fit`).
+the step function) and what happens around ``fit`` (the callback it supplies,
+:mod:`tfpsx.keras.fit`). Keras itself is not changed: a model built outside the scope
+trains as Keras trains it.
 
 Example::
 
@@ -18,7 +20,8 @@ Example::
   with strategy.scope():
       model = build_model()                     # any Keras 3 model
       model.compile(optimizer="adam", loss="binary_crossentropy")
-  model.fit(tfpsx.data.shard(dataset).batch(256), epochs=3)
+  model.fit(tfpsx.data.shard(dataset).batch(256), epochs=3,
+            callbacks=strategy.callbacks())
   tfpsx.stop_worker()
 """
 
@@ -26,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
+import weakref
 from typing import Optional
 
 import keras
@@ -50,6 +53,11 @@ logger = logging.getLogger("tfpsx")
 
 _connected: Optional[tuple] = None  # (job, task, cluster) this process is connected to
 
+
+_NOT_JOINED = (
+    "tfpsx.keras.ParameterServerStrategy: this training step runs in a fit() the strategy "
+    "was not joined to, so its mode cannot start or end (GEO's sync, sync's group, the "
+    "chief's model): call model.fit(..., callbacks=strategy.callbacks())")
 
 _KINDS = ((keras.optimizers.Optimizer, "optimizer"), (keras.metrics.Metric, "metric"),
           (keras.layers.Layer, "layer"), (keras.random.SeedGenerator, "seed"))
@@ -77,8 +85,10 @@ class _Extended(OneDeviceExtended):
 
     def __init__(self, container, device: str, mode):
         super().__init__(container, device)
+        self._owner = weakref.ref(container)
         self.mode = mode
         self._trained = False  # the step being traced updated variables (a training step)
+        self._guard = None  # the step being traced: its fit check
 
     # ------------------------------------------------------------------ variables
     def _create_variable(self, next_creator, **kwargs):
@@ -91,7 +101,8 @@ class _Extended(OneDeviceExtended):
     # ------------------------------------------------------------------ updates
     def _update(self, var, fn, args, kwargs, group):
         self._trained = True
-        return self.mode.update(self, var, fn, args, kwargs, group)
+        with tf.control_dependencies(self._fit_guard()):
+            return self.mode.update(self, var, fn, args, kwargs, group)
 
     def update_on(self, device: str, var, fn, args, kwargs, group):
         """``fn(var, *args)`` on ``device`` (OneDevice runs every update on the worker)."""
@@ -101,12 +112,21 @@ class _Extended(OneDeviceExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         self._trained = True
-        return self.mode.reduce(self, reduce_op, value_destination_pairs, options)
+        with tf.control_dependencies(self._fit_guard()):
+            return self.mode.reduce(self, reduce_op, value_destination_pairs, options)
+
+    def _fit_guard(self) -> list:
+        """The training step's first state change waits on this check: a step that
+        trains belongs to a ``fit`` joined by ``strategy.callbacks()`` (checked when the
+        step is traced, and when it runs: Keras reuses a traced step in a later fit)."""
+        if self._guard is None:
+            self._guard = self._owner().fit_guard()
+        return [self._guard]
 
     # ------------------------------------------------------------------ steps
     def _call_for_each_replica(self, fn, args, kwargs):
         def step(*step_args, **step_kwargs):
-            self._trained = False
+            self._trained, self._guard = False, None
             self.mode.take_trace_ops()  # leftovers of an earlier trace are not this step's
             # (Ordered before the step's reads of the same variables by the function's
             # automatic control dependencies.)
@@ -126,8 +146,10 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
     """Keras 3 ``fit`` on a tfpsx cluster, in the mode of a ``tfpsx.DistributedStrategy``.
 
     Create it on a worker after ``tfpsx.init()`` and ``tfpsx.init_worker()``; build *and
-    compile* the model inside ``scope()``; then ``fit``, ``evaluate`` and ``predict`` run
-    unchanged (callbacks, validation data, the progress bar, ``steps_per_execution``).
+    compile* the model inside ``scope()``; give ``fit`` the strategy's callbacks
+    (``callbacks=strategy.callbacks()``, beside your own); then ``fit``, ``evaluate`` and
+    ``predict`` run as Keras runs them (callbacks, validation data, the progress bar,
+    ``steps_per_execution``).
 
     * async: weights, optimizer slots and ``optimizer.iterations`` live on the PS; each
       worker's update runs there; every step reads the current global values.
@@ -179,7 +201,10 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         distribute_lib.Strategy.__init__(self, _Extended(self, mode.worker_device, mode))
         self.options, self._mode = options, mode
         self._pending: Optional[BaseException] = None
-        fit.install(self)
+        self._fitting = False
+        with tf.device(mode.worker_device):  # 1 while a fit joined by callbacks() runs
+            self._fit_flag = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                         name="tfpsx_fit_joined")
 
     @property
     def mode(self) -> str:
@@ -199,7 +224,12 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
     def experimental_distribute_dataset(self, dataset, options=None):
         """The dataset itself: one replica on this worker's CPU has nothing to distribute,
         and tf.distribute's prefetch-to-device iterator halved the examples/s of a step
-        in a process connected to a cluster (measured)."""
+        in a process connected to a cluster (measured).
+
+        Keras calls this when ``fit``, ``evaluate`` and ``predict`` start: outside a
+        ``fit``, it is where an evaluation begins (:meth:`before_inference`)."""
+        if not self._fitting:
+            self.before_inference(None)
         return dataset
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -216,21 +246,39 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
     def __repr__(self):
         return f"tfpsx.keras.ParameterServerStrategy({self.options!r})"
 
-    # ------------------------------------------------------------------ for fit.py
-    def reporting(self, fn):
-        """``fn`` for a ``tf.py_function`` inside a step: a tfpsx error it raises (a bounded
-        wait that ran out) aborts the step as a TF error and is re-raised, as itself,
-        from ``fit``."""
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except (errors.ClusterTimeoutError, errors.ServerUnavailableError,
-                    errors.BackgroundTaskError) as e:
-                self._pending = e
-                raise tf.errors.AbortedError(None, None, f"{type(e).__name__}: {e}") from e
+    # ------------------------------------------------------------------ around fit
+    def callbacks(self) -> list:
+        """What ``fit`` needs to train in this strategy's mode:
+        ``model.fit(..., callbacks=strategy.callbacks())`` (add your own beside them).
+        ``evaluate`` and ``predict`` need none."""
+        return [fit.StrategyCallback(self)]
 
-        return run
+    def fit_guard(self):
+        """A training step's check that it runs in a joined ``fit`` (see
+        :meth:`callbacks`): a ValueError when traced outside one, an error when run
+        outside one (a step traced by an earlier fit)."""
+        if not self._fitting:
+            raise ValueError(_NOT_JOINED)
+        return tf.debugging.assert_equal(self._fit_flag.read_value(), 1, message=_NOT_JOINED)
+
+    def begin_fit(self, model) -> None:
+        """``fit`` starts (the callback's ``on_train_begin``)."""
+        self.check_model(model)
+        self._mode.begin_fit(model)
+        self._fitting = True
+        self._fit_flag.assign(1)
+
+    def batch_end(self, model) -> None:
+        """An execution of the train function ended (``steps_per_execution`` steps)."""
+        self._mode.batch_end(model)
+
+    def end_fit(self, model, failed: bool = False) -> None:
+        """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""
+        self._fitting = False
+        self._fit_flag.assign(0)
+        self._mode.end_fit(model)
+        if not failed:
+            flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
 
     def check_model(self, model) -> None:
         optimizer = getattr(model, "optimizer", None)
@@ -248,50 +296,46 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
                 "(the default 'auto' already is False under a strategy)")
         self._mode.check_model(model)
 
-    def call_keras(self, name: str, original, model, args, kwargs):
-        """``fit`` / ``evaluate`` / ``predict`` of a model built in this scope."""
-        self.check_model(model)
-        if name != "fit":
-            self.before_inference(model)
-            return self._translating(original, model, *args, **kwargs)
-        bound = inspect.signature(original).bind(model, *args, **kwargs)
-        bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [
-            fit.ModeCallback(self._mode)]
-        self._mode.begin_fit(model)
-        try:
-            result = self._translating(original, *bound.args, **bound.kwargs)
-        except BaseException:
-            try:
-                self._mode.end_fit(model)
-            except Exception as e:  # noqa: BLE001 — the first failure is the one to report
-                logger.warning("after a failed fit(), ending the %s mode failed too: %s",
-                               self.mode, e)
-            raise
-        self._mode.end_fit(model)
-        flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
-        return result
-
     def before_inference(self, model) -> None:
         """What ``evaluate`` / ``predict`` do first: a non-chief waits for the chief's
         model; in GEO, outside ``fit``, this worker's copy takes the global model. A
         serving export (``tfpsx.export_serving``) calls it to write what ``predict`` uses."""
         self._mode.begin_eval(model)
 
-    def _translating(self, original, *args, **kwargs):
+    def reporting(self, fn):
+        """``fn`` for a ``tf.py_function`` inside a step: a tfpsx error it raises (a bounded
+        wait that ran out) aborts the step as a TF error and is re-raised, as itself,
+        by :meth:`translating`."""
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (errors.ClusterTimeoutError, errors.ServerUnavailableError,
+                    errors.BackgroundTaskError) as e:
+                self._pending = e
+                raise tf.errors.AbortedError(None, None, f"{type(e).__name__}: {e}") from e
+
+        return run
+
+    def translating(self, step, *args, **kwargs):
+        """``step(*args)`` (a Keras train or test function), its failures made tfpsx's: a
+        tfpsx error raised inside comes out as itself, a lost server is named."""
         self._pending = None
         try:
-            return original(*args, **kwargs)
+            return step(*args, **kwargs)
+        except tf.errors.OutOfRangeError:
+            raise
         except tf.errors.OpError as e:
             pending, self._pending = self._pending, None
             if pending is not None:
                 raise pending from e
-            self._raise_if_server_lost(original.__name__, e)
+            self._raise_if_server_lost(e)
             raise
         except errors.BackgroundTaskError as e:
-            self._raise_if_server_lost(original.__name__, e)
+            self._raise_if_server_lost(e)
             raise
 
-    def _raise_if_server_lost(self, what: str, error: BaseException) -> None:
+    def _raise_if_server_lost(self, error: BaseException) -> None:
         unavailable = error
         while unavailable is not None and not isinstance(unavailable, tf.errors.UnavailableError):
             unavailable = unavailable.__cause__
@@ -304,7 +348,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
                  if line.strip() and "execution error" not in line and "root error" not in line]
         first = (lines or ["unavailable"])[0][:300]
         raise errors.ServerUnavailableError(
-            f"worker {config.index}: {what}() lost {server} ({first}); the job cannot go on "
+            f"worker {config.index}: fit() lost {server} ({first}); the job cannot go on "
             "without it (its share of the variables and tables is gone): restart it from "
             "the last checkpoint") from error
 

@@ -47,6 +47,7 @@ for server in range(tfpsx.server_num()):
             y = tf.cast(x, dtype) * tf.cast(2, dtype) + tf.cast(1, dtype)
             _ = tf.reduce_sum(tf.abs(y)).numpy()
         _ = tf.linalg.matmul(x, x, transpose_b=True).numpy()
-history = model.fit(tf.ones([8, 6]), tf.ones([8, 1]), batch_size=4, epochs=1, verbose=0)
+history = model.fit(tf.ones([8, 6]), tf.ones([8, 1]), batch_size=4, epochs=1, verbose=0,
+                    callbacks=strategy.callbacks())
 print(f"WORKER_OK {tfpsx.worker_index()} loss {history.history['loss'][-1]:.4f}", flush=True)
 tfpsx.stop_worker()

@@ -162,7 +162,7 @@ def main(argv):
     with contextlib.nullcontext() if strategy is None else strategy.scope():
         model = wide_and_deep() if args.model == "wide_deep" else linear_model()
 
-    callbacks = []
+    callbacks = [] if strategy is None else strategy.callbacks()
     if args.checkpoint and args.incremental:
         saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=args.incremental)
         if me == 0:

@@ -23,7 +23,9 @@ def record(case, fn):
 
 record("before_init_worker", lambda: tfpsx.keras.ParameterServerStrategy())
 tfpsx.init_worker()
+keras_own = {name: getattr(keras.Model, name) for name in ("fit", "evaluate", "predict")}
 strategy = tfpsx.keras.ParameterServerStrategy()
+untouched = {name: getattr(keras.Model, name) is keras_own[name] for name in keras_own}
 x, y = np.ones((8, 2), np.float32), np.ones((8, 1), np.float32)
 
 
@@ -33,36 +35,63 @@ def dense_model():
 
 
 def outside_scope():
+    """A model built elsewhere trains locally, as Keras trains it: its weights change and
+    no variable of it is on a parameter server."""
     model = dense_model()
-    model.compile("sgd", "mse")
-    model.fit(x, y, verbose=0)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    before = model.get_weights()[0].copy()
+    history = model.fit(x, y, epochs=3, verbose=0)
+    assert not np.allclose(before, model.get_weights()[0]), "did not train"
+    assert history.history["loss"][-1] < history.history["loss"][0], history.history
+    devices = {v.value.device for v in model.weights}
+    assert all("job:ps" not in d for d in devices), devices
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
 
 
 def compiled_outside():
     with strategy.scope():
         model = dense_model()
     model.compile("sgd", "mse")
-    model.fit(x, y, verbose=0)
+    model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
 
 
 def jit():
     with strategy.scope():
         model = dense_model()
         model.compile("sgd", "mse", jit_compile=True)
-    model.fit(x, y, verbose=0)
+    model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
 
 
 def accumulation():
     with strategy.scope():
         model = dense_model()
         model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), "mse")
-    model.fit(x, y, verbose=0)
+    model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
 
 
 def fine():
     with strategy.scope():
         model = dense_model()
         model.compile("sgd", "mse")
+    model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
+    model.evaluate(x, y, verbose=0)  # evaluate and predict need no callbacks
+    model.predict(x, verbose=0)
+
+
+def without_callbacks():
+    with strategy.scope():
+        model = dense_model()
+        model.compile("sgd", "mse")
+    model.fit(x, y, verbose=0)
+
+
+def callbacks_then_without():
+    # The second fit reuses the step the first traced: the check runs in the step.
+    with strategy.scope():
+        model = dense_model()
+        model.compile("sgd", "mse")
+    model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
     model.fit(x, y, verbose=0)
 
 
@@ -71,7 +100,10 @@ record("compiled_outside", compiled_outside)
 record("jit_compile", jit)
 record("gradient_accumulation", accumulation)
 record("fine", fine)
+record("without_callbacks", without_callbacks)
+record("callbacks_then_without", callbacks_then_without)
 record("bad_options", lambda: tfpsx.keras.ParameterServerStrategy(
     tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_step": 3})))
+errors["untouched"] = untouched
 tfpsx.metrics.emit("misuse", **errors)
 tfpsx.stop_worker()

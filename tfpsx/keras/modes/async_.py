@@ -113,9 +113,8 @@ class KerasAsync(KerasMode):
     def publish(self, model) -> None:
         # A restore (load_weights) before the first fit changed the chief's views: the
         # job continues from that model.
-        if self._published:
+        if self._published:  # only before the first fit
             return
-        self._published = True
         for v in self.views.values():
             if not bool(tf.reduce_all(tf.equal(v.local.read_value(), v.global_.read_value()))):
                 v.global_.assign(v.local.read_value())
@@ -129,6 +128,7 @@ class KerasAsync(KerasMode):
 
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
+        self._published = True
         self.refresh_views()
         now = self.global_step().read_value()
         for it in self.iterations:

@@ -11,7 +11,8 @@ A Keras mode decides, for one worker's Keras 3 ``fit``:
   function (GEO's step count, staleness clocks, sync tokens);
 * ``table_updater``: how a ``DynamicEmbedding`` layer built in the scope trains;
 * ``begin_fit`` / ``batch_end`` / ``end_fit``: what happens around ``fit`` in Python
-  (waiting for the chief's initialization, GEO's communicator and final sync).
+  (waiting for the chief's initialization, GEO's communicator and final sync), from the
+  callback the strategy supplies; ``begin_eval`` before ``evaluate`` / ``predict``.
 
 The communication itself is the graph-mode modes' (:mod:`tfpsx.training.modes`): the
 same GEO rule functions, table accumulators, token queues and staleness wait.
@@ -119,8 +120,12 @@ class KerasMode:
         """The chief, before it marks the model ready (a restore to publish)."""
 
     def begin_eval(self, model) -> None:
-        """Before ``evaluate`` / ``predict`` (also a validation during ``fit``)."""
-        if not self.is_chief:
+        """Before ``evaluate`` / ``predict`` outside ``fit``, also before a ``fit`` (Keras
+        distributes its dataset before the fit's callbacks start). The chief first
+        publishes a model it restored, as ``begin_fit`` would (``model`` may be None)."""
+        if self.is_chief:
+            self.publish(model)
+        else:
             self.wait_until_ready()
 
     def batch_end(self, model) -> None:
