@@ -1,4 +1,5 @@
 import os
+import sys
 
 # Quiet TF's C++ start-up chatter in test logs; errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of tests/"
                                     f"{{{','.join(_TIERS)}}}/ (its tier), not {tier!r}")
         item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(autouse=True)
+def _runtime_left_as_found():
+    """No test leaves a role, a control-plane client or a server watch to the next one
+    (a test-order failure once came from runtime state leaking): the process runtime is
+    reset after every test that loaded it."""
+    yield
+    runtime = sys.modules.get("tfpsx.runtime")
+    if runtime is not None:
+        runtime.RUNTIME.reset()

@@ -56,6 +56,23 @@ class Runtime:
         self._watch: Optional[ServerWatch] = None
         self._barrier_generation = 0
         self._worker_state = "new"  # new -> started -> stopped
+        # (job, task, servers, address) this process's eager context is connected to
+        # (tfpsx.keras): TF cannot disconnect it, so reset() keeps it.
+        self.eager_connection: Optional[tuple] = None
+
+    def reset(self) -> None:
+        """Back to a process that never called ``init()`` (for tests): the server watch
+        stops, the control-plane client closes, the configuration and the worker state
+        go. What TF holds for the process stays: a started ``tf.distribute.Server`` runs
+        on, and an eager context connected to a cluster stays connected
+        (``eager_connection``)."""
+        with self._lock:
+            self._stop_watch()
+            if self._coord is not None:
+                self._coord.close()
+            self.config = self.role_maker = self._coord = self._server = None
+            self._barrier_generation, self._worker_state = 0, "new"
+            metrics.set_identity(None, None)
 
     # ------------------------------------------------------------------ setup
     def init(self, role_maker: Optional[_cluster.RoleMaker] = None) -> _cluster.ClusterConfig:

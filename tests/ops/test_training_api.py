@@ -11,12 +11,12 @@ WK = ["127.0.0.1:2003", "127.0.0.1:2004"]
 
 
 @pytest.fixture
-def worker(monkeypatch):
+def worker():
     """This process as worker 1 of a 2 PS + 2 worker cluster (nothing is started)."""
-    monkeypatch.setattr(FLEET, "config", None)
+    FLEET.reset()
     tfpsx.init(tfpsx.UserDefinedRoleMaker("worker", 1, PS, WK))
     yield
-    FLEET.config = None
+    FLEET.reset()
 
 
 def test_strategy_modes():

@@ -97,17 +97,14 @@ def test_flags_and_user_defined_agree():
 
 
 @pytest.fixture
-def fresh_runtime(monkeypatch):
-    """The process runtime as no init left it, put back afterwards: a role set here must
-    not reach later tests (a server role makes tables in this process look remote)."""
-    from tfpsx.metrics import sinks
+def fresh_runtime():
+    """The process runtime as no init left it, and again afterwards (RUNTIME.reset()): a
+    role set here must not reach later tests (a server role makes tables in this process
+    look remote)."""
     from tfpsx.runtime import RUNTIME
-    for attr in ("config", "role_maker", "_coord"):
-        monkeypatch.setattr(RUNTIME, attr, None)
-    monkeypatch.setattr(sinks, "_identity", dict(sinks._identity))
-    yield
-    if RUNTIME._coord is not None:
-        RUNTIME._coord.close()
+    RUNTIME.reset()
+    yield RUNTIME
+    RUNTIME.reset()
 
 
 def test_fleet_api_after_init(fresh_runtime):
@@ -266,3 +263,17 @@ def test_bad_input_count():
 def test_bad_timeout_env(name, value):
     with pytest.raises(ValueError, match=f"{name}.*{value}"):
         settings.get(name, env={name: value})
+
+
+def test_reset_forgets_the_role_and_the_control_plane(fresh_runtime):
+    from tfpsx.metrics import sinks
+    tfpsx.init(UserDefinedRoleMaker("worker", 1, PS, WK))
+    assert fresh_runtime.config.index == 1 and fresh_runtime._coord is not None
+    assert sinks._identity == {"role": "worker", "rank": 1}
+    fresh_runtime.reset()
+    assert fresh_runtime.config is None and fresh_runtime._coord is None
+    assert not fresh_runtime.worker_started
+    assert sinks._identity == {"role": None, "rank": None}
+    with pytest.raises(tfpsx.errors.NotInitializedError, match="call tfpsx.init"):
+        tfpsx.worker_index()
+    fresh_runtime.reset()  # twice is fine

@@ -58,8 +58,10 @@ def reading_rows_from(sources: Dict["DynamicEmbedding", Callable]):
     table, training or not: the seam a serving export traces the model through, with the
     rows in stock TensorFlow objects (:mod:`tfpsx.serving`). The layer's id handling
     (string hashing, pad_id, combiners, ragged and sparse ids) is unchanged."""
+    # Keyed by the layers themselves (held only while inside), never by id(): an id is
+    # reused once its object is gone.
     outer = getattr(_sources, "map", None)
-    _sources.map = {**(outer or {}), **{id(layer): fn for layer, fn in sources.items()}}
+    _sources.map = {**(outer or {}), **sources}
     try:
         yield
     finally:
@@ -94,10 +96,10 @@ class DynamicEmbedding(keras.layers.Layer):
         SGD, Adam, Ftrl, or a name); None: the table is not trained.
       combiner: None, "sum", "mean" or "sqrtn" (see the module doc).
       pad_id: with a combiner, ids equal to it are skipped.
-      min_frequency, capacity, seed: the table's options (``tfpsx.embedding.DynamicEmbedding``).
+      min_frequency, capacity, seed: the table's options (``tfpsx.embedding.DynamicTable``).
       cache_size, cache_policy, flush_steps, cache_admit_after: a worker cache of the
         table's hot rows
-        (``tfpsx.embedding.DynamicEmbedding``; async and GEO strategies).
+        (``tfpsx.embedding.DynamicTable``; async and GEO strategies).
     """
 
     def __init__(self, dim: int, table_name: Optional[str] = None, initializer=None,
@@ -125,7 +127,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self.initializer = _initializer(initializer)
         self.table_optimizer = _optimizers.resolve(optimizer)
         self.min_frequency, self.capacity, self.seed = min_frequency, capacity, seed
-        self.table: Optional[E.DynamicEmbedding] = None
+        self.table: Optional[E.DynamicTable] = None
 
     # ------------------------------------------------------------------ build
     def build(self, input_shape=None):
@@ -134,7 +136,7 @@ class DynamicEmbedding(keras.layers.Layer):
         # On the parameter servers in a ParameterServerStrategy's scope; a local table
         # otherwise, also in a process of a cluster (its eager context reaches no PS).
         on_ps = isinstance(tf.distribute.get_strategy(), ParameterServerStrategy)
-        self.table = E.DynamicEmbedding(
+        self.table = E.DynamicTable(
             self.table_name or self.name, self.dim, initializer=self.initializer,
             optimizer=self.table_optimizer, seed=self.seed, min_frequency=self.min_frequency,
             capacity=self.capacity, devices=None if on_ps else [None],
@@ -188,7 +190,7 @@ class DynamicEmbedding(keras.layers.Layer):
     # ------------------------------------------------------------------ call
     def call(self, inputs, training=None):
         ids, finish = self._ids(inputs)
-        source = (getattr(_sources, "map", None) or {}).get(id(self))
+        source = (getattr(_sources, "map", None) or {}).get(self)
         if source is not None:
             return finish(source(ids))
         if not training or self.table_optimizer is None:

@@ -51,9 +51,6 @@ from tfpsx.training.strategy import DistributedStrategy
 
 logger = logging.getLogger("tfpsx")
 
-_connected: Optional[tuple] = None  # (job, task, cluster) this process is connected to
-
-
 _NOT_JOINED = (
     "tfpsx.keras.ParameterServerStrategy: this training step runs in a fit() the strategy "
     "was not joined to, so its mode cannot start or end (GEO's sync, sync's group, the "
@@ -354,15 +351,15 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
 
 
 def _connect(config) -> None:
-    """Connects this process's eager context to the PS tasks (once)."""
-    global _connected
+    """Connects this process's eager context to the PS tasks (once per process: TF
+    cannot disconnect it; ``RUNTIME.eager_connection`` records it)."""
     job, task = config.job_name, config.task_index
     key = (job, task, tuple(config.servers), config.task_address())
-    if _connected == key:
+    if RUNTIME.eager_connection == key:
         return
-    if _connected is not None:
+    if RUNTIME.eager_connection is not None:
         raise RuntimeError(f"this process is connected to another cluster already "
-                           f"({_connected}); one tfpsx cluster per process")
+                           f"({RUNTIME.eager_connection}); one tfpsx cluster per process")
     if RUNTIME.has_graph_server:
         raise RuntimeError(
             "this worker started a tf.distribute.Server for graph-mode sessions "
@@ -374,4 +371,4 @@ def _connect(config) -> None:
     eager_anchor.connect(spec, job, task, {f"ps:{i}": a for i, a in enumerate(config.servers)},
                          settings.get("TFPSX_CONNECT_TIMEOUT"),
                          log=lambda m: logger.info("worker %d %s", config.index, m))
-    _connected = key
+    RUNTIME.eager_connection = key

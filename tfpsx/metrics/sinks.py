@@ -21,7 +21,7 @@ _lock = threading.Lock()
 _identity = {"role": None, "rank": None}
 
 
-def set_identity(role: str, rank: Optional[int]) -> None:
+def set_identity(role: Optional[str], rank: Optional[int]) -> None:
     """Names this process's metrics file (the runtime calls it in ``tfpsx.init()``)."""
     _identity.update(role=role, rank=rank)
 
