@@ -2,7 +2,7 @@
 
 Each example has FIELDS ids drawn from Zipf(1.1) over a vocabulary of --vocab (hot ids
 spread over the key space), a click from a planted logistic model over the ids'
-weights; the model is a DynamicEmbedding (Adagrad on the PS; with --cache_size the
+weights; the model is a DynamicTable (Adagrad on the PS; with --cache_size the
 worker cache trains it locally; with --local_table every worker trains one of its own on
 itself) and a linear layer on the PS. Graph mode, async,
 between-graph, started by the benchmark with TFPSX_* env (no launcher: its cluster
@@ -52,7 +52,7 @@ def global_eval_loss(strategy, eval_ids, eval_clicks, lr) -> float:
     with tf.Graph().as_default():
         with tfpsx.model_scope(strategy):
             ids = tf.compat.v1.placeholder(tf.int64, [None, FIELDS])
-            emb = E.DynamicEmbedding("ctr", DIM, initializer=E.normal(stddev=0.01),
+            emb = E.DynamicTable("ctr", DIM, initializer=E.normal(stddev=0.01),
                                      optimizer=E.Adagrad(lr))
             w = tf.compat.v1.get_variable("w", [FIELDS * DIM, 1])
             b = tf.compat.v1.get_variable("b", [])
@@ -106,7 +106,7 @@ def main(argv):
             ids = tf.compat.v1.placeholder(tf.int64, [None, FIELDS])
             clicks = tf.compat.v1.placeholder(tf.float32, [None])
             where = {"devices": [f"/job:worker/task:{me}"]} if args.local_table else {}
-            emb = E.DynamicEmbedding(f"ctr_w{me}" if args.local_table else "ctr", DIM,
+            emb = E.DynamicTable(f"ctr_w{me}" if args.local_table else "ctr", DIM,
                                      initializer=E.normal(stddev=0.01),
                                      optimizer=E.Adagrad(args.lr),
                                      cache_size=args.cache_size or None,

@@ -1,4 +1,4 @@
-"""The job of benchmarks/fault_soak.py: a small CTR model (a DynamicEmbedding of ids, a
+"""The job of benchmarks/fault_soak.py: a small CTR model (a DynamicTable of ids, a
 dense layer), async, graph mode, checkpointed incrementally by the chief; trains to
 ``--steps`` global steps. At the end the chief emits a ``soak`` metrics record with the
 global model's eval loss (labels drawn from a planted logistic model: the loss has a
@@ -74,7 +74,7 @@ def main(argv):
             ids = tf.compat.v1.placeholder(tf.int64, [None, FIELDS])
             dense = tf.compat.v1.placeholder(tf.float32, [None, DENSE])
             clicks = tf.compat.v1.placeholder(tf.float32, [None])
-            table = tfpsx.embedding.DynamicEmbedding(
+            table = tfpsx.embedding.DynamicTable(
                 "soak_ids", DIM, optimizer=tfpsx.embedding.Adagrad(0.1),
                 initializer=tfpsx.embedding.normal(stddev=0.01))
             loss, looked = model(table, ids, dense, clicks, step, train=True)

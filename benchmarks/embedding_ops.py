@@ -2,7 +2,7 @@
 
 Same data for every candidate: 1M existing keys, dim 16, batches of 65,536 keys with 20%
 duplicates. Reports lookup and new-key insert Mkeys/s for tfpsx (the user-facing
-DynamicEmbedding.lookup of a local table, and lookup_unique: dedup + find + gather back,
+DynamicTable.lookup of a local table, and lookup_unique: dedup + find + gather back,
 the path of training and of tables on a PS; inserts into a growing table and into one
 created with its capacity reserved), TF DenseHashTable (also with its buckets reserved), TF
 MutableHashTable, dense tf.gather on a [1M, 16] variable (the reference) and TFRA when
@@ -117,7 +117,7 @@ def main(argv=None):
 
     # tfpsx, bytes per key measured on its own fresh table.
     before = rss_bytes()
-    emb = E.DynamicEmbedding("bench", DIM, initializer=E.zeros())
+    emb = E.DynamicTable("bench", DIM, initializer=E.zeros())
     emb.insert(keys, values)
     per_key = (rss_bytes() - before) / n
     stats = emb.stats()
@@ -132,7 +132,7 @@ def main(argv=None):
     # Inserts into tables told their size up front (tfpsx capacity, DenseHashTable
     # initial_num_buckets): no growth and, for tfpsx, no page faults on the insert path.
     total = n + (1 + args.rounds * args.batches) * BATCH
-    reserved = E.DynamicEmbedding("bench_reserved", DIM, initializer=E.zeros(), capacity=total)
+    reserved = E.DynamicTable("bench_reserved", DIM, initializer=E.zeros(), capacity=total)
     reserved.insert(keys, values)
     results["tfpsx, capacity reserved"] = (
         None, new_key_insert_rate(tfpsx_insert(reserved.handles()[0])))
@@ -188,7 +188,7 @@ def main(argv=None):
           f"{reserved_insert:.1f} ({verdict(reserved_insert >= 20)})")
 
     if args.big_keys:
-        big = E.DynamicEmbedding("bench_big", DIM, initializer=E.zeros())
+        big = E.DynamicTable("bench_big", DIM, initializer=E.zeros())
         chunk = 1_000_000
         for start in range(0, args.big_keys, chunk):
             big.insert(tf.range(start, start + chunk, dtype=tf.int64), tf.zeros([chunk, DIM]))

@@ -2,7 +2,7 @@
 every ``--every`` seconds for ``--minutes``, against the same job undisturbed.
 
 The job (benchmarks/_soak_job.py): 1 scheduler, ``--servers`` parameter servers and
-``--workers`` workers, async, a DynamicEmbedding and a dense layer, incremental
+``--workers`` workers, async, a DynamicTable and a dense layer, incremental
 checkpoints every ``--save_steps`` global steps (a full one every 5). Each kill picks,
 uniformly, one of: a server, the chief, a non-chief worker, the scheduler (by PID, among
 the launcher's own children). The launcher restarts the whole job after a server or the

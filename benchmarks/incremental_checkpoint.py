@@ -36,7 +36,7 @@ NAME = "bench_incremental"
 
 def build(dim: int, shards: int = 4):
     step = tf.compat.v1.train.get_or_create_global_step()
-    table = E.DynamicEmbedding(NAME, dim, optimizer=E.Adagrad(0.05),
+    table = E.DynamicTable(NAME, dim, optimizer=E.Adagrad(0.05),
                                initializer=E.normal(stddev=0.01), devices=[None] * shards)
     ids = tf.compat.v1.placeholder(tf.int64, [None])
     looked = table.lookup_unique(ids, step=step)

@@ -18,7 +18,7 @@ below it (``make test`` checks it with import-linter):
   launcher | keras            tfpsx-run; Keras 3 fit (ParameterServerStrategy, layers)
   training | data             strategy -> Mode (async, sync, staleness, GEO), sessions;
                               each worker's part of the input
-  embedding                   DynamicEmbedding over sharded storage backends
+  embedding                   DynamicTable over sharded storage backends
   runtime                     the process state machine behind init() / run_server() ...
   control                     scheduler, PS-0 counters, their client side
   cluster | ops | metrics     config resolution; the op library; counters and sinks

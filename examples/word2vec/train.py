@@ -1,4 +1,4 @@
-"""Skip-gram word2vec with negative sampling over tfpsx DynamicEmbedding tables.
+"""Skip-gram word2vec with negative sampling over tfpsx DynamicTable tables.
 
 Graph mode, between-graph: every worker reads the corpus, draws (center, context)
 pairs and negatives from its own random stream, and trains two tables (input and
@@ -141,9 +141,9 @@ def main(argv):
             global_step = tf.compat.v1.train.get_or_create_global_step()
             devices = local_device if FLAGS.mode == "local" else None
             opt = E.Adagrad(FLAGS.learning_rate)
-            emb_in = E.DynamicEmbedding("w2v_in", FLAGS.dim, optimizer=opt, devices=devices,
+            emb_in = E.DynamicTable("w2v_in", FLAGS.dim, optimizer=opt, devices=devices,
                                         initializer=E.normal(stddev=0.1))
-            emb_out = E.DynamicEmbedding("w2v_out", FLAGS.dim, optimizer=opt, devices=devices,
+            emb_out = E.DynamicTable("w2v_out", FLAGS.dim, optimizer=opt, devices=devices,
                                          initializer=E.normal(stddev=0.1))
             center = tf.compat.v1.placeholder(tf.int64, [None], name="center")
             targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],

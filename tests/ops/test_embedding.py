@@ -1,4 +1,4 @@
-"""tfpsx.embedding.DynamicEmbedding and the table ops in one process (eager and graph)."""
+"""tfpsx.embedding.DynamicTable and the table ops in one process (eager and graph)."""
 
 import re
 import subprocess
@@ -18,7 +18,7 @@ _names = iter(range(10 ** 6))
 def table(dim=4, **kw):
     kw.setdefault("initializer", E.normal(stddev=0.1))
     kw.setdefault("devices", [None] * kw.pop("shards", 1))
-    return E.DynamicEmbedding(f"t{next(_names)}", dim, **kw)
+    return E.DynamicTable(f"t{next(_names)}", dim, **kw)
 
 
 def sorted_export(emb):
@@ -171,7 +171,7 @@ def test_checkpoint_round_trip_bit_exact_with_resharding(tmp_path):
 def test_saver_round_trip(tmp_path):
     name = f"saved{next(_names)}"
     with tf.Graph().as_default():
-        a = E.DynamicEmbedding(name, 2, optimizer=E.Adagrad(0.1), devices=[None, None])
+        a = E.DynamicTable(name, 2, optimizer=E.Adagrad(0.1), devices=[None, None])
         train = a.apply_gradients(a.lookup_unique([1, 2, 3]), tf.ones([3, 2]), step=5)
         saver = tf.compat.v1.train.Saver()  # the default saver finds the table itself
         with tf.compat.v1.Session() as sess:
@@ -180,7 +180,7 @@ def test_saver_round_trip(tmp_path):
             path = saver.save(sess, str(tmp_path / "model"))
     assert f"{name}-values" in dict(tf.train.list_variables(path))
     with tf.Graph().as_default():
-        b = E.DynamicEmbedding(name, 2, optimizer=E.Adagrad(0.1), devices=[None] * 3)
+        b = E.DynamicTable(name, 2, optimizer=E.Adagrad(0.1), devices=[None] * 3)
         b.handles()
         saver = tf.compat.v1.train.Saver()
         with tf.compat.v1.Session() as sess:
@@ -261,12 +261,12 @@ _RESERVE_BEYOND_MEMORY = """
 import resource
 import tensorflow as tf
 from tfpsx import embedding as E
-E.DynamicEmbedding("warm", 2).lookup([1])  # TF's threads and the op library are up
+E.DynamicTable("warm", 2).lookup([1])  # TF's threads and the op library are up
 with open("/proc/self/status") as f:
     vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
 try:
-    E.DynamicEmbedding("big", 16, capacity=100_000_000).lookup([1])
+    E.DynamicTable("big", 16, capacity=100_000_000).lookup([1])
 except tf.errors.ResourceExhaustedError as e:
     print("ERROR:", e.message)
 """
@@ -284,20 +284,20 @@ def test_capacity_beyond_memory_is_a_clear_error():
 
 def test_bad_inputs_are_clear():
     with pytest.raises(ValueError, match="capacity must be None or an int >= 0.*got -5"):
-        E.DynamicEmbedding("cap", 2, capacity=-5)
+        E.DynamicTable("cap", 2, capacity=-5)
     with pytest.raises(tf.errors.InvalidArgumentError, match="capacity must be in 0..1073741696"):
-        E.DynamicEmbedding(f"hugecap{next(_names)}", 2, capacity=2 ** 40).lookup([1])
+        E.DynamicTable(f"hugecap{next(_names)}", 2, capacity=2 ** 40).lookup([1])
     with pytest.raises(TypeError, match="ids must be integers.*float32"):
         table().lookup(tf.constant([1.5]))
     with pytest.raises(ValueError, match="dim must be a positive int, got -2"):
-        E.DynamicEmbedding("neg", -2)
+        E.DynamicTable("neg", -2)
     with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'.*sgd, adagrad, adam, ftrl"):
-        E.DynamicEmbedding("opt", 2, optimizer="rmsprop")
+        E.DynamicTable("opt", 2, optimizer="rmsprop")
     name = f"reused{next(_names)}"
-    E.DynamicEmbedding(name, 4).lookup([1], train=True)
+    E.DynamicTable(name, 4).lookup([1], train=True)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=f"'{name}/part_0' already exists on this device with dim=4.*dim=8"):
-        E.DynamicEmbedding(name, 8).lookup([1], train=True)
+        E.DynamicTable(name, 8).lookup([1], train=True)
     t = table(dim=3)
     bad = {"keys": tf.constant([1, 2], tf.int64), "values": tf.zeros([2, 5]),
            "slots": tf.zeros([2, 0, 5]), "freq": tf.zeros([2], tf.int64), "step": tf.zeros([2], tf.int64)}
@@ -364,3 +364,15 @@ def test_an_updater_decides_where_gradients_go():
     np.testing.assert_array_equal(t.lookup([7, 9]), before)  # nothing was applied
     outside = table(dim=1, optimizer=E.SGD(1.0))  # the scope has ended: the default
     assert type(outside.updater) is E.TableUpdater
+
+
+def test_the_table_and_the_keras_layer_have_distinct_names():
+    """A traceback names the table (DynamicTable) or the Keras layer (DynamicEmbedding);
+    the table's former name still works, with a DeprecationWarning."""
+    import tfpsx
+    assert E.DynamicTable.__name__ == "DynamicTable"
+    assert tfpsx.keras.DynamicEmbedding.__name__ == "DynamicEmbedding"
+    with pytest.warns(DeprecationWarning, match="now tfpsx.embedding.DynamicTable"):
+        assert tfpsx.embedding.DynamicEmbedding is E.DynamicTable
+    with pytest.raises(AttributeError, match="no attribute 'Dynamic'"):
+        tfpsx.embedding.Dynamic  # noqa: B018

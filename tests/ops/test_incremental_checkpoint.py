@@ -24,9 +24,9 @@ class Model:
 
     def __init__(self, prefix, shards=2, full_every=3, **saver_kw):
         self.step = tf.compat.v1.train.get_or_create_global_step()
-        self.a = E.DynamicEmbedding(f"{prefix}a", 4, optimizer=E.Adagrad(0.1),
+        self.a = E.DynamicTable(f"{prefix}a", 4, optimizer=E.Adagrad(0.1),
                                     initializer=E.normal(stddev=0.1), devices=[None] * shards)
-        self.b = E.DynamicEmbedding(f"{prefix}b", 3, optimizer=E.SGD(0.5), min_frequency=2,
+        self.b = E.DynamicTable(f"{prefix}b", 3, optimizer=E.SGD(0.5), min_frequency=2,
                                     devices=[None])
         self.w = tf.compat.v1.get_variable("w", [3], initializer=tf.zeros_initializer())
         self.ids = tf.compat.v1.placeholder(tf.int64, [None])

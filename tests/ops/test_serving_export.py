@@ -60,7 +60,7 @@ KEYS = np.concatenate([np.random.default_rng(0).integers(-2 ** 63, 2 ** 63 - 1, 
     (E.zeros(), 3, 0), (E.constant(0.37), 5, 1), (E.uniform(-0.3, 0.7), 7, 1234567),
     (E.uniform(-1e-3, 2.5), 4, -42)])
 def test_initial_rows_in_stock_ops_are_the_tables_bit_for_bit(init, dim, seed):
-    table = E.DynamicEmbedding(name(), dim, initializer=init, seed=seed)
+    table = E.DynamicTable(name(), dim, initializer=init, seed=seed)
     want = table.lookup(tf.constant(KEYS)).numpy()  # a table holding nothing: initial rows
     got = initializers.initial_rows(tf.constant(KEYS), init.kind, init.a, init.b, seed,
                                     dim).numpy()
@@ -73,7 +73,7 @@ def test_normal_initial_rows_match_to_one_rounding_of_the_c_library(init, dim, s
     """logf / cosf / sinf of the C library are not correctly rounded; the stock-op rows use
     correctly rounded ones (see tfpsx/serving/initializers.py): a few values differ by
     a rounding step or two, bounded by ~2.4e-7 x (|mean| + 6 x stddev)."""
-    table = E.DynamicEmbedding(name(), dim, initializer=init, seed=seed)
+    table = E.DynamicTable(name(), dim, initializer=init, seed=seed)
     want = table.lookup(tf.constant(KEYS)).numpy()
     got = initializers.initial_rows(tf.constant(KEYS), init.kind, init.a, init.b, seed,
                                     dim).numpy()
@@ -84,7 +84,7 @@ def test_normal_initial_rows_match_to_one_rounding_of_the_c_library(init, dim, s
 
 # ----------------------------------------------------------------------------- tables
 def test_a_served_table_holds_the_rows_of_every_shard_and_initial_rows_else(tmp_path):
-    table = E.DynamicEmbedding(name(), 3, initializer=E.uniform(-1, 1), seed=5,
+    table = E.DynamicTable(name(), 3, initializer=E.uniform(-1, 1), seed=5,
                                devices=[None, None, None])
     keys = np.arange(-40, 40, dtype=np.int64)
     table.insert(keys, np.arange(240, dtype=np.float32).reshape(80, 3))
@@ -249,10 +249,10 @@ def graph_model():
     ids = tf.compat.v1.placeholder(tf.int64, [None, 3], name="ids")
     x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
     y = tf.compat.v1.placeholder(tf.float32, [None], name="y")
-    emb = E.DynamicEmbedding(name("g"), 4, initializer=E.normal(0, 0.3),
+    emb = E.DynamicTable(name("g"), 4, initializer=E.normal(0, 0.3),
                              optimizer=E.Adagrad(0.3), devices=[None, None])
     looked = emb.lookup_unique(ids)
-    bias = E.DynamicEmbedding(name("g"), 1, initializer=E.uniform(-0.1, 0.1), devices=[None])
+    bias = E.DynamicTable(name("g"), 1, initializer=E.uniform(-0.1, 0.1), devices=[None])
     w = tf.compat.v1.get_variable(name("w"), [16, 1],
                                   initializer=tf.compat.v1.glorot_uniform_initializer())
     v = tf.compat.v1.get_variable(name("v"), [1], initializer=tf.zeros_initializer(),
@@ -293,7 +293,7 @@ def test_a_trained_tf1_graph_serves_without_tfpsx(tmp_path):
 def test_a_graph_with_a_sparse_placeholder_serves_its_components(tmp_path):
     with tf.Graph().as_default():
         ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 4], name="ids")
-        emb = E.DynamicEmbedding(name("g"), 3, initializer=E.uniform(-1, 1))
+        emb = E.DynamicTable(name("g"), 3, initializer=E.uniform(-1, 1))
         rows = emb.lookup(ids.values)
         pooled = tf.math.unsorted_segment_sum(rows, ids.indices[:, 0], ids.dense_shape[0])
         with tf.compat.v1.Session() as sess:

@@ -17,7 +17,7 @@ _names = iter(range(10 ** 6))
 
 def table(dim=2, shards=3, optimizer="adagrad", name=None, **kw):
     name = name or f"bad{next(_names)}"
-    return E.DynamicEmbedding(name, dim, optimizer=optimizer, devices=[None] * shards,
+    return E.DynamicTable(name, dim, optimizer=optimizer, devices=[None] * shards,
                               initializer=E.normal(stddev=0.1), **kw)
 
 
@@ -82,7 +82,7 @@ def test_import_refuses_bad_rows_before_any_shard_changes(change, message):
     before = snapshot(t)
     rows = good_rows()
     change(rows)
-    with pytest.raises(ValueError, match=rf"DynamicEmbedding '{t.name}': import_rows: {message}"):
+    with pytest.raises(ValueError, match=rf"DynamicTable '{t.name}': import_rows: {message}"):
         t.import_rows(rows, clear=True)
     assert_same(before, snapshot(t))
     with pytest.raises(ValueError, match="must be a dict with the fields keys, values"):
@@ -139,7 +139,7 @@ def test_graph_import_is_all_or_nothing():
                     ("slots", np.zeros([3, 2, 2], np.float32), r"slots must have shape"),
                     ("keys", good["keys"].reshape(1, 3), r"keys must have shape \[n\]")):
                 with pytest.raises(tf.errors.InvalidArgumentError,
-                                   match=rf"DynamicEmbedding {t.name}: import_rows: {message}"):
+                                   match=rf"DynamicTable {t.name}: import_rows: {message}"):
                     sess.run(load, {feeds[k]: (value if k == field else v)
                                     for k, v in good.items()})
                 assert_same(before, snapshot(t, sess))
@@ -197,7 +197,7 @@ def test_saver_restore_of_another_table_is_refused_and_changes_nothing(tmp_path)
     with tf.Graph().as_default():
         # Same name, other dim: the checkpoint's rows do not fit; the shapes of restored
         # tensors are known only when the restore runs.
-        dst = E.DynamicEmbedding(name, 2, optimizer="adagrad", devices=[None] * 3,
+        dst = E.DynamicTable(name, 2, optimizer="adagrad", devices=[None] * 3,
                                  initializer=E.zeros())
         fill = dst.insert(tf.constant([10, 11, 12], tf.int64), tf.ones([3, 2]))
         saver = tf.compat.v1.train.Saver()
@@ -205,7 +205,7 @@ def test_saver_restore_of_another_table_is_refused_and_changes_nothing(tmp_path)
             sess.run(fill)
             before = snapshot(dst, sess)
             with pytest.raises(tf.errors.InvalidArgumentError,
-                               match=rf"DynamicEmbedding {name}: import_rows: (values|slots) "
+                               match=rf"DynamicTable {name}: import_rows: (values|slots) "
                                      r"must have shape .*\[got\] \[4 (1 )?3\]"):
                 saver.restore(sess, path)
             assert_same(before, snapshot(dst, sess))
@@ -222,7 +222,7 @@ def test_saver_restore_of_another_table_is_refused_and_changes_nothing(tmp_path)
 def test_evict_refuses_bad_arguments(kwargs, message):
     t = filled()
     before = snapshot(t)
-    with pytest.raises(ValueError, match=rf"DynamicEmbedding '{t.name}': evict: {message}"):
+    with pytest.raises(ValueError, match=rf"DynamicTable '{t.name}': evict: {message}"):
         t.evict(**kwargs)
     assert_same(before, snapshot(t))
 
@@ -254,7 +254,7 @@ def test_apply_gradients_refuses_other_shapes(grads, got):
     t = filled(dim=4)
     looked = t.lookup_unique([100, 101, 200])
     before = snapshot(t)
-    with pytest.raises(ValueError, match=rf"DynamicEmbedding '{t.name}': apply_gradients: the "
+    with pytest.raises(ValueError, match=rf"DynamicTable '{t.name}': apply_gradients: the "
                                          rf"gradient must have shape \[unique ids=3, dim=4\], "
                                          rf"got {got}"):
         t.apply_gradients(looked, grads)
@@ -297,7 +297,7 @@ def test_graph_apply_gradients_checks_at_run_time():
             sess.run(train, {ids: [1, 2, 3], grads: np.ones([3, 4])})
             before = snapshot(t, sess)
             with pytest.raises(tf.errors.InvalidArgumentError,
-                               match=rf"DynamicEmbedding {t.name}: apply_gradients: the "
+                               match=rf"DynamicTable {t.name}: apply_gradients: the "
                                      r"gradient must have shape \[unique ids, dim=4\]\] "
                                      r"\[here\] \[3 4\] \[got\] \[4 3\]"):
                 sess.run(train, {ids: [1, 2, 3], grads: np.ones([4, 3])})

@@ -27,7 +27,7 @@ def stats(emb):
 
 
 def test_stats_names_and_narrow_rows():
-    emb = E.DynamicEmbedding("mem_narrow", 16, initializer=E.zeros())
+    emb = E.DynamicTable("mem_narrow", 16, initializer=E.zeros())
     assert stats(emb) == dict(size=0, admitted=0, evicted=0, pending_admission=0, bytes_used=0,
                               bytes_reserved=0)
     n = 100_000
@@ -41,7 +41,7 @@ def test_stats_names_and_narrow_rows():
 
 
 def test_wide_rows_take_what_they_hold():
-    emb = E.DynamicEmbedding("mem_wide", 100_000, optimizer=E.Adam(), initializer=E.zeros())
+    emb = E.DynamicTable("mem_wide", 100_000, optimizer=E.Adam(), initializer=E.zeros())
     looked = emb.lookup_unique([1, 2, 3])
     emb.apply_gradients(looked, tf.ones([3, 100_000]), step=1)
     got = stats(emb)
@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 from tfpsx import embedding as E
 dim, n = 1_000_000, 50
-emb = E.DynamicEmbedding("wide", dim, optimizer=E.Adam(0.1), initializer=E.zeros(),
+emb = E.DynamicTable("wide", dim, optimizer=E.Adam(0.1), initializer=E.zeros(),
                          devices=[None] * 2)
 for start in range(0, n, 10):  # 10 rows (40 MB of gradient) at a time
     looked = emb.lookup_unique(tf.range(start, start + 10, dtype=tf.int64), step=1)

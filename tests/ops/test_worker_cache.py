@@ -1,4 +1,4 @@
-"""The worker cache of a DynamicEmbedding (cache_size=...), in one process.
+"""The worker cache of a DynamicTable (cache_size=...), in one process.
 
 Workers are simulated in-process: each cache is a WorkerCache with its own reader id over
 one shared (2-shard) table, as N workers' caches are over the PS shards. The GEO
@@ -244,7 +244,7 @@ def test_zipf_stream_hit_rate():
     cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -1.1)
     cdf /= cdf[-1]
     ranks = rng.permutation(vocab)  # hot ids anywhere in the key space
-    emb = E.DynamicEmbedding(name("zipf"), 4, optimizer=E.SGD(0.1), devices=[None],
+    emb = E.DynamicTable(name("zipf"), 4, optimizer=E.SGD(0.1), devices=[None],
                              cache_size=size, flush_steps=50)
 
     @tf.function
@@ -306,7 +306,7 @@ def test_graph_mode_cache_trains_like_the_table_it_caches(admit_after):
         want = tf.gather(tf.constant(targets(range(40))), ids)
         tables, trains = [], []
         for cache_size in (16, None):
-            emb = E.DynamicEmbedding(name("graph"), DIM, optimizer=E.SGD(LR), devices=[None],
+            emb = E.DynamicTable(name("graph"), DIM, optimizer=E.SGD(LR), devices=[None],
                                      initializer=E.zeros(), cache_size=cache_size,
                                      flush_steps=2, cache_admit_after=admit_after)
             looked = emb.lookup_unique(ids)
@@ -348,8 +348,8 @@ def test_bad_cache_options_are_clear_errors():
              r"cache_admit_after must be an int >= 1 .*got 0"),
             (dict(cache_size=8, cache_admit_after="2"), r"cache_admit_after .*got '2'")]:
         with pytest.raises(ValueError, match=pattern):
-            E.DynamicEmbedding(name("bad"), 2, devices=[None], **kwargs)
-    plain = E.DynamicEmbedding(name("plain"), 2, devices=[None])
+            E.DynamicTable(name("bad"), 2, devices=[None], **kwargs)
+    plain = E.DynamicTable(name("plain"), 2, devices=[None])
     with pytest.raises(ValueError, match="prefetch needs a worker cache; create the table "
                                          "with cache_size=N"):
         plain.prefetch([1, 2])
@@ -360,19 +360,19 @@ def test_a_cache_with_sync_training_is_refused():
     from tfpsx.training.modes.sync import SyncTableUpdater
     with pytest.raises(ValueError, match=r"cache_size=8 with SyncTableUpdater: sync training "
                                          r"aggregates"):
-        E.DynamicEmbedding(name("sync"), 2, devices=[None], cache_size=8,
+        E.DynamicTable(name("sync"), 2, devices=[None], cache_size=8,
                            updater=SyncTableUpdater(mode=None))
 
 
 def test_stats_without_cluster_and_float_ids_error():
-    emb = E.DynamicEmbedding(name("s"), 2, devices=[None], optimizer=E.SGD(0.1),
+    emb = E.DynamicTable(name("s"), 2, devices=[None], optimizer=E.SGD(0.1),
                              cache_size=4)
     with pytest.raises(TypeError, match="ids must be integers"):
         emb.lookup_unique(tf.constant([1.5]))
     emb.lookup_unique(tf.constant([1, 2, 2]))
     s = {k: float(v) for k, v in emb.stats().items()}
     assert s["cache_lookups"] == 3 and s["cache_hits"] == 0 and s["cache_size"] == 2
-    assert tfpsx.embedding.DynamicEmbedding is E.DynamicEmbedding
+    assert tfpsx.embedding.DynamicTable is E.DynamicTable
 
 
 def test_keras_layer_with_a_cache_trains_like_without():

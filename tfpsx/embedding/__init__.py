@@ -14,7 +14,7 @@ Layers, each using only the ones listed before it:
   table's lookups read and its gradients go;
 * :mod:`~tfpsx.embedding.cache`: a table's worker cache (options and eviction policies,
   the admission sketch, the sync schedule);
-* :mod:`~tfpsx.embedding.table`: ``DynamicEmbedding``, the user's table (training via its
+* :mod:`~tfpsx.embedding.table`: ``DynamicTable``, the user's table (training via its
   updater, checkpoints via :mod:`~tfpsx.embedding.saveable`).
 """
 
@@ -24,12 +24,25 @@ from tfpsx.embedding.optimizers import OPTIMIZERS, SGD, Adagrad, Adam, Ftrl, Spa
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.embedding.storage import (HASH_TABLE, Backend, HashTableBackend, ShardSpec,
                                      TableStorage)
-from tfpsx.embedding.table import DynamicEmbedding
+from tfpsx.embedding.table import DynamicTable
 from tfpsx.embedding.updaters import TableUpdater, updater_scope
 
 __all__ = [
-    "DynamicEmbedding", "EmbeddingLookup", "ShardedTable", "Initializer", "zeros", "constant",
+    "DynamicTable", "EmbeddingLookup", "ShardedTable", "Initializer", "zeros", "constant",
     "uniform", "normal", "SparseOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "OPTIMIZERS",
     "TableStorage", "Backend", "HashTableBackend", "HASH_TABLE", "ShardSpec", "TableUpdater",
     "updater_scope", "EvictionPolicy", "LFU", "LRU",
 ]
+
+
+def __getattr__(name):
+    # The table's former name: it was the Keras layer's name too
+    # (tfpsx.keras.DynamicEmbedding), so a traceback could not tell them apart.
+    if name == "DynamicEmbedding":
+        import warnings
+
+        warnings.warn("tfpsx.embedding.DynamicEmbedding is now tfpsx.embedding.DynamicTable "
+                      "(tfpsx.keras.DynamicEmbedding is the Keras layer)", DeprecationWarning,
+                      stacklevel=2)
+        return DynamicTable
+    raise AttributeError(f"module 'tfpsx.embedding' has no attribute {name!r}")

@@ -76,7 +76,7 @@ class Checker:
     asserts that :meth:`guard` makes the checked tensors depend on."""
 
     def __init__(self, what: str):
-        self.what = what        # e.g. "DynamicEmbedding 'user': import_rows"
+        self.what = what        # e.g. "DynamicTable 'user': import_rows"
         self._asserts: List[tf.Operation] = []
 
     def fail(self, message: str):

@@ -2,7 +2,7 @@
 device, every operation written once through :meth:`ShardedTable.on_shards`.
 
 ``ShardedTable`` is mode-free: it reads, writes and applies its server-side optimizer and
-knows nothing of GEO or sync. :class:`tfpsx.embedding.DynamicEmbedding` adds training
+knows nothing of GEO or sync. :class:`tfpsx.embedding.DynamicTable` adds training
 through a mode's updater and checkpoints; GEO's worker-local copies are plain
 ``ShardedTable`` s.
 """
@@ -50,7 +50,7 @@ class ShardedTable:
     Args:
       name: shard i is ``<name>/part_<i>`` on ``devices[i]``.
       dim, initializer, optimizer, seed, min_frequency, capacity: as in
-        :class:`tfpsx.embedding.DynamicEmbedding`.
+        :class:`tfpsx.embedding.DynamicTable`.
       devices: one device per shard (None: the current device).
       backend: creates the shards (default: the C++ hash table).
     """
@@ -60,8 +60,8 @@ class ShardedTable:
                  min_frequency: int = 1, capacity: Optional[int] = None,
                  backend: Optional[Backend] = None):
         if not isinstance(name, str) or not name:
-            raise ValueError(f"DynamicEmbedding: name must be a non-empty string, got {name!r}")
-        what = f"DynamicEmbedding {name!r}"
+            raise ValueError(f"DynamicTable: name must be a non-empty string, got {name!r}")
+        what = f"DynamicTable {name!r}"
         _check_int(dim, 1, f"{what}: dim must be a positive int")
         _check_int(min_frequency, 1, f"{what}: min_frequency must be an int >= 1")
         if capacity is not None:
@@ -143,7 +143,7 @@ class ShardedTable:
     def _keys(self, ids) -> tf.Tensor:
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
-            raise TypeError(f"DynamicEmbedding {self.name!r}: ids must be integers (int32 or "
+            raise TypeError(f"DynamicTable {self.name!r}: ids must be integers (int32 or "
                             f"int64), got {ids.dtype.name}")
         return tf.cast(ids, tf.int64)
 
@@ -201,7 +201,7 @@ class ShardedTable:
     # checks.py): a bad input changes no shard.
     @property
     def _what(self) -> str:
-        return f"DynamicEmbedding {self.name!r}"
+        return f"DynamicTable {self.name!r}"
 
     def _key_vector(self, keys) -> tf.Tensor:
         keys = self._keys(keys)

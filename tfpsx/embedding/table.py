@@ -1,8 +1,8 @@
-"""``DynamicEmbedding``: the user-facing table, sharded over the parameter servers.
+"""``DynamicTable``: the user-facing table, sharded over the parameter servers.
 
 Example (graph mode, on a worker after ``tfpsx.init()``)::
 
-  emb = tfpsx.embedding.DynamicEmbedding(
+  emb = tfpsx.embedding.DynamicTable(
       "user", dim=16, initializer=tfpsx.embedding.normal(stddev=0.05),
       optimizer=tfpsx.embedding.Adagrad(learning_rate=0.1))
   looked = emb.lookup_unique(ids)              # ids: any int shape
@@ -45,13 +45,13 @@ def _default_devices(shards: Optional[int]) -> List[Optional[str]]:
     if config is not None and config.servers and config.role in ("worker", "server"):
         count = config.server_num if shards is None else shards
         if count > config.server_num:
-            raise ValueError(f"DynamicEmbedding: {count} shards but the cluster has only "
+            raise ValueError(f"DynamicTable: {count} shards but the cluster has only "
                              f"{config.server_num} parameter servers")
         return [f"/job:ps/task:{i}" for i in range(count)]
     return [None] * (1 if shards is None else shards)
 
 
-class DynamicEmbedding(ShardedTable, compat.Trackable):
+class DynamicTable(ShardedTable, compat.Trackable):
     """A growable int64 -> float32[dim] table, sharded over the parameter servers.
 
     Args:
@@ -107,7 +107,7 @@ class DynamicEmbedding(ShardedTable, compat.Trackable):
             devices = _default_devices(shards)
         devices = list(devices)
         if shards is not None and len(devices) != shards:
-            raise ValueError(f"DynamicEmbedding {name!r}: {shards} shards but {len(devices)} "
+            raise ValueError(f"DynamicTable {name!r}: {shards} shards but {len(devices)} "
                              f"devices {devices}")
         super().__init__(name, dim, devices, initializer=initializer, optimizer=optimizer,
                          seed=seed, min_frequency=min_frequency, capacity=capacity,
@@ -116,7 +116,7 @@ class DynamicEmbedding(ShardedTable, compat.Trackable):
         self.updater = updater or updater_for(self)
         if self.cache_options is not None and not self.updater.supports_cache:
             raise ValueError(
-                f"DynamicEmbedding {name!r}: cache_size={cache_size} with "
+                f"DynamicTable {name!r}: cache_size={cache_size} with "
                 f"{type(self.updater).__name__}: sync training aggregates every step's "
                 "gradients of every row, and a cache trains its rows locally between "
                 "syncs; use async or GEO training with a cache, or no cache with sync")
@@ -129,7 +129,7 @@ class DynamicEmbedding(ShardedTable, compat.Trackable):
 
     def _require_cache(self, what: str) -> WorkerCache:
         if self.cache is None:
-            raise ValueError(f"DynamicEmbedding {self.name!r}: {what} needs a worker cache; "
+            raise ValueError(f"DynamicTable {self.name!r}: {what} needs a worker cache; "
                              "create the table with cache_size=N")
         return self.cache
 
@@ -206,7 +206,7 @@ class DynamicEmbedding(ShardedTable, compat.Trackable):
             before any row changes.
         """
         if self.optimizer is None:
-            raise ValueError(f"DynamicEmbedding {self.name!r} has no optimizer; pass "
+            raise ValueError(f"DynamicTable {self.name!r} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
         grads = self._row_gradients(looked.unique_keys, grads)
         return self.updater.apply_gradients(self, looked.unique_keys, grads, step)

@@ -3,7 +3,7 @@
 A :class:`TableUpdater` decides, for one table, which table its lookups read (the table
 itself, or a worker-local copy in GEO) and where its row gradients go (the server-side
 optimizer on each shard, a copy, or a sync accumulator). Tables never inspect a graph or
-a mode: they are handed an updater, either explicitly (``DynamicEmbedding(...,
+a mode: they are handed an updater, either explicitly (``DynamicTable(...,
 updater=...)``) or by the innermost :func:`updater_scope` (``tfpsx.model_scope`` opens
 one for its mode, as TF's ``variable_creator_scope`` does for variables).
 """

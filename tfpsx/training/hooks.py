@@ -60,7 +60,7 @@ class TrainStepDetector:
 
 
 class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
-    """Drives the graph's worker caches (``DynamicEmbedding(cache_size=...)``): it
+    """Drives the graph's worker caches (``DynamicTable(cache_size=...)``): it
     registers their readers of changed keys before the first step; between steps, a cache that ran ``flush_steps`` updates since its last sync syncs with the PS
     (GEO mode's caches sync in its communicator); at the end, the last updates reach the
     PS (a final flush) and each cache's counters go to the log and a ``cache`` metrics

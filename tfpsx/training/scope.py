@@ -21,8 +21,8 @@ def model_scope(strategy: Optional[DistributedStrategy] = None):
     Every mode: ``replica_device_setter()`` (variables on the PS, balanced by bytes).
     GEO: each trainable variable is created on the PS under its own name (checkpoints are
     the same as in async mode) and the model reads a local copy ``<name>_geo_local`` on
-    this worker; a ``DynamicEmbedding`` built inside trains a worker-local copy table.
-    sync: a ``DynamicEmbedding`` built inside aggregates its row gradients on the PS.
+    this worker; a ``DynamicTable`` built inside trains a worker-local copy table.
+    sync: a ``DynamicTable`` built inside aggregates its row gradients on the PS.
 
     Raises:
       NotInitializedError / WrongRoleError: not a worker of an initialized cluster.

@@ -1,4 +1,4 @@
-"""Workers share a DynamicEmbedding shard on /job:ps/task:1 (placeholder-fed, so nothing
+"""Workers share a DynamicTable shard on /job:ps/task:1 (placeholder-fed, so nothing
 folds on the worker) and compare rows that two PS processes drew for the same keys."""
 import sys
 
@@ -16,10 +16,10 @@ if tfpsx.is_server():
 tfpsx.init_worker()
 me = tfpsx.worker_index()
 with tf.Graph().as_default():
-    shared = E.DynamicEmbedding("shared", 4, initializer=E.zeros(), devices=["/job:ps/task:1"])
-    on_ps0 = E.DynamicEmbedding("det", 4, initializer=E.normal(stddev=1.0), seed=11,
+    shared = E.DynamicTable("shared", 4, initializer=E.zeros(), devices=["/job:ps/task:1"])
+    on_ps0 = E.DynamicTable("det", 4, initializer=E.normal(stddev=1.0), seed=11,
                                 devices=["/job:ps/task:0"])
-    on_ps1 = E.DynamicEmbedding("det", 4, initializer=E.normal(stddev=1.0), seed=11,
+    on_ps1 = E.DynamicTable("det", 4, initializer=E.normal(stddev=1.0), seed=11,
                                 devices=["/job:ps/task:1"])
     keys = tf.compat.v1.placeholder(tf.int64, [None])
     push = shared.accumulate(keys, tf.ones([tf.size(keys), 4]))

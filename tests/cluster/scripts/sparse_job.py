@@ -1,4 +1,4 @@
-"""A DynamicEmbedding trained on 2 PS shards; emits one "sparse" metrics record per worker with
+"""A DynamicTable trained on 2 PS shards; emits one "sparse" metrics record per worker with
 the global rows.
 
   sparse_job.py --mode geo --k_steps K --syncs T [--cache_size N]
@@ -54,7 +54,7 @@ def main(argv):
     with tf.Graph().as_default():
         with tfpsx.model_scope(strategy):
             step = tf.compat.v1.train.get_or_create_global_step()
-            emb = E.DynamicEmbedding("sparse", DIM, initializer=E.zeros(),
+            emb = E.DynamicTable("sparse", DIM, initializer=E.zeros(),
                                      optimizer=E.SGD(LR) if sgd else E.Adagrad(LR),
                                      cache_size=args.cache_size or None,
                                      flush_steps=args.flush_steps)

@@ -51,7 +51,7 @@ def main(argv):
                    help="only this worker sleeps --step_delay after each step")
     p.add_argument("--partitioned", action="store_true")
     p.add_argument("--table", action="store_true",
-                   help="add a per-id bias from a DynamicEmbedding (id: the sign of x[0])")
+                   help="add a per-id bias from a DynamicTable (id: the sign of x[0])")
     p.add_argument("--export", default=None)
     p.add_argument("--no_final_barrier", action="store_true",
                    help="a worker may have been killed: do not wait for everyone at the end")
@@ -84,7 +84,7 @@ def main(argv):
             w_value = tf.convert_to_tensor(w) if args.partitioned else w
             pred = tf.squeeze(tf.matmul(x, w_value), 1) + b
             if args.table:
-                emb = tfpsx.embedding.DynamicEmbedding(
+                emb = tfpsx.embedding.DynamicTable(
                     "bias", 1, initializer=tfpsx.embedding.zeros(),
                     optimizer=tfpsx.embedding.SGD(LR))
                 looked = emb.lookup_unique(tf.cast(x[:, 0] > 0, tf.int64))

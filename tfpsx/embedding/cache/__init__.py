@@ -1,4 +1,4 @@
-"""The worker cache of a table (``DynamicEmbedding(..., cache_size=N)``): the hot rows on
+"""The worker cache of a table (``DynamicTable(..., cache_size=N)``): the hot rows on
 the worker, the rest on the PS.
 
 * :mod:`~tfpsx.embedding.cache.worker_cache`: :class:`WorkerCache`, lookups, local

@@ -68,10 +68,10 @@ class CacheOptions:
     @classmethod
     def parse(cls, table: str, cache_size, cache_policy, flush_steps,
               admit_after=1) -> Optional["CacheOptions"]:
-        """The options of ``DynamicEmbedding(cache_size=..., cache_policy=...,
+        """The options of ``DynamicTable(cache_size=..., cache_policy=...,
         flush_steps=..., cache_admit_after=...)``, or None without a cache; a bad value is
         a ValueError naming it."""
-        what = f"DynamicEmbedding {table!r}"
+        what = f"DynamicTable {table!r}"
         if cache_size is None:
             return None
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:

@@ -1,6 +1,6 @@
 """The worker cache of a table: the hot rows on the worker, the rest on the PS.
 
-``DynamicEmbedding(..., cache_size=N)`` keeps up to N rows of the table in a hash table on
+``DynamicTable(..., cache_size=N)`` keeps up to N rows of the table in a hash table on
 this worker (the C++ core's table, with the table's optimizer and slots) and a snapshot
 ``old`` of each beside it:
 
@@ -31,7 +31,7 @@ Hot rows so train as in GEO (local updates, synced every ``flush_steps``), cold 
 table's mode does. The cached rows' optimizer slots are the worker's: an evicted row's
 slots are dropped, and a fetched row's start from the optimizer's initial values (as GEO's
 worker copy). Counters (hit rate, rows fetched and flushed, evictions, bytes) are in
-:meth:`WorkerCache.stats`, ``DynamicEmbedding.stats()`` and the training logs.
+:meth:`WorkerCache.stats`, ``DynamicTable.stats()`` and the training logs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A mode has one place for each thing a mode decides:
 * ``variable_creator``: where ``model_scope`` puts variables beyond TF's placement
   (GEO: a worker-local copy beside each PS variable);
 * ``wrap_optimizer`` (a classmethod: ``distributed_optimizer`` needs no graph);
-* ``table_updater``: how a ``DynamicEmbedding`` built in ``model_scope`` trains;
+* ``table_updater``: how a ``DynamicTable`` built in ``model_scope`` trains;
 * ``hooks`` / ``wrap_session``: what ``MonitoredTrainingSession`` adds.
 
 Its per-graph state (GEO's variable pairs, sync's accumulators) lives on the object, one

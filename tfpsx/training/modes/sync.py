@@ -6,7 +6,7 @@ applies them once.
   stops normally, and a step that waits past TFPSX_SYNC_STEP_TIMEOUT (a dead worker)
   raises ``ClusterTimeoutError``. Its tokens are shared: a fast worker can supply two of
   one step's gradients.
-* ``DynamicEmbedding`` tables built in ``model_scope(sync)``: a training lookup's row
+* ``DynamicTable`` tables built in ``model_scope(sync)``: a training lookup's row
   gradients go, per shard, into a SparseConditionalAccumulator on that shard's PS
   (stamped with the worker's local step; stale ones are dropped). The chief's update
   thread takes ``replicas_to_aggregate`` gradients per shard, sums the rows of each key,
