@@ -9,8 +9,8 @@
 * :mod:`~tfpsx.keras.checkpoint`: ``IncrementalCheckpoint``, a callback saving tables as
   full exports every M saves and deltas between.
 
-The communication of each mode is graph mode's (:mod:`tfpsx.training.modes`): this
-package is a front-end over it.
+Each mode's protocol is :mod:`tfpsx.modes` (shared with graph mode): this package is its
+eager / ``tf.function`` front-end.
 """
 
 from tfpsx.keras import layers

@@ -24,8 +24,9 @@ The map: :mod:`~.strategy` (options -> mode name), :mod:`~.placement`, :mod:`~.s
 ``Mode`` interface: async, sync, staleness, GEO).
 """
 
+from tfpsx.modes.geo import GeoCounters
 from tfpsx.training.modes import mode_for, mode_of
-from tfpsx.training.modes.geo import GeoCounters, GeoOptimizer
+from tfpsx.training.modes.geo import GeoOptimizer
 from tfpsx.training.modes.staleness import StalenessOptimizer
 from tfpsx.training.modes.sync import SyncOptimizer
 from tfpsx.training.optimizer import distributed_optimizer

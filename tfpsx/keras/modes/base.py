@@ -14,7 +14,7 @@ A Keras mode decides, for one worker's Keras 3 ``fit``:
   (waiting for the chief's initialization, GEO's communicator and final sync), from the
   callback the strategy supplies; ``begin_eval`` before ``evaluate`` / ``predict``.
 
-The communication itself is the graph-mode modes' (:mod:`tfpsx.training.modes`): the
+The protocols themselves are :mod:`tfpsx.modes`, shared with graph mode: the
 same GEO rule functions, table accumulators, token queues and staleness wait.
 """
 

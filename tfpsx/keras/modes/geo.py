@@ -1,6 +1,7 @@
 """GEO on Keras: every worker trains its own copy; every K local steps it syncs with the
-parameter servers by graph mode's rule (:mod:`tfpsx.training.modes.geo`): dense copies
-and the changed rows of tables are pushed as ``(local - old) / N`` and pulled back.
+parameter servers: the rule, the round and the schedule are :mod:`tfpsx.modes.geo`'s
+(dense copies and the changed rows of tables pushed as ``(local - old) / N`` and pulled
+back); this module is their eager / ``tf.function`` executor.
 
 Model weights are local variables (what Keras trains), each with a global counterpart on
 a PS and an ``old`` snapshot; ``optimizer.iterations`` is kept the same way with N = 1, so
@@ -19,12 +20,11 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tfpsx import errors, settings
-from tfpsx.background import BackgroundLoop
+from tfpsx.embedding.geo_rule import table_pull, table_push, table_readers
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.base import CreationContext, KerasMode
-from tfpsx.training.modes.geo import (GeoCounters, GeoTableUpdater, GeoVariable, dense_pull,
-                                      dense_push, table_pull, table_push, table_readers)
+from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
+                             GeoVariable, count_round, dense_pull, dense_push, dense_size)
 
 
 class KerasGeo(KerasMode):
@@ -37,13 +37,17 @@ class KerasGeo(KerasMode):
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater
-        self.train_ops = []       # GeoTableUpdater's (unused here: steps are counted below)
         self.counters = GeoCounters()
         self._steps: Optional[tf.Variable] = None    # local steps run
-        self._pushed_steps = 0
         self._sync_fn = None
-        self._traced = False  # the communicator traced the sync function
-        self._loop: Optional[BackgroundLoop] = None
+        # Deterministic rounds run inside the step (after_step); the schedule runs the
+        # background and final ones. The communicator's first wake-up traces the sync
+        # function (0.7 s on the examples/keras_ctr model: off fit's path, long before the
+        # first K steps ran).
+        self.schedule = GeoSchedule(
+            self.k_steps, self.in_train_thread, self._run_round,
+            cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
+            first_round=lambda: self.sync_fn().get_concrete_function(), inline_rounds=False)
         self._registered = False
         self._fits = 0
         self._in_fit = False
@@ -71,6 +75,9 @@ class KerasGeo(KerasMode):
 
     def table_updater(self, table) -> TableUpdater:
         return GeoTableUpdater(self)
+
+    def local_train_op(self, op) -> None:
+        """(Local steps are counted by the step itself, ``after_step``.)"""
 
     def steps(self) -> tf.Variable:
         if self._steps is None:
@@ -101,12 +108,11 @@ class KerasGeo(KerasMode):
         return pulls, rows
 
     def _rows_and_bytes(self, rows):
-        dense_rows = sum(int(v.local.shape[0]) if v.local.shape.rank else 1 for v in self.dense)
-        dense_bytes = sum(4 * int(v.local.shape.num_elements()) for v in self.dense)
+        """The tables' (rows, bytes) of a push or pull (``rows``: (count, dim) pairs)."""
         count = tf.add_n([tf.constant(0, tf.int64)] + [tf.cast(r, tf.int64) for r, _ in rows])
         nbytes = tf.add_n([tf.constant(0, tf.int64)] +
                           [tf.cast(r, tf.int64) * (8 + 4 * dim) for r, dim in rows])
-        return count + dense_rows, nbytes + dense_bytes
+        return count, nbytes
 
     def sync_fn(self):
         """push + pull in one function (the background communicator's round)."""
@@ -124,16 +130,13 @@ class KerasGeo(KerasMode):
         return self._sync_fn
 
     def _count(self, start: float, rows_sent, bytes_sent, rows_received, bytes_received):
-        self.counters.add(pushes=1, rows_sent=int(rows_sent), bytes_sent=int(bytes_sent),
-                          rows_received=int(rows_received), bytes_received=int(bytes_received),
-                          sync_seconds=time.monotonic() - start)
+        count_round(self.counters, start, dense_size(self.dense), (rows_sent, bytes_sent),
+                    (rows_received, bytes_received))
 
-    def sync_now(self) -> None:
-        """One push + pull, now (the communicator's round; the final sync)."""
-        start, steps = time.monotonic(), int(self.steps().read_value())
-        # Counted from the round's start: the K steps trained while it runs wake the next
-        # one (set after it, a wake-up during a slow round would run a redundant round).
-        self._pushed_steps = steps
+    def _run_round(self, phases) -> None:
+        """A background or final round (push, then pull): one call of the sync function."""
+        assert phases == (PUSH, PULL), phases  # deterministic rounds run in the step
+        start = time.monotonic()
         self._count(start, *self.sync_fn()())
 
     # ------------------------------------------------------------------ the step
@@ -148,20 +151,18 @@ class KerasGeo(KerasMode):
             now = steps.read_value()
 
         def sync_in_step():
-            start = begun = tf.py_function(time.monotonic, [], tf.float64)
-            if any(t.cached for t in self.tables):
-                # A worker cache reads the PS on a miss: no push may land while another
-                # worker still runs its local steps.
-                with tf.control_dependencies([start]):
-                    start = tf.py_function(self._barrier, [], tf.bool)
-            with tf.control_dependencies([start]):
-                pushes, sent = self._push_ops()
-            with tf.control_dependencies(pushes):
-                met = tf.py_function(self._barrier, [], tf.bool)
-            pulls, received = self._pull_ops([met])
-            with tf.control_dependencies(pulls):
-                met_again = tf.py_function(self._barrier, [], tf.bool)
-            with tf.control_dependencies([met_again]):
+            # The deterministic round's phases, chained in the step.
+            begun = tf.py_function(time.monotonic, [], tf.float64)
+            last, sent, received = [begun], [], []
+            for phase in self.schedule.phases():
+                with tf.control_dependencies(last):
+                    if phase == BARRIER:
+                        last = [tf.py_function(self._barrier, [], tf.bool)]
+                    elif phase == PUSH:
+                        last, sent = self._push_ops()
+                    else:
+                        last, received = self._pull_ops(last)
+            with tf.control_dependencies(last):
                 counted = tf.py_function(self._count_in_step, [begun, now] +
                                          list(self._rows_and_bytes(sent)) +
                                          list(self._rows_and_bytes(received)), tf.bool)
@@ -176,7 +177,7 @@ class KerasGeo(KerasMode):
 
     def _count_in_step(self, start, steps, *rows_and_bytes) -> bool:
         self._count(float(start), *rows_and_bytes)
-        self._pushed_steps = int(steps)
+        self.schedule.pushed_in_step(int(steps))
         return True
 
     # ------------------------------------------------------------------ fit
@@ -236,26 +237,7 @@ class KerasGeo(KerasMode):
         self._start()
         self._fits += 1
         self._in_fit = True
-        self.steps()
-        self._pushed_steps = int(self._steps.read_value())
-        if self.in_train_thread:
-            # No worker trains (and pushes) before every worker copied the global values
-            # and registered its table readers.
-            self.barrier()
-        elif self._loop is None:
-            self._loop = BackgroundLoop("GEO communicator", self._communicate).start()
-            if not self._traced:
-                self._loop.wake()  # its first round traces the sync while fit starts
-
-    def _communicate(self) -> None:
-        """The communicator's round: the first traces the sync function (0.7 s on the
-        examples/keras_ctr model: off fit's path, long before the first K steps ran),
-        the others sync."""
-        if not self._traced:
-            self.sync_fn().get_concrete_function()
-            self._traced = True
-            return
-        self.sync_now()
+        self.schedule.start(int(self.steps().read_value()))
 
     def begin_eval(self, model) -> None:
         # Outside fit, evaluate / predict see the global model as it is now (the other
@@ -268,28 +250,14 @@ class KerasGeo(KerasMode):
             self._take_global()
 
     def batch_end(self, model) -> None:
-        if self._loop is None:
-            return
-        self._loop.check()
-        if int(self._steps.read_value()) - self._pushed_steps >= self.k_steps:
-            self._loop.wake()
+        if self.schedule.running:
+            self.schedule.step_done(int(self._steps.read_value()))
 
     def end_fit(self, model) -> None:
         # The last local steps reach the PS before fit returns; then the model is the
         # global one (what model.save writes, what a restarted job resumes from).
         self._in_fit = False
-        failed = False
-        if self._loop is not None:
-            loop, self._loop = self._loop, None
-            timeout = settings.get("TFPSX_RPC_TIMEOUT")
-            if not loop.stop(timeout):
-                raise errors.ClusterTimeoutError(
-                    "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT="
-                    f"{timeout:g} s")
-            failed = loop.error is not None
-            loop.check()
-        if not failed and self._steps is not None and \
-                int(self._steps.read_value()) > self._pushed_steps:
-            self.sync_now()
+        steps = int(self._steps.read_value()) if self._steps is not None else 0
+        failed = not self.schedule.end(steps)  # raises a communicator's failure
         if not failed:
             self._take_global()

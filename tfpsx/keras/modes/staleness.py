@@ -10,7 +10,8 @@ from tfpsx import settings
 from tfpsx.keras.modes.async_ import KerasAsync
 from tfpsx.keras.modes.base import SHARED_PREFIX
 from tfpsx.keras.variables import SharedVariable, initialize
-from tfpsx.training.modes.staleness import DONE, wait_for_slowest
+from tfpsx.modes.group import DONE
+from tfpsx.modes.staleness import wait_for_slowest
 
 
 class KerasStaleness(KerasAsync):

@@ -33,12 +33,10 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync
 from tfpsx.keras.modes.base import SHARED_PREFIX, KerasMode
 from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.modes.group import DONE
+from tfpsx.modes.sync import SyncTableUpdater, TableAccumulators, replicas_to_aggregate
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.placement import GreedyByBytes
-from tfpsx.training.modes.sync import (SyncTableUpdater, TableAccumulators,
-                                       replicas_to_aggregate)
-
-DONE = 2 ** 62  # "pushed" value of a worker whose fit() ended
 
 
 class KerasSync(KerasAsync):

@@ -1,87 +1,31 @@
-"""GEO (k-step geometric SGD): each worker trains a local copy; every K local steps it
-syncs with the parameter servers. Dense variables and tables, one rule:
-
-* push: ``delta = (local - old) / N``; ``old += delta``; the PS value ``+= delta`` (a
-  table pushes only the rows changed in the worker's copy since its last push);
-* pull: ``local += global - old``; ``old = global`` (a table pulls the rows any worker
-  changed on the PS since this worker's last pull: the PS keeps a changed-key set per
-  worker).
-
-The table rule lives with the tables (:mod:`tfpsx.embedding.geo_rule`: a worker cache
-flushes by it too); the dense rule is here. The push and pull run in a background communicator thread while training goes on
-(Paddle's GeoCommunicator), or, with ``geo_sync_in_train_thread=True``, in the training
-thread between steps (deterministic: all workers push, meet at a barrier, pull, meet
-again). The rule itself is the functions :func:`dense_push`, :func:`dense_pull`,
-:func:`table_push`, :func:`table_pull` over variables and tables: they build ops in
-graph mode and run in eager mode or ``tf.function``.
+"""GEO in graph mode: the rule, the round and the schedule are :mod:`tfpsx.modes.geo`'s;
+this module is their TF1 executor. ``model_scope`` makes each trainable variable a local
+copy with its snapshot (the global value on the PS), :class:`GeoOptimizer` trains the
+copies, and a session hook runs the rounds: one ``session.run`` per phase (a push and
+its pull in one in the background), in a communicator thread while training goes on
+(Paddle's GeoCommunicator) or, with ``geo_sync_in_train_thread=True``, between steps
+(deterministic: all workers push, meet at a barrier, pull, meet again).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from tfpsx import errors, metrics, settings
-from tfpsx.background import BackgroundLoop
-from tfpsx.embedding.cache import WorkerCache
 from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push, table_readers
-from tfpsx.embedding.sharding import ShardedTable, as_step
+from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
+                             GeoVariable, count_round, dense_pull, dense_push, dense_size)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
 logger = logging.getLogger("tfpsx")
-
-
-class GeoCounters(metrics.Counters):
-    """What the GEO communicator did on this worker (``metrics.snapshot()["geo"]``)."""
-    GROUP = "geo"
-    FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
-              "sync_seconds")  # sync_seconds: total time spent in push + pull
-
-    @property
-    def mean_sync_seconds(self) -> float:
-        return self.sync_seconds / self.pushes if self.pushes else 0.0
-
-
-# ----------------------------------------------------------------------------- the rule
-
-@dataclasses.dataclass
-class GeoVariable:
-    """A dense variable in GEO: the PS value, this worker's copy and its snapshot."""
-    local: tf.Variable     # trained by this worker
-    old: tf.Variable       # the global value at the last pull (plus this worker's pushes)
-    global_: tf.Variable   # on the parameter server
-
-
-def dense_push(v: GeoVariable, n: float):
-    """delta = (local - old) / n; old += delta; global += delta (n = 1: a counter, e.g.
-    the step count, whose global value is the sum of every worker's)."""
-    with tf.compat.v1.device(v.local.device):
-        delta = v.local.read_value() - v.old.read_value()
-        if n != 1:
-            delta = delta / n
-        bump_old = v.old.assign_add(delta)
-    with tf.compat.v1.device(v.global_.device):
-        push = v.global_.assign_add(delta)
-    return tf.group(bump_old, push)
-
-
-def dense_pull(v: GeoVariable, after=()):
-    """After the ops ``after``: local += global - old; old = global."""
-    with tf.control_dependencies(list(after)):
-        with tf.compat.v1.device(v.global_.device):
-            g = v.global_.read_value()
-    with tf.compat.v1.device(v.local.device):
-        g = tf.identity(g)  # one transfer, used twice
-        with tf.control_dependencies([v.local.assign_add(g - v.old.read_value())]):
-            return v.old.assign(g)
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -143,45 +87,8 @@ class GeoMode(Mode):
     def table_updater(self, table) -> TableUpdater:
         return GeoTableUpdater(self)
 
-
-class GeoTableUpdater(TableUpdater):
-    """Lookups read this worker's copy; gradients train it (its optimizer, locally).
-
-    ``mode`` is the GEO state the table joins (graph mode's ``GeoMode`` or the Keras
-    strategy's): it has ``worker_index``, ``worker_num``, ``worker_device``, ``tables``
-    and ``train_ops``. A table with ``cache_size`` keeps a bounded copy: a worker cache
-    (:mod:`tfpsx.embedding.cache`) whose sync is the mode's every K steps, with n = N.
-    """
-
-    def __init__(self, mode):
-        super().__init__()
-        self._mode = mode
-        self._geo: Optional[GeoTable] = None
-
-    def attach(self, table) -> None:
-        mode, me = self._mode, self._mode.worker_index
-        options = getattr(table, "cache_options", None)
-        if options is not None:
-            self.cache = WorkerCache(table, options, mode.worker_device, me,
-                                     scale=float(mode.worker_num), flush_in_step=False)
-            self._geo = self.cache.geo
-            mode.tables.append(self._geo)
-            return
-        copy = dict(initializer=table.initializer, seed=table.seed,
-                    devices=[mode.worker_device])
-        local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,
-                             optimizer=table.optimizer, min_frequency=table.min_frequency, **copy)
-        old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim, **copy)
-        self._geo = GeoTable(table, local, old, mode.worker_device, me)
-        mode.tables.append(self._geo)
-
-    def lookup_source(self, table):
-        return self._geo.local
-
-    def apply_gradients(self, table, keys, grads, step):
-        op = self._geo.local.apply(keys, grads, step)
-        self._mode.train_ops.append(op)
-        return op
+    def local_train_op(self, op) -> None:
+        self.train_ops.append(op)
 
 
 class GeoOptimizer(WrappedOptimizer):
@@ -235,15 +142,19 @@ class GeoOptimizer(WrappedOptimizer):
 # ----------------------------------------------------------------------------- the hook
 
 class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
-    """Runs GEO's push + pull every k local steps (background thread, or in line)."""
+    """Runs GEO's rounds on :class:`~tfpsx.modes.geo.GeoSchedule`'s schedule, one
+    ``session.run`` per phase."""
 
     def __init__(self, mode: GeoMode):
         self._mode = mode
         self._session = None
-        self._loop: Optional[BackgroundLoop] = None
-        self._steps = 0          # local steps run
-        self._pushed_steps = 0   # local steps reported to global_step
+        self._steps = 0      # local steps run
+        self._reported = 0   # local steps reported to global_step
         self._built = False
+        self._schedule = GeoSchedule(
+            mode.k_steps, mode.in_train_thread, self._run_round,
+            cached=lambda: any(t.cached for t in mode.tables),
+            barrier=RUNTIME.barrier_worker)
 
     # -------------------------------------------------------------- graph
     def begin(self):
@@ -271,7 +182,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._push = dict(_row_counts(sent), done=tf.group(*report, name="geo_push"))
         self._push_pull = None
         if mode.in_train_thread:
-            # Deterministic: push, a barrier (every worker's push is in), then the pull.
+            # Deterministic: the pull is a phase of its own (after a barrier).
             self._pull = self._pull_ops([])
         else:
             # Background: the pull runs right after the push in the same step (one
@@ -279,9 +190,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._pull = self._pull_ops(list(self._push.values()))
             self._push_pull = {"push": self._push, "pull": self._pull}
         self._register = tf.group(*registrations, name="geo_register")
-        self._dense_rows = sum(int(v.local.shape[0]) if v.local.shape.rank else 1
-                               for v in mode.dense)
-        self._dense_bytes = sum(4 * int(v.local.shape.num_elements()) for v in mode.dense)
+        self._dense = dense_size(mode.dense)
         self._detector = TrainStepDetector(mode.train_ops)
 
     def _pull_ops(self, after):
@@ -300,66 +209,37 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # Sparse tables: this worker's reader of changed keys must exist before anyone
         # pushes (the table tracks changes only for readers it knows).
         session.run(self._register)
-        if self._mode.in_train_thread:
-            # Deterministic mode: no worker trains (and pushes) before every worker has
-            # copied the initial global values and registered its readers.
-            RUNTIME.barrier_worker()
-        elif self._loop is None:
-            self._loop = BackgroundLoop("GEO communicator",
-                                        lambda: self._sync(barrier=False)).start()
+        self._schedule.start(self._steps)
 
     def after_run(self, run_context, run_values):
-        if self._loop is not None:
-            self._loop.check()
-        if not self._detector.ran_training(run_context):
-            return  # an eval or a global_step read, not a local step
-        self._steps += 1
-        if self._steps % self._mode.k_steps:
-            return
-        if self._mode.in_train_thread:
-            self._sync(barrier=True)
-        else:
-            self._loop.wake()
+        if self._detector.ran_training(run_context):
+            self._steps += 1  # else an eval or a global_step read, not a local step
+        self._schedule.step_done(self._steps)
 
     def end(self, session):
-        # The last local steps must reach the PS before the worker stops.
-        failed = False
-        if self._loop is not None:
-            timeout = settings.get("TFPSX_RPC_TIMEOUT")
-            if not self._loop.stop(timeout):
-                raise errors.ClusterTimeoutError(
-                    "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT="
-                    f"{timeout:g} s")
-            failed = self._loop.error is not None
-        if self._steps > self._pushed_steps and not failed:
-            self._sync(barrier=False, session=session)
+        # The last local steps must reach the PS before the worker stops (a failed
+        # communicator already failed a step).
+        self._session = session
+        self._schedule.end(self._steps, raise_failure=False)
 
-    def _sync(self, barrier: bool, session=None):
-        session = session or self._session
-        start = time.monotonic()
-        steps = self._steps
-        new_steps = {self._new_steps: steps - self._pushed_steps}
-        if barrier or self._push_pull is None:
-            if barrier and any(t.cached for t in self._mode.tables):
-                # A worker cache reads the PS on a miss: no push may land while another
-                # worker still runs its local steps (deterministic: as uncached GEO).
-                RUNTIME.barrier_worker()
-            pushed = session.run(self._push, new_steps)
-            if barrier:
-                RUNTIME.barrier_worker()
-            pulled = session.run(self._pull)
-            if barrier:
-                RUNTIME.barrier_worker()
-        else:
+    def _run_round(self, phases: Tuple[str, ...]) -> None:
+        session, start = self._session, time.monotonic()
+        steps = self._schedule.pushed
+        new_steps = {self._new_steps: steps - self._reported}
+        if phases == (PUSH, PULL) and self._push_pull is not None:
             done = session.run(self._push_pull, new_steps)
             pushed, pulled = done["push"], done["pull"]
-        self._pushed_steps = steps
-        self._mode.counters.add(
-            pushes=1, rows_sent=self._dense_rows + int(pushed["rows"]),
-            rows_received=self._dense_rows + int(pulled["rows"]),
-            bytes_sent=self._dense_bytes + int(pushed["bytes"]),
-            bytes_received=self._dense_bytes + int(pulled["bytes"]),
-            sync_seconds=time.monotonic() - start)
+        else:
+            for phase in phases:
+                if phase == BARRIER:
+                    RUNTIME.barrier_worker()
+                elif phase == PUSH:
+                    pushed = session.run(self._push, new_steps)
+                else:
+                    pulled = session.run(self._pull)
+        self._reported = steps
+        count_round(self._mode.counters, start, self._dense,
+                    (pushed["rows"], pushed["bytes"]), (pulled["rows"], pulled["bytes"]))
 
 
 def _row_counts(rows_and_dims) -> Dict[str, tf.Tensor]:

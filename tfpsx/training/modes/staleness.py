@@ -9,39 +9,13 @@ the way, so finished workers hold nobody back; a dead one does until the timeout
 
 from __future__ import annotations
 
-import time
-
 import tensorflow as tf
 
-from tfpsx import errors, settings
+from tfpsx import settings
+from tfpsx.modes.group import DONE
+from tfpsx.modes.staleness import wait_for_slowest
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
-
-DONE = 2 ** 62  # a finished worker's clock: never the slowest
-
-
-def wait_for_slowest(clocks, read_clocks, me: int, max_staleness: int, timeout: float) -> bool:
-    """Waits while worker ``me`` is more than ``max_staleness`` steps ahead of the slowest
-    worker; ``clocks`` is the clock vector after this worker's tick, ``read_clocks()``
-    reads it again. Returns whether it had to wait (graph mode and Keras alike).
-
-    Raises:
-      ClusterTimeoutError: ``timeout`` passed (TFPSX_STALENESS_TIMEOUT), naming the slowest.
-    """
-    deadline = time.monotonic() + timeout
-    waited = False
-    while clocks[me] - clocks.min() > max_staleness:
-        waited = True
-        if time.monotonic() > deadline:
-            slow = [int(w) for w in (clocks == clocks.min()).nonzero()[0]]
-            raise errors.ClusterTimeoutError(
-                f"bounded staleness: worker {me} at step {clocks[me]} waited "
-                f"{timeout:g} s (TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at "
-                f"step {clocks.min()} (max_staleness={max_staleness}); are they alive?")
-        time.sleep(0.005)
-        clocks = read_clocks()
-    return waited
-
 
 class StalenessMode(Mode):
     NAME = "staleness"

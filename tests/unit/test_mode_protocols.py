@@ -1,0 +1,150 @@
+"""The modes' protocols (tfpsx.modes) in one process, no cluster: GEO's round and schedule
+driven by a recording executor, the staleness wait over a clock vector."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tfpsx import errors
+from tfpsx.modes import BARRIER, DONE, PULL, PUSH, GeoSchedule, round_phases, wait_for_slowest
+
+
+def test_a_round_is_push_then_pull_and_deterministic_rounds_meet_between():
+    assert round_phases(deterministic=False, cached=False) == (PUSH, PULL)
+    assert round_phases(deterministic=False, cached=True) == (PUSH, PULL)
+    assert round_phases(deterministic=True, cached=False) == (PUSH, BARRIER, PULL, BARRIER)
+    # A worker cache reads the PS on a miss: they also meet before anyone pushes.
+    assert round_phases(deterministic=True, cached=True) == \
+        (BARRIER, PUSH, BARRIER, PULL, BARRIER)
+
+
+class Recorder:
+    """The executor: records each round's phases, with the steps the schedule counted."""
+
+    def __init__(self, cached=False):
+        self.rounds, self.barriers, self.cached = [], 0, cached
+        self.schedule = None
+        self.block = threading.Event()
+        self.fail = None
+
+    def run_round(self, phases):
+        if self.fail:
+            raise self.fail
+        if self.slow:
+            self.block.wait(10)
+        self.rounds.append((self.schedule.pushed, phases))
+
+    slow = False
+
+    def barrier(self):
+        self.barriers += 1
+
+    def make(self, k, deterministic, **kwargs):
+        self.schedule = GeoSchedule(k, deterministic, self.run_round,
+                                    cached=lambda: self.cached, barrier=self.barrier, **kwargs)
+        return self.schedule
+
+
+def test_deterministic_rounds_run_every_k_steps_then_a_final_round_without_barriers():
+    rec = Recorder()
+    s = rec.make(3, deterministic=True)
+    s.start(0)
+    assert rec.barriers == 1  # nobody trains before every worker copied the global model
+    for step in range(1, 11):
+        s.step_done(step)
+        s.step_done(step)  # an eval run between steps: no step, no round
+    assert s.end(10)
+    det = (PUSH, BARRIER, PULL, BARRIER)
+    assert rec.rounds == [(3, det), (6, det), (9, det), (10, (PUSH, PULL))]
+
+
+def test_no_final_round_when_every_step_was_pushed():
+    rec = Recorder()
+    s = rec.make(5, deterministic=True)
+    s.start(0)
+    for step in range(1, 11):
+        s.step_done(step)
+    assert s.end(10)
+    assert [pushed for pushed, _ in rec.rounds] == [5, 10]
+
+
+def test_a_front_end_that_rounds_in_its_step_reports_them_and_gets_the_final_round():
+    rec = Recorder(cached=True)
+    s = rec.make(4, deterministic=True, inline_rounds=False)
+    s.start(0)
+    for step in range(1, 10):
+        s.step_done(step)
+        if step % 4 == 0:
+            assert s.phases() == (BARRIER, PUSH, BARRIER, PULL, BARRIER)
+            s.pushed_in_step(step)
+    assert rec.rounds == []  # the step ran them
+    s.end(9)
+    assert rec.rounds == [(9, (PUSH, PULL))]
+
+
+def _wait_for(predicate, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_background_communicator_is_woken_once_k_steps_are_unpushed():
+    rec = Recorder()
+    traced = []
+    s = rec.make(10, deterministic=False, first_round=lambda: traced.append(True))
+    s.start(0)
+    assert s.running and rec.barriers == 0
+    _wait_for(lambda: traced)  # its first wake-up traces, it does not sync
+    for step in range(1, 10):
+        s.step_done(step)
+    time.sleep(0.05)
+    assert rec.rounds == []
+    s.step_done(10)
+    _wait_for(lambda: rec.rounds)
+    assert rec.rounds == [(10, (PUSH, PULL))]
+    s.step_done(13)
+    assert s.end(13) and not s.running
+    assert rec.rounds[-1] == (13, (PUSH, PULL))  # the final round
+
+
+def test_a_failed_communicator_fails_the_next_step_and_sends_nothing_more():
+    rec = Recorder()
+    s = rec.make(2, deterministic=False)
+    s.start(0)
+    rec.fail = errors.ServerUnavailableError("server 0 is gone")
+    s.step_done(2)
+    _wait_for(lambda: s._loop.error is not None)
+    with pytest.raises(errors.BackgroundTaskError, match="GEO communicator failed: server 0"):
+        s.step_done(3)
+    rec.fail = None
+    assert s.end(5, raise_failure=False) is False
+    assert rec.rounds == []
+
+
+def test_a_stuck_round_ends_training_within_the_rpc_timeout(monkeypatch):
+    monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "0.3")
+    rec = Recorder()
+    rec.slow = True
+    s = rec.make(1, deterministic=False)
+    s.start(0)
+    s.step_done(1)
+    time.sleep(0.05)
+    start = time.monotonic()
+    with pytest.raises(errors.ClusterTimeoutError, match="TFPSX_RPC_TIMEOUT=0.3 s"):
+        s.end(2)
+    assert time.monotonic() - start < 3
+    rec.block.set()
+
+
+def test_staleness_waits_for_the_slowest_and_names_it_when_the_bound_runs_out():
+    assert wait_for_slowest(np.array([5, 4, 3]), None, 0, 2, 1.0) is False
+    reads = iter([np.array([6, 4, 5]), np.array([6, 5, 5])])
+    assert wait_for_slowest(np.array([6, 3, 5]), lambda: next(reads), 0, 1, 5.0) is True
+    # A finished worker's clock (DONE) is never the slowest.
+    assert wait_for_slowest(np.array([9, DONE, 8]), None, 0, 1, 1.0) is False
+    with pytest.raises(errors.ClusterTimeoutError,
+                       match=r"worker 0 at step 9 waited 0.1 s .* worker\(s\) \[2\] at step 3"):
+        wait_for_slowest(np.array([9, 8, 3]), lambda: np.array([9, 8, 3]), 0, 2, 0.1)

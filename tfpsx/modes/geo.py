@@ -1,0 +1,274 @@
+"""GEO (k-step geometric SGD), once for both front-ends: the rule, the round, the
+schedule.
+
+Each worker trains a local copy; every K local steps it syncs with the parameter servers.
+Dense variables and tables, one rule:
+
+* push: ``delta = (local - old) / N``; ``old += delta``; the PS value ``+= delta`` (a
+  table pushes only the rows changed in the worker's copy since its last push);
+* pull: ``local += global - old``; ``old = global`` (a table pulls the rows any worker
+  changed on the PS since this worker's last pull: the PS keeps a changed-key set per
+  worker).
+
+The dense rule is :func:`dense_push` / :func:`dense_pull` here, the table rule lives with
+the tables (:mod:`tfpsx.embedding.geo_rule`: a worker cache flushes by it too). Both
+build ops in graph mode and run in eager mode or ``tf.function``.
+
+A **round** is a sequence of phases (:func:`round_phases`): in the background
+communicator (Paddle's GeoCommunicator) a push and the pull right after it; in the
+deterministic schedule (``geo_sync_in_train_thread=True``) push, every worker meets,
+pull, every worker meets again (with a worker cache, which reads the PS on a miss, they
+meet first too). A front-end interprets the phases: a TF1 session runs them one
+``session.run`` each; Keras chains them inside its compiled step.
+
+The **schedule** (:class:`GeoSchedule`) says when a round runs: every K local steps
+(woken in the background, or inline), a final round when training ends with local
+steps not yet pushed, and the communicator's bounded stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, List, Optional, Protocol, Tuple
+
+import tensorflow as tf
+
+from tfpsx import errors, metrics, settings
+from tfpsx.background import BackgroundLoop
+from tfpsx.embedding.cache import WorkerCache
+from tfpsx.embedding.geo_rule import GeoTable
+from tfpsx.embedding.sharding import ShardedTable
+from tfpsx.embedding.updaters import TableUpdater
+
+PUSH, PULL, BARRIER = "push", "pull", "barrier"
+
+
+class GeoCounters(metrics.Counters):
+    """What the GEO communicator did on this worker (``metrics.snapshot()["geo"]``)."""
+    GROUP = "geo"
+    FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
+              "sync_seconds")  # sync_seconds: total time spent in push + pull
+
+    @property
+    def mean_sync_seconds(self) -> float:
+        return self.sync_seconds / self.pushes if self.pushes else 0.0
+
+
+# ----------------------------------------------------------------------------- the rule
+
+@dataclasses.dataclass
+class GeoVariable:
+    """A dense variable in GEO: the PS value, this worker's copy and its snapshot."""
+    local: tf.Variable     # trained by this worker
+    old: tf.Variable       # the global value at the last pull (plus this worker's pushes)
+    global_: tf.Variable   # on the parameter server
+
+
+def dense_push(v: GeoVariable, n: float):
+    """delta = (local - old) / n; old += delta; global += delta (n = 1: a counter, e.g.
+    the step count, whose global value is the sum of every worker's)."""
+    with tf.compat.v1.device(v.local.device):
+        delta = v.local.read_value() - v.old.read_value()
+        if n != 1:
+            delta = delta / n
+        bump_old = v.old.assign_add(delta)
+    with tf.compat.v1.device(v.global_.device):
+        push = v.global_.assign_add(delta)
+    return tf.group(bump_old, push)
+
+
+def dense_pull(v: GeoVariable, after=()):
+    """After the ops ``after``: local += global - old; old = global."""
+    with tf.control_dependencies(list(after)):
+        with tf.compat.v1.device(v.global_.device):
+            g = v.global_.read_value()
+    with tf.compat.v1.device(v.local.device):
+        g = tf.identity(g)  # one transfer, used twice
+        with tf.control_dependencies([v.local.assign_add(g - v.old.read_value())]):
+            return v.old.assign(g)
+
+
+# ----------------------------------------------------------------------------- the round
+
+def round_phases(deterministic: bool, cached: bool) -> Tuple[str, ...]:
+    """One sync round's phases, in order.
+
+    Background: push, then pull (one round trip less: the pull may follow in the same
+    step). Deterministic: push, every worker meets (every push is in), pull, they meet
+    again (nobody pushes before everyone pulled); with a worker cache they also meet
+    first (a cache reads the PS on a miss: no push may land while another worker still
+    runs its local steps)."""
+    if not deterministic:
+        return (PUSH, PULL)
+    return ((BARRIER,) if cached else ()) + (PUSH, BARRIER, PULL, BARRIER)
+
+
+def dense_size(dense: List[GeoVariable]) -> Tuple[int, int]:
+    """(rows, bytes) a round moves for the dense copies, each way (float32)."""
+    rows = sum(int(v.local.shape[0]) if v.local.shape.rank else 1 for v in dense)
+    return rows, sum(4 * int(v.local.shape.num_elements()) for v in dense)
+
+
+def count_round(counters: GeoCounters, start: float, dense: Tuple[int, int],
+                sent: Tuple[int, int], received: Tuple[int, int]) -> None:
+    """Adds one round to ``counters``: ``sent`` / ``received`` are the tables' (rows,
+    bytes); ``dense`` the dense copies' (:func:`dense_size`), moved each way."""
+    counters.add(pushes=1, rows_sent=dense[0] + int(sent[0]), bytes_sent=dense[1] + int(sent[1]),
+                 rows_received=dense[0] + int(received[0]),
+                 bytes_received=dense[1] + int(received[1]),
+                 sync_seconds=time.monotonic() - start)
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+class GeoSchedule:
+    """When this worker syncs, for either front-end.
+
+    Args:
+      k_steps: local steps between rounds.
+      deterministic: rounds inline every K steps with barriers (else a background
+        communicator, woken once K steps are unpushed).
+      run_round: ``run_round(phases)`` runs one round now (the front-end's executor).
+      cached: whether any table of the mode has a worker cache (read when a round runs).
+      barrier: all workers meet (``RUNTIME.barrier_worker``).
+      first_round: the background communicator's first wake-up runs this instead of a
+        round (Keras traces its sync function there, off ``fit``'s path).
+      inline_rounds: deterministic rounds run from :meth:`step_done`; False when the
+        front-end runs them inside its step (Keras) and reports them by
+        :meth:`pushed_in_step`; ``run_round`` then runs the final round only.
+    """
+
+    def __init__(self, k_steps: int, deterministic: bool,
+                 run_round: Callable[[Tuple[str, ...]], None],
+                 cached: Callable[[], bool], barrier: Callable[[], None],
+                 first_round: Optional[Callable[[], None]] = None,
+                 inline_rounds: bool = True):
+        self.k_steps, self.deterministic = k_steps, deterministic
+        self._run_round, self._cached, self._barrier = run_round, cached, barrier
+        self._first_round, self._inline = first_round, inline_rounds
+        self.pushed = 0  # local steps counted at the start of the last round
+        self._steps = 0  # local steps reported by step_done
+        self._loop: Optional[BackgroundLoop] = None
+
+    @property
+    def running(self) -> bool:
+        """A background communicator is running."""
+        return self._loop is not None
+
+    def phases(self, deterministic: Optional[bool] = None) -> Tuple[str, ...]:
+        return round_phases(self.deterministic if deterministic is None else deterministic,
+                            self._cached())
+
+    def start(self, steps: int) -> None:
+        """Training starts with ``steps`` local steps run so far (all pushed)."""
+        self.pushed = self._steps = steps
+        if self.deterministic:
+            # No worker trains (and pushes) before every worker copied the global values
+            # and registered its table readers.
+            self._barrier()
+        elif self._loop is None:
+            self._loop = BackgroundLoop("GEO communicator", self._background).start()
+            if self._first_round is not None:
+                self._loop.wake()
+
+    def step_done(self, steps: int) -> None:
+        """``steps`` local steps have run (after a step, or an execution of several)."""
+        self._steps = steps
+        if self._loop is not None:
+            self._loop.check()
+            if steps - self.pushed >= self.k_steps:
+                self._loop.wake()
+        elif self.deterministic and self._inline and steps - self.pushed >= self.k_steps:
+            self.round(steps, self.phases())
+
+    def round(self, steps: int, phases: Tuple[str, ...]) -> None:
+        """One round now. Counted from its start: the K steps trained while it runs wake
+        the next one (counted after it, a wake-up during a slow round would run a
+        redundant round)."""
+        self.pushed = steps
+        self._run_round(phases)
+
+    def pushed_in_step(self, steps: int) -> None:
+        """A round ran inside the step (the front-end's own deterministic round)."""
+        self.pushed = steps
+
+    def _background(self) -> None:
+        if self._first_round is not None:
+            first, self._first_round = self._first_round, None
+            first()
+            return
+        self.round(self._steps, self.phases())
+
+    def end(self, steps: int, raise_failure: bool = True) -> bool:
+        """Training ended after ``steps`` local steps: the communicator stops (bounded by
+        TFPSX_RPC_TIMEOUT) and the steps not pushed yet reach the PS in a final round
+        (push, pull: no barrier, the others may be done). If the communicator had
+        failed, nothing more is sent and its error is raised (``raise_failure``; a
+        BackgroundTaskError), else False is returned."""
+        self._steps = steps
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            timeout = settings.get("TFPSX_RPC_TIMEOUT")
+            if not loop.stop(timeout):
+                raise errors.ClusterTimeoutError(
+                    "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT="
+                    f"{timeout:g} s")
+            if loop.error is not None:
+                if raise_failure:
+                    loop.check()
+                return False
+        if steps > self.pushed:
+            self.round(steps, self.phases(deterministic=False))
+        return True
+
+
+# ----------------------------------------------------------------------------- tables
+
+class GeoState(Protocol):
+    """What a table joins in GEO (graph mode's ``GeoMode``, Keras's ``KerasGeo``)."""
+    worker_index: int
+    worker_num: int
+    worker_device: str
+    tables: List[GeoTable]
+
+    def local_train_op(self, op) -> None:
+        """A table's local training op was built (graph mode counts local steps by it)."""
+
+
+class GeoTableUpdater(TableUpdater):
+    """Lookups read this worker's copy; gradients train it (its optimizer, locally).
+
+    A table with ``cache_size`` keeps a bounded copy: a worker cache
+    (:mod:`tfpsx.embedding.cache`) whose sync is the mode's every K steps, with n = N.
+    """
+
+    def __init__(self, mode: GeoState):
+        super().__init__()
+        self._mode = mode
+        self._geo: Optional[GeoTable] = None
+
+    def attach(self, table) -> None:
+        mode, me = self._mode, self._mode.worker_index
+        options = getattr(table, "cache_options", None)
+        if options is not None:
+            self.cache = WorkerCache(table, options, mode.worker_device, me,
+                                     scale=float(mode.worker_num), flush_in_step=False)
+            self._geo = self.cache.geo
+            mode.tables.append(self._geo)
+            return
+        copy = dict(initializer=table.initializer, seed=table.seed,
+                    devices=[mode.worker_device])
+        local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,
+                             optimizer=table.optimizer, min_frequency=table.min_frequency, **copy)
+        old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim, **copy)
+        self._geo = GeoTable(table, local, old, mode.worker_device, me)
+        mode.tables.append(self._geo)
+
+    def lookup_source(self, table):
+        return self._geo.local
+
+    def apply_gradients(self, table, keys, grads, step):
+        op = self._geo.local.apply(keys, grads, step)
+        self._mode.local_train_op(op)
+        return op
