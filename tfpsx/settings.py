@@ -187,7 +187,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_SESSION_TIMEOUT", "seconds", 600.0,
             "a non-chief waiting for the chief to initialize or restore the model", "timeouts"),
     Setting("TFPSX_SYNC_STEP_TIMEOUT", "seconds", 300.0,
-            "one sync step: the other workers' gradients and the token", "timeouts"),
+            "one sync step: the other workers' gradients, or the chief's apply", "timeouts"),
     Setting("TFPSX_STALENESS_TIMEOUT", "seconds", 300.0,
             "bounded staleness: a worker waiting for the slowest", "timeouts"),
     Setting("TFPSX_LOST_GRACE", "seconds", 10.0,

@@ -151,7 +151,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
     * async: weights, optimizer slots and ``optimizer.iterations`` live on the PS; each
       worker's update runs there; every step reads the current global values.
     * sync (``a_sync=False``): the chief applies each step's average of
-      ``replicas_to_aggregate`` workers' gradients, once; per-worker tokens.
+      ``replicas_to_aggregate`` workers' gradients (one from each), once.
     * GEO (``k_steps=K``): local training, a push/pull every K local steps in a background
       thread (in the step with ``geo_sync_in_train_thread=True``), a final sync at the end
       of ``fit``.

@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfpsx import errors, metrics, settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.embedding.cache import WorkerCache
-from tfpsx.embedding.geo_rule import GeoTable
+from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
 
@@ -87,6 +87,39 @@ def dense_pull(v: GeoVariable, after=()):
         g = tf.identity(g)  # one transfer, used twice
         with tf.control_dependencies([v.local.assign_add(g - v.old.read_value())]):
             return v.old.assign(g)
+
+
+def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=None,
+             counters: List[GeoVariable] = ()):
+    """The push phase: every dense pair (``delta / n``), every counter pair (n = 1: the
+    job's step count) and every table's changed rows. Returns (ops, (rows, bytes) the
+    tables sent)."""
+    ops = [dense_push(v, n) for v in dense] + [dense_push(v, 1) for v in counters]
+    rows = []
+    for t in tables:
+        op, count = table_push(t, n, step)
+        ops.append(op)
+        rows.append((count, t.global_.dim))
+    return ops, rows_and_bytes(rows)
+
+
+def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=()):
+    """The pull phase, after the ops ``after``: every pair and the rows any worker
+    changed on the PS. Returns (ops, (rows, bytes) the tables received)."""
+    ops = [dense_pull(v, after) for v in variables]
+    rows = []
+    for t in tables:
+        op, count = table_pull(t, after)
+        ops.append(op)
+        rows.append((count, t.global_.dim))
+    return ops, rows_and_bytes(rows)
+
+
+def rows_and_bytes(rows_and_dims) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(rows, bytes) as int64 tensors: a row moves its key and ``dim`` floats."""
+    counts = [(tf.cast(r, tf.int64), dim) for r, dim in rows_and_dims]
+    return (tf.add_n([tf.constant(0, tf.int64)] + [r for r, _ in counts]),
+            tf.add_n([tf.constant(0, tf.int64)] + [r * (8 + 4 * dim) for r, dim in counts]))
 
 
 # ----------------------------------------------------------------------------- the round

@@ -1,8 +1,36 @@
 """The group of workers a mode waits on: a per-worker vector on PS 0 (sync's pushed
 steps, bounded staleness's clocks) where a worker whose training ended is marked
 :data:`DONE`, so nobody waits for it again (a dead one is named by the heartbeat
-watch instead)."""
+watch instead). The ops on it build the same in a TF1 graph and a ``tf.function``."""
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 DONE = 2 ** 62  # a finished worker's entry: never the slowest, never waited for
+
+
+def op_of(x):
+    """The op of a variable update's result (in graph mode a resource variable's
+    ``scatter_*`` returns the variable), to wait on."""
+    return getattr(x, "op", x)
+
+
+def entry(index: int, value) -> tf.IndexedSlices:
+    """``value`` for worker ``index``'s entry of a per-worker int64 vector."""
+    return tf.IndexedSlices(tf.reshape(tf.cast(value, tf.int64), [1]), tf.constant([index]))
+
+
+def set_entry(vector, index: int, value):
+    """The op: ``vector[index] = value``."""
+    return op_of(vector.scatter_update(entry(index, value)))
+
+
+def add_to_entry(vector, index: int, value):
+    """The op: ``vector[index] += value``."""
+    return op_of(vector.scatter_add(entry(index, value)))
+
+
+def leave(vector, index: int):
+    """The op marking worker ``index`` done: nobody waits for it again."""
+    return set_entry(vector, index, DONE)

@@ -7,6 +7,17 @@ from __future__ import annotations
 import time
 
 from tfpsx import errors
+from tfpsx.modes.group import add_to_entry, leave
+
+
+def tick(clocks, me: int):
+    """The op counting one step of worker ``me`` in the clock vector."""
+    return add_to_entry(clocks, me, 1)
+
+
+def finish(clocks, me: int):
+    """The op marking worker ``me`` done: it holds nobody back."""
+    return leave(clocks, me)
 
 
 def wait_for_slowest(clocks, read_clocks, me: int, max_staleness: int, timeout: float) -> bool:

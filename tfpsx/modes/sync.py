@@ -1,29 +1,45 @@
-"""sync, once for both front-ends: each step applies the average of
-``replicas_to_aggregate`` workers' gradients, once.
+"""sync, once for both front-ends: each step applies the average of the gradients of
+``replicas_to_aggregate`` workers, exactly one gradient from each, once.
 
-The pieces both front-ends build a sync step from: the checked ``replicas_to_aggregate``;
-the tables' path (:class:`TableAccumulators`: per-shard accumulators stamped with the
-worker's local step, the chief's one apply; :class:`SyncTableUpdater` sends a table's
-row gradients there); per-worker token queues (:func:`token_queues`,
-:func:`release_tokens`, :func:`take_token`: a worker takes only its own token, so no
-worker supplies two gradients of one step). A finished worker leaves the group
-(:data:`tfpsx.modes.group.DONE`).
+The protocol (:class:`SyncGroup`), per step ``s``:
+
+1. every worker pushes its gradients, stamped ``s`` (its local step): dense ones into one
+   accumulator per gradient on the PS (:class:`GradientAccumulators`), a table's row
+   gradients into its shards' accumulators (:class:`TableAccumulators`); then it marks
+   ``pushed[me] = s + 1`` in a vector on PS 0 (:meth:`SyncGroup.mark_pushed`);
+2. the chief waits (:meth:`SyncGroup.wait_for_gradients`) until ``replicas_to_aggregate``
+   of the workers still in the group have pushed for ``s``, takes that many gradients
+   from every accumulator (their average), marks older ones stale, applies the average
+   once and bumps the step on PS 0 (:meth:`SyncGroup.advance`);
+3. every other worker waits (:meth:`SyncGroup.wait_for_step`) until the step passed
+   ``s`` and trains the next one from there: the step is the token, so no worker can
+   supply two gradients of one step.
+
+A worker whose training ends leaves the group (``pushed[me] = DONE``): nobody waits for
+it again. The chief applies the steps: when it leaves, the sync steps are over and the
+others end their training (graph mode: the session stops; Keras: the epoch's data ends).
+Every wait is bounded (TFPSX_SYNC_STEP_TIMEOUT) and checks every half second whether the
+scheduler declared a worker it waits for dead (no heartbeat for TFPSX_HEARTBEAT_TIMEOUT):
+then it fails at once, naming the worker and its address.
+
+The ops are built the same way in a TF1 graph and in a ``tf.function``; the waits are
+Python, given a way to read PS 0's values (a ``session.run`` or an eager read). A
+front-end decides only how a step runs them: graph mode in its session hook
+(:mod:`tfpsx.training.modes.sync`), Keras inside its compiled step
+(:mod:`tfpsx.keras.modes.sync`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import time
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
+from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
-
-
-class SyncState(Protocol):
-    """What a table joins in sync (graph mode's ``SyncMode``, Keras's ``KerasSync``)."""
-
-    def push(self, table, keys, grads):
-        """The op sending a table's row gradients to the step's aggregation."""
+from tfpsx.modes.group import DONE, leave, op_of, set_entry
 
 
 def replicas_to_aggregate(strategy, workers: int, what: str) -> int:
@@ -37,12 +53,195 @@ def replicas_to_aggregate(strategy, workers: int, what: str) -> int:
     return replicas
 
 
+# ----------------------------------------------------------------------------- the group
+
+class SyncGroup:
+    """The step protocol of one worker (see the module doc).
+
+    Args:
+      step: int64 scalar variable on PS 0: the steps applied so far.
+      pushed: int64 ``[workers]`` variable on PS 0: per worker, 1 + the step it pushed
+        gradients for last (0: not yet; :data:`DONE`: it left).
+      local_step: int64 scalar variable on this worker: the step it trains (the stamp of
+        its gradients).
+      me, workers, replicas: this worker's index, the worker count, replicas_to_aggregate.
+      dead_workers: ``() -> [(rank, address)]``, the workers the scheduler declared dead.
+    """
+
+    def __init__(self, step, pushed, local_step, me: int, workers: int, replicas: int,
+                 dead_workers: Callable[[], List[Tuple[int, str]]]):
+        self.step, self.pushed, self.local_step = step, pushed, local_step
+        self.me, self.workers, self.replicas = me, workers, replicas
+        self.is_chief = me == 0
+        self._dead_workers = dead_workers
+
+    # ------------------------------------------------------------------ ops
+    def join(self) -> list:
+        """This worker (re)joins: it trains the current step (a restarted worker's
+        gradients are not stale) and counts as pushed up to it."""
+        now = self.step.read_value()
+        return [op_of(self.local_step.assign(now)), set_entry(self.pushed, self.me, now)]
+
+    def mark_pushed(self, after: Sequence = ()):
+        """After the ops ``after`` (this step's pushes): ``pushed[me] = local_step + 1``."""
+        with tf.control_dependencies(list(after)):
+            s = self.local_step.read_value()
+            return set_entry(self.pushed, self.me, s + 1)
+
+    def leave(self):
+        """This worker's training ended: nobody waits for it again."""
+        return leave(self.pushed, self.me)
+
+    def advance(self, after: Sequence = ()):
+        """The chief, after the ops ``after`` (the step's apply): the step + 1, and this
+        worker's local step follows; returns the new step (read after both)."""
+        with tf.control_dependencies(list(after)):
+            bump = self.step.assign_add(1, read_value=False)
+        with tf.control_dependencies([op_of(bump)]):
+            new = self.step.read_value()
+        with tf.control_dependencies([self.follow(new)]):
+            return tf.identity(new)
+
+    def follow(self, new):
+        """This worker trains step ``new`` next."""
+        return op_of(self.local_step.assign(new, read_value=False))
+
+    # ------------------------------------------------------------------ the waits
+    def gradients_ready(self, pushed: np.ndarray, s: int) -> Optional[int]:
+        """How many workers pushed for step ``s``, once ``replicas_to_aggregate`` of those
+        still in the group have (fewer when fewer remain); else None."""
+        active = pushed < DONE
+        arrived = int(((pushed >= s + 1) & active).sum())
+        required = max(1, min(self.replicas, int(active.sum())))
+        return arrived if arrived >= required else None
+
+    def step_ready(self, step: int, chief_left: bool, s: int) -> Optional[int]:
+        """The new step once it passed ``s``; None while it did not.
+
+        Raises:
+          OutOfRangeError: the chief left before applying ``s``: no more sync steps.
+        """
+        if step > s:
+            return step
+        if chief_left:
+            raise tf.errors.OutOfRangeError(
+                None, None, "sync: the chief (worker 0) finished training; no more sync steps")
+        return None
+
+    def wait_for_gradients(self, s: int, read_pushed: Callable[[], np.ndarray]) -> int:
+        """The chief's wait for the gradients of step ``s``; their count."""
+        return self._poll(lambda: self.gradients_ready(read_pushed(), s), lambda t: (
+            f"sync: the chief waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT={t:g} s) for the "
+            f"gradients of step {s} from worker(s) {self.missing(read_pushed(), s)}; is it "
+            "dead? (lower replicas_to_aggregate to go on without stragglers)"),
+            s, read_pushed)
+
+    def wait_for_step(self, s: int, read_step: Callable[[], int],
+                      read_pushed: Callable[[], np.ndarray]) -> int:
+        """A worker's wait for the chief to apply step ``s``; the new step."""
+        def ready():
+            # The chief bumps the step before it leaves: a "left" read first, then the
+            # step, never misses its last step.
+            chief_left = int(read_pushed()[0]) >= DONE
+            return self.step_ready(int(read_step()), chief_left, s)
+
+        return self._poll(ready, lambda t: (
+            f"sync: worker {self.me} waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT={t:g} s) for "
+            f"the chief to apply step {s}; still missing the gradients of worker(s) "
+            f"{self.missing(read_pushed(), s)}. Is a worker or the chief dead?"),
+            s, read_pushed, needed=(0,))
+
+    def missing(self, pushed: np.ndarray, s: int) -> List[int]:
+        """The workers in the group that did not push for step ``s``."""
+        return [w for w in range(self.workers) if pushed[w] < s + 1]
+
+    def _poll(self, ready, timeout_message, s: int, read_pushed, needed=()):
+        """Polls ``ready()`` until it answers, bounded by TFPSX_SYNC_STEP_TIMEOUT; every
+        half second, a worker the step waits for (one that did not push for ``s``, or
+        one of ``needed``) that the scheduler declared dead fails the wait at once."""
+        timeout = settings.get("TFPSX_SYNC_STEP_TIMEOUT")
+        start = time.monotonic()
+        deadline, pause, checked = start + timeout, 0.0005, start
+        while True:
+            result = ready()
+            if result is not None:
+                return result
+            now = time.monotonic()
+            if now > deadline:
+                raise errors.ClusterTimeoutError(timeout_message(timeout))
+            if now - checked > 0.5:
+                checked = now
+                self._fail_if_dead(s, now - start, read_pushed, needed)
+            time.sleep(pause)
+            pause = min(0.005, pause * 2)
+
+    def _fail_if_dead(self, s: int, waited: float, read_pushed, needed=()) -> None:
+        reported = self._dead_workers()
+        if not reported:
+            return
+        waiting_for = set(self.missing(read_pushed(), s)) | set(needed)
+        dead = [(rank, address) for rank, address in reported if rank in waiting_for]
+        if dead:
+            raise errors.ClusterTimeoutError(self.lost_message(dead, f"step {s}", waited))
+
+    def lost_message(self, dead, waited_for: str, waited: float) -> str:
+        names = ", ".join(f"worker {rank} at {address}" for rank, address in dead)
+        return (f"sync: worker {self.me} waited {waited:.1f} s for {waited_for}, which cannot "
+                f"complete: {names} died (the scheduler heard no heartbeat for "
+                f"TFPSX_HEARTBEAT_TIMEOUT={settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); "
+                "restart the job from its last checkpoint (sync needs every worker; "
+                "tfpsx-run --max_restarts restarts a lost worker in place)")
+
+
+# ----------------------------------------------------------------------------- gradients
+
+class GradientAccumulators:
+    """One accumulator per gradient of the model (the same model on every worker gives
+    the same order) on a PS, named ``<prefix><i>``: a ConditionalAccumulator for a dense
+    gradient, a SparseConditionalAccumulator for an ``IndexedSlices`` one. Gradients
+    stamped with a step older than the accumulator's are dropped.
+
+    Args:
+      place: ``(i, nbytes) -> device``: where the accumulator of gradient ``i`` (of
+        ``nbytes``) goes.
+      prefix: the accumulators' shared-name prefix.
+    """
+
+    def __init__(self, grads: Sequence, place: Callable[[int, int], str], prefix: str):
+        self.accumulators = []
+        for i, g in enumerate(grads):
+            sparse = isinstance(g, tf.IndexedSlices)
+            shape = g.dense_shape if sparse else g.shape
+            shape = tf.TensorShape(tf.get_static_value(shape) if sparse else shape)
+            size = max(1, shape.num_elements() or 1) * g.dtype.size
+            cls = (tf.compat.v1.SparseConditionalAccumulator if sparse
+                   else tf.compat.v1.ConditionalAccumulator)
+            with tf.compat.v1.device(place(i, size)):
+                self.accumulators.append(cls(g.dtype, shape=shape,
+                                             shared_name=f"{prefix}{i}"))
+
+    def push(self, grads: Sequence, local_step) -> list:
+        """This worker's gradients, stamped ``local_step``."""
+        return [acc.apply_indexed_slices_grad(g, local_step)
+                if isinstance(g, tf.IndexedSlices) else acc.apply_grad(g, local_step)
+                for acc, g in zip(self.accumulators, grads)]
+
+    def take(self, count) -> list:
+        """The average of ``count`` gradients from each accumulator (waits for them)."""
+        return [acc.take_indexed_slices_grad(count)
+                if isinstance(acc, tf.compat.v1.SparseConditionalAccumulator)
+                else acc.take_grad(count) for acc in self.accumulators]
+
+    def set_global_step(self, step) -> list:
+        """Gradients stamped before ``step`` are stale from now on."""
+        return [acc.set_global_step(step) for acc in self.accumulators]
+
+
 class TableAccumulators:
-    """The sync path of tables, for graph mode and Keras alike: each table shard's row
-    gradients go into a SparseConditionalAccumulator on that shard's PS, stamped with the
-    worker's local step (stale ones are dropped); the chief takes ``replicas`` of them,
-    sums each key's rows, divides by ``replicas`` and applies the table's server-side
-    optimizer once."""
+    """The sync path of tables: each table shard's row gradients go into a
+    SparseConditionalAccumulator on that shard's PS, stamped with the worker's local step
+    (stale ones are dropped); the chief takes ``count`` of them, sums each key's rows,
+    divides by ``count`` and applies the table's server-side optimizer once."""
 
     def __init__(self):
         self.entries = []   # (table, shard index, SparseConditionalAccumulator)
@@ -62,20 +261,20 @@ class TableAccumulators:
         self.pushes.append(push)
         return push
 
-    def apply(self, replicas, step) -> list:
-        """The chief's ops: take ``replicas`` (an int or int32 tensor) gradients per shard
+    def apply(self, count, step) -> list:
+        """The chief's ops: take ``count`` (an int or int32 tensor) gradients per shard
         and apply them once."""
         updates = []
         for table, i, acc in self.entries:
             shard = table.shards[i]
             with tf.compat.v1.device(shard.device):
-                taken = acc.take_indexed_slices_grad(replicas)
+                taken = acc.take_indexed_slices_grad(count)
                 # A key may come from several workers (the accumulator keeps each
                 # gradient's rows): one summed row per key, then one optimizer step.
                 keys, where = tf.unique(taken.indices)
                 grads = tf.math.unsorted_segment_sum(taken.values, where, tf.size(keys))
                 updates.append(shard.apply(table.optimizer, keys,
-                                           grads / tf.cast(replicas, tf.float32), step))
+                                           grads / tf.cast(count, tf.float32), step))
         return updates
 
     def set_global_step(self, step) -> list:
@@ -83,34 +282,15 @@ class TableAccumulators:
         return [acc.set_global_step(step) for _, _, acc in self.entries]
 
 
-def token_queues(total: int, prefix: str):
-    """One token queue per worker (on the current device): the chief puts one token per
-    step into each, a worker takes its own, so no worker can supply two gradients of one
-    step (TF's SyncReplicasOptimizer shares one queue: a fast worker could)."""
-    return [tf.queue.FIFOQueue(-1, tf.int64, shapes=[], shared_name=f"{prefix}_{w}",
-                               name=f"{prefix}_{w}") for w in range(total)]
+class SyncState(Protocol):
+    """What a table joins in sync (graph mode's ``SyncMode``, Keras's ``KerasSync``)."""
 
-
-def release_tokens(queues, token):
-    """One ``token`` into each worker's queue, unless 2 wait there already: the queue of a
-    dead backup worker (fewer replicas than workers) must not grow by one every step."""
-    return tf.group(*[q.enqueue_many(tf.fill([tf.cast(q.size() < 2, tf.int32)], token))
-                      for q in queues])
-
-
-def take_token(queue):
-    """This worker's token (waits for it), then any older ones a straggler left; the
-    newest step among them. Only this worker dequeues its queue: size-then-dequeue does
-    not race."""
-    first = queue.dequeue()
-    with tf.control_dependencies([first]):
-        rest = queue.dequeue_many(queue.size())
-    return tf.maximum(first, tf.reduce_max(rest))  # max of none: int64 min
+    def push(self, table, keys, grads):
+        """The op sending a table's row gradients to the step's aggregation."""
 
 
 class SyncTableUpdater(TableUpdater):
-    """Row gradients go to the sync accumulators of ``mode`` (graph mode's ``SyncMode`` or
-    Keras's ``KerasSync``: a :class:`SyncState`)."""
+    """Row gradients go to the sync accumulators of ``mode`` (a :class:`SyncState`)."""
 
     #: A cache's rows train locally between syncs: no per-step aggregation of them.
     supports_cache = False

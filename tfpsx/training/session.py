@@ -2,8 +2,8 @@
 
 The chief initializes or restores and checkpoints; a non-chief is ready within
 ~TFPSX_RECOVERY_WAIT of the chief's init (TF's own polls every 30 s); the graph's mode
-adds its hooks (GEO's communicator, sync's tokens, staleness clocks; the worker caches'
-final flush) and may wrap the session (sync: step timeouts that say what they waited for).
+adds its hooks (GEO's communicator, sync's step, staleness clocks; the worker caches'
+final flush).
 """
 
 from __future__ import annotations
@@ -106,12 +106,11 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     own = mode.hooks() if mode else []
     if graph_caches():
         own.append(WorkerCacheHook())
-    session = _monitored_session(config, checkpoint_dir, list(hooks or []) + own,
-                                 chief_only_hooks, last_step,
-                                 save_checkpoint_steps, save_checkpoint_secs,
-                                 save_summaries_steps, scaffold, log_step_count_steps,
-                                 session_timeout, stop_grace_period_secs)
-    return mode.wrap_session(session) if mode else session
+    return _monitored_session(config, checkpoint_dir, list(hooks or []) + own,
+                              chief_only_hooks, last_step,
+                              save_checkpoint_steps, save_checkpoint_secs,
+                              save_summaries_steps, scaffold, log_step_count_steps,
+                              session_timeout, stop_grace_period_secs)
 
 
 def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_step,

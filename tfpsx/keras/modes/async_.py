@@ -1,10 +1,15 @@
-"""async on Keras: model weights and optimizer slots are shared resources on the parameter
-servers; each worker's optimizer update runs where its variable lives, and every step
-reads the current global values. Nobody waits.
+"""Model weights on the parameter servers, for Keras: async, and the base of sync and
+bounded staleness.
 
-``optimizer.iterations`` is the job's global step: a counter on PS 0 that every worker's
-step increments (atomically: Keras increments iterations by a read and an assign, which
-would lose steps if the variable itself were shared), copied into each worker's own.
+:class:`OnServers`: model weights and optimizer slots are shared resources on the
+parameter servers (large weights partitioned, read through a per-step view); an
+optimizer update runs where its variable lives, and every step reads the current global
+values.
+
+:class:`KerasAsync`: nobody waits. ``optimizer.iterations`` is the job's global step: a
+counter on PS 0 that every worker's step increments (atomically: Keras increments
+iterations by a read and an assign, which would lose steps if the variable itself were
+shared), copied into each worker's own.
 """
 
 from __future__ import annotations
@@ -19,15 +24,15 @@ from tfpsx.keras.partitioned import PartitionedVariable, View, partitions
 from tfpsx.keras.variables import SharedVariable, initialize
 
 
-class KerasAsync(KerasMode):
-    NAME = "async"
+class OnServers(KerasMode):
+    """Model weights and optimizer slots on the parameter servers (see the module doc);
+    ``optimizer.iterations`` stays on this worker, in ``iterations``, for the mode to set."""
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
         self.iterations: List[tf.Variable] = []  # the optimizers' step counts (local copies)
         self.views: Dict[int, View] = {}  # id(local variable) -> the view of a partitioned one
         self._published = False
-        self._global_step = None
 
     def check_model(self, model) -> None:
         steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
@@ -100,16 +105,6 @@ class KerasAsync(KerasMode):
         self.applied(var)
         return result
 
-    def global_step(self) -> SharedVariable:
-        """PS 0's count of every worker's training steps."""
-        if self._global_step is None:
-            self._global_step = SharedVariable(
-                shared_name=SHARED_PREFIX + "global_step", shape=[], dtype=tf.int64,
-                device=self.ps_devices[0], trainable=False, name="global_step")
-            initialize(self._global_step, tf.constant(0, tf.int64), self.is_chief,
-                       settings.get("TFPSX_SESSION_TIMEOUT"))
-        return self._global_step
-
     def publish(self, model) -> None:
         # A restore (load_weights) before the first fit changed the chief's views: the
         # job continues from that model.
@@ -130,6 +125,27 @@ class KerasAsync(KerasMode):
         super().begin_fit(model)
         self._published = True
         self.refresh_views()
+
+
+class KerasAsync(OnServers):
+    NAME = "async"
+
+    def __init__(self, keras_strategy, options, config):
+        super().__init__(keras_strategy, options, config)
+        self._global_step = None
+
+    def global_step(self) -> SharedVariable:
+        """PS 0's count of every worker's training steps."""
+        if self._global_step is None:
+            self._global_step = SharedVariable(
+                shared_name=SHARED_PREFIX + "global_step", shape=[], dtype=tf.int64,
+                device=self.ps_devices[0], trainable=False, name="global_step")
+            initialize(self._global_step, tf.constant(0, tf.int64), self.is_chief,
+                       settings.get("TFPSX_SESSION_TIMEOUT"))
+        return self._global_step
+
+    def begin_fit(self, model) -> None:
+        super().begin_fit(model)
         now = self.global_step().read_value()
         for it in self.iterations:
             it.assign(now)

@@ -8,14 +8,14 @@ A Keras mode decides, for one worker's Keras 3 ``fit``:
   all-reduce run (on the PS; only on the chief; across workers);
 * ``before_step`` / ``after_step``: ops at the start of every step (refreshing the views
   of partitioned variables) and appended to every training step inside the compiled
-  function (GEO's step count, staleness clocks, sync tokens);
+  function (GEO's step count, staleness clocks, sync's wait for the step);
 * ``table_updater``: how a ``DynamicEmbedding`` layer built in the scope trains;
 * ``begin_fit`` / ``batch_end`` / ``end_fit``: what happens around ``fit`` in Python
   (waiting for the chief's initialization, GEO's communicator and final sync), from the
   callback the strategy supplies; ``begin_eval`` before ``evaluate`` / ``predict``.
 
 The protocols themselves are :mod:`tfpsx.modes`, shared with graph mode: the
-same GEO rule functions, table accumulators, token queues and staleness wait.
+same GEO rule and rounds, sync step protocol and staleness clocks.
 """
 
 from __future__ import annotations

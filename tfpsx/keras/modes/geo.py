@@ -20,11 +20,11 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import table_pull, table_push, table_readers
+from tfpsx.embedding.geo_rule import table_readers
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, count_round, dense_pull, dense_push, dense_size)
+                             GeoVariable, count_round, dense_size, pull_ops, push_ops)
 
 
 class KerasGeo(KerasMode):
@@ -88,31 +88,11 @@ class KerasGeo(KerasMode):
 
     # ------------------------------------------------------------------ the rule
     def _push_ops(self):
-        n = float(self.worker_num)
-        pushes = [dense_push(v, n) for v in self.dense]
-        pushes += [dense_push(v, 1) for v in self.step_pairs]
-        rows = []
-        for t in self.tables:
-            push, count = table_push(t, n, None)
-            pushes.append(push)
-            rows.append((count, t.global_.dim))
-        return pushes, rows
+        return push_ops(self.dense, self.tables, float(self.worker_num),
+                        counters=self.step_pairs)
 
     def _pull_ops(self, after):
-        pulls = [dense_pull(v, after) for v in self.dense + self.step_pairs]
-        rows = []
-        for t in self.tables:
-            pull, count = table_pull(t, after)
-            pulls.append(pull)
-            rows.append((count, t.global_.dim))
-        return pulls, rows
-
-    def _rows_and_bytes(self, rows):
-        """The tables' (rows, bytes) of a push or pull (``rows``: (count, dim) pairs)."""
-        count = tf.add_n([tf.constant(0, tf.int64)] + [tf.cast(r, tf.int64) for r, _ in rows])
-        nbytes = tf.add_n([tf.constant(0, tf.int64)] +
-                          [tf.cast(r, tf.int64) * (8 + 4 * dim) for r, dim in rows])
-        return count, nbytes
+        return pull_ops(self.dense + self.step_pairs, self.tables, after)
 
     def sync_fn(self):
         """push + pull in one function (the background communicator's round)."""
@@ -124,7 +104,7 @@ class KerasGeo(KerasMode):
                 pushes, sent = self._push_ops()
                 pulls, received = self._pull_ops(pushes)
                 with tf.control_dependencies(pulls):
-                    return self._rows_and_bytes(sent) + self._rows_and_bytes(received)
+                    return tuple(tf.identity(x) for x in sent + received)
 
             self._sync_fn = sync
         return self._sync_fn
@@ -153,7 +133,8 @@ class KerasGeo(KerasMode):
         def sync_in_step():
             # The deterministic round's phases, chained in the step.
             begun = tf.py_function(time.monotonic, [], tf.float64)
-            last, sent, received = [begun], [], []
+            nothing = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+            last, sent, received = [begun], nothing, nothing
             for phase in self.schedule.phases():
                 with tf.control_dependencies(last):
                     if phase == BARRIER:
@@ -163,9 +144,8 @@ class KerasGeo(KerasMode):
                     else:
                         last, received = self._pull_ops(last)
             with tf.control_dependencies(last):
-                counted = tf.py_function(self._count_in_step, [begun, now] +
-                                         list(self._rows_and_bytes(sent)) +
-                                         list(self._rows_and_bytes(received)), tf.bool)
+                counted = tf.py_function(self._count_in_step,
+                                         [begun, now] + list(sent) + list(received), tf.bool)
             return counted
 
         return [tf.cond(tf.equal(now % self.k_steps, 0), sync_in_step,

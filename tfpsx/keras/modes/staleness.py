@@ -10,8 +10,7 @@ from tfpsx import settings
 from tfpsx.keras.modes.async_ import KerasAsync
 from tfpsx.keras.modes.base import SHARED_PREFIX
 from tfpsx.keras.variables import SharedVariable, initialize
-from tfpsx.modes.group import DONE
-from tfpsx.modes.staleness import wait_for_slowest
+from tfpsx.modes.staleness import finish, tick, wait_for_slowest
 
 
 class KerasStaleness(KerasAsync):
@@ -40,9 +39,8 @@ class KerasStaleness(KerasAsync):
         clocks = self.clocks()
         counted = super().after_step()  # the global step
         with tf.control_dependencies(counted):
-            tick = clocks.scatter_add(tf.IndexedSlices(tf.constant([1], tf.int64),
-                                                      tf.constant([self.worker_index])))
-        with tf.control_dependencies([tick.op if hasattr(tick, "op") else tick]):
+            ticked = tick(clocks, self.worker_index)
+        with tf.control_dependencies([ticked]):
             now = clocks.read_value()
         return [tf.py_function(self._wait, [now], tf.bool, name="tfpsx_staleness_wait")]
 
@@ -59,6 +57,5 @@ class KerasStaleness(KerasAsync):
     def end_fit(self, model) -> None:
         # A worker that is done holds nobody back.
         if self._clocks is not None:
-            self._clocks.scatter_update(tf.IndexedSlices(tf.constant([DONE], tf.int64),
-                                                         tf.constant([self.worker_index])))
+            finish(self._clocks, self.worker_index)
         super().end_fit(model)

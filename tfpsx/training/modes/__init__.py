@@ -1,9 +1,9 @@
-"""The training modes, one module each, behind the :class:`~base.Mode` interface.
+"""The training modes in graph mode, one module each, behind the :class:`~base.Mode`
+interface: TF1-session executors of the protocols in :mod:`tfpsx.modes`.
 
 * :mod:`~.async_`: variables and apply ops on the PS, nobody waits;
-* :mod:`~.sync`: gradients of ``replicas_to_aggregate`` workers averaged per step
-  (dense: SyncReplicasOptimizer without its hangs; tables: per-shard accumulators and
-  per-worker tokens);
+* :mod:`~.sync`: gradients of ``replicas_to_aggregate`` workers averaged per step, one
+  from each (:mod:`tfpsx.modes.sync`), dense and tables;
 * :mod:`~.staleness`: async, no worker more than ``max_staleness`` steps ahead;
 * :mod:`~.geo`: k-step GEO, dense and sparse, with its communicator.
 

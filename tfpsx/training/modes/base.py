@@ -7,7 +7,7 @@ A mode has one place for each thing a mode decides:
   (GEO: a worker-local copy beside each PS variable);
 * ``wrap_optimizer`` (a classmethod: ``distributed_optimizer`` needs no graph);
 * ``table_updater``: how a ``DynamicTable`` built in ``model_scope`` trains;
-* ``hooks`` / ``wrap_session``: what ``MonitoredTrainingSession`` adds.
+* ``hooks``: what ``MonitoredTrainingSession`` adds.
 
 Its per-graph state (GEO's variable pairs, sync's accumulators) lives on the object, one
 per graph (:meth:`Mode.for_graph`): held by the graph as a plain attribute, not in a graph
@@ -79,10 +79,6 @@ class Mode:
 
     def add_hook(self, hook) -> None:
         self._hooks.append(hook)
-
-    def wrap_session(self, session):
-        """The monitored session the user gets (e.g. with clearer timeout errors)."""
-        return session
 
     # ------------------------------------------------------------------ model_scope
     @contextlib.contextmanager

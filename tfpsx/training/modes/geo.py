@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push, table_readers
+from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, count_round, dense_pull, dense_push, dense_size)
+                             GeoVariable, count_round, dense_size, pull_ops, push_ops)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -164,22 +164,17 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             return
         self._built = True
         mode = self._mode
-        n = float(mode.worker_num)
         step = as_step(tf.compat.v1.train.get_global_step())
-        pushes = [dense_push(v, n) for v in mode.dense]
-        sent, registrations = [], []
-        for t in mode.tables:
-            push, rows = table_push(t, n, step)
-            pushes.append(push)
-            sent.append((rows, t.global_.dim))
-            registrations.extend(table_readers(t))
+        pushes, (rows, nbytes) = push_ops(mode.dense, mode.tables, float(mode.worker_num),
+                                          step)
+        registrations = [op for t in mode.tables for op in table_readers(t)]
         self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
         global_step = tf.compat.v1.train.get_global_step()
         with tf.control_dependencies(pushes):
             # global_step counts every worker's local steps, reported at each push.
             report = ([tf.compat.v1.assign_add(global_step, self._new_steps)]
                       if global_step is not None else [])
-            self._push = dict(_row_counts(sent), done=tf.group(*report, name="geo_push"))
+            self._push = dict(rows=rows, bytes=nbytes, done=tf.group(*report, name="geo_push"))
         self._push_pull = None
         if mode.in_train_thread:
             # Deterministic: the pull is a phase of its own (after a barrier).
@@ -195,13 +190,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
 
     def _pull_ops(self, after):
         """The pull of every GEO variable and table, after the ops ``after``."""
-        pulls = [dense_pull(v, after) for v in self._mode.dense]
-        received = []
-        for t in self._mode.tables:
-            pull, rows = table_pull(t, after)
-            pulls.append(pull)
-            received.append((rows, t.global_.dim))
-        return dict(_row_counts(received), done=tf.group(*pulls, name="geo_pull"))
+        pulls, (rows, nbytes) = pull_ops(self._mode.dense, self._mode.tables, after)
+        return dict(rows=rows, bytes=nbytes, done=tf.group(*pulls, name="geo_pull"))
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
@@ -240,10 +230,3 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._reported = steps
         count_round(self._mode.counters, start, self._dense,
                     (pushed["rows"], pushed["bytes"]), (pulled["rows"], pulled["bytes"]))
-
-
-def _row_counts(rows_and_dims) -> Dict[str, tf.Tensor]:
-    """Rows and bytes (key + row of floats each) moved by the tables' pushes or pulls."""
-    return {"rows": tf.add_n([tf.constant(0)] + [r for r, _ in rows_and_dims]),
-            "bytes": tf.add_n([tf.constant(0, tf.int64)] +
-                              [tf.cast(r, tf.int64) * (8 + 4 * dim) for r, dim in rows_and_dims])}

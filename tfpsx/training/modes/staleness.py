@@ -12,8 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpsx import settings
-from tfpsx.modes.group import DONE
-from tfpsx.modes.staleness import wait_for_slowest
+from tfpsx.modes.staleness import finish, tick, wait_for_slowest
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 
@@ -48,10 +47,11 @@ class StalenessOptimizer(WrappedOptimizer):
                 "tfpsx_worker_clocks", [n], tf.int64, initializer=tf.zeros_initializer(),
                 trainable=False, use_resource=True)
         with tf.compat.v1.device(clocks.device):
-            tick = tf.compat.v1.scatter_add(clocks, [me], tf.constant([1], tf.int64))
-            done = tf.compat.v1.scatter_update(clocks, [me], tf.constant([DONE], tf.int64))
+            with tf.control_dependencies([tick(clocks, me)]):
+                ticked = clocks.read_value()
+            done = finish(clocks, me)
             read = clocks.read_value()
-        self._hook = _StalenessHook(train_op, tick, read, done, self.max_staleness, me)
+        self._hook = _StalenessHook(train_op, ticked, read, done, self.max_staleness, me)
         mode.add_hook(self._hook)
         return train_op
 
