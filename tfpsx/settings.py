@@ -188,6 +188,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "a non-chief waiting for the chief to initialize or restore the model", "timeouts"),
     Setting("TFPSX_SYNC_STEP_TIMEOUT", "seconds", 300.0,
             "one sync step: the other workers' gradients, or the chief's apply", "timeouts"),
+    Setting("TFPSX_SYNC_ATTEMPT", "seconds", 0.5,
+            "graph-mode sync: the longest the chief's run waits in the graph for a step's "
+            "gradients before it reads the group again (a worker that left or died)",
+            "timeouts"),
     Setting("TFPSX_STALENESS_TIMEOUT", "seconds", 300.0,
             "bounded staleness: a worker waiting for the slowest", "timeouts"),
     Setting("TFPSX_LOST_GRACE", "seconds", 10.0,

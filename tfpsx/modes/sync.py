@@ -74,6 +74,7 @@ class SyncGroup:
         self.me, self.workers, self.replicas = me, workers, replicas
         self.is_chief = me == 0
         self._dead_workers = dead_workers
+        self._required: Optional[int] = None  # the last count a blocking take waited for
 
     # ------------------------------------------------------------------ ops
     def join(self) -> list:
@@ -82,24 +83,26 @@ class SyncGroup:
         now = self.step.read_value()
         return [op_of(self.local_step.assign(now)), set_entry(self.pushed, self.me, now)]
 
-    def mark_pushed(self, after: Sequence = ()):
-        """After the ops ``after`` (this step's pushes): ``pushed[me] = local_step + 1``."""
+    def mark_pushed(self, after: Sequence = (), stamp=None):
+        """After the ops ``after`` (this step's pushes): ``pushed[me] = s + 1``, where
+        ``s`` is ``stamp`` (the step the pushes were stamped with) or the local step."""
         with tf.control_dependencies(list(after)):
-            s = self.local_step.read_value()
+            s = self.local_step.read_value() if stamp is None else stamp
             return set_entry(self.pushed, self.me, s + 1)
 
     def leave(self):
         """This worker's training ended: nobody waits for it again."""
         return leave(self.pushed, self.me)
 
-    def advance(self, after: Sequence = ()):
-        """The chief, after the ops ``after`` (the step's apply): the step + 1, and this
-        worker's local step follows; returns the new step (read after both)."""
+    def advance(self, after: Sequence = (), follow: bool = True):
+        """The chief, after the ops ``after`` (the step's apply): the step + 1, and (with
+        ``follow``) this worker's local step follows; returns the new step (read after
+        both). Without ``follow`` the ops stay on PS 0 (graph mode feeds its stamps)."""
         with tf.control_dependencies(list(after)):
             bump = self.step.assign_add(1, read_value=False)
         with tf.control_dependencies([op_of(bump)]):
             new = self.step.read_value()
-        with tf.control_dependencies([self.follow(new)]):
+        with tf.control_dependencies([self.follow(new)] if follow else []):
             return tf.identity(new)
 
     def follow(self, new):
@@ -107,13 +110,15 @@ class SyncGroup:
         return op_of(self.local_step.assign(new, read_value=False))
 
     # ------------------------------------------------------------------ the waits
+    def required(self, pushed: np.ndarray) -> int:
+        """The gradients a step needs: ``replicas_to_aggregate`` of the workers still in
+        the group (fewer when fewer remain)."""
+        return max(1, min(self.replicas, int((pushed < DONE).sum())))
+
     def gradients_ready(self, pushed: np.ndarray, s: int) -> Optional[int]:
-        """How many workers pushed for step ``s``, once ``replicas_to_aggregate`` of those
-        still in the group have (fewer when fewer remain); else None."""
-        active = pushed < DONE
-        arrived = int(((pushed >= s + 1) & active).sum())
-        required = max(1, min(self.replicas, int(active.sum())))
-        return arrived if arrived >= required else None
+        """How many workers pushed for step ``s``, once :meth:`required` have; else None."""
+        arrived = int(((pushed >= s + 1) & (pushed < DONE)).sum())
+        return arrived if arrived >= self.required(pushed) else None
 
     def step_ready(self, step: int, chief_left: bool, s: int) -> Optional[int]:
         """The new step once it passed ``s``; None while it did not.
@@ -128,22 +133,52 @@ class SyncGroup:
                 None, None, "sync: the chief (worker 0) finished training; no more sync steps")
         return None
 
-    def wait_for_gradients(self, s: int, read_pushed: Callable[[], np.ndarray]) -> int:
-        """The chief's wait for the gradients of step ``s``; their count."""
-        return self._poll(lambda: self.gradients_ready(read_pushed(), s), lambda t: (
+    def wait_for_gradients(self, s: int, read_pushed: Callable[[], np.ndarray],
+                           take: Optional[Callable[[int], object]] = None):
+        """The chief's wait for the gradients of step ``s``.
+
+        Without ``take`` it polls the pushed vector and returns the gradients' count.
+        With ``take``, ``take(required)`` is one bounded blocking attempt (graph mode: a
+        run that waits in the accumulators themselves, no polling) returning its result,
+        or None when its bound ran out (then the group is read again: a worker may have
+        left, or died); the result is returned."""
+        if take is None:
+            def ready():
+                return self.gradients_ready(read_pushed(), s)
+        else:
+            def ready():
+                if self._required is None:
+                    self._required = self.required(read_pushed())
+                result = take(self._required)
+                if result is None:
+                    self._required = None
+                return result
+        return self._poll(ready, lambda t: (
             f"sync: the chief waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT={t:g} s) for the "
             f"gradients of step {s} from worker(s) {self.missing(read_pushed(), s)}; is it "
             "dead? (lower replicas_to_aggregate to go on without stragglers)"),
             s, read_pushed)
 
     def wait_for_step(self, s: int, read_step: Callable[[], int],
-                      read_pushed: Callable[[], np.ndarray]) -> int:
-        """A worker's wait for the chief to apply step ``s``; the new step."""
-        def ready():
+                      read_pushed: Callable[[], np.ndarray],
+                      take: Optional[Callable[[], Optional[int]]] = None) -> int:
+        """A worker's wait for the chief to apply step ``s``; the new step.
+
+        Without ``take`` it polls the step. With ``take``, ``take()`` is one bounded
+        blocking attempt (graph mode: this worker's token queue, where the chief's apply
+        puts the new step) returning a step, or None when its bound ran out; between
+        attempts the step and the chief's place in the group are read again."""
+        def check():
             # The chief bumps the step before it leaves: a "left" read first, then the
             # step, never misses its last step.
             chief_left = int(read_pushed()[0]) >= DONE
             return self.step_ready(int(read_step()), chief_left, s)
+
+        ready = check
+        if take is not None:
+            def ready():
+                new = take()
+                return new if new is not None and s < new < DONE else check()
 
         return self._poll(ready, lambda t: (
             f"sync: worker {self.me} waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT={t:g} s) for "
@@ -161,7 +196,7 @@ class SyncGroup:
         one of ``needed``) that the scheduler declared dead fails the wait at once."""
         timeout = settings.get("TFPSX_SYNC_STEP_TIMEOUT")
         start = time.monotonic()
-        deadline, pause, checked = start + timeout, 0.0005, start
+        deadline, pause, checked = start + timeout, 0.0002, start
         while True:
             result = ready()
             if result is not None:
@@ -173,7 +208,7 @@ class SyncGroup:
                 checked = now
                 self._fail_if_dead(s, now - start, read_pushed, needed)
             time.sleep(pause)
-            pause = min(0.005, pause * 2)
+            pause = min(0.001, pause * 2)
 
     def _fail_if_dead(self, s: int, waited: float, read_pushed, needed=()) -> None:
         reported = self._dead_workers()

@@ -43,10 +43,34 @@ class TrainStepDetector:
     def __init__(self, train_ops: Iterable = ()):
         self._names = {getattr(op, "op", op).name for op in train_ops}
         self._cache: Dict[str, bool] = {}
+        self._reached: Dict[tuple, set] = {}
 
     def ran_training(self, run_context) -> bool:
         return any(self._runs_train(f) for f in
                    tf.nest.flatten(run_context.original_args.fetches))
+
+    def reached(self, run_context) -> set:
+        """The names of the train ops the run's fetches run (directly or in groups);
+        cached per fetched ops."""
+        fetched = [getattr(f, "op", f) for f in
+                   tf.nest.flatten(run_context.original_args.fetches)]
+        key = tuple(getattr(op, "name", None) for op in fetched)
+        if key not in self._reached:
+            self._reached[key] = self._reach(fetched)
+        return self._reached[key]
+
+    def _reach(self, stack) -> set:
+        found, seen = set(), set()
+        while stack:
+            op = stack.pop()
+            if not isinstance(op, tf.Operation) or op.name in seen:
+                continue
+            seen.add(op.name)
+            if op.name in self._names:
+                found.add(op.name)
+            elif op.type == "NoOp":
+                stack.extend(op.control_inputs)
+        return found
 
     def _runs_train(self, fetch) -> bool:
         op = getattr(fetch, "op", fetch)

@@ -9,10 +9,17 @@ TF1 executor.
   their shards' accumulators; the chief applies the average with the table's
   server-side optimizer.
 
-A session hook runs the rest of each step, one ``session.run`` per phase: after every
-training run this worker marks its push; the chief waits for the gradients of the step
-(polling PS 0), takes and applies their average, bumps the step (and ``global_step``)
-in one run; every other worker waits until the step passed its own. A worker that ends
+A session hook runs the rest of each step: it feeds the training run the step its
+pushes are stamped with and adds the mark of the push to it (a run that trains only
+part of the model marks in a run of its own); then the chief's next run waits for the
+gradients of the step, takes and applies their average and bumps the step (and
+``global_step``); every other worker waits until the step passed its own. The chief's
+wait is in the graph, in an accumulator of arrivals (a worker's mark adds one, stamped
+with its step, so a straggler's late one is dropped as the gradients are), bounded to
+TFPSX_SYNC_ATTEMPT per run: in between, the group is read again (a worker that left, one
+the scheduler declared dead). The others wait in their own token queue on PS 0, where the
+chief's apply puts the new step (at most two wait: a straggler goes on from the newest),
+bounded the same way. A worker that ends
 leaves the group; when the chief ends, the others' sessions stop. Every wait is bounded
 by TFPSX_SYNC_STEP_TIMEOUT and fails at once, naming the worker, when the scheduler
 declares a worker it waits for dead.
@@ -25,6 +32,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpsx import settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
@@ -48,6 +56,7 @@ class SyncMode(Mode):
         self.dense = []    # (optimizer, variables, GradientAccumulators, push op)
         self.global_step = None
         self._group: Optional[SyncGroup] = None
+        self._stamp = None
         self.add_hook(_SyncHook(self))
 
     def validate(self) -> None:
@@ -90,9 +99,18 @@ class SyncMode(Mode):
                                     self.replicas, RUNTIME.dead_workers)
         return self._group
 
+    def stamp(self):
+        """The step this worker's pushes are stamped with: fed by the hook each run
+        (the local step when not fed)."""
+        if self._stamp is None:
+            with tf.compat.v1.device(self.worker_device):
+                self._stamp = tf.compat.v1.placeholder_with_default(
+                    self.group().local_step.read_value(), [], name="tfpsx_sync_stamp")
+        return self._stamp
+
     def push(self, table, keys, grads):
         """The op that sends a table's row gradients to its shards' accumulators."""
-        return self.tables.push(table, keys, grads, self.group().local_step.read_value())
+        return self.tables.push(table, keys, grads, self.stamp())
 
 
 class SyncOptimizer(WrappedOptimizer):
@@ -112,13 +130,12 @@ class SyncOptimizer(WrappedOptimizer):
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("sync: no gradients to apply (every gradient is None)")
-        group = mode.group()
         variables = [v for _, v in pairs]
         accs = GradientAccumulators(
             [g for g, _ in pairs], lambda i, size: variables[i].device,
             prefix=f"tfpsx_sync/{self.get_name()}_{len(mode.dense)}/grad_")
         with tf.compat.v1.device(mode.worker_device):
-            push = tf.group(*accs.push([g for g, _ in pairs], group.local_step.read_value()),
+            push = tf.group(*accs.push([g for g, _ in pairs], mode.stamp()),
                             name=name or "sync_push")
         mode.dense.append((self._opt, variables, accs, push))
         mode.global_step = global_step
@@ -126,13 +143,13 @@ class SyncOptimizer(WrappedOptimizer):
 
 
 class _SyncHook(tf.compat.v1.train.SessionRunHook):
-    """The step's phases after each training run (see the module doc)."""
+    """The step's phases around each training run (see the module doc)."""
 
     def __init__(self, mode: SyncMode):
         self._mode = mode
         self._built = False
         self._s = 0           # the step this worker trains
-        self._stopped = False
+        self._marked = False  # the training run marked its push itself
 
     def begin(self):
         # Before the session finalizes the graph: every gradient and table push exists.
@@ -142,18 +159,29 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
         self._built = True
         group = mode.group()
         self._group = group
-        self._count = tf.compat.v1.placeholder(tf.int32, [], name="sync_count")
-        s = group.local_step.read_value()
-        takes = [(opt, variables, accs.take(self._count)) for opt, variables, accs, _ in
-                 mode.dense]
+        self._stamp = mode.stamp()
+        # The chief's apply run stays on the parameter servers (no partition on the
+        # worker): its step is PS 0's (only the chief bumps it), its count fed there.
+        with tf.compat.v1.device("/job:ps/task:0"):
+            self._count = tf.compat.v1.placeholder(tf.int32, [], name="sync_count")
+            s = group.step.read_value()
+            arrivals = tf.compat.v1.ConditionalAccumulator(
+                tf.float32, shape=[], shared_name="tfpsx_sync_arrivals")
+            # The chief's run waits here until `count` workers marked step s.
+            arrived = arrivals.take_grad(self._count)
+        with tf.control_dependencies([arrived]):
+            takes = [(opt, variables, accs.take(self._count)) for opt, variables, accs, _ in
+                     mode.dense]
         taken = [g for _, _, grads in takes for g in grads]
         accumulators = [a for _, _, a, _ in mode.dense]
-        with tf.control_dependencies(taken):
+        with tf.control_dependencies(taken + [arrived]):
             # Gradients stamped before the next step are stale once this step's are out.
             stale = [op for a in accumulators for op in a.set_global_step(s + 1)]
+            stale.append(arrivals.set_global_step(s + 1))
         with tf.control_dependencies(stale):
             applies = [opt.apply_gradients(list(zip(grads, variables)))
                        for opt, variables, grads in takes]
+        with tf.control_dependencies([arrived]):
             applies += mode.tables.apply(self._count, s + 1)  # the step applied, from 1
         with tf.control_dependencies(applies):
             applies += mode.tables.set_global_step(s + 1)
@@ -161,48 +189,89 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
                            else tf.compat.v1.train.get_global_step())
             if global_step is not None:
                 applies.append(tf.compat.v1.assign_add(global_step, 1))
-        self._apply = group.advance(applies)
-        self._mark = group.mark_pushed()
+        new = group.advance(applies, follow=False)
+        with tf.compat.v1.device("/job:ps/task:0"):
+            queues = [tf.queue.FIFOQueue(-1, tf.int64, shapes=[],
+                                         shared_name=f"tfpsx_sync_token_{w}")
+                      for w in range(group.workers)]
+            # The new step, into every other worker's queue (unless two wait there: a
+            # dead straggler's must not grow by one every step).
+            tokens = [q.enqueue_many(tf.fill([tf.cast(q.size() < 2, tf.int32)], new))
+                      for w, q in enumerate(queues) if w != group.me]
+            with tf.control_dependencies(tokens):
+                self._apply = tf.identity(new)
+            mine = queues[group.me]
+            first = mine.dequeue()
+            with tf.control_dependencies([first]):
+                rest = mine.dequeue_many(mine.size())
+            self._token = tf.maximum(first, tf.reduce_max(rest))  # the newest
+        pushes = [p for *_, p in mode.dense] + mode.tables.pushes
+        stamp = self._stamp
+        with tf.compat.v1.device("/job:ps/task:0"):
+            self._mark = tf.group(group.mark_pushed(pushes, stamp=stamp),
+                                  arrivals.apply_grad(1.0, local_step=stamp))
+            self._mark_alone = tf.group(group.mark_pushed(stamp=stamp),
+                                        arrivals.apply_grad(1.0, local_step=stamp))
         self._join = group.join()
         self._leave = group.leave()
         self._read_pushed = group.pushed.read_value()
         self._read_step = group.step.read_value()
-        self._new = tf.compat.v1.placeholder(tf.int64, [], name="sync_new_step")
-        self._follow = group.follow(self._new)
-        self._chief_init = [a.set_global_step(group.step.read_value())
-                            for a in accumulators] + mode.tables.set_global_step(
-                                group.step.read_value())
-        self._detector = TrainStepDetector([p for *_, p in mode.dense] + mode.tables.pushes)
+        now = group.step.read_value()
+        self._chief_init = ([a.set_global_step(now) for a in accumulators + [arrivals]]
+                            + mode.tables.set_global_step(now))
+        self._attempt = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(1000 * settings.get("TFPSX_SYNC_ATTEMPT")))
+        self._detector = TrainStepDetector(pushes)
+        self._pushes = {p.name for p in pushes}
 
     def after_create_session(self, session, coord):
         if not self._built:
             return
-        self._stopped = False
         if self._group.is_chief:
             session.run(self._chief_init)
         session.run(self._join)
         self._s = int(session.run(self._read_step))
 
+    def before_run(self, run_context):
+        if not self._built or not self._detector.ran_training(run_context):
+            return None
+        feed = {self._stamp: self._s}
+        # A run of every push marks it too (one round trip less per step).
+        self._marked = self._detector.reached(run_context) >= self._pushes
+        return tf.compat.v1.train.SessionRunArgs(self._mark if self._marked else None,
+                                                 feed_dict=feed)
+
     def after_run(self, run_context, run_values):
         if not self._built or not self._detector.ran_training(run_context):
             return
         session, group = run_context.session, self._group
-        session.run(self._mark)
+        if not self._marked:
+            session.run(self._mark_alone, {self._stamp: self._s})
 
         def read_pushed():
             return session.run(self._read_pushed)
 
         if group.is_chief:
-            count = group.wait_for_gradients(self._s, read_pushed)
-            self._s = int(session.run(self._apply, {self._count: count}))
+            def apply(count):  # one bounded attempt: waits in the arrivals accumulator
+                try:
+                    return int(session.run(self._apply, {self._count: count},
+                                           options=self._attempt))
+                except tf.errors.DeadlineExceededError:
+                    return None
+
+            self._s = group.wait_for_gradients(self._s, read_pushed, take=apply)
             return
+        def token():  # one bounded attempt: waits in this worker's token queue
+            try:
+                return int(session.run(self._token, options=self._attempt))
+            except tf.errors.DeadlineExceededError:
+                return None
+
         try:
-            new = group.wait_for_step(self._s, lambda: session.run(self._read_step), read_pushed)
+            self._s = group.wait_for_step(self._s, lambda: session.run(self._read_step),
+                                          read_pushed, take=token)
         except tf.errors.OutOfRangeError:
             run_context.request_stop()  # the chief ended training: no more sync steps
-            return
-        session.run(self._follow, {self._new: new})
-        self._s = new
 
     def end(self, session):
         if self._built:
