@@ -136,8 +136,9 @@ class LocalCluster:
         """The environment one task runs with."""
         env = {k: v for k, v in os.environ.items()
                if k != "TF_CONFIG" and k not in _cluster.CLUSTER_ENV_VARS}
-        env.update({"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-                    "TFPSX_METRICS_DIR": self.log_dir})
+        env.update({"PYTHONUNBUFFERED": "1", "TFPSX_METRICS_DIR": self.log_dir})
+        # TF's C++ info and warning lines stay out of the logs unless the user asked.
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if self.config_mode == "scheduler":
             endpoint = (self.servers if role == _cluster.SERVER else self.workers)[index] \
                 if role != _cluster.SCHEDULER else self.scheduler_address

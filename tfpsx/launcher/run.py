@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -65,29 +66,79 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# TF's C++ runtime writes some lines before it reads TF_CPP_MIN_LOG_LEVEL (absl's
+# "before InitializeLog" ones: oneDNN, CPU features); the console drops those below the
+# level the job runs with (its log files keep everything).
+_CPP_LINE = re.compile(r"^([IWE])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.-]+:\d+\] ")
+_ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called"
+
+
+def _cpp_level() -> int:
+    """The TF_CPP_MIN_LOG_LEVEL the launched processes run with (see task_env)."""
+    value = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
+    return int(value) if value.isdigit() else 0
+
+
 class _Tail(threading.Thread):
-    """Streams a growing log file to stdout with a prefix until stopped."""
+    """Streams a growing log file to stdout with a prefix until stopped.
+
+    A progress bar (Keras redraws its line after a carriage return) is redrawn in place
+    on a terminal; elsewhere only its last state before each newline is printed. Lines
+    TF's C++ runtime logs below TF_CPP_MIN_LOG_LEVEL before reading it are left out."""
 
     def __init__(self, path: str, prefix: str):
         super().__init__(daemon=True, name=f"tfpsx-tail-{prefix}")
         self.path, self.prefix = path, prefix
         self._stop_event = threading.Event()
+        self._tty = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
+        self._hidden = {"I": 1, "W": 2, "E": 3}
+        self._level = _cpp_level()
+        self._shown = None  # the progress line on the terminal now
+
+    def _keep(self, line: str) -> bool:
+        if line.startswith(_ABSL_PREINIT):
+            return self._level < 1
+        m = _CPP_LINE.match(line)
+        return not m or self._level < self._hidden[m.group(1)]
+
+    def _line(self, text: str) -> None:
+        if self._shown is not None:
+            sys.stdout.write("\r\033[K")
+            self._shown = None
+        if self._keep(text):
+            sys.stdout.write(f"{self.prefix} {text}\n")
+        sys.stdout.flush()
+
+    def _progress(self, text: str) -> None:
+        if self._tty and text.strip() and text != self._shown:
+            sys.stdout.write(f"\r\033[K{self.prefix} {text}")
+            sys.stdout.flush()
+            self._shown = text
 
     def run(self):
         while not os.path.exists(self.path) and not self._stop_event.wait(0.05):
             pass
         with open(self.path, encoding="utf-8", errors="replace") as f:
-            buffer = ""
+            pending = ""  # text since the last newline or carriage return
             while True:
                 chunk = f.read()
                 if chunk:
-                    buffer += chunk
-                    *lines, buffer = buffer.split("\n")
-                    for line in lines:
-                        print(f"{self.prefix} {line}", flush=True)
+                    for piece in re.split(r"(\r|\n)", chunk.replace("\b", "")):
+                        if piece == "\n":
+                            self._line(pending)
+                            pending = ""
+                        elif piece == "\r":
+                            self._progress(pending)
+                            pending = ""
+                        else:
+                            pending += piece
+                    self._progress(pending)
                 elif self._stop_event.wait(0.05):
-                    if buffer:
-                        print(f"{self.prefix} {buffer}", flush=True)
+                    if pending:
+                        self._line(pending)
+                    elif self._shown is not None:
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
                     return
 
     def stop(self):
