@@ -5,7 +5,8 @@
 #   make test-fast        the unit and single-process tests, not the slow ones
 #   make docs             the documentation site (MkDocs, --strict) into build/site
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
-#   make demo             a local 1-PS 2-worker job training examples/ctr_demo
+#   make demo             a local job (scheduler, 2 PS, 2 workers, GEO) training the Criteo-
+#                         format Wide&Deep of examples/criteo on generated data
 #   make build            rebuild the op library after changing custom_ops/
 #   make native-test      the TF-free table core's native tests (g++ only)
 #   make cuda-check       compile the CUDA sources with nvcc, no GPU needed (skipped without nvcc)
@@ -140,9 +141,14 @@ docs: setup
 	$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -m pip install -q mkdocs mkdocs-material
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
+DEMO_DATA := data/criteo-demo
+
 demo: setup
-	cd $(CURDIR) && $(VENV)/bin/tfpsx-run --server_num 1 --worker_num 2 \
-	    --log_dir logs/demo --timeout 600 examples/ctr_demo/train.py
+	test -f $(DEMO_DATA)/planted.json || $(PY) examples/criteo/make_data.py \
+	    --out $(DEMO_DATA) --train_rows 400000 --eval_rows 30000
+	$(VENV)/bin/tfpsx-run --server_num 2 --worker_num 2 --log_dir logs/demo --timeout 600 \
+	    examples/criteo/train.py --train_data '$(DEMO_DATA)/train-*' \
+	    --eval_data $(DEMO_DATA)/eval.txt --mode geo --k_steps 50 --epochs 2
 
 bench: setup
 	$(PY) benchmarks/cluster_ready.py

@@ -263,7 +263,11 @@ setup(
     # protobuf >= 4.21: the committed scheduler_pb2 is protobuf 4.25 gencode (see the .proto).
     install_requires=["numpy", "grpcio", "protobuf>=4.21", "portpicker"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "import-linter", "psutil"],
+        # tensorboard: tf.summary needs it (TF 2.21 no longer depends on it), for
+        # tfpsx.keras.TrainingSummaries and the tests that read its event files back.
+        "test": ["pytest", "pytest-timeout", "import-linter", "psutil", "tensorboard"],
+        "tensorboard": ["tensorboard"],
+        "bench": ["matplotlib"],
         "docs": ["mkdocs", "mkdocs-material"],
         "cpu": ["tensorflow-cpu"],
     },

@@ -1,4 +1,4 @@
-"""The demo end to end through the launcher, as `make demo` runs it."""
+"""The graph-mode CTR example (examples/ctr_demo) end to end through the launcher."""
 
 import os
 import re

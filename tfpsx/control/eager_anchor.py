@@ -28,6 +28,7 @@ Graph-mode sessions go through the master and worker services, never CreateConte
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Dict, Optional
 
@@ -163,8 +164,16 @@ def connect(cluster_spec, job_name: str, task_index: int, servers: Dict[str, str
     from tfpsx import compat  # TF loads here, not when a server imports this module
 
     wait_anchored(servers, timeout, log)
-    tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
-                                              task_index=task_index)
+    # TF logs the whole default session config at INFO when it connects: noise in every
+    # worker's log (tfpsx's own line says what connected).
+    tf_logger = tf.get_logger()
+    level = tf_logger.level
+    tf_logger.setLevel(max(level, logging.WARNING))
+    try:
+        tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
+                                                  task_index=task_index)
+    finally:
+        tf_logger.setLevel(level)
     # TF defers the servers' CreateContext to the process's first eager op: make it here,
     # where a failure names the connect, not a later op.
     compat.ensure_eager_context_initialized()

@@ -7,7 +7,9 @@
   :mod:`~tfpsx.keras.variables`;
 * :mod:`~tfpsx.keras.layers`: ``DynamicEmbedding``, a layer over a growing table;
 * :mod:`~tfpsx.keras.checkpoint`: ``IncrementalCheckpoint``, a callback saving tables as
-  full exports every M saves and deltas between.
+  full exports every M saves and deltas between;
+* :mod:`~tfpsx.keras.summaries`: ``TrainingSummaries``, a callback writing loss,
+  examples/s and the PS traffic as TensorBoard scalars.
 
 Each mode's protocol is :mod:`tfpsx.modes` (shared with graph mode): this package is its
 eager / ``tf.function`` front-end.
@@ -17,5 +19,7 @@ from tfpsx.keras import layers
 from tfpsx.keras.checkpoint import IncrementalCheckpoint
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.strategy import ParameterServerStrategy
+from tfpsx.keras.summaries import TrainingSummaries
 
-__all__ = ["ParameterServerStrategy", "DynamicEmbedding", "IncrementalCheckpoint", "layers"]
+__all__ = ["ParameterServerStrategy", "DynamicEmbedding", "IncrementalCheckpoint",
+           "TrainingSummaries", "layers"]

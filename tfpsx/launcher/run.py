@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 # TF's C++ runtime writes some lines before it reads TF_CPP_MIN_LOG_LEVEL (absl's
 # "before InitializeLog" ones: oneDNN, CPU features); the console drops those below the
 # level the job runs with (its log files keep everything).
-_CPP_LINE = re.compile(r"^([IWE])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.-]+:\d+\] ")
+_CPP_LINE = re.compile(r"^([IWE])\d{4} [\d:.]+ +\d+ [\w.-]+\.cc:\d+\] ")
 _ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called"
 
 
@@ -118,7 +118,7 @@ class _Tail(threading.Thread):
     def run(self):
         while not os.path.exists(self.path) and not self._stop_event.wait(0.05):
             pass
-        with open(self.path, encoding="utf-8", errors="replace") as f:
+        with open(self.path, encoding="utf-8", errors="replace", newline="") as f:
             pending = ""  # text since the last newline or carriage return
             while True:
                 chunk = f.read()

@@ -1,0 +1,253 @@
+"""A Criteo-format CTR job: Wide&Deep or DeepFM, Keras 3 ``fit`` on tfpsx parameter servers.
+
+  python examples/criteo/make_data.py --out data/criteo          # or the real Criteo files
+  tfpsx-run --server_num 2 --worker_num 2 examples/criteo/train.py \\
+      --train_data 'data/criteo/train-*' --eval_data data/criteo/eval.txt --mode geo
+  python examples/criteo/train.py --mode local --train_data ... --eval_data ...   # no cluster
+
+The 26 categorical fields go through two ``tfpsx.keras.DynamicEmbedding`` tables (ids
+made field-aware, hashed, sharded over the parameter servers, trained there by Adagrad);
+the 13 counts are ``log1p``-scaled (``criteo_model.py``; reading: ``criteo_data.py``).
+Modes: sync, async, geo (``--k_steps``), staleness (``--max_staleness``) on
+``tfpsx.keras.ParameterServerStrategy``, and local (the same code without a strategy; under
+tfpsx-run every worker then trains alone on its part). Each epoch the chief prints the
+eval AUC and log loss; at the end
+``final eval: auc <A> logloss <L> examples/s <E>`` (the global model, every worker's
+updates in). ``--checkpoint_dir``: the chief saves each epoch (tables incrementally) and a
+restarted job resumes from the last one; ``--export_dir``: a SavedModel that serves in
+plain TensorFlow; ``--tensorboard_dir``: loss, AUC, examples/s and the PS traffic as
+TensorBoard scalars.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import tfpsx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import criteo_data  # noqa: E402
+import criteo_model  # noqa: E402
+from make_data import auc, logloss  # noqa: E402
+
+flags.DEFINE_string("train_data", None, "Criteo-format training files: paths or globs, "
+                    "comma-separated")
+flags.DEFINE_string("eval_data", None, "Criteo-format eval files (the chief evaluates them)")
+flags.DEFINE_enum("mode", "geo", ["sync", "async", "geo", "staleness", "local"],
+                  "training mode")
+flags.DEFINE_enum("model", "wide_deep", list(criteo_model.MODELS), "the model")
+flags.DEFINE_integer("k_steps", 50, "geo: local steps between syncs")
+flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
+flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
+flags.DEFINE_integer("epochs", 1, "epochs over each worker's part of the training data")
+flags.DEFINE_integer("batch_size", 512, "examples per batch and worker")
+flags.DEFINE_integer("dim", 16, "embedding width")
+flags.DEFINE_list("hidden", ["256", "128"], "the deep part's layer widths")
+flags.DEFINE_float("learning_rate", 1e-3, "Adam's, for the dense weights")
+flags.DEFINE_float("table_learning_rate", 0.05, "Adagrad's, for the tables (on the PS)")
+flags.DEFINE_integer("shuffle", 20000, "lines in the shuffle buffer (0: read in order)")
+flags.DEFINE_integer("eval_rows", 0, "evaluate on the first N eval lines (0: all)")
+flags.DEFINE_integer("eval_every", 0, "also evaluate every N steps (0: at epoch ends)")
+flags.DEFINE_string("checkpoint_dir", None, "the chief saves here each epoch; a restarted "
+                    "job resumes from it")
+flags.DEFINE_string("export_dir", None, "a serving SavedModel (plain TF) at the end")
+flags.DEFINE_string("tensorboard_dir", None, "TensorBoard scalars (loss, AUC, examples/s, "
+                    "PS traffic) from the chief")
+flags.DEFINE_integer("summary_steps", 50, "steps between TensorBoard writes")
+flags.DEFINE_integer("verbose", 1, "Keras fit verbosity (1: progress bars)")
+flags.DEFINE_integer("seed", 1, "shuffling and initialization seed")
+FLAGS = flags.FLAGS
+
+PROGRESS = "progress.json"
+
+
+def strategy_for(mode: str):
+    configs = {"geo": {"k_steps": FLAGS.k_steps},
+               "staleness": {"max_staleness": FLAGS.max_staleness}}.get(mode, {})
+    return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
+        a_sync=mode != "sync", a_sync_configs=configs))
+
+
+class Evaluation(keras.callbacks.Callback):
+    """The chief's evaluation: AUC and log loss of the eval rows, at each epoch end (and
+    every ``every`` steps), printed and kept as ``points`` (seconds of training so far,
+    evaluation pauses excluded; step; auc; logloss)."""
+
+    def __init__(self, eval_data, labels, every: int, summaries=None):
+        super().__init__()
+        self.data, self.labels, self.every = eval_data, labels, every
+        self.summaries = summaries
+        self.points = []
+        self._steps = 0
+        self._start = None
+        self._paused = 0.0
+
+    def on_train_begin(self, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if self.every and self._steps % self.every == 0:
+            self.evaluate()
+
+    def on_epoch_end(self, epoch, logs=None):
+        a, l = self.evaluate()
+        print(f"epoch {epoch + 1}: eval auc {a:.4f} logloss {l:.4f}", flush=True)
+
+    def evaluate(self):
+        begun = time.perf_counter()
+        trained = begun - self._start - self._paused
+        p = self.model.predict(self.data, verbose=0).ravel()
+        a, l = auc(self.labels, p), logloss(self.labels, p)
+        self._paused += time.perf_counter() - begun
+        self.points.append({"seconds": trained, "step": self._steps, "auc": a, "logloss": l})
+        tfpsx.metrics.emit("criteo_eval", **self.points[-1])
+        if self.summaries is not None:
+            self.summaries.scalars({"eval/auc": a, "eval/logloss": l}, self._steps)
+        return a, l
+
+
+class Progress(keras.callbacks.Callback):
+    """The chief records the epochs done beside its checkpoints (a restarted job reads
+    them to resume at the next epoch)."""
+
+    def __init__(self, directory: str, first_epoch: int):
+        super().__init__()
+        self.directory, self.first = directory, first_epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        path = os.path.join(self.directory, PROGRESS)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"epochs_done": epoch + 1}, f)
+        os.replace(path + ".tmp", path)
+
+
+def epochs_done(directory) -> int:
+    path = os.path.join(directory, PROGRESS) if directory else None
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(json.load(f)["epochs_done"])
+
+
+def planted_model(patterns: str):
+    """make_data.py's planted.json beside a single eval file, if there is one."""
+    path = os.path.join(os.path.dirname(patterns), "planted.json")
+    if "," in patterns or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def eval_arrays(patterns: str, rows: int):
+    """The eval rows as arrays (the chief predicts them in batches of 4096)."""
+    data, _ = criteo_data.dataset(patterns, 1, flag="eval_data")
+    data = data.unbatch()
+    if rows:
+        data = data.take(rows)
+    features, labels = [], []
+    for x, y in data.batch(8192):
+        features.append(x)
+        labels.append(y.numpy())
+    merged = {k: tf.concat([f[k] for f in features], 0) for k in features[0]}
+    return tf.data.Dataset.from_tensor_slices(merged).batch(4096).cache(), \
+        np.concatenate(labels)
+
+
+def main(argv):
+    del argv
+    tf.get_logger().setLevel("ERROR")
+    cluster = bool(os.environ.get("TF_CONFIG") or tfpsx.settings.raw("TFPSX_ROLE"))
+    me, workers, strategy = 0, 1, None
+    if cluster:
+        tfpsx.init()
+        if tfpsx.is_server():
+            tfpsx.run_server()
+            return 0
+        tfpsx.init_worker()
+        me, workers = tfpsx.worker_index(), tfpsx.worker_num()
+        if FLAGS.mode != "local":
+            strategy = strategy_for(FLAGS.mode)
+    else:
+        tfpsx.metrics.set_identity("local", 0)
+    chief = me == 0
+    keras.utils.set_random_seed(FLAGS.seed)
+    train, steps = criteo_data.dataset(FLAGS.train_data, FLAGS.batch_size, workers, me,
+                                       shuffle=FLAGS.shuffle, seed=FLAGS.seed + me)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = criteo_model.build(FLAGS.model, FLAGS.dim, [int(h) for h in FLAGS.hidden],
+                                   FLAGS.table_learning_rate, FLAGS.learning_rate,
+                                   cache_size=FLAGS.cache_size or None)
+
+    callbacks = strategy.callbacks() if strategy else []
+    first_epoch = 0
+    if FLAGS.checkpoint_dir:
+        saver = tfpsx.keras.IncrementalCheckpoint(FLAGS.checkpoint_dir, full_every=5)
+        first_epoch = epochs_done(FLAGS.checkpoint_dir)
+        if chief:
+            if saver.restore(model) is not None:
+                print(f"resumed from {FLAGS.checkpoint_dir} after epoch {first_epoch}",
+                      flush=True)
+            callbacks += [saver, Progress(FLAGS.checkpoint_dir, first_epoch)]
+    summaries = None
+    if chief and FLAGS.tensorboard_dir:
+        summaries = tfpsx.keras.TrainingSummaries(FLAGS.tensorboard_dir, strategy=strategy,
+                                                  every_steps=FLAGS.summary_steps,
+                                                  examples_per_step=FLAGS.batch_size * workers)
+        callbacks.append(summaries)
+    if chief and FLAGS.verbose:
+        # The progress bar before the evaluation: an epoch's bar ends before its AUC line.
+        callbacks.append(keras.callbacks.ProgbarLogger())
+    evaluation = None
+    if chief and FLAGS.eval_data:
+        eval_data, labels = eval_arrays(FLAGS.eval_data, FLAGS.eval_rows)
+        evaluation = Evaluation(eval_data, labels, FLAGS.eval_every, summaries)
+        callbacks.append(evaluation)
+
+    start = time.perf_counter()
+    model.fit(train.repeat(), epochs=FLAGS.epochs, steps_per_epoch=steps,
+              initial_epoch=min(first_epoch, FLAGS.epochs), shuffle=False,
+              verbose=FLAGS.verbose if chief else 0, callbacks=callbacks)
+    seconds = time.perf_counter() - start
+    if evaluation is not None:  # fit's own time: the chief's evaluation pauses excluded
+        seconds -= evaluation._paused
+    examples = max(0, FLAGS.epochs - first_epoch) * steps * FLAGS.batch_size * workers
+    rate = examples / seconds if seconds > 0 else 0.0
+    if strategy is not None:
+        tfpsx.barrier_worker()  # every worker's last update is in: the global model
+    report = {"worker": me, "mode": FLAGS.mode, "model": FLAGS.model, "k_steps": FLAGS.k_steps,
+              "cache_size": FLAGS.cache_size, "seconds": seconds, "examples_per_sec": rate,
+              "steps_per_epoch": steps}
+    if strategy is not None and strategy.counters is not None:
+        report.update({k: float(v) for k, v in strategy.counters.snapshot().items()})
+    if chief and FLAGS.eval_data:
+        p = model.predict(eval_data, verbose=0).ravel()
+        a, l = auc(labels, p), logloss(labels, p)
+        report.update(auc=a, logloss=l, points=evaluation.points)
+        print(f"final eval: auc {a:.4f} logloss {l:.4f} examples/s {rate:.0f}", flush=True)
+        planted = planted_model(FLAGS.eval_data)
+        if planted and not FLAGS.eval_rows:
+            print(f"planted model on the same rows (the best possible): auc "
+                  f"{planted['planted_auc']:.4f} logloss {planted['planted_logloss']:.4f}",
+                  flush=True)
+        if summaries is not None:
+            summaries.scalars({"eval/auc": a, "eval/logloss": l}, summaries.step)
+    if chief and FLAGS.export_dir:
+        path = tfpsx.export_serving(model, FLAGS.export_dir)
+        print(f"exported a serving model to {path}", flush=True)
+    tfpsx.metrics.emit("criteo", **report)
+    if cluster:
+        tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["train_data"])
+    app.run(main)

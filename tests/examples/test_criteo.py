@@ -1,0 +1,169 @@
+"""The Criteo-format example end to end on a few thousand generated rows: every mode and
+both models under tfpsx-run, one process without a cluster, a resume from a checkpoint,
+the serving export run without tfpsx, the TensorBoard scalars read back, bad input."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tfpsx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "criteo")
+TRAIN = os.path.join(EXAMPLE, "train.py")
+SERVING_CHECK = os.path.join(ROOT, "tests", "serving_check.py")
+RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
+
+sys.path.insert(0, EXAMPLE)
+import make_data  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """12,000 training rows in 3 files (2 workers: whole files, unequal parts) and 3,000
+    eval rows."""
+    out = tmp_path_factory.mktemp("criteo")
+    make_data.main(["--out", str(out), "--train_rows", "12000", "--eval_rows", "3000",
+                    "--files", "3"])
+    return out
+
+
+def args_for(data, *extra):
+    return ["--train_data", str(data / "train-*"), "--eval_data", str(data / "eval.txt"),
+            "--batch_size", "128", "--verbose", "2", "--shuffle", "2000"] + list(extra)
+
+
+def launch(tmp_path, data, *extra, servers=1, workers=2, timeout=240):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        RUN + ["--server_num", str(servers), "--worker_num", str(workers), "--log_dir",
+               str(tmp_path), "--timeout", str(timeout), TRAIN] + args_for(data, *extra),
+        capture_output=True, text=True, timeout=timeout + 40, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    reports = [tfpsx.metrics.read(str(tmp_path), "worker", i, "criteo")[-1]
+               for i in range(workers)]
+    return proc, reports
+
+
+def final_line(text):
+    m = re.search(r"final eval: auc ([\d.]+) logloss ([\d.]+) examples/s (\d+)", text)
+    assert m, text[-3000:]
+    return float(m.group(1)), float(m.group(2)), int(m.group(3))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,model,extra", [
+    ("geo", "wide_deep", ["--k_steps", "10"]),
+    ("async", "deepfm", []),
+    ("sync", "wide_deep", []),
+    ("staleness", "deepfm", ["--max_staleness", "2"]),
+])
+def test_every_mode_learns_under_the_launcher(tmp_path, data, mode, model, extra):
+    proc, reports = launch(tmp_path, data, "--mode", mode, "--model", model, "--epochs", "2",
+                           *extra)
+    auc, logloss, rate = final_line(proc.stdout)
+    planted = json.loads((data / "planted.json").read_text())
+    # Learned something (a constant scores 0.5), short of the planted model's best.
+    assert 0.62 < auc <= planted["planted_auc"] + 0.02, (auc, planted)
+    assert logloss < 0.6 and rate > 0
+    assert "[worker 0] epoch 2: eval auc" in proc.stdout
+    # Equal steps per worker although the 3 files split 2 : 1 between them.
+    assert reports[0]["steps_per_epoch"] == reports[1]["steps_per_epoch"]
+    if mode == "geo":
+        assert all(r["pushes"] >= 1 for r in reports), reports
+
+
+@pytest.mark.timeout(300)
+def test_the_same_code_trains_without_a_cluster(tmp_path, data):
+    proc = subprocess.run([sys.executable, TRAIN, "--mode", "local", "--epochs", "1",
+                           "--model", "deepfm"] + args_for(data),
+                          capture_output=True, text=True, timeout=280, cwd=str(tmp_path),
+                          env=dict(os.environ, TFPSX_METRICS_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    auc, _, _ = final_line(proc.stdout)
+    assert auc > 0.6
+    assert "planted model on the same rows (the best possible): auc" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_restarted_job_resumes_after_the_last_epoch(tmp_path, data):
+    ckpt = tmp_path / "ckpt"
+    first, _ = launch(tmp_path / "a", data, "--mode", "async", "--epochs", "1",
+                      "--checkpoint_dir", str(ckpt))
+    auc1, _, _ = final_line(first.stdout)
+    assert json.loads((ckpt / "progress.json").read_text()) == {"epochs_done": 1}
+    again, reports = launch(tmp_path / "b", data, "--mode", "async", "--epochs", "2",
+                            "--checkpoint_dir", str(ckpt))
+    assert f"resumed from {ckpt} after epoch 1" in again.stdout
+    assert "Epoch 1/2" not in again.stdout and "Epoch 2/2" in again.stdout
+    # The second job starts from the first one's model (its first evaluation is at
+    # least as good as the first job's last).
+    first_point = reports[0]["points"][0]
+    assert first_point["auc"] > auc1 - 0.01, (first_point, auc1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_export_serves_without_tfpsx_and_tensorboard_has_the_traffic(tmp_path, data):
+    export, tb = tmp_path / "export", tmp_path / "tb"
+    proc, reports = launch(tmp_path, data, "--mode", "geo", "--k_steps", "5", "--epochs", "1",
+                           "--export_dir", str(export), "--tensorboard_dir", str(tb),
+                           "--eval_every", "20", "--summary_steps", "10")
+    auc, _, _ = final_line(proc.stdout)
+
+    # The served model on the eval rows, in a process that never imports tfpsx.
+    import tensorflow as tf
+    import criteo_data
+
+    rows, _ = criteo_data.dataset(str(data / "eval.txt"), 1000, flag="eval_data")
+    features, labels = [], []
+    for x, y in rows:
+        features.append({k: v.numpy() for k, v in x.items()})
+        labels.append(y.numpy())
+    feed = {k: np.concatenate([f[k] for f in features]) for k in features[0]}
+    feed["cat"] = feed["cat"].astype("S")  # fixed-width bytes: npz without pickles
+    np.savez(tmp_path / "feed.npz", **feed)
+    assert f"exported a serving model to {export / '1'}" in proc.stdout
+    served = subprocess.run([sys.executable, SERVING_CHECK, str(export / "1"),
+                             str(tmp_path / "feed.npz"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True,
+                            timeout=120)
+    assert served.returncode == 0, served.stdout + served.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    (name,) = {k.split("/", 1)[1] for k in out.files}
+    probs = out[f"tf2/{name}"].ravel()
+    np.testing.assert_allclose(probs, out[f"tf1/{name}"].ravel(), rtol=1e-5, atol=1e-6)
+    assert make_data.auc(np.concatenate(labels), probs) == pytest.approx(auc, abs=2e-3)
+
+    # TensorBoard: the chief's scalars, read back from the event files.
+    tags = set()
+    for path in glob.glob(str(tb / "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    for tag in ("train/loss", "train/examples_per_sec", "eval/auc", "eval/logloss",
+                "geo/rows_sent_per_sync", "geo/bytes_sent_per_sync", "geo/sync_seconds_per_sync",
+                "tables/embedding/size", "tables/linear/size", "staleness/waits"):
+        assert tag in tags, (tag, sorted(tags))
+    assert len(reports[0]["points"]) >= 2  # every 20 steps, and the epoch's end
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_named(tmp_path, data):
+    proc = subprocess.run([sys.executable, TRAIN, "--mode", "local", "--train_data",
+                           str(tmp_path / "nothing-*")], capture_output=True, text=True,
+                          timeout=100, cwd=str(tmp_path))
+    assert proc.returncode != 0
+    assert f"--train_data: {str(tmp_path / 'nothing-*')!r} matches no file" in proc.stderr
+    proc = subprocess.run([sys.executable, TRAIN, "--mode", "local", "--batch_size", "100000"]
+                          + args_for(data)[:2], capture_output=True, text=True, timeout=100,
+                          cwd=str(tmp_path))
+    assert proc.returncode != 0
+    assert "fewer than one batch of 100000" in proc.stderr
