@@ -6,13 +6,17 @@ A worker holds a copy ``local`` of some rows of a sharded table and a snapshot `
 * push: the rows changed in ``local`` since the last push: ``delta = (local - old) / n``;
   ``old += delta``; the PS rows ``+= delta``;
 * pull: the rows any worker changed on the PS since this worker's last pull (each shard
-  keeps a changed-key set per reader): ``local += global - old``; ``old = global``.
+  keeps a changed-key set per reader): ``local += global - old``; ``old = global``. The
+  pull writes the copy's rows, so a row this worker trained is pushed again at the next
+  sync while ``local - old`` (the (N-1)/N of its delta it kept) is not zero: a row only
+  one worker trains reaches the PS whole, geometrically.
 
 GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
 changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
-it holds (the others are fetched fresh on their next miss), and the push skips rows whose
-delta is zero (rows fetched and not trained since). The functions build ops in graph mode
-and run in eager mode or ``tf.function``.
+it holds (the others are fetched fresh on their next miss). The push skips rows whose
+delta is zero: a pull writes the rows it brings (so they count as changed), but a row
+this worker never trained has nothing to send. The functions build ops in graph
+mode and run in eager mode or ``tf.function``.
 """
 
 from __future__ import annotations
@@ -55,8 +59,7 @@ def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
         delta = local_rows(t.local, keys) - local_rows(t.old, keys)
         if n != 1:
             delta = delta / n
-        if t.cached:
-            keys, delta = nonzero_rows(keys, delta)
+        keys, delta = nonzero_rows(keys, delta)
         bump_old = t.old.shards[0].accumulate(keys, delta, zero) if keep_old else None
     pushed = t.global_.accumulate(keys, delta, step)
     return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)
