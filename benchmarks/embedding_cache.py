@@ -28,17 +28,12 @@ gain with the delay.
 """
 
 import argparse
-import contextlib
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-
-import portpicker
 
 import tfpsx
-from netem import DelayProxy
+from _proxied import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "benchmarks", "_cache_job.py")
@@ -53,53 +48,23 @@ TABLES = ("none", "cache", "admit2", "local")
 def run(table: str, network: str, args) -> dict:
     """One job; returns {examples_per_sec, eval_loss (None for "local"), lookup_ms}."""
     one_way, rate = NETWORKS[network]
-    ports = [portpicker.pick_unused_port() for _ in range(3)]
-    real = [f"127.0.0.1:{p}" for p in ports]  # ps, worker 0, worker 1
-    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
-        seen = list(real)
-        if one_way > 0:
-            proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way,
-                                                      rate=rate if i == 0 else None))
-                       for i, p in enumerate(ports)]
-            seen = [proxy.address for proxy in proxies]
-        base = dict(os.environ, TFPSX_METRICS_DIR=logs, TF_CPP_MIN_LOG_LEVEL="2",
-                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        # Each process dials the others through their proxies; its own entry is real.
-        envs = [dict(base, TFPSX_ROLE="server", TFPSX_RANK="0", TFPSX_SERVER_ENDPOINTS=real[0],
-                     TFPSX_WORKER_ENDPOINTS=",".join(seen[1:]))]
-        for i in range(2):
-            workers = [real[1 + j] if j == i else seen[1 + j] for j in range(2)]
-            envs.append(dict(base, TFPSX_ROLE="worker", TFPSX_RANK=str(i),
-                             TFPSX_SERVER_ENDPOINTS=seen[0],
-                             TFPSX_WORKER_ENDPOINTS=",".join(workers)))
-        cmd = [sys.executable, JOB, "--steps", str(args.steps), "--batch", str(args.batch),
-               "--cache_size", str(args.cache_size if table in ("cache", "admit2") else 0),
-               "--flush_steps", str(args.flush_steps),
-               "--admit_after", "2" if table == "admit2" else "1"]
-        if table == "local":
-            cmd.append("--local_table")
-        if args.trace:
-            trace = os.path.join(args.trace, f"{table}_{network.replace(' ', '_')}")
-            os.makedirs(trace, exist_ok=True)
-            cmd += ["--trace", trace]
-        procs = []
-        try:
-            for env in envs:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True))
-            outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"table={table} network={network} failed: "
-                               + "\n".join(o[-3000:] for o in outputs))
-        reports = [tfpsx.metrics.read(logs, "worker", i, "cache_bench")[-1] for i in range(2)]
+    cmd = [sys.executable, JOB, "--steps", str(args.steps), "--batch", str(args.batch),
+           "--cache_size", str(args.cache_size if table in ("cache", "admit2") else 0),
+           "--flush_steps", str(args.flush_steps),
+           "--admit_after", "2" if table == "admit2" else "1"]
+    if table == "local":
+        cmd.append("--local_table")
+    if args.trace:
+        trace = os.path.join(args.trace, f"{table}_{network.replace(' ', '_')}")
+        os.makedirs(trace, exist_ok=True)
+        cmd += ["--trace", trace]
+    with run_job(cmd, one_way=one_way, rate=rate, timeout=args.timeout) as job:
+        reports = [tfpsx.metrics.read(job.logs, "worker", i, "cache_bench")[-1]
+                   for i in range(2)]
         # the caches' counters, as the training hook emitted them at the end
         caches = [records[-1] for records in
-                  (tfpsx.metrics.read(logs, "worker", i, "cache") for i in range(2)) if records]
+                  (tfpsx.metrics.read(job.logs, "worker", i, "cache") for i in range(2))
+                  if records]
     got = {"examples_per_sec": sum(r["examples_per_sec"] for r in reports),
            "eval_loss": reports[0].get("eval_loss"),
            "lookup_ms": statistics.mean(r["lookup_ms"] for r in reports)}

@@ -33,6 +33,7 @@ class DelayProxy:
                              f"one_way={one_way!r}, rate={rate!r}")
         self.target, self.one_way, self.rate = target, float(one_way), rate
         self._link_free = {"up": 0.0, "down": 0.0}  # when each direction's link is idle again
+        self.bytes = {"up": 0, "down": 0}  # forwarded, to the target and back
         self.port = port or portpicker.pick_unused_port()
         self.address = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -99,6 +100,7 @@ class DelayProxy:
         try:
             while True:
                 data = await source.read(1 << 16)
+                self.bytes[direction] += len(data)
                 await queue.put((self._due(loop.time(), len(data), direction), data))
                 if not data:
                     break

@@ -1,0 +1,86 @@
+"""A benchmark job whose processes talk through emulated links (benchmarks/netem.py).
+
+Every server and worker of the job is a process started here with TFPSX_* env (no
+scheduler, no launcher: their cluster specs route through the proxies). A
+:class:`~netem.DelayProxy` sits in front of every process: the others dial the proxy,
+the process itself listens on its real address; so every cross-process byte pays the
+one-way delay, and a server's proxy (``rate``: its NIC's bandwidth, per direction,
+shared by its connections) counts the bytes to and from that server.
+
+  with run_job(cmd, servers=1, workers=2, one_way=0.0005, rate=1e9 / 8) as job:
+      job.logs            # TFPSX_METRICS_DIR of every process
+      job.server_bytes    # bytes through the servers' proxies, both directions
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+import portpicker
+
+from netem import DelayProxy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Job:
+    logs: str
+    outputs: List[str]
+    server_bytes: int = 0
+
+
+@contextlib.contextmanager
+def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: float = 0.0,
+            rate: Optional[float] = None, timeout: float = 900.0,
+            env: Optional[Dict[str, str]] = None):
+    """Runs ``cmd`` as every server and worker (``one_way`` > 0: through proxies) and
+    yields a :class:`Job` once all exited 0; the logs folder is removed afterwards.
+
+    Raises:
+      RuntimeError: a process failed (its output's end in the message).
+      subprocess.TimeoutExpired: the job ran past ``timeout`` (every process killed).
+    """
+    n = servers + workers
+    ports = [portpicker.pick_unused_port() for _ in range(n)]
+    real = [f"127.0.0.1:{p}" for p in ports]
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
+        seen, proxies = list(real), []
+        if one_way > 0 or rate is not None:
+            proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way,
+                                                      rate=rate if i < servers else None))
+                       for i, p in enumerate(ports)]
+            seen = [proxy.address for proxy in proxies]
+        base = dict(os.environ, TFPSX_METRICS_DIR=logs, TF_CPP_MIN_LOG_LEVEL="2",
+                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+                    **(env or {}))
+        envs = []
+        for i in range(n):
+            # Each process dials the others through their proxies; its own entry is real.
+            addresses = [real[j] if j == i else seen[j] for j in range(n)]
+            role, rank = ("server", i) if i < servers else ("worker", i - servers)
+            envs.append(dict(base, TFPSX_ROLE=role, TFPSX_RANK=str(rank),
+                             TFPSX_SERVER_ENDPOINTS=",".join(addresses[:servers]),
+                             TFPSX_WORKER_ENDPOINTS=",".join(addresses[servers:])))
+        procs = []
+        try:
+            for e in envs:
+                procs.append(subprocess.Popen(list(cmd), env=e, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"{' '.join(cmd[-8:])} failed:\n" + "\n".join(
+                f"--- {i}: {o[-3000:]}" for i, o in enumerate(outputs)
+                if procs[i].returncode))
+        yield Job(logs, outputs,
+                  sum(sum(p.bytes.values()) for p in proxies[:servers]))
