@@ -2,10 +2,11 @@
 
 Inputs: ``dense`` (float32 [B, 13], log1p-scaled counts) and ``cat`` (string [B, 26]).
 A value is made field-aware first (``"C7=" + value``: the same hex string in two fields
-is two ids), then two tables, sharded over the parameter servers on a cluster, take the
-26 ids of an example: ``embedding`` (``dim`` wide: the deep part, and DeepFM's FM part)
-and ``linear`` (one weight per id: the wide / first-order part). Their server-side
-optimizer is Adagrad; the dense layers train with Adam.
+is two ids), then one table, sharded over the parameter servers on a cluster, takes the
+26 ids of an example: each id's row is its embedding (``dim`` wide: the deep part, and
+DeepFM's FM part) and its wide weight (one more column: the first-order part), so an
+id costs one lookup, one update and one row on the wire, not two. The table's
+server-side optimizer is Adagrad; the dense layers train with Adam.
 
 * ``wide_deep``: logit = wide (the ids' weights + a linear map of the counts) + an MLP
   over the concatenated embeddings and counts.
@@ -56,11 +57,15 @@ class FMInteraction(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="criteo")
-class SumFields(keras.layers.Layer):
-    """``[B, F, 1]`` -> ``[B, 1]``."""
+class SplitRows(keras.layers.Layer):
+    """``[B, F, dim + 1]`` rows -> (embeddings ``[B, F, dim]``, the ids' summed wide
+    weights ``[B, 1]``)."""
 
-    def call(self, w):
-        return tf.reduce_sum(w, axis=1)
+    def call(self, rows):
+        return rows[..., :-1], tf.reduce_sum(rows[..., -1], axis=1, keepdims=True)
+
+    def compute_output_shape(self, input_shape):
+        return (tuple(input_shape[:-1]) + (input_shape[-1] - 1,), (input_shape[0], 1))
 
 
 def build(kind: str, dim: int = 16, hidden: Sequence[int] = (256, 128),
@@ -73,13 +78,11 @@ def build(kind: str, dim: int = 16, hidden: Sequence[int] = (256, 128),
     cat = keras.Input((CAT_FIELDS,), dtype="string", name="cat")
     ids = FieldIds(name="field_ids")(cat)
     cache = {} if not cache_size else {"cache_size": cache_size}
-    v = tfpsx.keras.DynamicEmbedding(
-        dim, optimizer=tfpsx.embedding.Adagrad(table_lr),
+    rows = tfpsx.keras.DynamicEmbedding(
+        dim + 1, optimizer=tfpsx.embedding.Adagrad(table_lr),
         initializer=tfpsx.embedding.normal(stddev=0.01), name="embedding", **cache)(ids)
-    w = tfpsx.keras.DynamicEmbedding(
-        1, optimizer=tfpsx.embedding.Adagrad(table_lr), initializer=tfpsx.embedding.zeros(),
-        name="linear", **cache)(ids)
-    wide = keras.layers.Add(name="wide")([SumFields(name="id_weights")(w),
+    v, id_weights = SplitRows(name="split")(rows)
+    wide = keras.layers.Add(name="wide")([id_weights,
                                           keras.layers.Dense(1, name="count_weights")(dense)])
     deep = keras.layers.Concatenate()([keras.layers.Flatten()(v), dense])
     for i, units in enumerate(hidden):
