@@ -1,7 +1,7 @@
 """Wall time to a target AUC: every mode on the Criteo-format job, side by side, over
 emulated networks.
 
-The job is examples/criteo (Wide&Deep, two DynamicEmbedding tables, Keras 3 fit) on
+The job is examples/criteo (Wide&Deep over a DynamicEmbedding table, Keras 3 fit) on
 generated data (examples/criteo/make_data.py, made once into data/bench-criteo-<rows>),
 1 PS + 2 workers started with TFPSX_* env, every process behind a userspace delay proxy
 (benchmarks/netem.py; the PS's proxy is also a link of the given bandwidth and counts
@@ -49,6 +49,7 @@ MODES = {
     "geo100": ["--mode", "geo", "--k_steps", "100"],
     "geo400": ["--mode", "geo", "--k_steps", "400"],
     "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
+    "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
     "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
     "local": ["--mode", "local"],
 }

@@ -206,6 +206,12 @@ void TestImportAndChanged() {
   CHECK(changed.size() == 1 && changed[0] == 3);
   CHECK(a.TakeChanged(1).empty());
   CHECK(a.ExportSince(9).keys.size() == 1);
+  // A push that skips its own reader: marked for every other reader only.
+  CHECK(a.TakeChanged(2).empty());  // registers reader 2
+  a.Accumulate(&k, 1, d, 10, /*skip_reader=*/1);
+  CHECK(a.TakeChanged(1).empty());
+  changed = a.TakeChanged(2);
+  CHECK(changed.size() == 1 && changed[0] == 3);
 }
 
 void TestValidate() {

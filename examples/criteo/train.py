@@ -5,7 +5,7 @@
       --train_data 'data/criteo/train-*' --eval_data data/criteo/eval.txt --mode geo
   python examples/criteo/train.py --mode local --train_data ... --eval_data ...   # no cluster
 
-The 26 categorical fields go through two ``tfpsx.keras.DynamicEmbedding`` tables (ids
+The 26 categorical fields go through a ``tfpsx.keras.DynamicEmbedding`` table (ids
 made field-aware, hashed, sharded over the parameter servers, trained there by Adagrad);
 the 13 counts are ``log1p``-scaled (``criteo_model.py``; reading: ``criteo_data.py``).
 Modes: sync, async, geo (``--k_steps``), staleness (``--max_staleness``) on
@@ -45,6 +45,8 @@ flags.DEFINE_enum("mode", "geo", ["sync", "async", "geo", "staleness", "local"],
 flags.DEFINE_enum("model", "wide_deep", list(criteo_model.MODELS), "the model")
 flags.DEFINE_integer("k_steps", 50, "geo: local steps between syncs")
 flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
+flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
+                  "geo: the dtype table rows travel in")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
 flags.DEFINE_integer("epochs", 1, "epochs over each worker's part of the training data")
 flags.DEFINE_integer("batch_size", 512, "examples per batch and worker")
@@ -69,7 +71,7 @@ PROGRESS = "progress.json"
 
 
 def strategy_for(mode: str):
-    configs = {"geo": {"k_steps": FLAGS.k_steps},
+    configs = {"geo": {"k_steps": FLAGS.k_steps, "geo_wire_dtype": FLAGS.geo_wire_dtype},
                "staleness": {"max_staleness": FLAGS.max_staleness}}.get(mode, {})
     return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
         a_sync=mode != "sync", a_sync_configs=configs))

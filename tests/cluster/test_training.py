@@ -209,9 +209,9 @@ def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
 
 def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
     """Sparse GEO in numpy: rows changed in a worker's copy since its last push (by
-    training or by a pull) are pushed as (local-old)/N, unless that is zero (a row the
-    pull brought and this worker never trained); a pull brings every row any worker
-    pushed since this worker's last pull. A copy's new row starts from its
+    training or by a pull) are pushed whole (local-old: tables push with n = 1), unless
+    that is zero (a row the pull brought and this worker never trained); a pull brings
+    every row the other workers pushed since this worker's last pull. A copy's new row starts from its
     initial value; with a worker ``cache``, from the PS's value (a miss is fetched),
     and a pull brings only the rows the cache holds."""
     zero = np.zeros(sparse.DIM, np.float32)
@@ -222,7 +222,6 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
     to_pull = [set() for _ in range(workers)]
     data = [list(sparse.batches(i, k * syncs)) for i in range(workers)]
     rows_sent = [0] * workers
-    n = np.float32(workers)
     for s in range(syncs):
         for i in range(workers):
             for ids in data[i][s * k:(s + 1) * k]:
@@ -240,13 +239,14 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
                     changed[i].add(u)
         for i in range(workers):
             for u in changed[i]:
-                delta = (local[i][u] - old[i].get(u, zero)) / n
+                delta = local[i][u] - old[i].get(u, zero)
                 if not delta.any():
                     continue
                 old[i][u] = old[i].get(u, zero) + delta
                 glob[u] = glob.get(u, zero) + delta
                 for r in range(workers):
-                    to_pull[r].add(u)
+                    if r != i:
+                        to_pull[r].add(u)
                 rows_sent[i] += 1
             changed[i] = set()
         for i in range(workers):

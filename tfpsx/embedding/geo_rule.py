@@ -6,10 +6,13 @@ A worker holds a copy ``local`` of some rows of a sharded table and a snapshot `
 * push: the rows changed in ``local`` since the last push: ``delta = (local - old) / n``;
   ``old += delta``; the PS rows ``+= delta``;
 * pull: the rows any worker changed on the PS since this worker's last pull (each shard
-  keeps a changed-key set per reader): ``local += global - old``; ``old = global``. The
-  pull writes the copy's rows, so a row this worker trained is pushed again at the next
-  sync while ``local - old`` (the (N-1)/N of its delta it kept) is not zero: a row only
-  one worker trains reaches the PS whole, geometrically.
+  keeps a changed-key set per reader): ``local += global - old``; ``old = global``.
+
+GEO mode pushes table rows with n = 1: a row's whole delta, what async would have
+applied, k steps late (averaging by N, GEO's rule for dense weights, would train a row
+that one worker alone touched N times slower, and keep pushing the rest of its delta at
+every sync). With n = 1 the copy keeps nothing unpushed, so a worker's own push is not
+marked for its own pull (value-neutral, and half the rows a pull brought on 2 workers).
 
 GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
 changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
@@ -22,6 +25,7 @@ mode and run in eager mode or ``tf.function``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import tensorflow as tf
 
@@ -37,6 +41,7 @@ class GeoTable:
     device: str            # this worker's device, where local and old live
     reader: int            # this worker's id in the PS shards' changed-key sets
     cached: bool = False   # local holds a bounded set of rows (a worker cache)
+    wire: Optional[tf.DType] = None  # rows travel in this dtype (None: float32)
 
 
 def local_rows(table: ShardedTable, keys):
@@ -60,8 +65,15 @@ def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
         if n != 1:
             delta = delta / n
         keys, delta = nonzero_rows(keys, delta)
+        if t.wire is not None:
+            # What the PS will add, rounded to the wire's precision: old follows it, so
+            # the rounding stays in local - old and travels with the next push.
+            delta = tf.cast(tf.cast(delta, t.wire), tf.float32)
         bump_old = t.old.shards[0].accumulate(keys, delta, zero) if keep_old else None
-    pushed = t.global_.accumulate(keys, delta, step)
+    # With n = 1 the copy holds nothing unpushed after the push (old = local): its next
+    # pull need not bring this push back (the shards mark it for the others only).
+    pushed = t.global_.accumulate(keys, delta, step, skip_reader=t.reader if n == 1 else -1,
+                                  wire_dtype=t.wire)
     return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)
 
 
@@ -87,12 +99,13 @@ def table_pull(t: GeoTable, after=()):
             with tf.compat.v1.device(t.device):
                 changed = tf.boolean_mask(changed, t.local.shards[0].find(changed)[1])
         got_keys.append(changed)
-        got_rows.append(shard.find(changed)[0])
+        found = shard.find(changed)[0]
+        got_rows.append(found if t.wire is None else tf.cast(found, t.wire))
 
     with tf.control_dependencies(list(after)):
         t.global_.on_shards(changed_rows)
     with tf.compat.v1.device(t.device):
-        keys, rows = tf.concat(got_keys, 0), tf.concat(got_rows, 0)
+        keys, rows = tf.concat(got_keys, 0), tf.cast(tf.concat(got_rows, 0), tf.float32)
         moved = t.local.shards[0].accumulate(keys, rows - local_rows(t.old, keys), zero)
         with tf.control_dependencies([moved]):
             pull = t.old.shards[0].insert(keys, rows, zero)

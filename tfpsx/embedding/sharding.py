@@ -218,12 +218,21 @@ class ShardedTable:
         keys, values = self._keys_and_rows("insert", "values", keys, values)
         return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step), keys, [values]))
 
-    def accumulate(self, keys, deltas, step=None):
-        """row += delta for ``keys`` (any shape; deltas: keys' shape + [dim])."""
+    def accumulate(self, keys, deltas, step=None, skip_reader: int = -1, wire_dtype=None):
+        """row += delta for ``keys`` (any shape; deltas: keys' shape + [dim]); the keys
+        count as changed for every changed-key reader but ``skip_reader`` (a worker's
+        own push, when its pull need not bring it back). ``wire_dtype``: the deltas
+        travel to the shards in it (bfloat16, float16) and are added as float32."""
         step = as_step(step)
         keys, deltas = self._keys_and_rows("accumulate", "deltas", keys, deltas)
-        return self._group(self.on_shards(lambda i, s, k, d: s.accumulate(k, d, step), keys,
-                                          [deltas]))
+        if wire_dtype is not None:
+            deltas = tf.cast(deltas, wire_dtype)
+
+        def add(i, shard, shard_keys, shard_deltas):
+            return shard.accumulate(shard_keys, tf.cast(shard_deltas, tf.float32), step,
+                                    skip_reader=skip_reader)
+
+        return self._group(self.on_shards(add, keys, [deltas]))
 
     def apply(self, keys, grads, step=None):
         """The server-side optimizer on the rows of unique ``keys`` (a vector; grads

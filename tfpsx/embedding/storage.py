@@ -61,8 +61,9 @@ class TableStorage(abc.ABC):
         """Sets the rows of ``keys``."""
 
     @abc.abstractmethod
-    def accumulate(self, keys, deltas, step):
-        """row += delta; a missing key starts from its initial row."""
+    def accumulate(self, keys, deltas, step, skip_reader: int = -1):
+        """row += delta; a missing key starts from its initial row; marked changed for
+        every changed-key reader but ``skip_reader``."""
 
     @abc.abstractmethod
     def apply(self, optimizer, keys, grads, step):
@@ -167,8 +168,9 @@ class HashTableStorage(TableStorage):
     def insert(self, keys, values, step):
         return self._run(bindings.table_insert, keys, values, step)
 
-    def accumulate(self, keys, deltas, step):
-        return self._run(bindings.table_accumulate, keys, deltas, step)
+    def accumulate(self, keys, deltas, step, skip_reader: int = -1):
+        return self._run(bindings.table_accumulate, keys, deltas, step,
+                         skip_reader=skip_reader)
 
     def apply(self, optimizer, keys, grads, step):
         return self._run(bindings.table_apply, optimizer.name, keys, grads,

@@ -5,7 +5,8 @@ Each worker trains a local copy; every K local steps it syncs with the parameter
 Dense variables and tables, one rule:
 
 * push: ``delta = (local - old) / N``; ``old += delta``; the PS value ``+= delta`` (a
-  table pushes only the rows changed in the worker's copy since its last push);
+  table pushes only the rows changed in the worker's copy since its last push, whole:
+  n = 1, see :mod:`tfpsx.embedding.geo_rule`);
 * pull: ``local += global - old``; ``old = global`` (a table pulls the rows any worker
   changed on the PS since this worker's last pull: the PS keeps a changed-key set per
   worker).
@@ -92,14 +93,15 @@ def dense_pull(v: GeoVariable, after=()):
 def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=None,
              counters: List[GeoVariable] = ()):
     """The push phase: every dense pair (``delta / n``), every counter pair (n = 1: the
-    job's step count) and every table's changed rows. Returns (ops, (rows, bytes) the
+    job's step count) and every table's changed rows (whole deltas, n = 1: a row is
+    rarely trained by every worker between two syncs). Returns (ops, (rows, bytes) the
     tables sent)."""
     ops = [dense_push(v, n) for v in dense] + [dense_push(v, 1) for v in counters]
     rows = []
     for t in tables:
-        op, count = table_push(t, n, step)
+        op, count = table_push(t, 1.0, step)
         ops.append(op)
-        rows.append((count, t.global_.dim))
+        rows.append((count, t.global_.dim, _value_bytes(t)))
     return ops, rows_and_bytes(rows)
 
 
@@ -111,15 +113,28 @@ def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=()):
     for t in tables:
         op, count = table_pull(t, after)
         ops.append(op)
-        rows.append((count, t.global_.dim))
+        rows.append((count, t.global_.dim, _value_bytes(t)))
     return ops, rows_and_bytes(rows)
 
 
-def rows_and_bytes(rows_and_dims) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(rows, bytes) as int64 tensors: a row moves its key and ``dim`` floats."""
-    counts = [(tf.cast(r, tf.int64), dim) for r, dim in rows_and_dims]
-    return (tf.add_n([tf.constant(0, tf.int64)] + [r for r, _ in counts]),
-            tf.add_n([tf.constant(0, tf.int64)] + [r * (8 + 4 * dim) for r, dim in counts]))
+def _value_bytes(t: GeoTable) -> int:
+    return 4 if t.wire is None else t.wire.size
+
+
+def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(rows, bytes) as int64 tensors of ``(count, dim, value_bytes)`` entries: a row
+    moves its key and ``dim`` values."""
+    counts = [(tf.cast(r, tf.int64), dim, size) for r, dim, size in rows]
+    return (tf.add_n([tf.constant(0, tf.int64)] + [r for r, _, _ in counts]),
+            tf.add_n([tf.constant(0, tf.int64)] +
+                     [r * (8 + size * dim) for r, dim, size in counts]))
+
+
+def wire_dtype(options) -> Optional[tf.DType]:
+    """The dtype GEO's table rows travel in (None: float32), from a
+    ``DistributedStrategy``'s ``geo_wire_dtype``."""
+    name = getattr(options, "geo_wire_dtype", "float32")
+    return None if name == "float32" else tf.as_dtype(name)
 
 
 # ----------------------------------------------------------------------------- the round
@@ -264,6 +279,7 @@ class GeoState(Protocol):
     worker_num: int
     worker_device: str
     tables: List[GeoTable]
+    wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
 
     def local_train_op(self, op) -> None:
         """A table's local training op was built (graph mode counts local steps by it)."""
@@ -273,7 +289,8 @@ class GeoTableUpdater(TableUpdater):
     """Lookups read this worker's copy; gradients train it (its optimizer, locally).
 
     A table with ``cache_size`` keeps a bounded copy: a worker cache
-    (:mod:`tfpsx.embedding.cache`) whose sync is the mode's every K steps, with n = N.
+    (:mod:`tfpsx.embedding.cache`) whose sync is the mode's every K steps (n = 1, as
+    every table row in GEO).
     """
 
     def __init__(self, mode: GeoState):
@@ -286,7 +303,7 @@ class GeoTableUpdater(TableUpdater):
         options = getattr(table, "cache_options", None)
         if options is not None:
             self.cache = WorkerCache(table, options, mode.worker_device, me,
-                                     scale=float(mode.worker_num), flush_in_step=False)
+                                     scale=1.0, flush_in_step=False, wire=mode.wire_dtype)
             self._geo = self.cache.geo
             mode.tables.append(self._geo)
             return
@@ -295,7 +312,7 @@ class GeoTableUpdater(TableUpdater):
         local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,
                              optimizer=table.optimizer, min_frequency=table.min_frequency, **copy)
         old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim, **copy)
-        self._geo = GeoTable(table, local, old, mode.worker_device, me)
+        self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype)
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):

@@ -76,8 +76,9 @@ def table_insert(handle, keys, values, step):
     return load_ops().tfpsx_hash_table_insert(handle, keys, values, step)
 
 
-def table_accumulate(handle, keys, deltas, step):
-    return load_ops().tfpsx_hash_table_accumulate(handle, keys, deltas, step)
+def table_accumulate(handle, keys, deltas, step, skip_reader: int = -1):
+    return load_ops().tfpsx_hash_table_accumulate(handle, keys, deltas, step,
+                                                  skip_reader=skip_reader)
 
 
 def optimizer_registry():

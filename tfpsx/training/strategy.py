@@ -14,7 +14,10 @@ _CONFIG_KEYS = {
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
     "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
+    "geo_wire_dtype": "GEO: the dtype table rows travel in ('float32', 'bfloat16', "
+                      "'float16'); values stay float32 on both sides",
 }
+_WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class DistributedStrategy:
@@ -23,7 +26,8 @@ class DistributedStrategy:
     Args:
       a_sync: False for sync training, True for async / GEO / bounded staleness.
       a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO), ``max_staleness``
-        (int >= 0), ``geo_sync_in_train_thread`` (bool), ``replicas_to_aggregate``
+        (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
+        rows travel as "float32", "bfloat16" or "float16"), ``replicas_to_aggregate``
         (sync only).
 
     Raises:
@@ -50,6 +54,10 @@ class DistributedStrategy:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_sync_in_train_thread'] "
                              f"must be True or False, got {self.geo_sync_in_train_thread!r}")
         self.replicas_to_aggregate = configs.get("replicas_to_aggregate")
+        self.geo_wire_dtype = configs.get("geo_wire_dtype", "float32")
+        if self.geo_wire_dtype not in _WIRE_DTYPES:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_wire_dtype'] must be one "
+                             f"of {list(_WIRE_DTYPES)}, got {self.geo_wire_dtype!r}")
         if not a_sync and (self.k_steps or self.max_staleness):
             raise ValueError("DistributedStrategy: k_steps and max_staleness need a_sync=True "
                              f"(got a_sync=False with {configs})")
@@ -69,12 +77,14 @@ class DistributedStrategy:
     def key(self) -> Tuple:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
-                self.replicas_to_aggregate)
+                self.replicas_to_aggregate, self.geo_wire_dtype)
 
     def __repr__(self):
         extra = ""
         if self.mode == "geo" and self.geo_sync_in_train_thread:
             extra = ", geo_sync_in_train_thread=True"
+        if self.mode == "geo" and self.geo_wire_dtype != "float32":
+            extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
         return (f"DistributedStrategy(mode={self.mode!r}, k_steps={self.k_steps}, "

@@ -4,10 +4,12 @@
 
 namespace tfpsx {
 
-void ChangeLog::Mark(const int64_t* keys, int64_t n) {
+void ChangeLog::Mark(const int64_t* keys, int64_t n, int64_t skip_reader) {
   if (!active()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& reader : changed_) reader.second.insert(keys, keys + n);
+  for (auto& reader : changed_) {
+    if (reader.first != skip_reader) reader.second.insert(keys, keys + n);
+  }
 }
 
 std::vector<int64_t> ChangeLog::Take(int64_t reader) {

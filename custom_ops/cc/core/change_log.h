@@ -20,8 +20,9 @@ namespace tfpsx {
 class ChangeLog {
  public:
   bool active() const { return active_.load(std::memory_order_acquire); }
-  // Marks keys[n] changed for every registered reader.
-  void Mark(const int64_t* keys, int64_t n);
+  // Marks keys[n] changed for every registered reader but `skip_reader` (-1: none): a
+  // worker's own push need not come back to it in its next pull.
+  void Mark(const int64_t* keys, int64_t n, int64_t skip_reader = -1);
   // The reader's keys changed since its previous call, sorted; registers a new reader
   // (and returns nothing).
   std::vector<int64_t> Take(int64_t reader);

@@ -164,7 +164,8 @@ void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int6
   });
 }
 
-void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step) {
+void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
+                           int64_t skip_reader) {
   const int64_t dim = options_.dim;
   UpdateRows(keys, n, deltas, step, /*init_value=*/true, [&](float* row, int64_t i) {
     if (row != nullptr) {
@@ -172,7 +173,7 @@ void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, 
       for (int64_t j = 0; j < dim; ++j) row[j] += d[j];
     }
     return true;
-  });
+  }, skip_reader);
 }
 
 int64_t HashTable::Remove(const int64_t* keys, int64_t n) {

@@ -117,8 +117,10 @@ class HashTable {
   // Sets the rows of keys[n] to values[n*dim], inserting missing keys.
   void Insert(const int64_t* keys, int64_t n, const float* values, int64_t step);
 
-  // row += delta for keys[n]; a missing key starts from its initial row.
-  void Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step);
+  // row += delta for keys[n]; a missing key starts from its initial row. The keys are
+  // marked changed for every reader of the change log but `skip_reader` (-1: none).
+  void Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
+                  int64_t skip_reader = -1);
 
   // Training: update(row, grad) on the row of every key of keys[n] (expected unique),
   // `row` being [value | slots] (row_width() floats) and `grad` grads + i * dim. A missing
@@ -215,7 +217,7 @@ class HashTable {
   // Sets each written row's step and marks its key changed.
   template <typename Fn>
   void UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
-                  bool init_value, Fn&& fn);
+                  bool init_value, Fn&& fn, int64_t skip_reader = -1);
 
   TableOptions options_;
   int64_t row_width_;  // dim * (1 + num_slots)
@@ -227,7 +229,7 @@ class HashTable {
 
 template <typename Fn>
 void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
-                           bool init_value, Fn&& fn) {
+                           bool init_value, Fn&& fn, int64_t skip_reader) {
   const bool track = changes_.active();
   std::vector<int64_t> changed;
   if (track) changed.reserve(n);
@@ -245,7 +247,7 @@ void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, 
     MarkRow(s, r);
     if (track) changed.push_back(key);
   });
-  if (track) changes_.Mark(changed.data(), static_cast<int64_t>(changed.size()));
+  if (track) changes_.Mark(changed.data(), static_cast<int64_t>(changed.size()), skip_reader);
 }
 
 template <typename RowFn>

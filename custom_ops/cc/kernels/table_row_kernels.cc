@@ -62,7 +62,9 @@ class FindOrInsertOp : public TableOpKernel {
 template <bool kAccumulate>
 class WriteOp : public TableOpKernel {
  public:
-  using TableOpKernel::TableOpKernel;
+  explicit WriteOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
+    if (kAccumulate) OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_reader", &skip_reader_));
+  }
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
     const Tensor& rows = ctx->input(2);
@@ -76,12 +78,15 @@ class WriteOp : public TableOpKernel {
     OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
                                        [&](int64_t b, int64_t e) {
       if (kAccumulate) {
-        t.Accumulate(k + b, e - b, r + b * dim, step);
+        t.Accumulate(k + b, e - b, r + b * dim, step, skip_reader_);
       } else {
         t.Insert(k + b, e - b, r + b * dim, step);
       }
     }));
   }
+
+ private:
+  int64_t skip_reader_ = -1;
 };
 
 class RemoveOp : public TableOpKernel {

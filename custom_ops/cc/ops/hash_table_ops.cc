@@ -103,8 +103,11 @@ REGISTER_OP("TfpsxHashTableAccumulate")
     .Input("keys: int64")
     .Input("deltas: float")
     .Input("step: int64")
+    .Attr("skip_reader: int = -1")
     .SetShapeFn(NoOutputs)
-    .Doc("row += delta for `keys`; a missing key starts from its initial row.");
+    .Doc("row += delta for `keys`; a missing key starts from its initial row. The keys are "
+         "marked changed for every changed-key reader but `skip_reader` (-1: none): a "
+         "worker's own push need not come back in its next pull.");
 
 REGISTER_OP("TfpsxHashTableRemove")
     .SetIsStateful()

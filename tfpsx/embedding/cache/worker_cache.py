@@ -97,10 +97,12 @@ class WorkerCache(ShardedTable):
       scale: the push's n (1; the worker count in GEO mode).
       flush_in_step: sync every ``options.flush_steps`` updates, between steps (False:
         GEO mode's communicator syncs).
+      wire: the dtype rows travel in to and from the PS (None: float32).
     """
 
     def __init__(self, table: ShardedTable, options: CacheOptions, device: Optional[str],
-                 reader: int, scale: float = 1.0, flush_in_step: bool = True):
+                 reader: int, scale: float = 1.0, flush_in_step: bool = True,
+                 wire: Optional[tf.DType] = None):
         name = f"{table.name}/cache_w{reader}"
         copy = dict(initializer=table.initializer, seed=table.seed, devices=[device])
         super().__init__(name, table.dim, optimizer=table.optimizer, **copy)
@@ -108,12 +110,12 @@ class WorkerCache(ShardedTable):
         self.staged = ShardedTable(f"{name}/staged", table.dim, **copy)
         self.table, self.options, self.device = table, options, device
         self.scale, self.flush_in_step = scale, flush_in_step
-        self.geo = GeoTable(table, self, self.old, device, reader, cached=True)
+        self.geo = GeoTable(table, self, self.old, device, reader, cached=True, wire=wire)
         # Evict down to this many rows when a lookup finds more than options.size.
         self.evict_to = max(0, options.size - max(1, options.size // 16))
         self.sketch = AdmissionSketch(options.size) if options.admit_after > 1 else None
         self.schedule = FlushSchedule(options.flush_steps, own=flush_in_step)
-        self._row_bytes = 8 + 4 * table.dim
+        self._row_bytes = 8 + (4 if wire is None else wire.size) * table.dim
         self._eager_vars = None
         self._eager_registered = False
         self.apply_ops = []  # the update ops built in graphs

@@ -24,7 +24,8 @@ from tfpsx.embedding.geo_rule import table_readers
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, count_round, dense_size, pull_ops, push_ops)
+                             GeoVariable, count_round, dense_size, pull_ops, push_ops,
+                             wire_dtype)
 
 
 class KerasGeo(KerasMode):
@@ -34,6 +35,7 @@ class KerasGeo(KerasMode):
         super().__init__(keras_strategy, options, config)
         self.k_steps = options.k_steps
         self.in_train_thread = options.geo_sync_in_train_thread
+        self.wire_dtype = wire_dtype(options)
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater

@@ -19,7 +19,8 @@ from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, count_round, dense_size, pull_ops, push_ops)
+                             GeoVariable, count_round, dense_size, pull_ops, push_ops,
+                             wire_dtype)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -41,6 +42,7 @@ class GeoMode(Mode):
         self.in_train_thread = strategy.geo_sync_in_train_thread
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
+        self.wire_dtype = wire_dtype(strategy)
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
         self.train_ops = []
