@@ -151,6 +151,9 @@ demo: setup
 	    --eval_data $(DEMO_DATA)/eval.txt --mode geo --k_steps 50 --epochs 2
 
 bench: setup
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) benchmarks/time_to_auc.py --networks 1ms \
+	    --modes sync,async,geo10,geo100,geo400,geo100_bf16,async_cache,geo100_cache,local
 	$(PY) benchmarks/cluster_ready.py
 	$(PY) benchmarks/embedding_ops.py
 	$(PY) benchmarks/embedding_cache.py

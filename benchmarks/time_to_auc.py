@@ -192,6 +192,14 @@ def write_plots(plots, prefix: str) -> None:
     except ImportError:
         print("no matplotlib: plots skipped (pip install matplotlib)")
         return
+    def save(fig, ax, title, path):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
     for network, med in plots.items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for mode, m in med.items():
@@ -199,14 +207,10 @@ def write_plots(plots, prefix: str) -> None:
             ax.plot([p["seconds"] for p in pts], [p["auc"] for p in pts], marker=".", label=mode)
         ax.set_xlabel("training seconds (evaluation pauses excluded)")
         ax.set_ylabel("eval AUC (the chief's model)")
-        ax.set_title(f"examples/criteo, 1 PS + 2 workers, {network}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(f"{prefix}_{network}_auc.png", dpi=110)
-        plt.close(fig)
-        geo = sorted((int(mode[3:].split("_")[0]), m["examples_per_sec"])
-                     for mode, m in med.items() if mode.startswith("geo") and "cache" not in mode)
+        save(fig, ax, f"examples/criteo, 1 PS + 2 workers, {network}",
+             f"{prefix}_{network}_auc.png")
+        geo = sorted((int(mode[3:]), m["examples_per_sec"])  # geoK modes, no variants
+                     for mode, m in med.items() if mode.startswith("geo") and mode[3:].isdigit())
         if geo:
             fig, ax = plt.subplots(figsize=(6, 4))
             ax.plot([k for k, _ in geo], [r for _, r in geo], marker="o", label="GEO")
@@ -216,12 +220,7 @@ def write_plots(plots, prefix: str) -> None:
             ax.set_xscale("log")
             ax.set_xlabel("k (local steps between syncs)")
             ax.set_ylabel("examples/s (2 workers)")
-            ax.set_title(f"GEO's speed against k, {network}")
-            ax.grid(alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(f"{prefix}_{network}_k.png", dpi=110)
-            plt.close(fig)
+            save(fig, ax, f"GEO's speed against k, {network}", f"{prefix}_{network}_k.png")
     print(f"plots: {prefix}_*.png")
 
 
