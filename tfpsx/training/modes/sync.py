@@ -157,26 +157,53 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
         if self._built or not (mode.dense or mode.tables.entries):
             return
         self._built = True
-        group = mode.group()
-        self._group = group
+        group = self._group = mode.group()
         self._stamp = mode.stamp()
-        # The chief's apply run stays on the parameter servers (no partition on the
-        # worker): its step is PS 0's (only the chief bumps it), its count fed there.
+        with tf.compat.v1.device("/job:ps/task:0"):
+            arrivals = tf.compat.v1.ConditionalAccumulator(
+                tf.float32, shape=[], shared_name="tfpsx_sync_arrivals")
+        accumulators = [a for _, _, a, _ in mode.dense] + [arrivals]
+        new = self._build_apply(arrivals)
+        self._build_tokens(new)
+        pushes = [p for *_, p in mode.dense] + mode.tables.pushes
+        with tf.compat.v1.device("/job:ps/task:0"):
+            # An arrival only once this worker's gradients are in (the chief's takes
+            # follow the arrivals' and must not wait).
+            with tf.control_dependencies(pushes):
+                arrive = arrivals.apply_grad(1.0, local_step=self._stamp)
+            self._mark = tf.group(group.mark_pushed(pushes, stamp=self._stamp), arrive)
+            # (after a training run of its own: its pushes are in)
+            self._mark_alone = tf.group(group.mark_pushed(stamp=self._stamp),
+                                        arrivals.apply_grad(1.0, local_step=self._stamp))
+        self._join, self._leave = group.join(), group.leave()
+        self._read_pushed = group.pushed.read_value()
+        self._read_step = group.step.read_value()
+        now = group.step.read_value()
+        self._chief_init = ([a.set_global_step(now) for a in accumulators]
+                            + mode.tables.set_global_step(now))
+        self._attempt = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(1000 * settings.get("TFPSX_SYNC_ATTEMPT")))
+        self._detector = TrainStepDetector(pushes)
+        self._pushes = {p.name for p in pushes}
+
+    def _build_apply(self, arrivals):
+        """The chief's run of a step: waits until ``count`` workers marked it (in the
+        arrivals accumulator), takes and applies their average, bumps the step and
+        ``global_step``; returns the new step. It stays on the parameter servers (no
+        partition on the worker): its step is PS 0's (only the chief bumps it), its
+        count is fed there."""
+        mode, group = self._mode, self._group
         with tf.compat.v1.device("/job:ps/task:0"):
             self._count = tf.compat.v1.placeholder(tf.int32, [], name="sync_count")
             s = group.step.read_value()
-            arrivals = tf.compat.v1.ConditionalAccumulator(
-                tf.float32, shape=[], shared_name="tfpsx_sync_arrivals")
-            # The chief's run waits here until `count` workers marked step s.
             arrived = arrivals.take_grad(self._count)
         with tf.control_dependencies([arrived]):
-            takes = [(opt, variables, accs.take(self._count)) for opt, variables, accs, _ in
-                     mode.dense]
+            takes = [(opt, variables, accs.take(self._count))
+                     for opt, variables, accs, _ in mode.dense]
         taken = [g for _, _, grads in takes for g in grads]
-        accumulators = [a for _, _, a, _ in mode.dense]
         with tf.control_dependencies(taken + [arrived]):
             # Gradients stamped before the next step are stale once this step's are out.
-            stale = [op for a in accumulators for op in a.set_global_step(s + 1)]
+            stale = [op for _, _, a, _ in mode.dense for op in a.set_global_step(s + 1)]
             stale.append(arrivals.set_global_step(s + 1))
         with tf.control_dependencies(stale):
             applies = [opt.apply_gradients(list(zip(grads, variables)))
@@ -189,13 +216,17 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
                            else tf.compat.v1.train.get_global_step())
             if global_step is not None:
                 applies.append(tf.compat.v1.assign_add(global_step, 1))
-        new = group.advance(applies, follow=False)
+        return group.advance(applies, follow=False)
+
+    def _build_tokens(self, new):
+        """The chief's run puts the new step into every other worker's token queue
+        (unless two wait there: a dead straggler's must not grow by one every step); a
+        worker's wait takes its token and any older ones (the newest step)."""
+        group = self._group
         with tf.compat.v1.device("/job:ps/task:0"):
             queues = [tf.queue.FIFOQueue(-1, tf.int64, shapes=[],
                                          shared_name=f"tfpsx_sync_token_{w}")
                       for w in range(group.workers)]
-            # The new step, into every other worker's queue (unless two wait there: a
-            # dead straggler's must not grow by one every step).
             tokens = [q.enqueue_many(tf.fill([tf.cast(q.size() < 2, tf.int32)], new))
                       for w, q in enumerate(queues) if w != group.me]
             with tf.control_dependencies(tokens):
@@ -204,25 +235,7 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
             first = mine.dequeue()
             with tf.control_dependencies([first]):
                 rest = mine.dequeue_many(mine.size())
-            self._token = tf.maximum(first, tf.reduce_max(rest))  # the newest
-        pushes = [p for *_, p in mode.dense] + mode.tables.pushes
-        stamp = self._stamp
-        with tf.compat.v1.device("/job:ps/task:0"):
-            self._mark = tf.group(group.mark_pushed(pushes, stamp=stamp),
-                                  arrivals.apply_grad(1.0, local_step=stamp))
-            self._mark_alone = tf.group(group.mark_pushed(stamp=stamp),
-                                        arrivals.apply_grad(1.0, local_step=stamp))
-        self._join = group.join()
-        self._leave = group.leave()
-        self._read_pushed = group.pushed.read_value()
-        self._read_step = group.step.read_value()
-        now = group.step.read_value()
-        self._chief_init = ([a.set_global_step(now) for a in accumulators + [arrivals]]
-                            + mode.tables.set_global_step(now))
-        self._attempt = tf.compat.v1.RunOptions(
-            timeout_in_ms=int(1000 * settings.get("TFPSX_SYNC_ATTEMPT")))
-        self._detector = TrainStepDetector(pushes)
-        self._pushes = {p.name for p in pushes}
+            self._token = tf.maximum(first, tf.reduce_max(rest))
 
     def after_create_session(self, session, coord):
         if not self._built:
@@ -261,6 +274,7 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
 
             self._s = group.wait_for_gradients(self._s, read_pushed, take=apply)
             return
+
         def token():  # one bounded attempt: waits in this worker's token queue
             try:
                 return int(session.run(self._token, options=self._attempt))
