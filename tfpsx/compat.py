@@ -23,6 +23,9 @@ symbol has existed unchanged in that range.
 * :func:`ensure_eager_context_initialized` — creates the remote eager contexts at
   connect time (TF defers it to the first op; ``context.ensure_initialized``, TF
   2.16-2.21).
+* :func:`async_wait` — waits for the eager ops in flight and raises a remote op's error
+  now (``context.async_wait``; Keras's TF trainer calls it at each epoch's end, so an
+  error of an epoch's last step would surface outside the step; TF 2.16-2.21).
 * :data:`Trackable` — a table's object-based checkpoint entry (``tf.train.Checkpoint``);
   ``tf.__internal__.tracking.Trackable`` is TF's exported-but-internal name for it.
 * :func:`keras_name_scopes`, :func:`keras_current_path` — what Keras is creating when a
@@ -61,6 +64,12 @@ def ensure_eager_context_initialized() -> None:
     _context.ensure_initialized()
 
 
+def async_wait() -> None:
+    """Waits for this process's eager ops in flight; raises the error of one that failed
+    (a remote op whose server died)."""
+    _context.async_wait()
+
+
 def keras_name_scopes() -> list:
     """The objects (``caller``) of the Keras name scopes open now, outermost first (None
     for a scope opened without one)."""
@@ -78,5 +87,5 @@ def keras_current_path() -> str:
 
 __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "BaseResourceVariable", "gen_resource_variable_ops", "set_handle_shapes_and_types",
-           "ensure_eager_context_initialized", "Trackable", "keras_name_scopes",
-           "keras_current_path"]
+           "ensure_eager_context_initialized", "async_wait", "Trackable",
+           "keras_name_scopes", "keras_current_path"]

@@ -23,7 +23,10 @@ step raises. For the duration of ``fit`` the callback wraps *this model's*
 ``train_function`` and ``test_function`` (instance attributes Keras itself assigns and
 caches), so a failed step ends the mode (GEO's communicator stops, a sync worker leaves
 the group) and a tfpsx error raised inside the step (a bounded wait that ran out, a lost
-server) comes out as itself; both are restored when ``fit`` ends. ``keras.Model`` itself
+server) comes out as itself; both are restored when ``fit`` ends. A remote op's error may
+surface only at the next sync point, which for an epoch's last step is Keras's own wait
+at the epoch's end, outside the step: so the wrapped step waits for its ops in flight
+itself when it is the epoch's last (or the epoch's length is unknown). ``keras.Model`` itself
 is never touched: a model built outside a tfpsx scope trains as Keras trains it.
 """
 
@@ -35,6 +38,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from tfpsx import compat
 from tfpsx.embedding.cache import flush_due_eager_caches
 
 logger = logging.getLogger("tfpsx")
@@ -51,6 +55,7 @@ class StrategyCallback(keras.callbacks.Callback):
         self._strategy = strategy
         self._originals = {}  # step-function name -> Keras's own, while fit runs
         self._active = False
+        self._last_in_epoch = True  # the next train step ends the epoch (or may)
 
     # ------------------------------------------------------------------ Keras's hooks
     def on_train_begin(self, logs=None):
@@ -61,6 +66,11 @@ class StrategyCallback(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         if self._active:  # a validation inside fit
             self._wrap("test_function")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        steps = self.params.get("steps") if self.params else None
+        per_call = getattr(self.model, "steps_per_execution", 1) or 1
+        self._last_in_epoch = steps is None or batch + per_call >= steps
 
     def on_train_batch_end(self, batch, logs=None):
         self._strategy.batch_end(self.model)
@@ -80,7 +90,10 @@ class StrategyCallback(keras.callbacks.Callback):
         @functools.wraps(original)
         def step(*args, **kwargs):
             try:
-                return self._strategy.translating(original, *args, **kwargs)
+                out = self._strategy.translating(original, *args, **kwargs)
+                if name == "train_function" and self._last_in_epoch:
+                    self._strategy.translating(compat.async_wait)
+                return out
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of an epoch's data: Keras's own loop ends the epoch
             except BaseException:
