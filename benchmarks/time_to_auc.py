@@ -49,6 +49,10 @@ MODES = {
     "geo100": ["--mode", "geo", "--k_steps", "100"],
     "geo400": ["--mode", "geo", "--k_steps", "400"],
     "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
+    # The cache's ceiling: every row stays on the worker once fetched, never synced
+    # before the end (dense weights still async on the PS): no cache design goes faster.
+    "async_cache_ceiling": ["--mode", "async", "--cache_size", "100000000",
+                            "--cache_flush_steps", "1000000000"],
     "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
     "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
     "local": ["--mode", "local"],

@@ -70,14 +70,14 @@ class SplitRows(keras.layers.Layer):
 
 def build(kind: str, dim: int = 16, hidden: Sequence[int] = (256, 128),
           table_lr: float = 0.05, learning_rate: float = 1e-3,
-          cache_size: Optional[int] = None) -> keras.Model:
+          cache_size: Optional[int] = None, flush_steps: int = 100) -> keras.Model:
     """The compiled model (build it inside a tfpsx strategy's scope on a cluster)."""
     if kind not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {kind!r}")
     dense = keras.Input((INT_FIELDS,), name="dense")
     cat = keras.Input((CAT_FIELDS,), dtype="string", name="cat")
     ids = FieldIds(name="field_ids")(cat)
-    cache = {} if not cache_size else {"cache_size": cache_size}
+    cache = {} if not cache_size else {"cache_size": cache_size, "flush_steps": flush_steps}
     rows = tfpsx.keras.DynamicEmbedding(
         dim + 1, optimizer=tfpsx.embedding.Adagrad(table_lr),
         initializer=tfpsx.embedding.normal(stddev=0.01), name="embedding", **cache)(ids)

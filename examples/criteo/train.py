@@ -48,6 +48,8 @@ flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahea
 flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
                   "geo: the dtype table rows travel in")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
+flags.DEFINE_integer("cache_flush_steps", 100, "async / staleness: steps between the worker "
+                     "cache's syncs with the PS")
 flags.DEFINE_integer("epochs", 1, "epochs over each worker's part of the training data")
 flags.DEFINE_integer("batch_size", 512, "examples per batch and worker")
 flags.DEFINE_integer("dim", 16, "embedding width")
@@ -186,7 +188,8 @@ def main(argv):
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = criteo_model.build(FLAGS.model, FLAGS.dim, [int(h) for h in FLAGS.hidden],
                                    FLAGS.table_learning_rate, FLAGS.learning_rate,
-                                   cache_size=FLAGS.cache_size or None)
+                                   cache_size=FLAGS.cache_size or None,
+                                   flush_steps=FLAGS.cache_flush_steps)
 
     callbacks = strategy.callbacks() if strategy else []
     first_epoch = 0

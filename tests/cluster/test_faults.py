@@ -62,9 +62,13 @@ def test_a_worker_cache_fails_naming_the_killed_server(make_cluster):
 
 
 @pytest.mark.timeout(240)
-def test_keras_fit_fails_naming_the_killed_server(make_cluster):
+@pytest.mark.parametrize("cache", [[], ["--cache_size", "24"]], ids=["tables", "cached"])
+def test_keras_fit_fails_naming_the_killed_server(make_cluster, cache):
+    """cached: worker caches fed by fit's input pipeline, whose staging meets the dead
+    server first (the error reaches the step through the dataset)."""
     c = make_cluster(1, 2, script="keras_job.py", env=ENV, timeout=200, config_mode="scheduler",
-                     args=["--mode", "async", "--epochs", "100", "--step_delay", "0.01"]).start()
+                     args=["--mode", "async", "--epochs", "100", "--step_delay", "0.01"]
+                     + cache).start()
     codes, seconds = _kill_server_and_wait(c, "Epoch 1/")
     assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
     for i in range(2):

@@ -72,6 +72,31 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,extra", [("async", []),
+                                        ("geo", ["--k_steps", "8", "--step_delay", "0.02"])])
+def test_worker_caches_are_fed_by_fits_input_pipeline(make_cluster, mode, extra):
+    """Both tables with a worker cache of 24 rows (200 users, 100 tags): fit's dataset
+    stages every batch's rows before the step takes it, so the steps fetch nothing from
+    the PS (every fetched row was staged) while steps_per_execution=2 and validations
+    run; the users' cache evicts (never a row of the 7 batches staged last: nearly
+    every tag is in each batch, so the tags' cache keeps all 100); the model learns."""
+    c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
+                     args=["--mode", mode, "--cache_size", "24"] + extra).start()
+    finish(c)
+    for r in reports(c, 2).values():
+        assert r["eval_loss"] < LEARNED, r
+        assert set(r["caches"]) == {"user_emb", "tags_emb"}, r
+        for name, stats in r["caches"].items():
+            assert stats["rows_fetched"] > 0 and stats["prefetched"] == stats["rows_fetched"], \
+                (name, stats)
+            if name == "user_emb":
+                assert stats["evictions"] > 0 and stats["size"] < 200, (name, stats)
+            assert 0 < stats["hit_rate"] < 1, (name, stats)
+            if mode == "async":
+                assert stats["flushes"] >= 1, (name, stats)
+
+
+@pytest.mark.timeout(300)
 def test_two_servers_share_the_model(make_cluster):
     # Weights of 1 KiB or more are cut in two (a slice per server); the model trains.
     c = make_cluster(2, 2, script="keras_job.py", env=FAST, timeout=240,

@@ -25,14 +25,13 @@ the table's rows (keys, values, optimizer slots, frequencies, steps);
 
 Serving: ``tfpsx.export_serving(model, path)`` writes a SavedModel without tfpsx ops; it
 traces this layer's ``call`` with its rows read from stock TF objects
-(:func:`reading_rows_from`), so what is served is this layer's own id handling.
+(:func:`tfpsx.keras.row_sources.reading_rows_from`), so what is served is this layer's
+own id handling.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Callable, Dict, Optional
+from typing import Optional
 
 import keras
 import numpy as np
@@ -44,28 +43,11 @@ from tfpsx.embedding import optimizers as _optimizers
 from tfpsx.embedding.cache import CacheOptions
 from tfpsx.embedding.sharding import EXPORT_FIELDS
 from tfpsx.keras.modes.base import TRIGGER
+from tfpsx.keras.row_sources import source_of
 from tfpsx.keras.strategy import ParameterServerStrategy
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _HASH_BUCKETS = 2 ** 63 - 1
-_sources = threading.local()
-
-
-@contextlib.contextmanager
-def reading_rows_from(sources: Dict["DynamicEmbedding", Callable]):
-    """Inside (in this thread), the layers in ``sources`` read their rows from
-    ``sources[layer](ids)`` (a flat int64 id vector -> rows ``[n, dim]``) instead of their
-    table, training or not: the seam a serving export traces the model through, with the
-    rows in stock TensorFlow objects (:mod:`tfpsx.serving`). The layer's id handling
-    (string hashing, pad_id, combiners, ragged and sparse ids) is unchanged."""
-    # Keyed by the layers themselves (held only while inside), never by id(): an id is
-    # reused once its object is gone.
-    outer = getattr(_sources, "map", None)
-    _sources.map = {**(outer or {}), **sources}
-    try:
-        yield
-    finally:
-        _sources.map = outer
 
 
 def _initializer(spec) -> E.Initializer:
@@ -190,7 +172,7 @@ class DynamicEmbedding(keras.layers.Layer):
     # ------------------------------------------------------------------ call
     def call(self, inputs, training=None):
         ids, finish = self._ids(inputs)
-        source = (getattr(_sources, "map", None) or {}).get(self)
+        source = source_of(self)
         if source is not None:
             return finish(source(ids))
         if not training or self.table_optimizer is None:

@@ -43,6 +43,7 @@ from tfpsx.control.watchdog import lost_server
 from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
+from tfpsx.keras.feeding import RowFeeder
 from tfpsx.keras.modes import mode_class
 from tfpsx.keras.modes.base import CreationContext
 from tfpsx.keras.partitioned import resolve_partitioner
@@ -199,6 +200,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         self.options, self._mode = options, mode
         self._pending: Optional[BaseException] = None
         self._fitting = False
+        self._feeder = RowFeeder()  # stages fit's batches into worker caches
         with tf.device(mode.worker_device):  # 1 while a fit joined by callbacks() runs
             self._fit_flag = tf.Variable(0, dtype=tf.int32, trainable=False,
                                          name="tfpsx_fit_joined")
@@ -221,13 +223,16 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
     def experimental_distribute_dataset(self, dataset, options=None):
         """The dataset itself: one replica on this worker's CPU has nothing to distribute,
         and tf.distribute's prefetch-to-device iterator halved the examples/s of a step
-        in a process connected to a cluster (measured).
+        in a process connected to a cluster (measured). Its batches pass a staging step
+        that feeds the worker caches while a ``fit`` runs (:mod:`tfpsx.keras.feeding`).
 
         Keras calls this when ``fit``, ``evaluate`` and ``predict`` start: outside a
-        ``fit``, it is where an evaluation begins (:meth:`before_inference`)."""
-        if not self._fitting:
-            self.before_inference(None)
-        return dataset
+        ``fit``, it is where an evaluation begins (:meth:`before_inference`); a
+        validation inside ``fit`` is not staged."""
+        if self._fitting:
+            return dataset
+        self.before_inference(None)
+        return self._feeder.wrap(dataset) if self._mode.NAME != "sync" else dataset
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return dataset_fn(tf.distribute.InputContext())
@@ -262,6 +267,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         """``fit`` starts (the callback's ``on_train_begin``)."""
         self.check_model(model)
         self._mode.begin_fit(model)
+        self._feeder.begin(model)
         self._fitting = True
         self._fit_flag.assign(1)
 
@@ -273,6 +279,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""
         self._fitting = False
         self._fit_flag.assign(0)
+        self._feeder.end()
         self._mode.end_fit(model)
         if not failed:
             flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
@@ -327,6 +334,9 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
             if pending is not None:
                 raise pending from e
             self._raise_if_server_lost(e)
+            staging = self._feeder.take_failure()  # fit's input pipeline lost a server
+            if staging is not None:
+                self._raise_if_server_lost(staging)
             raise
         except errors.BackgroundTaskError as e:
             self._raise_if_server_lost(e)

@@ -4,7 +4,7 @@ The served function is the model's own ``call`` (``training=False``), traced wit
 
 * each ``tfpsx.keras.DynamicEmbedding`` layer reading its rows from a
   :class:`~tfpsx.serving.table.ServingTable` (stock TF: a hash table and a variable per
-  shard) through the layer's :func:`~tfpsx.keras.layers.reading_rows_from` seam, so the
+  shard) through the layer's :func:`~tfpsx.keras.row_sources.reading_rows_from` seam, so the
   layer's own id handling (string hashing, ``pad_id``, combiners) is what is served;
 * every Keras variable read from a fresh local ``tf.Variable`` holding its value, through
   ``keras.StatelessScope`` (a weight on a parameter server, GEO's worker copy and a local
@@ -23,7 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpsx.keras.layers import DynamicEmbedding, reading_rows_from
+from tfpsx.keras.layers import DynamicEmbedding
+from tfpsx.keras.row_sources import reading_rows_from
 from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.serving import signature
 from tfpsx.serving.table import ServingTable, from_trained

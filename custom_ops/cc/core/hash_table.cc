@@ -98,6 +98,7 @@ std::vector<int64_t> HashTable::CacheVictims(int64_t count, bool by_step) const 
   struct Scored {
     int64_t first, second, key;  // LFU: (freq, step); LRU: (step, freq)
   };
+  if (count <= 0) return {};  // (a cache under its size asks every step)
   std::vector<Scored> all;
   all.reserve(static_cast<size_t>(Size()));
   for (int i = 0; i < store_.num_stripes(); ++i) {
@@ -109,7 +110,6 @@ std::vector<int64_t> HashTable::CacheVictims(int64_t count, bool by_step) const 
                             : Scored{freq, step, s.rows.key(r)});
     }
   }
-  if (count <= 0) return {};
   // Lowest score first, then the other measure; last, the larger key (EvictToTopN keeps
   // the smaller), so the choice is deterministic.
   auto first = [](const Scored& a, const Scored& b) {

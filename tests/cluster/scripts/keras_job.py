@@ -51,16 +51,17 @@ def click_data(seed: int, n: int):
     return {"x": x, "user": user_ids, "tags": tags.astype(np.int64)}, label[:, None]
 
 
-def wide_and_deep():
+def wide_and_deep(cache_size=None):
+    cache = {"cache_size": cache_size, "flush_steps": 10} if cache_size else {}
     x = keras.Input((FEATURES,), name="x")
     user = keras.Input((1,), dtype="string", name="user")
     tags = keras.Input((WIDTH,), dtype="int64", name="tags")
     user_emb = keras.layers.Flatten()(tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), initializer=tfpsx.embedding.normal(stddev=0.05),
-        name="user_emb")(user))
+        name="user_emb", **cache)(user))
     tags_emb = tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), combiner="mean", pad_id=-1,
-        initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb")(tags)
+        initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb", **cache)(tags)
     deep = keras.layers.Dense(16, activation="relu")(
         keras.layers.Concatenate()([x, user_emb, tags_emb]))
     logit = keras.layers.Add()([keras.layers.Dense(1)(deep), keras.layers.Dense(1)(x)])
@@ -144,6 +145,8 @@ def main(argv):
                    help="the chief saves weights there every epoch (ModelCheckpoint) and, "
                         "when a file is there already, restores it before fit")
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--cache_size", type=int, default=0,
+                   help="a worker cache of that many rows on both tables (flushed every 10)")
     p.add_argument("--partition", type=int, default=0,
                    help="cut every weight into this many slices (FixedShardsPartitioner)")
     p.add_argument("--partition_bytes", type=int, default=0,
@@ -160,7 +163,8 @@ def main(argv):
         me, workers = tfpsx.worker_index(), tfpsx.worker_num()
     strategy = None if args.local else strategy_for(args)
     with contextlib.nullcontext() if strategy is None else strategy.scope():
-        model = wide_and_deep() if args.model == "wide_deep" else linear_model()
+        model = (wide_and_deep(args.cache_size) if args.model == "wide_deep"
+                 else linear_model())
 
     callbacks = [] if strategy is None else strategy.callbacks()
     if args.checkpoint and args.incremental:
@@ -214,6 +218,10 @@ def main(argv):
             report["pushes"] = int(strategy.counters.pushes)
             report["rows_sent"] = int(strategy.counters.rows_sent)
         report["staleness_waits"] = strategy.staleness_waits
+        report["caches"] = {
+            layer.name: {k: float(v) for k, v in layer.table.cache.stats().items()}
+            for layer in model.layers
+            if getattr(getattr(layer, "table", None), "cache", None) is not None}
         report["partitioned"] = partitioned(strategy)
         report["kernel_device"] = [l for l in model.layers if isinstance(
             l, keras.layers.Dense)][0].kernel.value.device

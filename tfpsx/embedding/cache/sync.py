@@ -60,12 +60,16 @@ def report(name: str, values: Dict[str, float]) -> None:
 def flush_eager_caches() -> None:
     """Flushes and reports every cache of :func:`eager_caches` (the end of ``fit``)."""
     for cache in eager_caches():
-        cache.flush()
-        cache.flushed(int(cache.updates()))
+        with cache.sync_lock:
+            cache.flush()
+            cache.flushed(int(cache.updates()))
         report(cache.table.name, {k: v.numpy() for k, v in cache.stats().items()})
 
 
 def flush_due_eager_caches() -> None:
-    """Syncs every cache of :func:`eager_caches` that is due (between ``fit``'s steps)."""
+    """Syncs every cache of :func:`eager_caches` that is due (between ``fit``'s steps;
+    a cache fed by an input pipeline syncs there)."""
     for cache in eager_caches():
-        cache.flush_if_due()
+        if not cache.fed:
+            with cache.sync_lock:
+                cache.flush_if_due()

@@ -36,6 +36,7 @@ worker copy). Counters (hit rate, rows fetched and flushed, evictions, bytes) ar
 
 from __future__ import annotations
 
+import threading
 from typing import Dict, Optional
 
 import tensorflow as tf
@@ -119,6 +120,13 @@ class WorkerCache(ShardedTable):
         self._eager_vars = None
         self._eager_registered = False
         self.apply_ops = []  # the update ops built in graphs
+        # Staged by an input pipeline (tfpsx.keras's RowFeeder): training lookups find
+        # every row cached and run no PS op; the pipeline fetches, evicts and syncs.
+        self.fed = False
+        # Held by whatever pushes this cache's deltas outside a step (evictions and
+        # syncs of a feeder, GEO's communicator, the final flush): two pushes of one
+        # row's delta at once would add it twice.
+        self.sync_lock = threading.RLock()
 
     # ------------------------------------------------------------------ state
     def _vars(self):
@@ -205,8 +213,22 @@ class WorkerCache(ShardedTable):
             self._register_eagerly()
             state = self._vars()[0]
             registered = _when(tf.equal(state[0], 0), self._register)
+            if self.fed:  # the feeder evicts, between its stagings
+                return _after(registered, lambda: self._fed_rows(keys))
             evicted = _after(registered, lambda: self._evict_over(step))
             return _after(evicted, lambda: self._train_rows(keys, step, counts))
+
+    def _fed_rows(self, keys):
+        """A training lookup of rows :meth:`stage` cached: local only (the staging
+        counted the lookups and hits)."""
+        cached, found = self.shards[0].cache_find(keys, self._tick("clock"))
+        staged = tf.debugging.assert_equal(
+            tf.reduce_all(found), True, message=(
+                f"worker cache of table {self.table.name!r}: a training step found ids the "
+                "input pipeline did not stage; the cache is fed by fit's dataset "
+                "(tfpsx.keras.ParameterServerStrategy wraps it), so a step must not read "
+                "batches from another source"))
+        return _after([staged], lambda: tf.identity(cached))
 
     def _train_rows(self, keys, step, counts):
         clock = self._tick("clock")
@@ -294,6 +316,38 @@ class WorkerCache(ShardedTable):
                  "freq": tf.ones([n], tf.int64), "step": tf.zeros([n], tf.int64)}, clear=True)
             counted = self._count(prefetched=n)
         return self._group([staged, counted])
+
+    @_graph_code
+    def stage(self, ids, step=None) -> tf.Tensor:
+        """Caches the rows of ``ids`` (a batch a training step will look up) that the
+        cache lacks: fetched from the PS shards, inserted with ``old`` = the fetched row.
+        Run by an input pipeline ahead of the step (tfpsx.keras's ``RowFeeder``), which
+        makes the step's lookups local (:attr:`fed`). Counts the batch's lookups and
+        hits. Returns the batch's unique keys (what :meth:`evict_except` must keep)."""
+        self._register_eagerly()
+        with on_device(self.device):
+            unique, _, counts = tf.unique_with_counts(tf.reshape(self._keys(ids), [-1]))
+            clock = self._vars()[0][_STATE.index("clock")]
+            _, found = self.shards[0].find(unique)
+            miss = tf.boolean_mask(unique, tf.logical_not(found))
+            rows = self.table.rows(miss, True, as_step(step))
+            inserted = [self.shards[0].insert(miss, rows, clock),
+                        self.old.shards[0].insert(miss, rows, tf.constant(0, tf.int64))]
+            counts, n = tf.cast(counts, tf.int64), tf.size(miss)
+            counted = self._count(lookups=tf.reduce_sum(counts),
+                                  hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
+                                  rows_fetched=n, prefetched=n,
+                                  bytes_fetched=tf.cast(n, tf.int64) * self._row_bytes)
+        return _after(inserted + [counted], lambda: tf.identity(unique))
+
+    @_graph_code
+    def evict_except(self, keep):
+        """Evicts down to ``evict_to`` rows when more than the cache's size are held,
+        never the keys of ``keep`` (those of batches staged and not yet trained): the
+        victims' deltas go to the PS first. Returns the op (None in eager mode)."""
+        with on_device(self.device):
+            done = self._evict_over(as_step(None), keep=keep)
+        return self._group(done)
 
     # ------------------------------------------------------------------ updates
     @_graph_code
@@ -400,12 +454,21 @@ class WorkerCache(ShardedTable):
         state = self._vars()[0]
         return state.scatter_nd_update([[_STATE.index("registered")]], [1])
 
-    def _evict_over(self, step):
+    def _evict_over(self, step, keep=None):
         """Evicts down to ``evict_to`` rows when more than the cache's size are held:
-        the victims' deltas go to the PS first (an empty push when none are due)."""
+        the victims' deltas go to the PS first (an empty push when none are due); the
+        keys of ``keep`` stay."""
         size = self.shards[0].size()
         count = tf.where(size > self.options.size, size - self.evict_to, tf.zeros_like(size))
-        victims = self.shards[0].cache_victims(count, self.options.policy.by_step)
+        if keep is None:
+            victims = self.shards[0].cache_victims(count, self.options.policy.by_step)
+        else:
+            keep = tf.sort(tf.reshape(tf.cast(keep, tf.int64), [-1]))
+            extra = tf.where(count > 0, tf.cast(tf.size(keep), count.dtype), tf.zeros_like(count))
+            ranked = self.shards[0].cache_victims(count + extra, self.options.policy.by_step)
+            kept = (tf.searchsorted(keep, ranked, side="right")
+                    > tf.searchsorted(keep, ranked, side="left"))
+            victims = tf.boolean_mask(ranked, tf.logical_not(kept))[:count]
         push, pushed = _unless_empty(victims, lambda: push_rows(self.geo, victims, self.scale,
                                                                 step, keep_old=False),
                                      lambda: (None, tf.constant(0)))

@@ -15,6 +15,7 @@ runs when ``fit`` returns, and then the worker's copy takes the global values: a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import List, Optional
 
@@ -119,7 +120,11 @@ class KerasGeo(KerasMode):
         """A background or final round (push, then pull): one call of the sync function."""
         assert phases == (PUSH, PULL), phases  # deterministic rounds run in the step
         start = time.monotonic()
-        self._count(start, *self.sync_fn()())
+        with contextlib.ExitStack() as locks:
+            for t in self.tables:
+                if t.cached:  # not beside a feeder's eviction of the same rows
+                    locks.enter_context(t.local.sync_lock)
+            self._count(start, *self.sync_fn()())
 
     # ------------------------------------------------------------------ the step
     def after_step(self) -> list:
