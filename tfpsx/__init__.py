@@ -56,6 +56,7 @@ _LAZY = {
     "replica_device_setter": "tfpsx.training",
     "variable_partitioner": "tfpsx.training",
     "MonitoredTrainingSession": "tfpsx.training",
+    "RowStager": "tfpsx.training",
     "GeoOptimizer": "tfpsx.training",
     "GeoCounters": "tfpsx.training",
     "export_serving": "tfpsx.serving",

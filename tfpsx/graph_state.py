@@ -29,6 +29,8 @@ class GraphState:
     cache_variables: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     #: The worker caches that built ops in this graph, in order (their driver's list).
     worker_caches: List[Any] = dataclasses.field(default_factory=list)
+    # tfpsx.training.staging.RowStager: its hook runs before the caches' final flush
+    stagers: List[Any] = dataclasses.field(default_factory=list)
     #: id(gradient) -> (gradient, keys, dim): row gradients already checked.
     checked_rows: Dict[int, tuple] = dataclasses.field(default_factory=dict)
 

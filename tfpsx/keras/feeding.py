@@ -27,15 +27,14 @@ Caches that admit a row at its K-th sighting (``cache_admit_after`` > 1) stay un
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 from typing import Dict, List
 
 import keras
 import tensorflow as tf
 
 from tfpsx.embedding import DynamicTable
+from tfpsx.embedding.cache.staging import Stager
 from tfpsx.keras.row_sources import reading_rows_from
 
 logger = logging.getLogger("tfpsx")
@@ -65,21 +64,19 @@ def _function(build_op, *signature):
     return tf.function(run, autograph=False, input_signature=signature)
 
 
-class RowFeeder:
+class RowFeeder(Stager):
     """Stages a ``fit``'s batches into the worker caches (see the module doc). One per
     strategy; :meth:`wrap` takes the datasets, :meth:`begin` / :meth:`end` bracket a
     ``fit``."""
 
     def __init__(self):
-        self._lock = threading.Lock()  # one staging at a time; end() waits for it
+        super().__init__()
         self._active = False
         self._spec = None            # the features' spec of the last wrapped dataset
-        self._caches: Dict[object, list] = {}
+        self._layers: Dict[object, list] = {}
         self._stage_fn = None
         self._evict_fns: Dict[object, object] = {}
         self._flush_fns: Dict[object, object] = {}
-        self._window: collections.deque = collections.deque()
-        self._staged = 0
         self._failure = None           # a staging's TF error, for the step to name
 
     # ------------------------------------------------------------------ the pipeline
@@ -120,27 +117,25 @@ class RowFeeder:
         return failure
 
     def _stage(self, element) -> None:
-        self._window.append(self._stage_fn(_features(element)))
-        self._staged += 1
-        for i, cache in enumerate(self._caches):
-            with cache.sync_lock:
-                if int(cache.shards[0].size()) > cache.options.size:
-                    self._evict_fns[cache](tf.concat([k[i] for k in self._window], 0))
-                if cache.flush_in_step and self._staged % cache.options.flush_steps == 0:
-                    self._flush_fns[cache]()
-                    cache.flushed(int(cache.updates()))
+        got = self._stage_fn(_features(element))
+        self.staged([k for k, _ in got], [n for _, n in got])
+
+    def _evict(self, cache, keep) -> None:
+        self._evict_fns[cache](keep)
+
+    def _flush(self, cache) -> None:
+        self._flush_fns[cache]()
 
     # ------------------------------------------------------------------ a fit
     def begin(self, model) -> bool:
         """A ``fit`` of ``model`` starts: its cached layers' caches are fed when the
         dataset was wrapped. Returns whether any is."""
         with self._lock:
-            self._caches = fed_layers(model) if self._spec is not None else {}
-            if not self._caches:
+            self._layers = fed_layers(model) if self._spec is not None else {}
+            if not self._layers:
                 return False
             per_call = int(getattr(model, "steps_per_execution", 1) or 1)
-            self._window = collections.deque(maxlen=2 * per_call + 3)
-            self._staged = 0
+            self._start(list(self._layers), depth=2 * per_call + 3)
             for cache in self._caches:
                 cache.fed = True
                 if cache not in self._evict_fns:
@@ -159,7 +154,7 @@ class RowFeeder:
                 cache.fed = False
 
     def _build_stage(self, model):
-        caches = list(self._caches.items())
+        caches = list(self._layers.items())
         layers = [layer for _, group in caches for layer in group]
         ids_of = _id_function(model, layers)
 

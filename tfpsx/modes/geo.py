@@ -29,6 +29,7 @@ steps not yet pushed, and the communicator's bounded stop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, List, Optional, Protocol, Tuple
@@ -150,6 +151,17 @@ def round_phases(deterministic: bool, cached: bool) -> Tuple[str, ...]:
     if not deterministic:
         return (PUSH, PULL)
     return ((BARRIER,) if cached else ()) + (PUSH, BARRIER, PULL, BARRIER)
+
+
+@contextlib.contextmanager
+def caches_locked(tables: List[GeoTable]):
+    """Holds the sync locks of the worker caches among ``tables`` (a round's push must
+    not run beside a stager's eviction push of the same rows)."""
+    with contextlib.ExitStack() as stack:
+        for t in tables:
+            if t.cached:
+                stack.enter_context(t.local.sync_lock)
+        yield
 
 
 def dense_size(dense: List[GeoVariable]) -> Tuple[int, int]:

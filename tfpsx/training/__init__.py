@@ -33,10 +33,11 @@ from tfpsx.training.optimizer import distributed_optimizer
 from tfpsx.training.placement import GreedyByBytes, replica_device_setter, variable_partitioner
 from tfpsx.training.scope import model_scope
 from tfpsx.training.session import MonitoredTrainingSession
+from tfpsx.training.staging import RowStager
 from tfpsx.training.strategy import DistributedStrategy
 
 __all__ = [
     "DistributedStrategy", "model_scope", "distributed_optimizer", "MonitoredTrainingSession",
     "replica_device_setter", "variable_partitioner", "GreedyByBytes", "GeoOptimizer",
-    "GeoCounters", "SyncOptimizer", "StalenessOptimizer", "mode_for", "mode_of",
+    "GeoCounters", "SyncOptimizer", "StalenessOptimizer", "mode_for", "mode_of", "RowStager",
 ]

@@ -93,10 +93,13 @@ class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
     def begin(self):
         self._caches = graph_caches()
         self._own = [c for c in self._caches if c.flush_in_step]
-        self._detectors = [TrainStepDetector(c.apply_ops) for c in self._own]
-        self._steps = [0] * len(self._own)  # training runs since each cache's last sync
+        # (a staged cache syncs in its stager's thread, between the stagings)
+        self._due = [c for c in self._own if not c.fed]
+        self._detectors = [TrainStepDetector(c.apply_ops) for c in self._due]
+        self._steps = [0] * len(self._due)  # training runs since each cache's last sync
         self._register = [c.register() for c in self._own]
         self._flush = [c.flush() for c in self._own]
+        self._flush_due = [c.flush() for c in self._due]
         self._stats = {c.table.name: c.stats() for c in self._caches}
 
     def after_create_session(self, session, coord):
@@ -104,12 +107,12 @@ class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         due = []
-        for i, (cache, detector) in enumerate(zip(self._own, self._detectors)):
+        for i, (cache, detector) in enumerate(zip(self._due, self._detectors)):
             if detector.ran_training(run_context):
                 self._steps[i] += 1
                 if self._steps[i] >= cache.options.flush_steps:
                     self._steps[i] = 0
-                    due.append(self._flush[i])
+                    due.append(self._flush_due[i])
         if due:
             run_context.session.run(due)
 

@@ -17,6 +17,7 @@ from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
 from tfpsx.training.hooks import ResumeLogHook, WorkerCacheHook, graph_caches
+from tfpsx.training.staging import graph_stagers
 
 
 class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
@@ -104,6 +105,7 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
             scaffold = _IncrementalScaffold(every)
     mode = modes.mode_of()
     own = mode.hooks() if mode else []
+    own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():
         own.append(WorkerCacheHook())
     return _monitored_session(config, checkpoint_dir, list(hooks or []) + own,

@@ -318,12 +318,13 @@ class WorkerCache(ShardedTable):
         return self._group([staged, counted])
 
     @_graph_code
-    def stage(self, ids, step=None) -> tf.Tensor:
+    def stage(self, ids, step=None):
         """Caches the rows of ``ids`` (a batch a training step will look up) that the
         cache lacks: fetched from the PS shards, inserted with ``old`` = the fetched row.
-        Run by an input pipeline ahead of the step (tfpsx.keras's ``RowFeeder``), which
+        Run by a stager ahead of the step (:mod:`tfpsx.embedding.cache.staging`), which
         makes the step's lookups local (:attr:`fed`). Counts the batch's lookups and
-        hits. Returns the batch's unique keys (what :meth:`evict_except` must keep)."""
+        hits. Returns (the batch's unique keys: what :meth:`evict_except` must keep, the
+        rows cached then)."""
         self._register_eagerly()
         with on_device(self.device):
             unique, _, counts = tf.unique_with_counts(tf.reshape(self._keys(ids), [-1]))
@@ -338,7 +339,8 @@ class WorkerCache(ShardedTable):
                                   hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
                                   rows_fetched=n, prefetched=n,
                                   bytes_fetched=tf.cast(n, tf.int64) * self._row_bytes)
-        return _after(inserted + [counted], lambda: tf.identity(unique))
+        return _after(inserted + [counted],
+                      lambda: (tf.identity(unique), self.shards[0].size()))
 
     @_graph_code
     def evict_except(self, keep):

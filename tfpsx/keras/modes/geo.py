@@ -15,7 +15,6 @@ runs when ``fit`` returns, and then the worker's copy takes the global values: a
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import List, Optional
 
@@ -25,8 +24,8 @@ from tfpsx.embedding.geo_rule import table_readers
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, count_round, dense_size, pull_ops, push_ops,
-                             wire_dtype)
+                             GeoVariable, caches_locked, count_round, dense_size, pull_ops,
+                             push_ops, wire_dtype)
 
 
 class KerasGeo(KerasMode):
@@ -120,10 +119,7 @@ class KerasGeo(KerasMode):
         """A background or final round (push, then pull): one call of the sync function."""
         assert phases == (PUSH, PULL), phases  # deterministic rounds run in the step
         start = time.monotonic()
-        with contextlib.ExitStack() as locks:
-            for t in self.tables:
-                if t.cached:  # not beside a feeder's eviction of the same rows
-                    locks.enter_context(t.local.sync_lock)
+        with caches_locked(self.tables):
             self._count(start, *self.sync_fn()())
 
     # ------------------------------------------------------------------ the step

@@ -19,8 +19,8 @@ from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, count_round, dense_size, pull_ops, push_ops,
-                             wire_dtype)
+                             GeoVariable, caches_locked, count_round, dense_size, pull_ops,
+                             push_ops, wire_dtype)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -219,16 +219,19 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         steps = self._schedule.pushed
         new_steps = {self._new_steps: steps - self._reported}
         if phases == (PUSH, PULL) and self._push_pull is not None:
-            done = session.run(self._push_pull, new_steps)
+            with caches_locked(self._mode.tables):
+                done = session.run(self._push_pull, new_steps)
             pushed, pulled = done["push"], done["pull"]
         else:
             for phase in phases:
                 if phase == BARRIER:
                     RUNTIME.barrier_worker()
                 elif phase == PUSH:
-                    pushed = session.run(self._push, new_steps)
+                    with caches_locked(self._mode.tables):
+                        pushed = session.run(self._push, new_steps)
                 else:
-                    pulled = session.run(self._pull)
+                    with caches_locked(self._mode.tables):
+                        pulled = session.run(self._pull)
         self._reported = steps
         count_round(self._mode.counters, start, self._dense,
                     (pushed["rows"], pushed["bytes"]), (pulled["rows"], pulled["bytes"]))
