@@ -1,30 +1,34 @@
-"""Wall time to a target AUC: every mode on the Criteo-format job, side by side, over
-emulated networks.
+"""Wall time to a target quality: every mode of a job side by side, over emulated networks.
 
-The job is examples/criteo (Wide&Deep over a DynamicEmbedding table, Keras 3 fit) on
-generated data (examples/criteo/make_data.py, made once into data/bench-criteo-<rows>),
-1 PS + 2 workers started with TFPSX_* env, every process behind a userspace delay proxy
+Jobs (benchmarks/_tta_jobs.py): ``criteo`` (examples/criteo, Wide&Deep over a
+DynamicEmbedding table, Keras 3 fit, eval AUC) and ``word2vec`` (examples/word2vec,
+skip-gram over two DynamicTable tables of a 100,000-word vocabulary, graph mode, eval
+loss; with ``tf_async``, the same model in plain TF async, as a peer). 1 PS + 2 workers
+started with TFPSX_* env, every process behind a userspace delay proxy
 (benchmarks/netem.py; the PS's proxy is also a link of the given bandwidth and counts
 its bytes). Modes: sync, async, GEO at several k, async and GEO with a worker cache,
 and "local" (each worker trains alone on its half: the no-sync ceiling). Runs are
 interleaved over the rounds (machine drift hits all alike); figures are medians.
 
 Per mode:
-* the chief's evaluation every --eval_every steps on --eval_rows held-out rows: AUC
-  against training seconds (the evaluation pauses excluded; process start and connect
-  too: every mode pays those alike);
-* time to target: the first evaluation at or above the target AUC, which is
-  --target_fraction (99%) of the best final AUC any cluster mode reached in the run;
-* AUC at equal time: each mode's AUC at the time the fastest cluster mode finished;
-* examples/s (both workers, fit's time), bytes through the PS's link per step and
-  worker, the final AUC of the global model.
+* the chief's evaluation every --eval_every steps: quality against training seconds
+  (the evaluation pauses excluded; process start and connect too: every mode pays
+  those alike);
+* time to target: the first evaluation at or past the target, which is
+  --target_fraction (99%) of the best final quality any cluster mode reached in the run
+  (a loss: the best divided by the fraction);
+* time to async's final quality (what async reached by its end, in its worst round: a
+  target async meets when a faster mode's best is out of its reach in the budget);
+* quality at equal time: each mode's at the time the fastest cluster mode finished;
+* examples/s (both workers), bytes through the PS's link per step and worker, the
+  final quality of the global model.
 
-It writes a markdown table (--out, default build/bench/time_to_auc.md) and two PNG
-plots with matplotlib (pip install matplotlib): AUC against seconds per mode, and
-examples/s against GEO's k.
+It writes a markdown table (--out, default build/bench/time_to_auc[_<job>].md) and two
+PNG plots with matplotlib (pip install matplotlib): quality against seconds per mode,
+and examples/s against GEO's k.
 
-  python benchmarks/time_to_auc.py [--networks 1ms] [--modes async,geo100,local]
-      [--rounds 2] [--train_rows 1000000] [--epochs 1]
+  python benchmarks/time_to_auc.py [--job criteo|word2vec] [--networks 1ms]
+      [--modes async,geo100,local] [--rounds 2] [--train_rows 1000000] [--epochs 1]
 """
 
 from __future__ import annotations
@@ -33,161 +37,147 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Dict, List, Optional
 
-import tfpsx
-from _proxied import ROOT, run_job
+from _proxied import ROOT
+from _tta_jobs import JOBS, add_flags
 
-EXAMPLE = os.path.join(ROOT, "examples", "criteo")
 NETWORKS = {"loopback": (0.0, None), "1ms": (0.0005, 1e9 / 8), "5ms": (0.0025, 1e9 / 8)}
-MODES = {
-    "sync": ["--mode", "sync"],
-    "async": ["--mode", "async"],
-    "geo10": ["--mode", "geo", "--k_steps", "10"],
-    "geo100": ["--mode", "geo", "--k_steps", "100"],
-    "geo400": ["--mode", "geo", "--k_steps", "400"],
-    "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
-    # The cache's ceiling: every row stays on the worker once fetched, never synced
-    # before the end (dense weights still async on the PS): no cache design goes faster.
-    "async_cache_ceiling": ["--mode", "async", "--cache_size", "100000000",
-                            "--cache_flush_steps", "1000000000"],
-    "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
-    "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
-    "local": ["--mode", "local"],
-}
 
 
-def data_dir(rows: int) -> str:
-    """Generated data of ``rows`` training rows (made on first use)."""
-    out = os.path.join(ROOT, "data", f"bench-criteo-{rows}")
-    if not os.path.exists(os.path.join(out, "planted.json")):
-        subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_data.py"), "--out", out,
-                        "--train_rows", str(rows), "--eval_rows", "30000", "--files", "4"],
-                       check=True)
-    return out
-
-
-def run(mode: str, network: str, args) -> dict:
-    one_way, rate = NETWORKS[network]
-    data = data_dir(args.train_rows)
-    extra = [str(args.cache_size) if a == "CACHE" else a for a in MODES[mode]]
-    cmd = [sys.executable, os.path.join(EXAMPLE, "train.py"), "--train_data",
-           os.path.join(data, "train-*"), "--eval_data", os.path.join(data, "eval.txt"),
-           "--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--verbose", "0",
-           "--eval_every", str(args.eval_every), "--eval_rows", str(args.eval_rows)] + extra
-    with run_job(cmd, one_way=one_way, rate=rate, timeout=args.timeout) as job:
-        reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1] for i in range(2)]
-        steps = reports[0]["steps_per_epoch"] * args.epochs
-        # The chief's rate counts every worker's examples (equal steps on each).
-        return {"examples_per_sec": reports[0]["examples_per_sec"], "auc": reports[0]["auc"],
-                "points": reports[0]["points"], "seconds": reports[0]["seconds"],
-                "bytes_per_step": (job.server_bytes / max(1, steps * 2)
-                                   if job.server_bytes else None)}
-
-
-def time_to(points: List[dict], target: float) -> Optional[float]:
+def time_to(points: List[dict], target: float, higher: bool) -> Optional[float]:
     for p in points:
-        if p["auc"] >= target:
+        if (p["value"] >= target) if higher else (p["value"] <= target):
             return p["seconds"]
     return None
 
 
-def auc_at(points: List[dict], seconds: float) -> Optional[float]:
+def value_at(points: List[dict], seconds: float) -> Optional[float]:
     before = [p for p in points if p["seconds"] <= seconds]
-    return before[-1]["auc"] if before else None
+    return before[-1]["value"] if before else None
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", default="criteo", choices=list(JOBS))
     p.add_argument("--networks", default="1ms", help=f"comma list of {list(NETWORKS)}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
+    p.add_argument("--modes", default=None,
+                   help="comma list (default: all of the job's); criteo: "
+                        f"{list(JOBS['criteo'].MODES)}; word2vec: {list(JOBS['word2vec'].MODES)}")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--train_rows", type=int, default=1_000_000)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch_size", type=int, default=512)
-    p.add_argument("--cache_size", type=int, default=100_000)
-    p.add_argument("--eval_every", type=int, default=100)
-    p.add_argument("--eval_rows", type=int, default=10_000)
+    p.add_argument("--eval_every", type=int, default=None,
+                   help="steps between the chief's evaluations (criteo 100, word2vec 50)")
     p.add_argument("--target_fraction", type=float, default=0.99)
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--out", default=os.path.join(ROOT, "build", "bench", "time_to_auc.md"))
+    p.add_argument("--out", default=None, help="default build/bench/time_to_auc[_<job>].md")
+    add_flags(p)
     args = p.parse_args(argv)
-    networks, modes = args.networks.split(","), args.modes.split(",")
-    for name, got, known in (("--networks", networks, NETWORKS), ("--modes", modes, MODES)):
+    if args.eval_every is None:
+        args.eval_every = 100 if args.job == "criteo" else 50
+    job = JOBS[args.job](args)
+    out = args.out or os.path.join(ROOT, "build", "bench", "time_to_auc.md" if args.job ==
+                                   "criteo" else f"time_to_auc_{args.job}.md")
+    networks = args.networks.split(",")
+    modes = args.modes.split(",") if args.modes else list(job.MODES)
+    for name, got, known in (("--networks", networks, NETWORKS), ("--modes", modes, job.MODES)):
         bad = [x for x in got if x not in known]
         if bad:
             p.error(f"{name}: unknown {bad}; expected some of {list(known)}")
     configs = [(m, n) for n in networks for m in modes]
     results: Dict[tuple, List[dict]] = {c: [] for c in configs}
     for r in range(args.rounds):
-        for config in (configs if r % 2 == 0 else configs[::-1]):
-            got = run(*config, args)
-            results[config].append(got)
-            print(f"  round {r + 1}: {config[1]:8s} {config[0]:13s} "
-                  f"{got['examples_per_sec']:8.0f} examples/s, final auc {got['auc']:.4f}, "
-                  f"{got['seconds']:.1f} s", flush=True)
-    lines = [f"time_to_auc: examples/criteo Wide&Deep, {args.train_rows} generated rows, "
-             f"{args.epochs} epoch(s), batch {args.batch_size} per worker, 1 PS + 2 workers, "
-             f"medians of {args.rounds} interleaved rounds", ""]
+        for mode, network in (configs if r % 2 == 0 else configs[::-1]):
+            got = job.run(mode, *NETWORKS[network])
+            results[(mode, network)].append(got)
+            print(f"  round {r + 1}: {network:8s} {mode:20s} "
+                  f"{got['examples_per_sec']:8.0f} examples/s, final {job.quality} "
+                  f"{got['final']:.4f}, {got['seconds']:.1f} s", flush=True)
+    lines = [f"time_to_auc: {job.title()}, 1 PS + 2 workers, medians of {args.rounds} "
+             "interleaved rounds", ""]
     plots = {}
     for network in networks:
-        med = {}
-        for mode in modes:
-            runs = results[(mode, network)]
-            med[mode] = {k: statistics.median(x[k] for x in runs)
-                         for k in ("examples_per_sec", "auc", "seconds")}
-            b = [x["bytes_per_step"] for x in runs if x["bytes_per_step"]]
-            med[mode]["bytes_per_step"] = statistics.median(b) if b else None
-            med[mode]["points"] = runs[len(runs) // 2]["points"]
-        cluster = [m for m in modes if m != "local"]
-        best = max(med[m]["auc"] for m in cluster) if cluster else max(
-            v["auc"] for v in med.values())
-        target = args.target_fraction * best
-        equal = min(med[m]["seconds"] for m in cluster) if cluster else None
-        for mode in modes:
-            ts = [time_to(x["points"], target) for x in results[(mode, network)]]
-            ts = [t for t in ts if t is not None]
-            med[mode]["to_target"] = statistics.median(ts) if len(ts) * 2 > len(
-                results[(mode, network)]) else None
-            med[mode]["at_equal"] = auc_at(med[mode]["points"], equal) if equal else None
-        base = med.get("async", {}).get("to_target")
-        one_way, rate = NETWORKS[network]
-        link = "no delay" if not one_way else f"{2000 * one_way:g} ms RTT"
-        if rate:
-            link += f", {8 * rate / 1e9:g} Gbit/s at the PS"
-        lines += [f"**{network}** ({link}): target AUC {target:.4f} "
-                  f"({100 * args.target_fraction:g}% of the best final {best:.4f}); equal "
-                  f"time {equal or 0:.1f} s", "",
-                  "| mode | time to target (s) | vs async | AUC at equal time | final AUC | "
-                  "examples/s | x ceiling | bytes / step / worker |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        ceiling = med.get("local", {}).get("examples_per_sec")
-        for mode in modes:
-            m = med[mode]
-            t, eq, b = m["to_target"], m["at_equal"], m["bytes_per_step"]
-            cells = ["not reached" if t is None else f"{t:.1f}",
-                     "-" if t is None or not base else f"{base / t:.2f}x",
-                     "-" if eq is None else f"{eq:.4f}", f"{m['auc']:.4f}",
-                     f"{m['examples_per_sec']:.0f}",
-                     "-" if not ceiling else f"{m['examples_per_sec'] / ceiling:.2f}",
-                     "-" if not b else f"{b / 1e3:.1f} kB"]
-            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-        lines.append("")
+        med = summarize(job, {m: results[(m, network)] for m in modes}, args.target_fraction)
+        lines += table(job, network, med)
         plots[network] = med
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump({n: {m: {k: v for k, v in d.items()} for m, d in med.items()}
-                   for n, med in plots.items()}, f, indent=1)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(plots, f, indent=1)
     print("\n".join(lines))
-    write_plots(plots, os.path.splitext(args.out)[0])
+    write_plots(job, plots, os.path.splitext(out)[0])
     return 0
 
 
-def write_plots(plots, prefix: str) -> None:
+def summarize(job, runs_by_mode: Dict[str, List[dict]], fraction: float) -> Dict[str, dict]:
+    """Medians per mode, the target, each mode's time to it and quality at equal time."""
+    higher = job.higher_is_better
+    med = {}
+    for mode, runs in runs_by_mode.items():
+        med[mode] = {k: statistics.median(x[k] for x in runs)
+                     for k in ("examples_per_sec", "final", "seconds")}
+        b = [x["bytes_per_step"] for x in runs if x["bytes_per_step"]]
+        med[mode]["bytes_per_step"] = statistics.median(b) if b else None
+        med[mode]["points"] = runs[len(runs) // 2]["points"]
+    cluster = [m for m in med if m != "local"] or list(med)
+    finals = [med[m]["final"] for m in cluster]
+    best = max(finals) if higher else min(finals)
+    target = fraction * best if higher else best / fraction
+    equal = min(med[m]["seconds"] for m in cluster)
+    # Also: how soon each mode reaches what async reached by its end in every round (a
+    # target async meets, when a faster mode's best is out of async's reach in the budget).
+    async_final = None
+    if "async" in runs_by_mode:
+        finals = [x["final"] for x in runs_by_mode["async"]]
+        async_final = min(finals) if higher else max(finals)
+    for mode, runs in runs_by_mode.items():
+        for key, goal in (("to_target", target), ("to_async", async_final)):
+            if goal is None:
+                med[mode][key] = None
+                continue
+            ts = [t for t in (time_to(x["points"], goal, higher) for x in runs) if t is not None]
+            med[mode][key] = statistics.median(ts) if len(ts) * 2 > len(runs) else None
+        med[mode]["at_equal"] = value_at(med[mode]["points"], equal)
+    med["_"] = {"best": best, "target": target, "equal": equal, "async_final": async_final}
+    return med
+
+
+def table(job, network: str, med: Dict[str, dict]) -> List[str]:
+    """The markdown lines of one network's results."""
+    info = med["_"]
+    modes = [m for m in med if m != "_"]
+    base = med.get("async", {}).get("to_target")
+    base_async = med.get("async", {}).get("to_async")
+    one_way, rate = NETWORKS[network]
+    link = "no delay" if not one_way else f"{2000 * one_way:g} ms RTT"
+    if rate:
+        link += f", {8 * rate / 1e9:g} Gbit/s at the PS"
+    q = job.quality
+    lines = [f"**{network}** ({link}): target {q} {info['target']:.4f} (the best final "
+             f"{info['best']:.4f}, {'times' if job.higher_is_better else 'divided by'} the "
+             f"target fraction); equal time {info['equal']:.1f} s", "",
+             f"| mode | time to target (s) | vs async | time to async's final (s) | vs async | "
+             f"{q} at equal time | final {q} | examples/s | x ceiling | bytes / step / worker |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ceiling = med.get("local", {}).get("examples_per_sec")
+    for mode in modes:
+        m = med[mode]
+        t, eq, b = m["to_target"], m["at_equal"], m["bytes_per_step"]
+        ta = m["to_async"]
+        cells = ["not reached" if t is None else f"{t:.1f}",
+                 "-" if t is None or not base else f"{base / t:.2f}x",
+                 "not reached" if ta is None else f"{ta:.1f}",
+                 "-" if ta is None or not base_async else f"{base_async / ta:.2f}x",
+                 "-" if eq is None else f"{eq:.4f}", f"{m['final']:.4f}",
+                 f"{m['examples_per_sec']:.0f}",
+                 "-" if not ceiling else f"{m['examples_per_sec'] / ceiling:.2f}",
+                 "-" if not b else f"{b / 1e3:.1f} kB"]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def write_plots(job, plots, prefix: str) -> None:
     try:
         import matplotlib
 
@@ -205,14 +195,16 @@ def write_plots(plots, prefix: str) -> None:
         plt.close(fig)
 
     for network, med in plots.items():
+        med = {m: v for m, v in med.items() if m != "_"}
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for mode, m in med.items():
             pts = m["points"]
-            ax.plot([p["seconds"] for p in pts], [p["auc"] for p in pts], marker=".", label=mode)
+            ax.plot([p["seconds"] for p in pts], [p["value"] for p in pts], marker=".",
+                    label=mode)
         ax.set_xlabel("training seconds (evaluation pauses excluded)")
-        ax.set_ylabel("eval AUC (the chief's model)")
-        save(fig, ax, f"examples/criteo, 1 PS + 2 workers, {network}",
-             f"{prefix}_{network}_auc.png")
+        ax.set_ylabel(f"{job.quality} (the chief's view of the shared model)")
+        save(fig, ax, f"examples/{job.name}, 1 PS + 2 workers, {network}",
+             f"{prefix}_{network}_{'auc' if job.name == 'criteo' else 'loss'}.png")
         geo = sorted((int(mode[3:]), m["examples_per_sec"])  # geoK modes, no variants
                      for mode, m in med.items() if mode.startswith("geo") and mode[3:].isdigit())
         if geo:

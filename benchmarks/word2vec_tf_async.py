@@ -62,6 +62,9 @@ def main(argv):
                 tf.compat.v1.train.AdagradOptimizer(FLAGS.learning_rate), strategy)
             train_op = opt.minimize(tf.reduce_sum(per_pair), global_step=global_step)
             loss = tf.reduce_mean(per_pair)
+            probe = w2v.Probe(corpus)  # the example's eval pairs, rows gathered on the PS
+            probe_rows = [tf.gather(w_in, np.searchsorted(vocab, probe.ids_in)),
+                          tf.gather(w_out, np.searchsorted(vocab, probe.ids_out))]
 
         batches = []
         for _ in range(FLAGS.steps):
@@ -69,22 +72,34 @@ def main(argv):
             negs = corpus.negatives(rng, (FLAGS.batch_size, FLAGS.negatives))
             t = np.concatenate([ctx[:, None], negs], axis=1)
             batches.append((np.searchsorted(vocab, c), np.searchsorted(vocab, t)))
-        losses = []
+        losses, points = [], []
+        probing = me == 0 and FLAGS.eval_every > 0
         with tfpsx.MonitoredTrainingSession() as sess:
             start = time.perf_counter()
-            for c, t in batches:
+            paused = 0.0  # the example's timeline: evaluations left out
+            for i, (c, t) in enumerate(batches, 1):
+                if FLAGS.max_seconds and time.perf_counter() - start - paused > FLAGS.max_seconds:
+                    break
                 _, value = sess.run([train_op, loss], {center: c, targets: t})
                 losses.append(value)
-            seconds = time.perf_counter() - start
+                if probing and i % FLAGS.eval_every == 0:
+                    began = time.perf_counter()
+                    points.append({"seconds": began - start - paused, "step": i,
+                                   "loss": probe.loss(*sess.run(probe_rows))})
+                    paused += time.perf_counter() - began
+            seconds = time.perf_counter() - start - paused
         tfpsx.barrier_worker()
         with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
             values_in, values_out = s.run([w_in, w_out])
+            if probing:
+                points.append({"seconds": seconds, "step": len(losses),
+                               "loss": probe.loss(*s.run(probe_rows))})
     eval_loss, gap = w2v.evaluate({"keys": vocab, "values": values_in},
                                   {"keys": vocab, "values": values_out}, corpus, FLAGS.dim)
     report = {"worker": me, "mode": "tf_async", "k_steps": 0, "steps": len(losses),
               "seconds": seconds, "examples_per_sec": len(losses) * FLAGS.batch_size / seconds,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
-              "similarity_gap": gap, "vocab_rows": int(len(vocab))}
+              "similarity_gap": gap, "vocab_rows": int(len(vocab)), "points": points}
     tfpsx.metrics.emit("word2vec", **report)
     tfpsx.stop_worker()
     return 0

@@ -24,7 +24,6 @@ different topics. Run it with
 
 import hashlib
 import os
-import sys
 import time
 
 import numpy as np
@@ -48,6 +47,12 @@ flags.DEFINE_integer("dim", 64, "embedding width")
 flags.DEFINE_float("learning_rate", 0.1, "Adagrad learning rate")
 flags.DEFINE_integer("log_every", 0, "print the training loss every N steps (0: never)")
 flags.DEFINE_integer("seed", 0, "seed of the sampling streams (each worker adds its rank)")
+flags.DEFINE_integer("cache_size", 0, "async / geo: rows of a worker cache per table (0: none)")
+flags.DEFINE_integer("cache_flush_steps", 100, "async: steps between the caches' syncs")
+flags.DEFINE_float("max_seconds", 0, "also stop a worker after this many seconds of "
+                   "training (0: no limit; --steps bounds it still): equal wall time per mode")
+flags.DEFINE_integer("eval_every", 0, "the chief also evaluates the shared tables every N "
+                     "steps (0: at the end only); the pauses are left out of the timeline")
 
 
 def word_id(word: str) -> int:
@@ -90,34 +95,68 @@ class Corpus:
         return self.tokens[rng.integers(0, len(self.tokens), size=shape)]
 
 
+def eval_pairs(corpus: Corpus):
+    """The fixed evaluation pairs: (center ids [4096], context + negative ids [4096, k])."""
+    rng = np.random.default_rng(12345)
+    center, context = corpus.pairs(rng, 4096)
+    negs = corpus.negatives(rng, (4096, FLAGS.negatives))
+    return center, np.concatenate([context[:, None], negs], axis=1)
+
+
+def pair_loss(vin, vout) -> float:
+    """word2vec's loss per pair (mean): centers' rows [b, d], targets' rows [b, k, d]."""
+    logits = np.einsum("bd,bkd->bk", vin, vout)
+    labels = np.zeros_like(logits)
+    labels[:, 0] = 1
+    return float(np.mean(np.sum(
+        np.maximum(logits, 0) - logits * labels + np.log1p(np.exp(-np.abs(logits))), axis=1)))
+
+
+class Probe:
+    """The eval loss of the shared tables during training: the rows of the fixed pairs'
+    ids read by ``read(unique_in, unique_out)`` (the tables' rows, new ids at their
+    initial values), the loss computed here."""
+
+    def __init__(self, corpus: Corpus):
+        center, targets = eval_pairs(corpus)
+        self.ids_in, self._in = np.unique(center, return_inverse=True)
+        self.ids_out, self._out = np.unique(targets, return_inverse=True)
+        self._shape = targets.shape
+
+    def loss(self, rows_in, rows_out) -> float:
+        vout = rows_out[self._out].reshape(self._shape + (rows_out.shape[-1],))
+        return pair_loss(rows_in[self._in], vout)
+
+
 def evaluate(rows_in, rows_out, corpus: Corpus, dim: int):
     """(loss on fixed pairs, within-topic minus across-topic cosine similarity)."""
     table_in = dict(zip(rows_in["keys"].tolist(), rows_in["values"]))
     table_out = dict(zip(rows_out["keys"].tolist(), rows_out["values"]))
     zero = np.zeros(dim, np.float32)
-    rng = np.random.default_rng(12345)
-    center, context = corpus.pairs(rng, 4096)
-    negs = corpus.negatives(rng, (4096, FLAGS.negatives))
+    center, out_ids = eval_pairs(corpus)
     vin = np.stack([table_in.get(int(c), zero) for c in center])
-    out_ids = np.concatenate([context[:, None], negs], axis=1)
     vout = np.stack([[table_out.get(int(o), zero) for o in row] for row in out_ids])
-    logits = np.einsum("bd,bkd->bk", vin, vout)
-    labels = np.zeros_like(logits)
-    labels[:, 0] = 1
-    loss = np.mean(np.sum(
-        np.maximum(logits, 0) - logits * labels + np.log1p(np.exp(-np.abs(logits))), axis=1))
-    # Planted structure: words named tTTwRRR belong to topic TT.
+    loss = pair_loss(vin, vout)
+    # Planted structure: words named t<topic>w<rank> belong to their topic.
     words = [w for w in corpus.words if corpus.ids[w] in table_in][:400]
     if len(words) < 2:
         return float(loss), 0.0
     vectors = np.stack([table_in[corpus.ids[w]] for w in words])
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True) + 1e-9
     sims = vectors @ vectors.T
-    topic = np.array([w[:3] for w in words])
+    topic = np.array([w[:w.index("w")] for w in words])
     same = topic[:, None] == topic[None, :]
     off_diagonal = ~np.eye(len(words), dtype=bool)
     gap = sims[same & off_diagonal].mean() - sims[~same].mean()
     return float(loss), float(gap)
+
+
+def stage(stager, emb_in, emb_out, batches, i):
+    """Starts staging batch i (cycling) into the tables' caches; None without a stager."""
+    if stager is None:
+        return None
+    c, t = batches[i % len(batches)]
+    return stager.stage({emb_in: c, emb_out: t})
 
 
 def main(argv):
@@ -141,10 +180,15 @@ def main(argv):
             global_step = tf.compat.v1.train.get_or_create_global_step()
             devices = local_device if FLAGS.mode == "local" else None
             opt = E.Adagrad(FLAGS.learning_rate)
+            cache = ({"cache_size": FLAGS.cache_size, "flush_steps": FLAGS.cache_flush_steps}
+                     if FLAGS.cache_size and FLAGS.mode in ("async", "geo") else {})
             emb_in = E.DynamicTable("w2v_in", FLAGS.dim, optimizer=opt, devices=devices,
-                                        initializer=E.normal(stddev=0.1))
+                                    initializer=E.normal(stddev=0.1), **cache)
             emb_out = E.DynamicTable("w2v_out", FLAGS.dim, optimizer=opt, devices=devices,
-                                         initializer=E.normal(stddev=0.1))
+                                     initializer=E.normal(stddev=0.1), **cache)
+            # A cache's rows are staged one batch ahead in a thread of the stager's: the
+            # steps read and train the caches only.
+            stager = tfpsx.RowStager([emb_in, emb_out]) if cache else None
             center = tf.compat.v1.placeholder(tf.int64, [None], name="center")
             targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],
                                                name="targets")
@@ -168,6 +212,10 @@ def main(argv):
                 # its global steps itself; local: never
             train_op = tf.group(*train)
             export_in, export_out = emb_in.export(), emb_out.export()
+            # The shared rows (the PS's; local: this worker's) of the eval pairs' ids.
+            probe = Probe(corpus)
+            probe_rows = [E.ShardedTable.rows(emb_in, tf.constant(probe.ids_in), False),
+                          E.ShardedTable.rows(emb_out, tf.constant(probe.ids_out), False)]
 
         # Sampling happens before the clock starts: the benchmark times training.
         batches = []
@@ -175,33 +223,51 @@ def main(argv):
             c, ctx = corpus.pairs(rng, FLAGS.batch_size)
             negs = corpus.negatives(rng, (FLAGS.batch_size, FLAGS.negatives))
             batches.append((c, np.concatenate([ctx[:, None], negs], axis=1)))
-        losses = []
+        losses, points = [], []
         # Sync: run until the global step reaches --steps (a worker may take more or fewer
         # of the steps than another: tokens are not per worker, as in TF).
         last_step = FLAGS.steps if FLAGS.mode == "sync" else None
+        probing = me == 0 and FLAGS.eval_every > 0
         with tfpsx.MonitoredTrainingSession(last_step=last_step) as sess:
             start = time.perf_counter()
+            paused = 0.0  # seconds spent evaluating, left out of the timeline
             i = 0
+            staging = stage(stager, emb_in, emb_out, batches, 0)
             while not sess.should_stop() and (last_step or i < FLAGS.steps):
+                if FLAGS.max_seconds and time.perf_counter() - start - paused > FLAGS.max_seconds:
+                    break
                 c, t = batches[i % len(batches)]
+                if staging is not None:
+                    staging.result()  # batch i's rows are in the caches
+                    staging = stage(stager, emb_in, emb_out, batches, i + 1)  # during step i
                 _, value = sess.run([train_op, loss], {center: c, targets: t})
                 losses.append(value)
                 i += 1
                 if FLAGS.log_every and i % FLAGS.log_every == 0:
                     print(f"worker {me}: step {i}, loss {np.mean(losses[-50:]):.4f}",
                           flush=True)
-            seconds = time.perf_counter() - start
+                if probing and i % FLAGS.eval_every == 0:
+                    began = time.perf_counter()
+                    points.append({"seconds": began - start - paused, "step": i,
+                                   "loss": probe.loss(*sess.run(probe_rows))})
+                    paused += time.perf_counter() - began
+            seconds = time.perf_counter() - start - paused  # training's
             if FLAGS.mode == "local":
                 rows_in, rows_out = sess.run([export_in, export_out])
+                final = probe.loss(*sess.run(probe_rows))
         tfpsx.barrier_worker()  # every worker's last push is in
         if FLAGS.mode != "local":
             with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
                 rows_in, rows_out = s.run([export_in, export_out])
+                final = probe.loss(*s.run(probe_rows))
+        if probing:
+            points.append({"seconds": seconds, "step": i, "loss": final})
     eval_loss, gap = evaluate(rows_in, rows_out, corpus, FLAGS.dim)
     report = {"worker": me, "mode": FLAGS.mode, "k_steps": k_steps, "steps": len(losses),
               "seconds": seconds, "examples_per_sec": len(losses) * FLAGS.batch_size / seconds,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
-              "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"]))}
+              "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"])),
+              "points": points}
     if FLAGS.mode == "geo":
         c = tfpsx.metrics.snapshot()["geo"]  # the GEO communicator's counters
         report.update(pushes=c["pushes"], rows_sent=c["rows_sent"], mb_sent=c["bytes_sent"] / 1e6,

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from typing import Dict
 
 import keras
 import tensorflow as tf

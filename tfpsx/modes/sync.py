@@ -174,11 +174,9 @@ class SyncGroup:
             chief_left = int(read_pushed()[0]) >= DONE
             return self.step_ready(int(read_step()), chief_left, s)
 
-        ready = check
-        if take is not None:
-            def ready():
-                new = take()
-                return new if new is not None and s < new < DONE else check()
+        def ready():
+            new = take() if take is not None else None
+            return new if new is not None and s < new < DONE else check()
 
         return self._poll(ready, lambda t: (
             f"sync: worker {self.me} waited {t:g} s (TFPSX_SYNC_STEP_TIMEOUT={t:g} s) for "

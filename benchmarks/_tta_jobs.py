@@ -1,0 +1,172 @@
+"""The jobs of benchmarks/time_to_auc.py: how each runs a mode over a network and what
+it reports.
+
+Each job runs 1 PS + 2 workers through ``_proxied.run_job`` (every process behind a
+delay proxy; the PS's proxy counts its bytes) and returns, per run: the chief's quality
+points against training seconds (evaluation pauses left out), the final quality of the
+shared model, examples/s of both workers, bytes through the PS's link per step and
+worker.
+
+* ``criteo``: examples/criteo (Wide&Deep over a DynamicEmbedding table, Keras 3 fit) on
+  generated Criteo-format rows; quality: eval AUC (higher is better).
+* ``word2vec``: examples/word2vec (skip-gram with negative sampling over two
+  DynamicTable tables, graph mode) on a generated corpus of a 100,000-word vocabulary;
+  quality: the loss on fixed eval pairs (lower is better). ``tf_async`` is the same
+  model in plain TF async (``tf.Variable`` tables of the whole vocabulary on the PS,
+  ``AdagradOptimizer``): benchmarks/word2vec_tf_async.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Dict, List
+
+import tfpsx
+from _proxied import ROOT, run_job
+
+
+# Both examples take these flags: the modes every job runs.
+COMMON_MODES = {
+    "sync": ["--mode", "sync"],
+    "async": ["--mode", "async"],
+    "geo10": ["--mode", "geo", "--k_steps", "10"],
+    "geo100": ["--mode", "geo", "--k_steps", "100"],
+    "geo400": ["--mode", "geo", "--k_steps", "400"],
+}
+
+
+# The cache's ceiling: every row stays on the worker once fetched and is never synced
+# before the end: no cache design goes faster (what it costs the model's quality aside).
+CEILING = ["--mode", "async", "--cache_size", "100000000", "--cache_flush_steps", "1000000000"]
+
+
+def _bytes_per_step(job, steps: int):
+    return job.server_bytes / max(1, steps * 2) if job.server_bytes else None
+
+
+class CriteoJob:
+    name, quality, higher_is_better = "criteo", "auc", True
+    EXAMPLE = os.path.join(ROOT, "examples", "criteo")
+    MODES = {
+        **COMMON_MODES,
+        "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
+        # (criteo: the dense weights stay async on the PS)
+        "async_cache_ceiling": CEILING,
+        "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
+        "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
+        "local": ["--mode", "local"],
+    }
+
+    def __init__(self, args):
+        self.args = args
+
+    def title(self) -> str:
+        a = self.args
+        return (f"examples/criteo Wide&Deep, {a.train_rows} generated rows, {a.epochs} "
+                f"epoch(s), batch {a.batch_size} per worker, cache {a.cache_size} rows")
+
+    def data_dir(self) -> str:
+        """Generated data of ``--train_rows`` training rows (made on first use)."""
+        out = os.path.join(ROOT, "data", f"bench-criteo-{self.args.train_rows}")
+        if not os.path.exists(os.path.join(out, "planted.json")):
+            subprocess.run([sys.executable, os.path.join(self.EXAMPLE, "make_data.py"),
+                            "--out", out, "--train_rows", str(self.args.train_rows),
+                            "--eval_rows", "30000", "--files", "4"], check=True)
+        return out
+
+    def run(self, mode: str, one_way: float, rate) -> dict:
+        a, data = self.args, self.data_dir()
+        extra = [str(a.cache_size) if x == "CACHE" else x for x in self.MODES[mode]]
+        cmd = [sys.executable, os.path.join(self.EXAMPLE, "train.py"), "--train_data",
+               os.path.join(data, "train-*"), "--eval_data", os.path.join(data, "eval.txt"),
+               "--epochs", str(a.epochs), "--batch_size", str(a.batch_size), "--verbose", "0",
+               "--eval_every", str(a.eval_every), "--eval_rows", str(a.eval_rows)] + extra
+        with run_job(cmd, one_way=one_way, rate=rate, timeout=a.timeout) as job:
+            reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1] for i in range(2)]
+            steps = reports[0]["steps_per_epoch"] * a.epochs
+            # The chief's rate counts every worker's examples (equal steps on each).
+            return {"examples_per_sec": reports[0]["examples_per_sec"],
+                    "final": reports[0]["auc"], "seconds": reports[0]["seconds"],
+                    "points": [{"seconds": p["seconds"], "value": p["auc"]}
+                               for p in reports[0]["points"]],
+                    "bytes_per_step": _bytes_per_step(job, steps)}
+
+
+class Word2vecJob:
+    name, quality, higher_is_better = "word2vec", "eval loss", False
+    EXAMPLE = os.path.join(ROOT, "examples", "word2vec")
+    PLAIN_TF = os.path.join(ROOT, "benchmarks", "word2vec_tf_async.py")
+    MODES = {
+        **COMMON_MODES,
+        "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
+        "async_cache_ceiling": CEILING,
+        "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
+        "local": ["--mode", "local"],
+        "tf_async": [],
+    }
+
+    def __init__(self, args):
+        self.args = args
+
+    def title(self) -> str:
+        a = self.args
+        return (f"examples/word2vec skip-gram, a {a.w2v_topics * a.w2v_per_topic:,}-word "
+                f"vocabulary ({a.w2v_sentences * 20:,} tokens), dim 64, batches of 512 pairs, "
+                f"{a.w2v_seconds:g} s of training per worker (at most {a.w2v_steps} steps), "
+                f"cache {a.w2v_cache_size} rows")
+
+    def corpus(self) -> str:
+        a = self.args
+        folder = os.path.join(ROOT, "data", f"bench-w2v-{a.w2v_topics}x{a.w2v_per_topic}-"
+                                            f"{a.w2v_sentences}")
+        path = os.path.join(folder, "corpus.txt")
+        if not os.path.exists(path):
+            os.makedirs(folder, exist_ok=True)
+            subprocess.run([sys.executable, os.path.join(self.EXAMPLE, "make_corpus.py"),
+                            "--topics", str(a.w2v_topics), "--per_topic", str(a.w2v_per_topic),
+                            "--sentences", str(a.w2v_sentences), "--out", path], check=True)
+        return path
+
+    def run(self, mode: str, one_way: float, rate) -> dict:
+        a = self.args
+        script = self.PLAIN_TF if mode == "tf_async" else os.path.join(self.EXAMPLE, "train.py")
+        extra = [str(a.w2v_cache_size) if x == "CACHE" else x for x in self.MODES[mode]]
+        cmd = [sys.executable, script, "--corpus", self.corpus(), "--steps", str(a.w2v_steps),
+               "--max_seconds", str(a.w2v_seconds), "--eval_every", str(a.eval_every)] + extra
+        with run_job(cmd, one_way=one_way, rate=rate, timeout=a.timeout) as job:
+            reports = [tfpsx.metrics.read(job.logs, "worker", i, "word2vec")[-1]
+                       for i in range(2)]
+            steps = max(r["steps"] for r in reports)
+            return {"examples_per_sec": sum(r["examples_per_sec"] for r in reports),
+                    "final": reports[0]["points"][-1]["loss"],
+                    "seconds": reports[0]["seconds"],
+                    "points": [{"seconds": p["seconds"], "value": p["loss"]}
+                               for p in reports[0]["points"]],
+                    "bytes_per_step": _bytes_per_step(job, steps)}
+
+
+JOBS: Dict[str, type] = {"criteo": CriteoJob, "word2vec": Word2vecJob}
+
+
+def add_flags(p) -> None:
+    """The jobs' own flags."""
+    p.add_argument("--train_rows", type=int, default=1_000_000, help="criteo")
+    p.add_argument("--epochs", type=int, default=1, help="criteo")
+    p.add_argument("--batch_size", type=int, default=512, help="criteo")
+    p.add_argument("--cache_size", type=int, default=100_000, help="criteo")
+    p.add_argument("--eval_rows", type=int, default=10_000, help="criteo")
+    p.add_argument("--w2v_topics", type=int, default=200, help="word2vec")
+    p.add_argument("--w2v_per_topic", type=int, default=500, help="word2vec")
+    p.add_argument("--w2v_sentences", type=int, default=50_000, help="word2vec (20 words each)")
+    p.add_argument("--w2v_steps", type=int, default=4000,
+                   help="word2vec, per worker: the batches sampled (a longer run repeats them)")
+    p.add_argument("--w2v_seconds", type=float, default=15,
+                   help="word2vec: each worker's training time (every mode the same)")
+    p.add_argument("--w2v_cache_size", type=int, default=100_000,
+                   help="word2vec: rows per table (the vocabulary: every word is hot)")
+
+
+def mode_names(job: str) -> List[str]:
+    return list(JOBS[job].MODES)
