@@ -156,6 +156,32 @@ def main_thread_activity() -> str:
 
 _exit_lock = threading.Lock()
 _exit_armed = False
+_hook_armed = False
+
+
+def exit_if_uncaught() -> None:
+    """If the exception being raised now ends the program uncaught, the process leaves
+    right after Python prints it (exit code 1, as always), without the interpreter's
+    teardown: TF's input-pipeline threads (a ``tf.py_function`` in flight) and sessions
+    towards a lost peer can block it for good. A caught exception changes nothing."""
+    global _hook_armed
+    with _exit_lock:
+        if _hook_armed:
+            return
+        _hook_armed = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            previous(kind, value, tb)
+            for handler in logger.handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+    sys.excepthook = hook
 
 
 def exit_when_lost(message: str, grace: float) -> None:

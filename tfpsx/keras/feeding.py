@@ -16,7 +16,8 @@ step before the train step takes it:
 * an async / staleness table's cache syncs with the PS every ``flush_steps`` batches
   (GEO's communicator syncs GEO's).
 
-The staging runs in tf.data's thread (a ``tf.py_function``, then a one-batch prefetch),
+The staging runs for tf.data's thread (a ``tf.py_function`` waiting on the feeder's
+daemon thread, then a one-batch prefetch),
 so the PS round trips overlap the training step instead of lengthening it. The train
 step reads the cache only (:attr:`WorkerCache.fed`); an id it does not find fails the
 step with an error naming the table.
@@ -28,11 +29,15 @@ Caches that admit a row at its K-th sighting (``cache_admit_after`` > 1) stay un
 from __future__ import annotations
 
 import logging
-from typing import Dict, List
+import queue
+import threading
+import time
+from typing import Dict, List, Optional
 
 import keras
 import tensorflow as tf
 
+from tfpsx import errors, settings
 from tfpsx.embedding import DynamicTable
 from tfpsx.embedding.cache.staging import Stager
 from tfpsx.keras.row_sources import reading_rows_from
@@ -78,6 +83,7 @@ class RowFeeder(Stager):
         self._evict_fns: Dict[object, object] = {}
         self._flush_fns: Dict[object, object] = {}
         self._failure = None           # a staging's TF error, for the step to name
+        self._queue: Optional[queue.Queue] = None
 
     # ------------------------------------------------------------------ the pipeline
     def wrap(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -101,15 +107,50 @@ class RowFeeder(Stager):
         return dataset.map(mapped).prefetch(1)
 
     def stage(self, element) -> None:
-        """Stages one batch (tf.data's thread calls it)."""
-        with self._lock:
+        """Stages one batch (tf.data's thread calls it, through the ``py_function``).
+
+        The staging itself runs in a daemon thread of the feeder's; this waits for it,
+        and stops waiting when the ``fit`` ends (a staging stuck on a lost server must
+        not hold tf.data's thread: the process could not exit) or after
+        TFPSX_RPC_TIMEOUT."""
+        if not self._active:
+            return
+        done, box = threading.Event(), {}
+        self._worker().put((element, done, box))
+        bound = settings.get("TFPSX_RPC_TIMEOUT")
+        deadline = time.monotonic() + bound
+        while not done.wait(0.05):
             if not self._active:
-                return
+                return  # (the fit ended: nobody takes this batch)
+            if time.monotonic() > deadline:
+                raise errors.ClusterTimeoutError(
+                    f"fit(): staging a batch's rows into the worker caches took more than "
+                    f"TFPSX_RPC_TIMEOUT={bound:g} s (a parameter server does not answer)")
+        if "error" in box:
+            raise box["error"]
+
+    def _worker(self) -> queue.Queue:
+        """The queue of the daemon thread that stages (started on first use)."""
+        if self._queue is None:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._serve, args=(self._queue,), daemon=True,
+                             name="tfpsx-row-feeder").start()
+        return self._queue
+
+    def _serve(self, jobs: queue.Queue) -> None:
+        while True:
+            element, done, box = jobs.get()
             try:
-                self._stage(element)
+                with self._lock:
+                    if self._active:
+                        self._stage(element)
             except tf.errors.OpError as e:
                 self._failure = e  # the step that wanted this batch fails with it
-                raise
+                box["error"] = e
+            except Exception as e:  # noqa: BLE001 — reported by the waiting py_function
+                box["error"] = e
+            finally:
+                done.set()
 
     def take_failure(self):
         """The TF error of a failed staging (a PS lost), once; else None."""
@@ -146,12 +187,23 @@ class RowFeeder(Stager):
             self._active = True
             return True
 
-    def end(self) -> None:
-        """The ``fit`` ended: stagings stop (one in progress finishes first)."""
-        with self._lock:
-            self._active = False
-            for cache in self._caches:
-                cache.fed = False
+    def end(self, wait: bool = True) -> None:
+        """The ``fit`` ended: stagings stop. With ``wait``, one in progress finishes
+        first (at most TFPSX_RPC_TIMEOUT: the caches' final flush must not run beside
+        its eviction); a failed ``fit`` does not wait (a staging may be stuck on the
+        server that failed it)."""
+        self._active = False  # (read by the next staging)
+        for cache in self._caches:
+            cache.fed = False
+        if not wait:
+            return
+        bound = settings.get("TFPSX_RPC_TIMEOUT")
+        if not self._lock.acquire(timeout=bound):
+            raise errors.ClusterTimeoutError(
+                f"fit(): the worker caches' staging of a batch did not finish within "
+                f"TFPSX_RPC_TIMEOUT={bound:g} s after fit ended (a parameter server does "
+                "not answer)")
+        self._lock.release()
 
     def _build_stage(self, model):
         caches = list(self._layers.items())

@@ -39,7 +39,7 @@ import tensorflow as tf
 from tfpsx import compat, errors, settings
 from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
-from tfpsx.control.watchdog import lost_server
+from tfpsx.control.watchdog import exit_if_uncaught, lost_server
 from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
@@ -279,7 +279,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""
         self._fitting = False
         self._fit_flag.assign(0)
-        self._feeder.end()
+        self._feeder.end(wait=not failed)
         self._mode.end_fit(model)
         if not failed:
             flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
@@ -354,6 +354,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         lines = [line.strip() for line in str(unavailable).splitlines()
                  if line.strip() and "execution error" not in line and "root error" not in line]
         first = (lines or ["unavailable"])[0][:300]
+        exit_if_uncaught()  # the job is over for this worker: no hang in TF's teardown
         raise errors.ServerUnavailableError(
             f"worker {config.index}: fit() lost {server} ({first}); the job cannot go on "
             "without it (its share of the variables and tables is gone): restart it from "

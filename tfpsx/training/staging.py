@@ -142,10 +142,21 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tfpsx-row-stager")
 
     def end(self, session):
-        """Finishes the stagings given (before the caches' final flush)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Finishes the stagings given (before the caches' final flush), waiting at most
+        TFPSX_RPC_TIMEOUT."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            bound = settings.get("TFPSX_RPC_TIMEOUT")
+            done = concurrent.futures.Future()
+            pool.submit(done.set_result, None)  # runs once the one in progress is over
+            pool.shutdown(wait=False, cancel_futures=False)
+            try:
+                done.result(timeout=bound)
+            except concurrent.futures.TimeoutError:
+                raise errors.ClusterTimeoutError(
+                    f"RowStager: a staging did not finish within TFPSX_RPC_TIMEOUT={bound:g}"
+                    " s at the end of the session (a parameter server does not answer)"
+                ) from None
         self._session = None
 
 
