@@ -73,8 +73,17 @@ class StrategyCallback(keras.callbacks.Callback):
         self._last_in_epoch = steps is None or batch + per_call >= steps
 
     def on_train_batch_end(self, batch, logs=None):
-        self._strategy.batch_end(self.model)
-        flush_due_eager_caches()  # worker caches sync between steps
+        try:
+            self._strategy.translating(self._strategy.batch_end, self.model)
+            flush_due_eager_caches()  # worker caches sync between steps
+            if self._last_in_epoch:
+                # The ops this callback ran since the step's own wait are in flight too:
+                # their remote error must come out here, named, not from Keras's wait
+                # at the epoch's end as a raw UnavailableError.
+                self._strategy.translating(compat.async_wait)
+        except BaseException:
+            self._fail()
+            raise
 
     def on_train_end(self, logs=None):
         self._restore()
