@@ -429,3 +429,65 @@ def test_wrong_token_fails_the_node_clearly(make_cluster):
     # the scheduler's operator sees the refusal too
     assert re.search(r"refused a call from .*: UNAUTHENTICATED: wrong or missing token",
                      c.log("scheduler", 0)), c.log("scheduler", 0)
+
+
+# ----------------------------------------------------------------------- chief, evaluator
+TF_PSS = os.path.join(os.path.dirname(os.path.dirname(SCRIPTS)), os.pardir, "examples",
+                      "tf_pss", "train.py")
+
+
+def test_tf_parameter_server_strategy_loop_runs_unchanged_with_a_chief_and_an_evaluator(
+        tmp_path):
+    """TF's tutorial loop (no tfpsx import): the chief coordinates, workers and the server
+    only serve; the job ends when the chief ends, the evaluator saw the last checkpoint."""
+    proc = _launch(tmp_path, ["--no_scheduler", "--config", "tf_config", "--chief",
+                              "--evaluator", "--server_grace", "2", "--server_num", "1",
+                              "--worker_num", "2", os.path.abspath(TF_PSS), "--steps", "100"],
+                   _env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[chief] CHIEF step 100 loss" in proc.stdout
+    assert "job finished: the chief exited 0" in proc.stdout
+    # Servers and workers never return from server.join(): stopped after the grace.
+    assert "server 0, worker 0, worker 1 still running 2 s after the chief exited" in proc.stderr
+    logs = tmp_path / "logs"
+    assert re.search(r"EVAL step 100 mse 0\.0\d+", (logs / "evaluatorlog.0").read_text())
+
+
+@pytest.mark.parametrize("mode", [[], ["--no_scheduler", "--config", "tf_config"]],
+                         ids=["scheduler", "tf_config"])
+def test_a_tfpsx_job_whose_chief_is_tf_configs_chief(tmp_path, mode):
+    proc = _launch(tmp_path, mode + ["--chief", "--evaluator", "--server_grace", "3",
+                                     "--server_num", "1", "--worker_num", "2",
+                                     os.path.join(SCRIPTS, "job.py")],
+                   _env(JOB_BARRIERS="1", TFPSX_HEARTBEAT_INTERVAL="0.5"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logs = tmp_path / "logs"
+    job = "chief:0" if mode else "worker:0"  # the scheduler's cluster names no TF chief job
+    assert f"[chief] TASK {job} rank 0 of 3 chief True" in proc.stdout
+    for i in range(2):
+        task = f"worker:{i}" if mode else f"worker:{i + 1}"
+        assert f"TASK {task} rank {i + 1} of 3 chief False" in \
+            (logs / f"workerlog.{i}").read_text()
+    assert "BARRIER_PASSED 0" in (logs / "workerlog.1").read_text()
+    assert "EVALUATOR_UP" in (logs / "evaluatorlog.0").read_text()
+    assert "the evaluator still running 3 s after the chief exited; stopping them" in proc.stderr
+
+
+def test_with_a_chief_the_exit_code_is_the_chiefs(tmp_path):
+    proc = _launch(tmp_path, ["--no_scheduler", "--chief", "--server_num", "1",
+                              "--worker_num", "1", os.path.join(SCRIPTS, "job.py")],
+                   _env(JOB_FAIL="0:3", JOB_SLEEP="30"))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "FAILED: the chief exited with code 3" in proc.stderr
+
+
+def test_an_evaluator_that_fails_is_named_and_training_goes_on(tmp_path):
+    proc = _launch(tmp_path, ["--no_scheduler", "--evaluator", "--server_num", "1",
+                              "--worker_num", "2", os.path.join(SCRIPTS, "job.py")],
+                   _env(JOB_EVAL_EXIT="4", JOB_SLEEP="3", JOB_BARRIERS="1"))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "the evaluator exited with code 4" in proc.stderr
+    assert "training goes on without it" in proc.stderr
+    assert "FAILED: the evaluator exited with code 4" in proc.stderr
+    logs = tmp_path / "logs"
+    assert "WORKER_DONE" in (logs / "workerlog.1").read_text()

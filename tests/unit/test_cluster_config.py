@@ -57,6 +57,42 @@ def test_tf_config_ps_and_evaluator():
     assert ev.tf_config()["cluster"]["evaluator"] == ["127.0.0.1:4001"]
 
 
+def test_an_evaluator_outside_the_cluster_as_tf_defines_it():
+    ev = cluster.from_tf_config(tf_config("evaluator", 0))  # TF's form; Kubeflow lists it
+    assert (ev.role, ev.index, ev.evaluators) == ("evaluator", 0, ())
+    with pytest.raises(ValueError, match=r"index 1 is out of range for 1 evaluator"):
+        cluster.from_tf_config(tf_config("evaluator", 1))
+    env = cluster.from_env({"TFPSX_ROLE": "evaluator"})  # tfpsx-run's env and scheduler modes
+    assert (env.role, env.index, env.servers) == ("evaluator", 0, ())
+
+
+def test_launcher_tasks_with_a_chief_and_an_evaluator(tmp_path):
+    """The chief is worker rank 0 in every mode; TF_CONFIG names it ``chief`` (as Kubeflow
+    writes it) and keeps the evaluator out of every training task's cluster."""
+    from tfpsx.launcher.local import LocalCluster
+
+    def made(mode):
+        return LocalCluster("x.py", 1, 2, config_mode=mode, chief=True, evaluator=True,
+                            log_dir=str(tmp_path / mode))
+
+    c = made("tf_config")
+    assert c.tasks() == [("server", 0), ("chief", 0), ("worker", 0), ("worker", 1),
+                         ("evaluator", 0)]
+    resolved = {t: cluster.resolve(c.task_env(*t)) for t in c.tasks()}
+    assert [(r.role, r.index) for r in resolved.values()] == [
+        ("server", 0), ("worker", 0), ("worker", 1), ("worker", 2), ("evaluator", 0)]
+    assert resolved[("chief", 0)].is_chief and resolved[("chief", 0)].job_name == "chief"
+    for task in c.tasks():
+        assert "evaluator" not in json.loads(c.task_env(*task)["TF_CONFIG"])["cluster"]
+    for mode in ("env", "scheduler"):
+        c = made(mode)
+        env = c.task_env("worker", 1)
+        assert (env["TFPSX_ROLE"], env["TFPSX_RANK"]) == ("worker", "2")
+        assert c.task_env("chief", 0)["TFPSX_RANK"] == "0"
+        assert cluster.resolve(c.task_env("evaluator", 0)).role == "evaluator"
+    assert made("scheduler").task_env("chief", 0)["TFPSX_WORKER_NUM"] == "3"
+
+
 def test_tf_config_round_trip():
     c = cluster.from_tf_config(tf_config("ps", 0))
     assert cluster.from_tf_config(json.dumps(c.tf_config())) == c

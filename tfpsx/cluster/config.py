@@ -14,6 +14,7 @@ SERVER = "server"
 WORKER = "worker"
 SCHEDULER = "scheduler"
 EVALUATOR = "evaluator"
+CHIEF = "chief"  # a launcher task and a TF_CONFIG job; in tfpsx it is worker rank 0
 ROLES = (SERVER, WORKER, SCHEDULER)
 
 # TF_CONFIG job names tfpsx understands. "master" (TF1 estimator) is deliberately absent.

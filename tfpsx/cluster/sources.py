@@ -11,7 +11,7 @@ Sources, in the order :func:`resolve` tries them when no role maker is given:
      {"cluster": {"chief": [...], "worker": [...], "ps": [...], "evaluator": [...]},
       "task": {"type": "worker", "index": 1}, "environment": "cloud"}
 
-2. bare env: ``TFPSX_ROLE`` (server|worker|scheduler), ``TFPSX_SERVER_ENDPOINTS``,
+2. bare env: ``TFPSX_ROLE`` (server|worker|scheduler|evaluator), ``TFPSX_SERVER_ENDPOINTS``,
    ``TFPSX_WORKER_ENDPOINTS`` (comma-separated host:port) and ``TFPSX_RANK``; or the
    scheduler variant ``TFPSX_SCHED_ADDR``, ``TFPSX_SERVER_NUM``, ``TFPSX_WORKER_NUM``
    (optional ``TFPSX_TOKEN``), where a scheduler assigns ranks and endpoints.
@@ -121,10 +121,13 @@ def from_tf_config(tf_config: Any, task_type: Optional[str] = None,
     if ttype not in TF_CONFIG_JOBS:
         raise ValueError(f"TF_CONFIG['task']['type'] is {ttype!r}; expected one of "
                          f"{', '.join(TF_CONFIG_JOBS)}")
-    if not jobs.get(ttype):
+    # TF keeps the evaluator outside the training cluster; Kubeflow lists it. Both go.
+    outside = ttype == "evaluator" and not jobs.get("evaluator")
+    if not jobs.get(ttype) and not outside:
         raise ValueError(f"TF_CONFIG['task']['type'] is {ttype!r} but TF_CONFIG['cluster'] has no "
                          f"{ttype!r} hosts (jobs: {sorted(jobs)})")
-    tindex = _check_index(tindex, "TF_CONFIG['task']['index']", len(jobs[ttype]), ttype)
+    tindex = _check_index(tindex, "TF_CONFIG['task']['index']",
+                          1 if outside else len(jobs[ttype]), ttype)
 
     has_chief = bool(jobs.get("chief"))
     workers = jobs.get("chief", ()) + jobs.get("worker", ())
@@ -160,7 +163,17 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
     if role_value is None:
         raise ValueError(f"{ENV_ROLE} is not set; expected one of {', '.join(ROLES)} "
                          "(set it, or TF_CONFIG, or pass a role maker to tfpsx.init())")
-    role_value = _check_role(role_value, role_src)
+    role_value = _check_role(role_value, role_src, ROLES + (EVALUATOR,))
+    if role_value == EVALUATOR:
+        # Outside the training cluster (as TF defines it): it reads the chief's
+        # checkpoints and joins nothing, so it needs no endpoints and no scheduler.
+        index = 0 if rank_value is None else parse_int(rank_value, rank_src)
+        servers = (() if servers_value is None
+                   else parse_endpoint_list(servers_value, servers_src))
+        workers = (() if workers_value is None
+                   else parse_endpoint_list(workers_value, workers_src))
+        return ClusterConfig(role=EVALUATOR, index=index, servers=servers, workers=workers,
+                             source="env")
 
     if sched_value is not None:
         given = [n for n, v in ((ENV_SERVER_ENDPOINTS, servers_value),

@@ -89,17 +89,27 @@ class LocalCluster:
         server and worker registers with (each asks for the rank of its log's number).
       host: the address every task binds; 127.0.0.1 by default.
       token: the scheduler's TFPSX_TOKEN, in "scheduler" mode.
+      chief: add a ``chief`` task (TF_CONFIG type ``chief``, as Kubeflow writes it): it is
+        the training cluster's worker rank 0 (``chieflog.0``), and the ``worker_num``
+        workers follow as ranks 1..W (their TF_CONFIG indices stay 0..W-1).
+      evaluator: add an ``evaluator`` task (``evaluatorlog.0``), outside the training
+        cluster as TF defines it: its TF_CONFIG has task type ``evaluator`` and the
+        training cluster, no task's cluster lists it; the other modes give it
+        ``TFPSX_ROLE=evaluator`` and nothing to join.
     """
 
     def __init__(self, script, server_num: int = 1, worker_num: int = 2,
                  args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 120.0, log_dir: Optional[str] = None,
-                 config_mode: str = "env", host: str = "127.0.0.1", token: Optional[str] = None):
+                 config_mode: str = "env", host: str = "127.0.0.1", token: Optional[str] = None,
+                 chief: bool = False, evaluator: bool = False):
         if config_mode not in ("env", "tf_config", "scheduler"):
             raise ValueError("config_mode: expected 'env', 'tf_config' or 'scheduler', got "
                              f"{config_mode!r}")
-        for name, value in (("server_num", server_num), ("worker_num", worker_num)):
-            settings.parse_int(value, name, minimum=1)
+        settings.parse_int(server_num, "server_num", minimum=1)
+        # With a chief, the chief alone may train (TF_CONFIG then has no "worker" job).
+        settings.parse_int(worker_num, "worker_num", minimum=0 if chief else 1)
+        self.chief, self.evaluator = bool(chief), bool(evaluator)
         self.argv = [script] if isinstance(script, str) else list(script)
         self.argv += list(args)
         self.server_num, self.worker_num = server_num, worker_num
@@ -125,11 +135,40 @@ class LocalCluster:
                 os.remove(stale)
 
     def _pick_addresses(self) -> None:
-        ports = pick_ports(self.server_num + self.worker_num + 1)
-        self.servers = [f"{self.host}:{p}" for p in ports[:self.server_num]]
-        self.workers = [f"{self.host}:{p}" for p in ports[self.server_num:-1]]
-        self.scheduler_address = (f"{self.host}:{ports[-1]}" if self.config_mode == "scheduler"
-                                  else None)
+        ports = [f"{self.host}:{p}" for p in
+                 pick_ports(self.server_num + self.worker_num + 3)]
+        self.servers = ports[:self.server_num]
+        self.workers = ports[self.server_num:self.server_num + self.worker_num]
+        extra = iter(ports[self.server_num + self.worker_num:])
+        self.scheduler_address = next(extra) if self.config_mode == "scheduler" else None
+        self.chief_address = next(extra) if self.chief else None
+        self.evaluator_address = next(extra) if self.evaluator else None
+
+    @property
+    def primary(self) -> Task:
+        """The task whose end ends the job: the chief, else worker 0."""
+        return (_cluster.CHIEF, 0) if self.chief else (_cluster.WORKER, 0)
+
+    def training_workers(self) -> List[str]:
+        """Every training worker's address in rank order (the chief first)."""
+        return [self.chief_address] * self.chief + self.workers
+
+    def rank(self, role: str, index: int) -> int:
+        """A task's rank in its tfpsx role: the chief is worker 0, worker i is i + 1 then."""
+        if role == _cluster.CHIEF:
+            return 0
+        return index + 1 if role == _cluster.WORKER and self.chief else index
+
+    def _tf_config(self, role: str, index: int) -> Dict:
+        cluster = {"ps": self.servers}
+        if self.chief:
+            cluster["chief"] = [self.chief_address]
+        if self.workers:
+            cluster["worker"] = self.workers
+        # The evaluator is outside the training cluster, as TF defines it (a coordinator
+        # that connects to every task of its spec would wait for it forever).
+        job = "ps" if role == _cluster.SERVER else role
+        return {"cluster": cluster, "task": {"type": job, "index": index}}
 
     # ------------------------------------------------------------------ processes
     def task_env(self, role: str, index: int) -> Dict[str, str]:
@@ -139,28 +178,33 @@ class LocalCluster:
         env.update({"PYTHONUNBUFFERED": "1", "TFPSX_METRICS_DIR": self.log_dir})
         # TF's C++ info and warning lines stay out of the logs unless the user asked.
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        if self.config_mode == "scheduler":
-            endpoint = (self.servers if role == _cluster.SERVER else self.workers)[index] \
-                if role != _cluster.SCHEDULER else self.scheduler_address
+        # tfpsx's own roles: the chief trains as worker rank 0.
+        tfpsx_role = _cluster.WORKER if role == _cluster.CHIEF else role
+        rank = self.rank(role, index)
+        if self.config_mode == "tf_config":
+            env["TF_CONFIG"] = json.dumps(self._tf_config(role, index))
+        elif role == _cluster.EVALUATOR:
+            env[_cluster.ENV_ROLE] = role  # outside the training cluster: nothing to join
+        elif self.config_mode == "scheduler":
+            endpoint = (self.servers[index] if role == _cluster.SERVER
+                        else self.scheduler_address if role == _cluster.SCHEDULER
+                        else self.training_workers()[rank])
             host, port = endpoint.rsplit(":", 1)
-            env.update({_cluster.ENV_ROLE: role, _cluster.ENV_SCHED_ADDR: self.scheduler_address,
+            env.update({_cluster.ENV_ROLE: tfpsx_role,
+                        _cluster.ENV_SCHED_ADDR: self.scheduler_address,
                         _cluster.ENV_SERVER_NUM: str(self.server_num),
-                        _cluster.ENV_WORKER_NUM: str(self.worker_num)})
+                        _cluster.ENV_WORKER_NUM: str(len(self.training_workers()))})
             if role == _cluster.SCHEDULER:
                 env["TFPSX_SCHED_STATE"] = self.scheduler_state
             else:
-                env.update({_cluster.ENV_RANK: str(index), "TFPSX_HOST": host,
+                env.update({_cluster.ENV_RANK: str(rank), "TFPSX_HOST": host,
                             "TFPSX_PORT": port, "TFPSX_NODE_ID": f"local-{role}-{index}"})
             if self.token is not None:
                 env[_cluster.ENV_TOKEN] = self.token
-        elif self.config_mode == "env":
-            env.update({_cluster.ENV_ROLE: role, _cluster.ENV_RANK: str(index),
-                        _cluster.ENV_SERVER_ENDPOINTS: ",".join(self.servers),
-                        _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.workers)})
         else:
-            job = "ps" if role == _cluster.SERVER else "worker"
-            env["TF_CONFIG"] = json.dumps({"cluster": {"ps": self.servers, "worker": self.workers},
-                                           "task": {"type": job, "index": index}})
+            env.update({_cluster.ENV_ROLE: tfpsx_role, _cluster.ENV_RANK: str(rank),
+                        _cluster.ENV_SERVER_ENDPOINTS: ",".join(self.servers),
+                        _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.training_workers())})
         env.update(self.env)
         return env
 
@@ -194,10 +238,12 @@ class LocalCluster:
         return proc
 
     def tasks(self) -> List[Task]:
-        """Every task of the job; the scheduler (if any) first."""
+        """Every task of the job; the scheduler (if any) first, the evaluator (if any) last."""
         return ([(_cluster.SCHEDULER, 0)] * (self.config_mode == "scheduler") +
                 [(_cluster.SERVER, i) for i in range(self.server_num)] +
-                [(_cluster.WORKER, i) for i in range(self.worker_num)])
+                [(_cluster.CHIEF, 0)] * self.chief +
+                [(_cluster.WORKER, i) for i in range(self.worker_num)] +
+                [(_cluster.EVALUATOR, 0)] * self.evaluator)
 
     def start(self, tasks: Optional[Iterable[Task]] = None) -> "LocalCluster":
         """Starts the given tasks (all by default)."""

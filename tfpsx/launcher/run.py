@@ -25,6 +25,16 @@ gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). 
 ``--no_scheduler`` each process gets its cluster from
 environment variables (``--config tf_config`` writes TF_CONFIG instead, so a plain TF
 script that reads TF_CONFIG runs unchanged).
+
+``--chief`` adds a ``chief`` task (``chieflog.0``; TF_CONFIG type ``chief``, as Kubeflow
+writes it; tfpsx's worker rank 0, the workers follow as ranks 1..W). The job then ends
+when the chief ends: every other process (workers and servers that only serve, as with
+TF's ``ParameterServerStrategy`` loop) gets ``--server_grace`` seconds to exit and is then
+stopped, and the exit code is the chief's. ``--evaluator`` adds an ``evaluator`` task
+(``evaluatorlog.0``), outside the training cluster as TF defines it: it runs until
+training ended and ``--server_grace`` passed (``tfpsx.evaluate_checkpoints`` returns on
+its own when the chief's last checkpoint is evaluated); one that fails on its own is
+reported at once, training goes on, and the job's exit code is then the evaluator's.
 """
 
 from __future__ import annotations
@@ -56,7 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=str, default=None,
                    help="seconds the job may run before it is killed (default: no limit)")
     p.add_argument("--server_grace", type=str, default="60",
-                   help="seconds servers get to exit after the last worker did")
+                   help="seconds servers (with --chief: every other process) get to exit "
+                        "after the last worker (the chief) did; then they are stopped")
+    p.add_argument("--chief", action="store_true",
+                   help="add a chief task (TF_CONFIG type 'chief'; tfpsx worker rank 0): the "
+                        "job ends when it ends, with its exit code")
+    p.add_argument("--evaluator", action="store_true",
+                   help="add an evaluator task (outside the training cluster) that runs "
+                        "until training ended")
     p.add_argument("--max_restarts", type=str, default="0",
                    help="restarts in all: a server or the chief that fails restarts the whole "
                         "job (the chief resumes from its last checkpoint); a non-chief worker "
@@ -151,7 +168,9 @@ MAX_SCHEDULER_RESTARTS = 3  # a scheduler that keeps dying is a failure of its o
 
 def _name(task) -> str:
     role, index = task
-    return "the scheduler" if role == _cluster.SCHEDULER else f"{role} {index}"
+    if role in (_cluster.SCHEDULER, _cluster.CHIEF, _cluster.EVALUATOR):
+        return f"the {role}"  # one of its kind
+    return f"{role} {index}"
 
 
 def _how(code: int) -> str:
@@ -171,7 +190,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         server_num = settings.parse_int(args.server_num, "--server_num", minimum=1)
-        worker_num = settings.parse_int(args.worker_num, "--worker_num", minimum=1)
+        worker_num = settings.parse_int(args.worker_num, "--worker_num",
+                                        minimum=0 if args.chief else 1)
         timeout = (None if args.timeout is None
                    else settings.parse_float(args.timeout, "--timeout"))
         grace = settings.parse_float(args.server_grace, "--server_grace")
@@ -186,7 +206,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        timeout=float("inf") if timeout is None else timeout,
                        log_dir=args.log_dir,
                        config_mode=args.config if args.no_scheduler else "scheduler",
-                       token=settings.raw(_cluster.ENV_TOKEN))
+                       token=settings.raw(_cluster.ENV_TOKEN), chief=args.chief,
+                       evaluator=args.evaluator)
     # Our own logs start fresh for this run.
     for role, index in job.tasks():
         open(job.log_path(role, index), "w").close()
@@ -197,16 +218,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         interrupted.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    tail = _Tail(job.log_path("worker", 0), "[worker 0]")
+    primary = job.primary  # the chief, else worker 0: its end ends the job
+    tail = _Tail(job.log_path(*primary), f"[{_name(primary).replace('the ', '')}]")
     tail.start()
     start = time.monotonic()
     failed = None  # (task, code): what ends the job
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
+    evaluator_failed = None  # (task, code) of an evaluator that failed on its own
     scheduler_restarts = job_restarts = 0
     try:
         job.start()
-        workers = [("worker", i) for i in range(worker_num)]
-        others = [t for t in job.tasks() if t[0] != "worker"]  # the scheduler, servers
+        workers = [t for t in job.tasks() if t[0] in (_cluster.CHIEF, _cluster.WORKER)]
+        evaluators = [t for t in job.tasks() if t[0] == _cluster.EVALUATOR]
+        others = [t for t in job.tasks()  # the scheduler, servers
+                  if t not in workers and t not in evaluators]
         while not interrupted:
             if failed is not None:
                 if failed[0][0] == "launcher" or job_restarts >= max_restarts:
@@ -222,6 +247,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 job.restart(f"restart {job_restarts} of {max_restarts} after {_name((role, index))} "
                             f"exited with code {code}")
                 failed, lost_workers, scheduler_restarts = None, [], 0
+                evaluator_failed = None
+            for task in evaluators:
+                code = job.procs[task].poll()
+                if code not in (None, 0) and evaluator_failed is None:
+                    # It only reads checkpoints: training goes on without it.
+                    evaluator_failed = (task, code)
+                    print(f"tfpsx-run: {_name(task)} exited with code {code} ({_how(code)}; "
+                          f"see {job.log_path(*task)}); training goes on without it",
+                          file=sys.stderr, flush=True)
             # A server or the scheduler that fails while workers run ends the job (its
             # share of the model is gone). One that exits 0 does so after every worker
             # called stop_worker(), while workers may still be finishing.
@@ -248,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 code = job.procs[task].poll()
                 if failed or code in (None, 0) or task in dict(lost_workers):
                     continue
-                if task == ("worker", 0):
+                if task == primary:
                     failed = (task, code)  # the chief: it initializes and checkpoints
                 elif job_restarts < max_restarts:
                     # Its share of the model is on the servers: a new process of the same
@@ -272,6 +306,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           file=sys.stderr, flush=True)
             if failed:
                 continue
+            if job.chief and job.procs[primary].poll() is not None:
+                break  # the chief ended (0: a failure was handled above): so does the job
             if all(job.procs[t].poll() is not None for t in workers):
                 break
             if timeout is not None and time.monotonic() - start > timeout:
@@ -281,20 +317,30 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             time.sleep(0.1)
         if not failed and not interrupted:
+            # With a chief, every other process may still run (TF's PSS workers and
+            # servers only serve); without one, servers and the evaluator may.
+            rest = [t for t in job.tasks() if t != primary] if job.chief else others + evaluators
             deadline = time.monotonic() + grace
-            while any(job.procs[t].poll() is None for t in others) and not interrupted:
+            while any(job.procs[t].poll() is None for t in rest) and not interrupted:
                 if time.monotonic() > deadline:
-                    stuck = [t for t in others if job.procs[t].poll() is None]
-                    print(f"tfpsx-run: {stuck} still running {grace:g} s after the "
-                          "last worker exited; killing them", file=sys.stderr)
+                    stuck = [_name(t) for t in rest if job.procs[t].poll() is None]
+                    print(f"tfpsx-run: {', '.join(stuck)} still running {grace:g} s after "
+                          f"{'the chief' if job.chief else 'the last worker'} exited; "
+                          "stopping them", file=sys.stderr)
                     break
                 time.sleep(0.1)
-            for task in others:
+            for task in [] if job.chief else others:  # with a chief, its code is the job's
                 code = job.procs[task].poll()
                 if code not in (None, 0) and failed is None:
                     failed = (task, code)
-        if failed is None and lost_workers:
+            for task in evaluators:
+                code = job.procs[task].poll()
+                if code not in (None, 0) and evaluator_failed is None:
+                    evaluator_failed = (task, code)
+        if failed is None and lost_workers and not job.chief:
             failed = lost_workers[0]
+        if failed is None and evaluator_failed is not None:
+            failed = evaluator_failed
     finally:
         job.stop()
         tail.stop()
@@ -312,8 +358,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"tfpsx-run: FAILED: {_name((role, index))} exited with code {code} "
               f"({_how(code)}) after {seconds:.1f} s; see {where}", file=sys.stderr)
         return code if 0 < code < 256 else (128 - code if code < 0 else 1)
-    print(f"tfpsx-run: job finished: {server_num} server(s), {worker_num} worker(s) exited 0 "
-          f"in {seconds:.1f} s (logs in {job.log_dir})", flush=True)
+    if job.chief:
+        print(f"tfpsx-run: job finished: the chief exited 0 in {seconds:.1f} s "
+              f"({server_num} server(s), {worker_num} worker(s)"
+              f"{', an evaluator' if args.evaluator else ''}; logs in {job.log_dir})", flush=True)
+    else:
+        print(f"tfpsx-run: job finished: {server_num} server(s), {worker_num} worker(s) exited "
+              f"0 in {seconds:.1f} s (logs in {job.log_dir})", flush=True)
     return 0
 
 

@@ -9,6 +9,7 @@ Behaviour knobs come from env so one script covers the scenarios:
   JOB_PID_DIR=D       every process writes its pid to D/<pid> (after init: its role)
   JOB_FAIL=I:C        worker I exits with code C right after init_worker()
   JOB_LATE_BARRIER=1  workers meet at one more barrier after the sleep
+  JOB_EVAL_EXIT=C     an evaluator task exits with code C (else it waits for a signal)
 """
 import os
 import sys
@@ -23,6 +24,12 @@ tfpsx.init()
 if os.environ.get("JOB_PID_DIR"):
     with open(os.path.join(os.environ["JOB_PID_DIR"], str(os.getpid())), "w") as f:
         f.write("server" if tfpsx.is_server() else f"worker {tfpsx.worker_index()}")
+if tfpsx.is_evaluator():
+    print("EVALUATOR_UP", flush=True)
+    if os.environ.get("JOB_EVAL_EXIT"):
+        sys.exit(int(os.environ["JOB_EVAL_EXIT"]))
+    time.sleep(300)  # the launcher stops it once training ended
+    sys.exit(0)
 if tfpsx.is_server() and os.environ.get("JOB_BARE_SERVER") == "1":
     import tensorflow as tf
 
@@ -37,6 +44,9 @@ if tfpsx.is_server():
 
 tfpsx.init_worker()
 print(f"WORKER_READY {tfpsx.worker_index()}", flush=True)
+config = tfpsx.cluster_config()
+print(f"TASK {config.job_name}:{config.task_index} rank {tfpsx.worker_index()} of "
+      f"{tfpsx.worker_num()} chief {tfpsx.is_chief()}", flush=True)
 if os.environ.get("JOB_FAIL"):
     index, code = map(int, os.environ["JOB_FAIL"].split(":"))
     if index == tfpsx.worker_index():
