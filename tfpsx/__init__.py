@@ -60,6 +60,7 @@ _LAZY = {
     "GeoOptimizer": "tfpsx.training",
     "GeoCounters": "tfpsx.training",
     "export_serving": "tfpsx.serving",
+    "evaluate_checkpoints": "tfpsx.checkpoint.evaluation",
 }
 
 __all__ = [

@@ -16,7 +16,9 @@ eval AUC and log loss; at the end
 updates in). ``--checkpoint_dir``: the chief saves each epoch (tables incrementally) and a
 restarted job resumes from the last one; ``--export_dir``: a SavedModel that serves in
 plain TensorFlow; ``--tensorboard_dir``: loss, AUC, examples/s and the PS traffic as
-TensorBoard scalars.
+TensorBoard scalars. Under ``tfpsx-run --evaluator`` (or a TF_CONFIG ``evaluator``
+task) the evaluator evaluates each checkpoint of ``--checkpoint_dir`` on ``--eval_data``
+until the chief's last one.
 """
 
 import contextlib
@@ -165,6 +167,32 @@ def eval_arrays(patterns: str, rows: int):
         np.concatenate(labels)
 
 
+def evaluator() -> int:
+    """The evaluator task: the AUC and log loss of each checkpoint the chief writes, until
+    its last one (TensorBoard scalars under --tensorboard_dir/evaluator)."""
+    if not FLAGS.checkpoint_dir or not FLAGS.eval_data:
+        raise app.UsageError("an evaluator task needs --checkpoint_dir (the chief's "
+                             f"checkpoints, got {FLAGS.checkpoint_dir!r}) and --eval_data "
+                             f"(got {FLAGS.eval_data!r})")
+    keras.utils.set_random_seed(FLAGS.seed)
+    model = criteo_model.build(FLAGS.model, FLAGS.dim, [int(h) for h in FLAGS.hidden],
+                               FLAGS.table_learning_rate, FLAGS.learning_rate)
+    eval_data, labels = eval_arrays(FLAGS.eval_data, FLAGS.eval_rows)
+
+    def evaluate(m):
+        p = m.predict(eval_data, verbose=0).ravel()
+        return {"auc": auc(labels, p), "logloss": logloss(labels, p)}
+
+    summaries = (os.path.join(FLAGS.tensorboard_dir, "evaluator") if FLAGS.tensorboard_dir
+                 else None)
+    model(next(iter(eval_data)))  # built: its tables and weights exist to restore into
+    for record in tfpsx.keras.evaluate_checkpoints(model, FLAGS.checkpoint_dir,
+                                                   evaluate=evaluate, summary_dir=summaries):
+        print(f"evaluator: step {record['step']} auc {record['auc']:.4f} "
+              f"logloss {record['logloss']:.4f}", flush=True)
+    return 0
+
+
 def main(argv):
     del argv
     tf.get_logger().setLevel("ERROR")
@@ -175,6 +203,8 @@ def main(argv):
         if tfpsx.is_server():
             tfpsx.run_server()
             return 0
+        if tfpsx.is_evaluator():
+            return evaluator()
         tfpsx.init_worker()
         me, workers = tfpsx.worker_index(), tfpsx.worker_num()
         if FLAGS.mode != "local":

@@ -39,15 +39,17 @@ def args_for(data, *extra):
             "--batch_size", "128", "--verbose", "2", "--shuffle", "2000"] + list(extra)
 
 
-def launch(tmp_path, data, *extra, servers=1, workers=2, timeout=240):
+def launch(tmp_path, data, *extra, servers=1, workers=2, timeout=240, roles=()):
     tmp_path.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         RUN + ["--server_num", str(servers), "--worker_num", str(workers), "--log_dir",
-               str(tmp_path), "--timeout", str(timeout), TRAIN] + args_for(data, *extra),
+               str(tmp_path), "--timeout", str(timeout), *roles, TRAIN] +
+        args_for(data, *extra),
         capture_output=True, text=True, timeout=timeout + 40, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    ranks = workers + ("--chief" in roles)  # the chief is worker rank 0
     reports = [tfpsx.metrics.read(str(tmp_path), "worker", i, "criteo")[-1]
-               for i in range(workers)]
+               for i in range(ranks)]
     return proc, reports
 
 
@@ -108,6 +110,25 @@ def test_a_restarted_job_resumes_after_the_last_epoch(tmp_path, data):
     # least as good as the first job's last).
     first_point = reports[0]["points"][0]
     assert first_point["auc"] > auc1 - 0.01, (first_point, auc1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_evaluator_task_evaluates_each_checkpoint_until_the_last(tmp_path, data):
+    ckpt = tmp_path / "ckpt"
+    proc, reports = launch(tmp_path / "logs", data, "--mode", "async", "--epochs", "2",
+                           "--checkpoint_dir", str(ckpt), workers=1,
+                           roles=("--chief", "--evaluator", "--server_grace", "30"))
+    assert "[chief] epoch 2: eval auc" in proc.stdout
+    log = (tmp_path / "logs" / "evaluatorlog.0").read_text()
+    steps = [int(s) for s in re.findall(r"evaluator: step (\d+) auc 0\.\d+", log)]
+    # The last one evaluated is the one the chief marked at its end of training.
+    last = json.loads((ckpt / "training_done.json").read_text())["step"]
+    assert steps and steps[-1] == last and steps == sorted(steps), (steps, last, log[-2000:])
+    assert "evaluator still running" not in proc.stderr  # it returned on its own
+    records = tfpsx.metrics.read(str(tmp_path / "logs"), "evaluator", 0, "evaluation")
+    assert [r["step"] for r in records] == steps
+    assert records[-1]["auc"] > 0.6
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@
   :mod:`~tfpsx.keras.variables`;
 * :mod:`~tfpsx.keras.layers`: ``DynamicEmbedding``, a layer over a growing table;
 * :mod:`~tfpsx.keras.checkpoint`: ``IncrementalCheckpoint``, a callback saving tables as
-  full exports every M saves and deltas between;
+  full exports every M saves and deltas between, and ``evaluate_checkpoints``, an
+  evaluator task's loop over them;
 * :mod:`~tfpsx.keras.summaries`: ``TrainingSummaries``, a callback writing loss,
   examples/s and the PS traffic as TensorBoard scalars.
 
@@ -16,10 +17,10 @@ eager / ``tf.function`` front-end.
 """
 
 from tfpsx.keras import layers
-from tfpsx.keras.checkpoint import IncrementalCheckpoint
+from tfpsx.keras.checkpoint import IncrementalCheckpoint, evaluate_checkpoints
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.keras.summaries import TrainingSummaries
 
 __all__ = ["ParameterServerStrategy", "DynamicEmbedding", "IncrementalCheckpoint",
-           "TrainingSummaries", "layers"]
+           "evaluate_checkpoints", "TrainingSummaries", "layers"]

@@ -7,7 +7,9 @@ the model's weights (what ``save_weights`` holds) go whole into every part. The
 directory's ``checkpoint.json`` names the latest save and the kept ones; it is replaced
 atomically after the part is complete, so a crash during a save leaves the previous
 checkpoint as it was. ``restore(model)`` before ``fit`` loads the latest one (on a
-cluster the chief's ``fit`` then publishes it, as after ``load_weights``).
+cluster the chief's ``fit`` then publishes it, as after ``load_weights``). At the end of
+``fit`` the chief marks training done (its last state saved first), so an evaluator task
+(:func:`evaluate_checkpoints`) knows when the last checkpoint is in.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfpsx import settings
-from tfpsx.checkpoint import parts
+from tfpsx.checkpoint import evaluation, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.runtime import RUNTIME
@@ -72,6 +74,11 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                                               "max_to_keep=...)", minimum=1)
         self._writer = ChainWriter(full_every, "IncrementalCheckpoint")
         self._batches = 0
+        self._saved_step: Optional[int] = None
+
+    @staticmethod
+    def _step(model) -> int:
+        return int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
 
     @property
     def last_save(self) -> Dict[str, object]:
@@ -79,6 +86,20 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         return self._writer.last
 
     # ------------------------------------------------------------------ callback
+    def _is_chief(self) -> bool:
+        return RUNTIME.config is None or RUNTIME.config.is_chief
+
+    def on_train_begin(self, logs=None):
+        if self._is_chief():
+            evaluation.clear_training_done(self.directory)  # an evaluator waits for us
+
+    def on_train_end(self, logs=None):
+        if not self._is_chief():
+            return
+        if self._step(self.model) != self._saved_step:
+            self.save()  # the last batches since a save_freq save
+        evaluation.mark_training_done(self.directory, self._saved_step)
+
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
@@ -92,11 +113,11 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
     def save(self, model=None) -> Optional[str]:
         """Saves ``model`` (default: the fitted one) now; returns the part's path (None
         on a worker other than the chief, which saves nothing)."""
-        if RUNTIME.config is not None and not RUNTIME.config.is_chief:
+        if not self._is_chief():
             return None
         model = model or self.model
         tables = _tables(model)
-        step = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
+        step = self._step(model)
         os.makedirs(self.directory, exist_ok=True)
         name = f"{BASE}-{step}"
         part = parts.part_path(os.path.join(self.directory, name))
@@ -116,6 +137,7 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
             raise
         parts.remove_unreferenced(self.directory, BASE, [
             parts.part_path(os.path.join(self.directory, n)) for n in kept])
+        self._saved_step = step
         logger.info("checkpoint %s: tables %s (%d rows, %d removed), %d weights, in %.2f s",
                     part, info["kind"], info["rows"], info["removed"], len(dense),
                     info["seconds"])
@@ -172,6 +194,43 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         return int(index["step"])
 
 
+def evaluate_checkpoints(model, checkpoint_dir: str, data=None,
+                         evaluate: Optional[Callable[[object], Dict[str, float]]] = None,
+                         summary_dir: Optional[str] = None, poll_seconds: float = 0.5,
+                         timeout: Optional[float] = None) -> List[Dict[str, float]]:
+    """An evaluator task's loop: each new checkpoint the chief's
+    :class:`IncrementalCheckpoint` writes to ``checkpoint_dir`` is restored into
+    ``model`` (built and compiled here, without a strategy: its tables are local) and
+    evaluated, until the chief's last checkpoint is.
+
+    Args:
+      model: the training model's architecture, compiled with the metrics to report.
+      data: held-out data for ``model.evaluate`` (a dataset, or an ``(x, y)`` tuple);
+        the records hold its ``return_dict``.
+      evaluate: instead of ``data``: ``evaluate(model)`` returns the metrics.
+      summary_dir, poll_seconds, timeout: as :func:`tfpsx.evaluate_checkpoints`.
+
+    Returns:
+      One record per checkpoint: ``step``, ``checkpoint`` and the metrics (also written to
+      TensorBoard under ``eval/`` and to the metrics sink as ``evaluation`` events).
+    """
+    if (data is None) == (evaluate is None):
+        raise ValueError("tfpsx.keras.evaluate_checkpoints: give either data (for "
+                         "model.evaluate) or evaluate(model) -> metrics, not "
+                         f"{'both' if data is not None else 'neither'}")
+    saver = IncrementalCheckpoint(checkpoint_dir)
+
+    def run(path: str, step: int) -> Dict[str, float]:
+        saver.restore(model, os.path.basename(path))
+        if evaluate is not None:
+            return evaluate(model)
+        x, y = data if isinstance(data, tuple) else (data, None)  # (x, y) or a dataset
+        return model.evaluate(x, y, return_dict=True, verbose=0)
+
+    return evaluation.evaluate_checkpoints(checkpoint_dir, run, summary_dir=summary_dir,
+                                           poll_seconds=poll_seconds, timeout=timeout)
+
+
 def latest_state(directory: str) -> Optional[dict]:
     """``checkpoint.json`` of ``directory`` ({"latest": name, "kept": [names]}), or None."""
     file = os.path.join(os.fspath(directory), STATE)
@@ -181,4 +240,4 @@ def latest_state(directory: str) -> Optional[dict]:
         return json.load(f)
 
 
-__all__: List[str] = ["IncrementalCheckpoint", "latest_state"]
+__all__: List[str] = ["IncrementalCheckpoint", "evaluate_checkpoints", "latest_state"]

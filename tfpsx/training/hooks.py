@@ -8,6 +8,7 @@ from typing import Dict, Iterable, Optional
 import tensorflow as tf
 
 from tfpsx import graph_state, metrics
+from tfpsx.checkpoint import evaluation
 from tfpsx.embedding import cache as _cache
 
 logger = logging.getLogger("tfpsx")
@@ -33,6 +34,24 @@ class ResumeLogHook(tf.compat.v1.train.SessionRunHook):
         else:
             logger.info("chief started a new model (no checkpoint in %s)", self._dir)
         metrics.emit("resumed", checkpoint=path, global_step=step)
+
+
+class TrainingDoneHook(tf.compat.v1.train.SessionRunHook):
+    """The chief marks training done beside its checkpoints when its session ends (with
+    the step of the last checkpoint, which TF's saver hook wrote just before: this hook
+    runs after it), and clears the mark when a session starts: an evaluator task
+    (``tfpsx.evaluate_checkpoints``) then knows when the last checkpoint is in."""
+
+    def __init__(self, checkpoint_dir: str):
+        self._dir = checkpoint_dir
+
+    def after_create_session(self, session, coord):
+        evaluation.clear_training_done(self._dir)
+
+    def end(self, session):
+        latest = evaluation.latest_checkpoint(self._dir)
+        if latest is not None:
+            evaluation.mark_training_done(self._dir, latest[1])
 
 
 class TrainStepDetector:

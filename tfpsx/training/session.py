@@ -16,7 +16,8 @@ from tfpsx import errors, settings
 from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.hooks import ResumeLogHook, WorkerCacheHook, graph_caches
+from tfpsx.training.hooks import (ResumeLogHook, TrainingDoneHook, WorkerCacheHook,
+                                  graph_caches)
 from tfpsx.training.staging import graph_stagers
 
 
@@ -88,6 +89,10 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     and as deltas (rows written and keys removed since the previous one) in between,
     through :class:`tfpsx.checkpoint.IncrementalSaver`; restore applies the chain. Needs
     ``checkpoint_dir``; a ``scaffold`` of your own then carries that saver itself.
+
+    With ``checkpoint_dir`` the chief marks training done there when its session ends
+    (after the final checkpoint): an evaluator task's ``tfpsx.evaluate_checkpoints``
+    returns once it evaluated that checkpoint.
     """
     config = RUNTIME.require_role("MonitoredTrainingSession", "worker")
     if incremental_checkpoints is not None:
@@ -137,6 +142,9 @@ def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_ste
     if save_summaries_steps is not None:
         kwargs["save_summaries_steps"] = save_summaries_steps
     chief_hooks = list(chief_only_hooks or []) + [ResumeLogHook(checkpoint_dir)]
+    if checkpoint_dir is not None:
+        # Among `hooks`, which TF ends after its checkpoint saver's final save.
+        hooks = hooks + [TrainingDoneHook(checkpoint_dir)]
     return tf.compat.v1.train.MonitoredTrainingSession(
         master=master, is_chief=True, checkpoint_dir=checkpoint_dir, scaffold=scaffold,
         hooks=hooks, chief_only_hooks=chief_hooks, config=session_config,
