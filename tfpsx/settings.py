@@ -199,7 +199,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "bounded staleness: a worker waiting for the slowest", "timeouts"),
     Setting("TFPSX_LOST_GRACE", "seconds", 10.0,
             "a worker that lost a server: how long its training code gets to fail by "
-            "itself before the process exits with code 75", "timeouts"),
+            "itself before the process exits with code 138 (retryable)", "timeouts"),
     # runtime switches
     Setting("TFPSX_METRICS_DIR", "path", None,
             "folder where every process appends its metrics as JSON lines "

@@ -11,7 +11,6 @@ The launcher ends the job when the chief ends and stops the processes that only 
 """
 
 import argparse
-import os
 
 import numpy as np
 import tensorflow as tf

@@ -37,11 +37,11 @@ def test_graph_mode_workers_exit_when_their_server_is_killed(make_cluster, mode,
     assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
     server = c.servers[0]
     for i in range(2):
-        assert codes[("worker", i)] == 75, c.logs()
+        assert codes[("worker", i)] == 138, c.logs()
         log = c.log("worker", i)
         assert re.search(rf"worker {i} lost server 0 at {re.escape(server)}: ", log), log[-3000:]
         assert "the main thread was at training_job.py:" in log, log[-3000:]
-        assert "exiting with code 75" in log
+        assert "exiting with code 138" in log
 
 
 @pytest.mark.timeout(240)
@@ -56,7 +56,7 @@ def test_a_worker_cache_fails_naming_the_killed_server(make_cluster):
     assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
     server = c.servers[0]
     for i in range(2):
-        assert codes[("worker", i)] == 75, c.logs()
+        assert codes[("worker", i)] == 138, c.logs()
         log = c.log("worker", i)
         assert re.search(rf"worker {i} lost server 0 at {re.escape(server)}: ", log), log[-3000:]
 
@@ -72,7 +72,7 @@ def test_keras_fit_fails_naming_the_killed_server(make_cluster, cache):
     codes, seconds = _kill_server_and_wait(c, "Epoch 1/")
     assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
     for i in range(2):
-        assert codes[("worker", i)] != 0, c.logs()
+        assert codes[("worker", i)] == 138, c.logs()  # retryable: restart wanted
         log = c.log("worker", i)
         assert re.search(rf"ServerUnavailableError: worker {i}: (fit|evaluate)\(\) lost server 0 "
                          rf"at {re.escape(c.servers[0])}", log), log[-3000:]
@@ -104,7 +104,7 @@ def test_without_its_scheduler_a_server_serves_on_then_gives_up_within_its_bound
 def test_by_hand_every_process_restarted_like_an_orchestrator_resumes_the_job(make_cluster,
                                                                               tmp_path):
     """The by-hand (scheduler) setup's recovery policy: the server is killed, the workers
-    exit with 75 (EX_TEMPFAIL) within their bound; an orchestrator (here the test, as a
+    exit with 138 (retryable) within their bound; an orchestrator (here the test, as a
     Kubernetes restartPolicy would) starts the server and the workers again on their
     addresses while the scheduler runs on: they register again (the scheduler revives
     the nodes it had declared dead), the chief resumes from its last checkpoint and the
@@ -127,7 +127,7 @@ def test_by_hand_every_process_restarted_like_an_orchestrator_resumes_the_job(ma
     c.kill("server", 0)
     killed = time.monotonic()
     codes = c.wait([("worker", 0), ("worker", 1)], timeout=60)
-    assert codes == {("worker", 0): 75, ("worker", 1): 75}, c.logs()
+    assert codes == {("worker", 0): 138, ("worker", 1): 138}, c.logs()
     # TF alone blocks forever in Session.close(); the watch bounds it, naming the server.
     assert time.monotonic() - killed < HEARTBEAT_TIMEOUT + GRACE + 10, c.logs()
     for i in range(2):
@@ -135,7 +135,7 @@ def test_by_hand_every_process_restarted_like_an_orchestrator_resumes_the_job(ma
         assert re.search(rf"worker {i} lost server 0 at {re.escape(c.servers[0])}: ", log), \
             log[-3000:]
         assert "the main thread was at training_job.py:" in log, log[-3000:]
-        assert "exiting with code 75" in log
+        assert "exiting with code 138" in log
     # Like Kubernetes' restart back-off, start them again once the scheduler has seen every
     # worker die (their heartbeats stop; bounded), so that its keep-the-job policy runs:
     # restarted sooner, they re-register before it notices and nothing is to be kept.

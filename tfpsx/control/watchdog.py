@@ -31,11 +31,15 @@ import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from tfpsx.background import BackgroundLoop
+from tfpsx.errors import ServerUnavailableError
 
 logger = logging.getLogger("tfpsx")
 
-# EX_TEMPFAIL: the job may succeed when restarted (from its last checkpoint).
-EXIT_PEER_LOST = 75
+# The job may succeed when restarted (from its last checkpoint). 138 (128 + SIGUSR1) is
+# the code Kubeflow's training operator reserves for "retryable" under its ExitCode
+# restart policy (it also retries 130, 137, 143; every other code, EX_TEMPFAIL's 75
+# included, is permanent there): deploy/kubeflow relies on it.
+EXIT_PEER_LOST = 138
 
 # The client's HTTP/2 connection preface and an empty SETTINGS frame: a live gRPC
 # server answers with its own SETTINGS frame (type 4) at once.
@@ -161,9 +165,11 @@ _hook_armed = False
 
 def exit_if_uncaught() -> None:
     """If the exception being raised now ends the program uncaught, the process leaves
-    right after Python prints it (exit code 1, as always), without the interpreter's
-    teardown: TF's input-pipeline threads (a ``tf.py_function`` in flight) and sessions
-    towards a lost peer can block it for good. A caught exception changes nothing."""
+    right after Python prints it, without the interpreter's teardown: TF's input-pipeline
+    threads (a ``tf.py_function`` in flight) and sessions towards a lost peer can block it
+    for good. The code is :data:`EXIT_PEER_LOST` for a lost server
+    (``ServerUnavailableError``: a restart from the last checkpoint can succeed), else 1
+    as always. A caught exception changes nothing."""
     global _hook_armed
     with _exit_lock:
         if _hook_armed:
@@ -179,7 +185,7 @@ def exit_if_uncaught() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(1)
+            os._exit(EXIT_PEER_LOST if isinstance(value, ServerUnavailableError) else 1)
 
     sys.excepthook = hook
 

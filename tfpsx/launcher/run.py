@@ -179,8 +179,8 @@ def _how(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    if code == 75:
-        return "it lost a parameter server"
+    if code == 138:  # watchdog.EXIT_PEER_LOST: restart me
+        return "it lost a peer and asks for a restart"
     if code == 124:
         return "timed out"
     return "failed"

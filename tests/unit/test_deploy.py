@@ -1,0 +1,180 @@
+"""deploy/kubeflow as Kubernetes and Kubeflow's training operator would run it: each pod's
+TF_CONFIG rendered exactly as the operator writes it (genClusterSpec: every replica type
+lower-cased, ``<job>-<type>-<i>.<namespace>.svc:<tfjob-port>``, the evaluator inside the
+cluster in current operators and outside in old ones) goes through tfpsx.init()'s
+resolver; the manifests parse and name the image, command and ports the Dockerfile and the
+example provide; the restart policies retry exactly what tfpsx asks to be retried."""
+
+import json
+import os
+import re
+
+import pytest
+import yaml
+
+from tfpsx import cluster
+from tfpsx.control import watchdog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEPLOY = os.path.join(ROOT, "deploy", "kubeflow")
+# The training operator's IsRetryableExitCode (pkg/util/train): SIGINT, SIGKILL, SIGTERM
+# and 138 (SIGUSR1), "reserved for user-defined retryable errors"; every other code fails
+# the replica for good under restartPolicy: ExitCode.
+OPERATOR_RETRYABLE = {130, 137, 138, 143}
+NAMESPACE = "team-ctr"
+
+
+def load(name):
+    with open(os.path.join(DEPLOY, name)) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def operator_tf_config(job, rtype, index, evaluator_in_cluster=True):
+    """genClusterSpec + genTFConfigJSONStr of Kubeflow's training operator."""
+    spec = {}
+    for name, replica in job["spec"]["tfReplicaSpecs"].items():
+        rt = name.lower()
+        if rt == "evaluator" and not evaluator_in_cluster:
+            continue  # the v1alpha2 operator: "evaluator is not part of training cluster"
+        container = [c for c in replica["template"]["spec"]["containers"]
+                     if c["name"] == "tensorflow"][0]  # the operator's default container
+        port = [p["containerPort"] for p in container.get("ports", ())
+                if p["name"] == "tfjob-port"] or [2222]
+        spec[rt] = [f"{job['metadata']['name']}-{rt}-{i}.{NAMESPACE}.svc:{port[0]}"
+                    for i in range(replica["replicas"])]
+    return json.dumps({"cluster": spec, "task": {"type": rtype.lower(), "index": index},
+                       "environment": "cloud"})
+
+
+@pytest.mark.parametrize("evaluator_in_cluster", [True, False], ids=["current", "v1alpha2"])
+def test_every_pod_of_the_tfjob_resolves_its_place(evaluator_in_cluster):
+    (job,) = load("tfjob-criteo.yaml")
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "TFJob")
+    replicas = {n: r["replicas"] for n, r in job["spec"]["tfReplicaSpecs"].items()}
+    assert replicas == {"Chief": 1, "Worker": 2, "PS": 2, "Evaluator": 1}
+    configs = {}
+    for rtype, count in replicas.items():
+        for i in range(count):
+            env = {"TF_CONFIG": operator_tf_config(job, rtype, i, evaluator_in_cluster)}
+            configs[(rtype, i)] = cluster.resolve(env)
+    name = "tfpsx-criteo"
+    chief = configs[("Chief", 0)]
+    assert chief.is_chief and (chief.role, chief.index, chief.job_name) == ("worker", 0, "chief")
+    assert chief.workers == (f"{name}-chief-0.{NAMESPACE}.svc:2222",
+                             f"{name}-worker-0.{NAMESPACE}.svc:2222",
+                             f"{name}-worker-1.{NAMESPACE}.svc:2222")
+    for i in range(2):
+        worker, ps = configs[("Worker", i)], configs[("PS", i)]
+        assert (worker.role, worker.index, worker.is_chief) == ("worker", i + 1, False)
+        assert (worker.job_name, worker.task_index) == ("worker", i)
+        assert (ps.role, ps.index, ps.job_name) == ("server", i, "ps")
+    assert configs[("Evaluator", 0)].role == "evaluator"
+    # Every training task sees one cluster, and the evaluator is never in it.
+    specs = {json.dumps(c.cluster_dict(), sort_keys=True) for c in configs.values()}
+    assert len(specs) == 1 and "evaluator" not in json.loads(specs.pop())
+
+
+def _containers(doc):
+    template = doc["spec"]["template"] if doc["kind"] == "Job" else None
+    if template is not None:
+        return [(doc["metadata"]["name"], doc["spec"], template["spec"])]
+    return [(n, r, r["template"]["spec"]) for n, r in doc["spec"]["tfReplicaSpecs"].items()]
+
+
+def _example_flags():
+    text = open(os.path.join(ROOT, "examples", "criteo", "train.py")).read()
+    return set(re.findall(r'flags\.DEFINE_\w+\("(\w+)"', text))
+
+
+def _dockerfile():
+    return open(os.path.join(DEPLOY, "Dockerfile")).read()
+
+
+@pytest.mark.parametrize("manifest", ["tfjob-criteo.yaml", "scheduler-criteo.yaml"])
+def test_manifests_name_the_image_command_and_ports(manifest):
+    docker = _dockerfile()
+    workdir = re.search(r"^WORKDIR (\S+)", docker, re.M).group(1)
+    exposed = int(re.search(r"^EXPOSE (\d+)", docker, re.M).group(1))
+    flags = _example_flags()
+    claims = {d["metadata"]["name"] for d in load("pvc.yaml")}
+    seen = 0
+    for doc in load(manifest):
+        if doc["kind"] == "Service":
+            continue
+        for name, _, pod in _containers(doc):
+            (c,) = pod["containers"]
+            assert c["image"] == "tfpsx:latest", (name, c["image"])
+            if c["command"][0] == "python":
+                script = c["command"][1]
+                assert script.startswith(workdir + "/"), (name, script)
+                assert os.path.exists(os.path.join(ROOT, script[len(workdir) + 1:]))
+                given = {a.split("=")[0].lstrip("-") for a in c["args"]}
+                assert given <= flags, (name, given - flags)
+                assert "train_data" in given  # a required flag of the example
+                seen += 1
+            else:
+                assert c["command"] == ["tfpsx-scheduler"]  # setup.py's console script
+            if "ports" in c and name != "tfpsx-criteo-scheduler":
+                assert [p["containerPort"] for p in c["ports"]] == [exposed]
+            for mount in c.get("volumeMounts", ()):
+                (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+    assert seen >= 3  # servers, workers (the chief among them), evaluator
+
+
+def test_the_dockerfile_installs_tfpsx_against_the_images_tensorflow():
+    docker = _dockerfile()
+    tf_install = docker.index('pip install --no-cache-dir "${TF_PACKAGE}"')
+    tfpsx_install = docker.index("pip install --no-cache-dir .")
+    assert tf_install < tfpsx_install  # the ops compile against the TF installed first
+    for source in re.findall(r"^COPY (.+) \S+$", docker, re.M):
+        for path in source.split():
+            assert os.path.exists(os.path.join(ROOT, path)), path
+    assert "tfpsx.load_ops()" in docker  # a build whose ops do not load fails there
+
+
+def test_restart_policies_retry_what_tfpsx_asks_to_be_retried():
+    assert watchdog.EXIT_PEER_LOST in OPERATOR_RETRYABLE
+    (job,) = load("tfjob-criteo.yaml")
+    for name, replica in job["spec"]["tfReplicaSpecs"].items():
+        assert replica["restartPolicy"] == "ExitCode", name
+    for doc in load("scheduler-criteo.yaml"):
+        if doc["kind"] != "Job":
+            continue
+        policy = doc["spec"].get("podFailurePolicy")
+        if policy is None:
+            assert doc["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+            continue
+        fatal = {code for rule in policy["rules"] if rule["action"] == "FailJob"
+                 for code in rule["onExitCodes"]["values"]}
+        assert fatal == {1, 2} and watchdog.EXIT_PEER_LOST not in fatal
+        assert doc["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # the API's rule
+
+
+def test_the_scheduler_variant_resolves_through_the_scheduler_path():
+    docs = {d["metadata"]["name"]: d for d in load("scheduler-criteo.yaml")}
+    service = docs["tfpsx-scheduler"]
+    port = service["spec"]["ports"][0]["port"]
+    for job, role, count in (("tfpsx-criteo-server", "server", 2),
+                             ("tfpsx-criteo-worker", "worker", 3)):
+        spec = docs[job]["spec"]
+        assert (spec["completionMode"], spec["completions"]) == ("Indexed", count)
+        (c,) = spec["template"]["spec"]["containers"]
+        for rank in range(count):
+            env = {}
+            for var in c["env"]:
+                value = var.get("value")
+                if value is None:  # the downward API: the completion index, the pod IP
+                    field = var["valueFrom"]["fieldRef"]["fieldPath"]
+                    value = str(rank) if "job-completion-index" in field else "10.0.0.7"
+                env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
+            assert env["TFPSX_SCHED_ADDR"] == f"tfpsx-scheduler:{port}"
+            config = cluster.resolve(env)
+            assert (config.role, config.index, config.needs_scheduler) == (role, rank, True)
+            assert (config.scheduler.server_num, config.scheduler.worker_num) == (2, 3)
+            assert env["TFPSX_NODE_ID"] == f"{role}-{rank}"
+    sched = docs["tfpsx-criteo-scheduler"]["spec"]["template"]["spec"]["containers"][0]
+    env = {v["name"]: v["value"] for v in sched["env"]}
+    assert cluster.resolve(env).role == "scheduler"
+    evaluator = docs["tfpsx-criteo-evaluator"]["spec"]["template"]["spec"]["containers"][0]
+    assert cluster.resolve({v["name"]: v["value"] for v in evaluator["env"]}).role == "evaluator"
