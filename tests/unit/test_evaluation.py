@@ -139,3 +139,41 @@ def test_keras_incremental_checkpoints_are_evaluated_into_a_local_model(tmp_path
                                rtol=1e-5)
     np.testing.assert_allclose(evaluator.predict(x, verbose=0), trained.predict(x, verbose=0),
                                rtol=1e-5, atol=1e-6)
+
+
+_DYING_CHIEF = """
+import sys, time
+import tensorflow as tf
+v = tf.Variable(1.0)
+tf.train.CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1], 3).save(checkpoint_number=4)
+print("SAVED", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_chief_killed_with_sigkill_ends_the_wait_with_a_named_error(tmp_path):
+    """The chief (a real process) saves once and is killed before it marks the end: the
+    evaluator evaluates that checkpoint, then gives up within its bound, naming it."""
+    import signal
+    import subprocess
+    import sys
+
+    directory = str(tmp_path / "ckpt")
+    chief = subprocess.Popen([sys.executable, "-c", _DYING_CHIEF, directory],
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    try:
+        assert chief.stdout.readline().strip() == "SAVED"
+        chief.send_signal(signal.SIGKILL)
+        chief.wait(timeout=30)
+        began = time.monotonic()
+        seen = []
+        with pytest.raises(ClusterTimeoutError, match=r"waited 2 s for a new checkpoint in "
+                           r".*ckpt.*last evaluated: .*ckpt-4\).*the chief died"):
+            tfpsx.evaluate_checkpoints(directory, lambda p, s: seen.append(s) or {"s": s},
+                                       poll_seconds=0.05, timeout=2)
+        assert seen == [4] and time.monotonic() - began < 10
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+            chief.wait(timeout=30)

@@ -21,7 +21,10 @@ import re
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+import tensorflow as tf
+
 from tfpsx import metrics, settings
+from tfpsx.checkpoint import parts
 from tfpsx.errors import ClusterTimeoutError
 
 logger = logging.getLogger("tfpsx")
@@ -60,14 +63,10 @@ def training_done(directory: str) -> Optional[int]:
 def latest_checkpoint(directory: str) -> Optional[Tuple[str, int]]:
     """(path, step) of the newest checkpoint in ``directory``, or None."""
     directory = os.fspath(directory)
-    state = os.path.join(directory, "checkpoint.json")  # tfpsx.keras.IncrementalCheckpoint
-    if os.path.exists(state):
-        with open(state) as f:
-            name = json.load(f).get("latest")
-        path = os.path.join(directory, name) if name else None
+    state = parts.latest_state(directory)  # tfpsx.keras.IncrementalCheckpoint's
+    if state is not None:
+        path = os.path.join(directory, state["latest"]) if state.get("latest") else None
     else:
-        import tensorflow as tf
-
         path = tf.train.latest_checkpoint(directory)
     if not path:
         return None
@@ -106,11 +105,8 @@ def evaluate_checkpoints(checkpoint_dir: str, evaluate: Callable[[str, int], Dic
     if not callable(evaluate):
         raise TypeError(f"evaluate_checkpoints: evaluate must be callable(path, step), got "
                         f"{evaluate!r}")
-    writer = None
-    if summary_dir is not None:
-        import tensorflow as tf
-
-        writer = tf.summary.create_file_writer(os.fspath(summary_dir))
+    writer = (None if summary_dir is None
+              else tf.summary.create_file_writer(os.fspath(summary_dir)))
     records: List[Dict[str, float]] = []
     last: Optional[str] = None
     waited_since = time.monotonic()

@@ -30,6 +30,9 @@ INDEX = "index.json"
 EXTRA = "extra.npz"
 FORMAT = 1
 FULL, DELTA = "full", "delta"
+# Where TF's ``checkpoint`` state file is absent (Keras's IncrementalCheckpoint): the
+# latest save and the kept ones, {"latest": name, "kept": [names]}.
+STATE = "checkpoint.json"
 FIELDS = ("keys", "values", "slots", "freq", "step")
 DELTA_FIELDS = FIELDS + ("removed",)
 
@@ -178,3 +181,12 @@ def remove_unreferenced(directory: str, base: str, keep: Iterable[str]) -> List[
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
             gone.append(entry)
     return gone
+
+
+def latest_state(directory: str) -> Optional[dict]:
+    """``checkpoint.json`` of ``directory`` ({"latest": name, "kept": [names]}), or None."""
+    file = os.path.join(os.fspath(directory), STATE)
+    if not os.path.exists(file):
+        return None
+    with open(file) as f:
+        return json.load(f)

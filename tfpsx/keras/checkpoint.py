@@ -26,12 +26,12 @@ import tensorflow as tf
 from tfpsx import settings
 from tfpsx.checkpoint import evaluation, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
+from tfpsx.checkpoint.parts import STATE, latest_state
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.runtime import RUNTIME
 
 logger = logging.getLogger("tfpsx")
 
-STATE = "checkpoint.json"
 BASE = "ckpt"
 
 
@@ -229,15 +229,6 @@ def evaluate_checkpoints(model, checkpoint_dir: str, data=None,
 
     return evaluation.evaluate_checkpoints(checkpoint_dir, run, summary_dir=summary_dir,
                                            poll_seconds=poll_seconds, timeout=timeout)
-
-
-def latest_state(directory: str) -> Optional[dict]:
-    """``checkpoint.json`` of ``directory`` ({"latest": name, "kept": [names]}), or None."""
-    file = os.path.join(os.fspath(directory), STATE)
-    if not os.path.exists(file):
-        return None
-    with open(file) as f:
-        return json.load(f)
 
 
 __all__: List[str] = ["IncrementalCheckpoint", "evaluate_checkpoints", "latest_state"]

@@ -136,13 +136,12 @@ class LocalCluster:
 
     def _pick_addresses(self) -> None:
         ports = [f"{self.host}:{p}" for p in
-                 pick_ports(self.server_num + self.worker_num + 3)]
+                 pick_ports(self.server_num + self.worker_num + 2)]
         self.servers = ports[:self.server_num]
         self.workers = ports[self.server_num:self.server_num + self.worker_num]
         extra = iter(ports[self.server_num + self.worker_num:])
         self.scheduler_address = next(extra) if self.config_mode == "scheduler" else None
         self.chief_address = next(extra) if self.chief else None
-        self.evaluator_address = next(extra) if self.evaluator else None
 
     @property
     def primary(self) -> Task:

@@ -329,10 +329,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                           "stopping them", file=sys.stderr)
                     break
                 time.sleep(0.1)
-            for task in [] if job.chief else others:  # with a chief, its code is the job's
-                code = job.procs[task].poll()
-                if code not in (None, 0) and failed is None:
-                    failed = (task, code)
+            if not job.chief:  # with a chief, its code is the job's
+                failed = next(((t, job.procs[t].poll()) for t in others
+                               if job.procs[t].poll() not in (None, 0)), None)
             for task in evaluators:
                 code = job.procs[task].poll()
                 if code not in (None, 0) and evaluator_failed is None:
