@@ -38,6 +38,10 @@ def _ensure_log_handler():
         logger.propagate = False
 
 
+# The job name a worker that joined a running job boots its graph-mode server with.
+_JOINER_JOB = "tfpsx_joiner"
+
+
 @dataclasses.dataclass
 class ServerReport:
     """What ``run_server()`` saw before it returned."""
@@ -141,7 +145,18 @@ class Runtime:
         filters = ["/job:ps"]
         if config.role == _cluster.WORKER:
             filters.append(f"/job:{config.job_name}/task:{config.task_index}")
-        return tf.compat.v1.ConfigProto(device_filters=filters)
+        proto = tf.compat.v1.ConfigProto(device_filters=filters)
+        if config.joined:
+            # The servers started without this worker's address: the session carries its
+            # cluster (TF's dynamic cluster), so each server's worker session for it can
+            # reach it (its tensors, its devices). Its own server booted as _JOINER_JOB.
+            spec = tf.train.ClusterSpec({"ps": list(config.servers), config.job_name: {
+                config.task_index: config.task_address()}})
+            proto.cluster_def.CopyFrom(spec.as_cluster_def())
+            # Without it the servers give such a session state of its own (measured: "Container
+            # ps does not exist"): the model the other workers train would not be there.
+            proto.experimental.share_session_state_in_clusterspec_propagation = True
+        return proto
 
     def server_target(self) -> str:
         import tensorflow as tf
@@ -149,9 +164,14 @@ class Runtime:
         config = self.require_role("server_target", _cluster.WORKER)
         with self._lock:
             if self._server is None:
-                self._server = tf.distribute.Server(
-                    config.cluster_spec(), job_name=config.job_name,
-                    task_index=config.task_index, config=self.session_config(), start=True)
+                spec, job, task = config.cluster_spec(), config.job_name, config.task_index
+                if config.joined:
+                    # Its sessions name it in their own cluster (session_config), which TF
+                    # refuses for the name the server booted with: it boots under another.
+                    spec, job, task = (tf.train.ClusterSpec({_JOINER_JOB: [
+                        config.task_address()]}), _JOINER_JOB, 0)
+                self._server = tf.distribute.Server(spec, job_name=job, task_index=task,
+                                                    config=self.session_config(), start=True)
             return self._server.target
 
     def init_worker(self, connect_timeout: Optional[float] = None) -> None:

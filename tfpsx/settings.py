@@ -140,6 +140,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "how many servers the job has", "cluster"),
     Setting("TFPSX_WORKER_NUM", "count", None,
             "how many workers the job has", "cluster"),
+    Setting("TFPSX_MAX_WORKER_NUM", "count", None,
+            "the scheduler: how many workers it admits in all (default TFPSX_WORKER_NUM); "
+            "workers beyond TFPSX_WORKER_NUM join the running job (async and GEO)",
+            "scheduler"),
     # scheduler registration
     Setting("TFPSX_TOKEN", "str", None,
             "shared secret; a registration without it is refused", "scheduler"),

@@ -316,3 +316,26 @@ def test_the_strategy_before_init_names_the_call(monkeypatch):
                        match=r"keras.ParameterServerStrategy\(\) needs the cluster: call "
                              r"tfpsx.init\(\) first"):
         tfpsx.keras.ParameterServerStrategy()
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_joins_a_running_keras_fit(make_cluster):
+    """Elastic in Keras: a third worker started while two run fit (async) joins through
+    the scheduler (TFPSX_MAX_WORKER_NUM=3), connects its eager context like the others,
+    trains its shard and the job ends with code 0 everywhere."""
+    c = make_cluster(1, 2, script="keras_job.py", config_mode="scheduler", timeout=250,
+                     env={"TFPSX_MAX_WORKER_NUM": "3"},
+                     args=["--mode", "async", "--epochs", "6", "--step_delay", "0.02"])
+    c.start()
+    wait_for_log(c, "worker", 0, "Epoch 1/", timeout=120)
+    joiner = c.add_worker()
+    finish(c, timeout=240)
+    r = reports(c, 3)
+    assert r[2]["local_steps"] > 0 and len(r[2]["train_loss"]) == 6, r[2]
+    # It trained on the running job's model, not a new one: its first epoch's loss is
+    # below the first workers' first one, and after the barrier every worker evaluates
+    # the same model on the servers.
+    assert r[2]["train_loss"][0] < r[0]["train_loss"][0], r
+    np.testing.assert_allclose(r[2]["eval_loss"], r[0]["eval_loss"], rtol=1e-4)
+    assert re.search(r"joins the running job as rank 2", c.log("scheduler", 0))
+    assert "worker 2 connected to 1 server(s)" in c.log(*joiner)

@@ -27,8 +27,9 @@ def sched():
     servers = []
 
     def start(server_num=2, worker_num=2, token=None, heartbeat_timeout=60.0, tls=None,
-              journal=None, address=None):
-        service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal)
+              journal=None, address=None, max_worker_num=None):
+        service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal,
+                                   max_worker_num=max_worker_num)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         pb_grpc.add_SchedulerServicer_to_server(service, server)
         service.grpc_server = server  # a test stops it to kill "the scheduler"
@@ -67,8 +68,39 @@ def test_ranks_in_arrival_order_and_stable_on_retry(sched, caplog):
     assert "assigned server rank 1 to 127.0.0.1:20003" in caplog.text
     assert client("worker", "n4").register(_addr(4), None, 5)[0] == 2
     assert "cluster ready: 2 servers, 3 workers in" in caplog.text
-    servers, workers = client("worker", "n0").wait_cluster(5)
+    servers, workers, started_with = client("worker", "n0").wait_cluster(5)
     assert servers == (_addr(1), _addr(3)) and workers == (_addr(0), _addr(2), _addr(4))
+    assert started_with == 3
+
+
+def test_workers_beyond_the_start_join_up_to_the_maximum(sched, caplog):
+    caplog.set_level(logging.INFO, logger="tfpsx")
+    service, client, _ = sched(server_num=1, worker_num=2, max_worker_num=4)
+    for i, role in enumerate(["server", "worker", "worker"]):
+        client(role, f"n{i}").register(_addr(i), None, 5)
+    assert service.ready()
+    joiner = client("worker", "late")
+    with pytest.raises(errors.SchedulerRejectedError, match="rank 3 joins the job but rank 2 "
+                       "is free; a joining worker takes the next rank"):
+        joiner.register(_addr(3), 3, 5)
+    assert joiner.register(_addr(3), None, 5)[0] == 2
+    assert "worker 127.0.0.1:20003 joins the running job as rank 2 (3 of at most 4" in \
+        caplog.text
+    servers, workers, started_with = joiner.wait_cluster(5)
+    assert workers == (_addr(1), _addr(2), _addr(3)) and started_with == 2
+    second = client("worker", "second")
+    assert second.register(_addr(4), None, 5)[0] == 3
+    with pytest.raises(errors.SchedulerRejectedError, match="too many workers: "
+                       "TFPSX_MAX_WORKER_NUM is 4 and ranks 0..3 are taken"):
+        client("worker", "one-more").register(_addr(5), None, 5)
+    # The job ends when every worker, the joiners included, finished or died.
+    for node in ("n1", "n2", "second"):
+        client("worker", node).finish()
+    assert not service.job_over()
+    joiner.finish()
+    assert service.job_over()
+    with pytest.raises(ValueError, match="TFPSX_MAX_WORKER_NUM=1 is below TFPSX_WORKER_NUM=2"):
+        SchedulerService(1, 2, max_worker_num=1)
 
 
 def test_requested_ranks(sched):

@@ -434,3 +434,48 @@ def test_a_dead_worker_is_a_clear_timeout_not_a_hang(make_cluster, mode, env):
         assert "waited 4 s (TFPSX_STALENESS_TIMEOUT) for worker(s) [1]" in log
     else:
         assert "TFPSX_SYNC_STEP_TIMEOUT=4 s" in log
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
+def test_a_worker_joins_a_running_job_trains_and_the_job_ends_cleanly(make_cluster, mode,
+                                                                      extra):
+    """Elastic: the scheduler admits up to TFPSX_MAX_WORKER_NUM workers; a third one
+    started while two train gets rank 2, the servers' model (its session carries its own
+    address, which they never had), trains on, and everyone ends with code 0."""
+    c = make_cluster(1, 2, script="training_job.py", config_mode="scheduler",
+                     env=dict(FAST, TFPSX_MAX_WORKER_NUM="3"),
+                     args=["--mode", mode, "--steps", "900", "--step_delay", "0.01"] + extra)
+    c.start()
+    wait_for_log(c, "worker", 0, "session ready")
+    time.sleep(1.0)
+    joiner = c.add_worker()
+    assert joiner == ("worker", 2)
+    finish(c, timeout=200)
+    r = reports(c, 3)
+    assert r[2]["start_step"] > 0 and r[2]["local_steps"] > 20, r[2]  # joined mid-job
+    assert r[0]["global_step"] >= 900 and r[2]["eval_loss"] < 0.01, r
+    sched = c.log("scheduler", 0)
+    assert re.search(r"worker 127\.0\.0\.1:\d+ joins the running job as rank 2 "
+                     r"\(3 of at most 3 workers\)", sched), sched[-2000:]
+    # The job ended when the joiner had finished too, not when the first two did.
+    assert re.search(r"worker rank 2 \(127\.0\.0\.1:\d+\) finished",
+                     sched.split("scheduler exiting")[0]), sched[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_sync_refuses_a_joining_worker_naming_why(make_cluster):
+    c = make_cluster(1, 2, script="training_job.py", config_mode="scheduler",
+                     env=dict(FAST, TFPSX_MAX_WORKER_NUM="3"),
+                     args=["--mode", "sync", "--steps", "300", "--step_delay", "0.01"])
+    c.start()
+    wait_for_log(c, "worker", 0, "session ready")
+    joiner = c.add_worker()
+    codes = c.wait(timeout=200)
+    assert codes[joiner] == 1, f"{codes}\n{c.logs()}"
+    log = c.log(*joiner)
+    assert "ValueError: sync: worker 2 joined a running job of 2 workers, but sync training " \
+           "waits on the workers the job started with" in log, log[-3000:]
+    # The others finish their sync steps: the joiner never took part.
+    assert codes[("worker", 0)] == 0 and codes[("worker", 1)] == 0, f"{codes}\n{c.logs()}"
+    assert reports(c, 2)[0]["global_step"] >= 300

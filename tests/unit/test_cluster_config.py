@@ -93,6 +93,21 @@ def test_launcher_tasks_with_a_chief_and_an_evaluator(tmp_path):
     assert made("scheduler").task_env("chief", 0)["TFPSX_WORKER_NUM"] == "3"
 
 
+def test_a_joining_workers_rank_may_go_up_to_the_maximum():
+    env = {"TFPSX_ROLE": "worker", "TFPSX_SCHED_ADDR": "127.0.0.1:7000",
+           "TFPSX_SERVER_NUM": "1", "TFPSX_WORKER_NUM": "2", "TFPSX_RANK": "2"}
+    with pytest.raises(ValueError, match="index 2 is out of range for 2 worker"):
+        cluster.from_env(env)
+    joiner = cluster.from_env(dict(env, TFPSX_MAX_WORKER_NUM="3"))
+    assert joiner.index == 2 and joiner.needs_scheduler
+    # What the scheduler hands back: the started-with count makes it a joiner.
+    import dataclasses
+    done = dataclasses.replace(joiner, servers=("h:1",), workers=("h:2", "h:3", "h:4"),
+                               initial_worker_num=2)
+    assert done.joined and done.worker_num == 3
+    assert not dataclasses.replace(done, index=1).joined
+
+
 def test_tf_config_round_trip():
     c = cluster.from_tf_config(tf_config("ps", 0))
     assert cluster.from_tf_config(json.dumps(c.tf_config())) == c

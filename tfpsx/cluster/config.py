@@ -60,6 +60,8 @@ class ClusterConfig:
       evaluators: TF_CONFIG ``evaluator`` hosts (not part of the training cluster).
       scheduler: set when a scheduler assigns ranks (then endpoints may be empty).
       source: where the config came from, for messages.
+      initial_worker_num: the workers the job started with, when a scheduler says so
+        (workers beyond it joined the running job).
     """
     role: str
     index: Optional[int]
@@ -69,6 +71,7 @@ class ClusterConfig:
     evaluators: Tuple[str, ...] = ()
     scheduler: Optional[SchedulerInfo] = None
     source: str = "user"
+    initial_worker_num: Optional[int] = None
 
     @property
     def server_num(self) -> int:
@@ -82,6 +85,12 @@ class ClusterConfig:
     def needs_scheduler(self) -> bool:
         """True while ranks and endpoints are still to come from the scheduler."""
         return self.scheduler is not None and (self.index is None or not self.servers)
+
+    @property
+    def joined(self) -> bool:
+        """This worker joined a running job (a rank beyond the ones it started with)."""
+        return (self.role == WORKER and self.initial_worker_num is not None
+                and self.index is not None and self.index >= self.initial_worker_num)
 
     @property
     def is_chief(self) -> bool:

@@ -195,7 +195,11 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
                              token=settings.raw(ENV_TOKEN, env))
         index = None
         if rank_value is not None:
-            count = info.server_num if role_value == SERVER else info.worker_num
+            # A worker may join the running job up to the scheduler's maximum.
+            most = settings.raw("TFPSX_MAX_WORKER_NUM", env)
+            count = (info.server_num if role_value == SERVER else
+                     info.worker_num if most is None else
+                     max(info.worker_num, parse_int(most, "TFPSX_MAX_WORKER_NUM", minimum=1)))
             index = (None if role_value == SCHEDULER
                      else _check_index(rank_value, rank_src, count, role_value))
         return ClusterConfig(role=role_value, index=index, scheduler=info, source="env")

@@ -131,8 +131,9 @@ class SchedulerClient:
                     self.info.address, reply.rank, reply.address)
         return reply.rank, reply.address
 
-    def wait_cluster(self, timeout: float) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-        """Waits until every node registered; returns (servers, workers) in rank order."""
+    def wait_cluster(self, timeout: float) -> Tuple[Tuple[str, ...], Tuple[str, ...], int]:
+        """Waits until every node registered; returns (servers, workers) in rank order
+        (joiners included) and the worker count the job started with."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -140,7 +141,7 @@ class SchedulerClient:
                 node_id=self.node_id, token=self.token, wait_seconds=max(0.0, min(_LONG_POLL, left))),
                 timeout=self.rpc_timeout + _LONG_POLL)
             if reply.ready:
-                return tuple(reply.servers), tuple(reply.workers)
+                return tuple(reply.servers), tuple(reply.workers), reply.worker_num
             if time.monotonic() >= deadline:
                 raise errors.ClusterTimeoutError(
                     f"{self.role} rank {self.rank} waited {timeout:g} s for the cluster to "
@@ -301,13 +302,13 @@ def register_node(config: _cluster.ClusterConfig, connect_timeout: float,
     try:
         rank, address = client.register(f"{host}:{port}", config.index, connect_timeout)
         client.start_heartbeat(heartbeat_interval)
-        servers, workers = client.wait_cluster(register_timeout)
+        servers, workers, started_with = client.wait_cluster(register_timeout)
     except BaseException:
         client.close()
         raise
     resolved = _cluster.ClusterConfig(role=config.role, index=rank, servers=servers,
                                       workers=workers, scheduler=config.scheduler,
-                                      source="scheduler")
+                                      source="scheduler", initial_worker_num=started_with)
     return resolved, client
 
 

@@ -67,8 +67,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     def __init__(self, server_num: int, worker_num: int, token: Optional[str] = None,
                  heartbeat_timeout: float = 60.0, journal: Optional[Journal] = None,
-                 restart_wait: float = 0.0):
+                 restart_wait: float = 0.0, max_worker_num: Optional[int] = None):
+        # nums: the nodes the job starts with; limits: how many it admits (workers beyond
+        # worker_num join the running job: elastic async and GEO).
         self.nums = {_cluster.SERVER: server_num, _cluster.WORKER: worker_num}
+        self.limits = dict(self.nums)
+        if max_worker_num is not None:
+            if max_worker_num < worker_num:
+                raise ValueError(f"TFPSX_MAX_WORKER_NUM={max_worker_num} is below "
+                                 f"TFPSX_WORKER_NUM={worker_num}; expected at least that")
+            self.limits[_cluster.WORKER] = max_worker_num
         self.token = token
         self.heartbeat_timeout = heartbeat_timeout
         # When every worker died and none finished (a lost server takes them all), the
@@ -132,7 +140,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return node
 
     def ready(self) -> bool:
-        return all(len(self._ranks[r]) == n for r, n in self.nums.items())
+        """Every rank the job starts with is registered (joiners come on top)."""
+        return all(set(range(n)) <= set(self._ranks[r]) for r, n in self.nums.items())
 
     def missing(self) -> str:
         parts = []
@@ -217,10 +226,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                                 node_id)
                 return pb.RegisterReply(rank=node.rank, address=node.address)
             taken = self._ranks[role]
-            num = self.nums[role]
+            num = self.limits[role]
+            limit_name = f"{role}_num" if num == self.nums[role] else "TFPSX_MAX_WORKER_NUM"
             if len(taken) >= num:
                 holders = ", ".join(self.nodes[taken[r]].address for r in sorted(taken))
-                message = (f"too many {role}s: {role}_num is {num} and ranks 0..{num - 1} are "
+                message = (f"too many {role}s: {limit_name} is {num} and ranks 0..{num - 1} are "
                            f"taken ({holders}); refused {address} (node {node_id})")
                 self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             for other in self.nodes.values():
@@ -233,18 +243,29 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 if rank >= num:
                     self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                   f"requested {role} rank {rank} is out of range for "
-                                  f"{role}_num {num}; expected 0..{num - 1}")
+                                  f"{limit_name} {num}; expected 0..{num - 1}")
                 if rank in taken:
                     self._refuse(context, grpc.StatusCode.ALREADY_EXISTS,
                                   f"{role} rank {rank} is already taken by "
                                   f"{self.nodes[taken[rank]].address}")
+                first_free = min(set(range(num)) - set(taken))
+                if rank >= self.nums[role] and rank != first_free:
+                    # Joiners' ranks follow one another: every rank below one is a worker.
+                    self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"requested {role} rank {rank} joins the job but rank "
+                                  f"{first_free} is free; a joining {role} takes the next "
+                                  "rank (leave the rank unset)")
             else:
                 rank = min(set(range(num)) - set(taken))
             node = _Node(role=role, rank=rank, address=address, node_id=node_id, last_seen=now)
             self.nodes[node_id] = node
             taken[rank] = node_id
             self.first_registration = self.first_registration or now
-            logger.info("assigned %s rank %d to %s", role, rank, address)
+            if rank >= self.nums[role]:
+                logger.info("%s %s joins the running job as rank %d (%d of at most %d "
+                            "%ss)", role, address, rank, len(taken), num, role)
+            else:
+                logger.info("assigned %s rank %d to %s", role, rank, address)
             self._save()
             if self.ready():
                 self.ready_at = now
@@ -294,7 +315,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
             passed = self.ready_at is not None and self._wait(alive_arrived, request.wait_seconds)
             return pb.BarrierReply(passed=passed, arrived=len(arrived),
-                                   expected=self.nums[_cluster.WORKER], dead=self._dead())
+                                   expected=len(self._ranks[_cluster.WORKER]),
+                                   dead=self._dead())
 
     def Finish(self, request, context):
         node = self._check(context, request.token, request.node_id)
@@ -347,8 +369,13 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 def serve(address: str, server_num: int, worker_num: int, token: Optional[str] = None,
           register_timeout: float = 600.0, heartbeat_timeout: float = 60.0,
           tls: Optional[TlsConfig] = None, server_grace: Optional[float] = None,
-          state_file: Optional[str] = None, restart_wait: float = 0.0) -> int:
+          state_file: Optional[str] = None, restart_wait: float = 0.0,
+          max_worker_num: Optional[int] = None) -> int:
     """Runs the scheduler until the job ends; returns a process exit code.
+
+    With ``max_worker_num`` above ``worker_num``, workers that register once the job
+    runs join it with the next ranks (elastic async and GEO; the job then ends when every
+    worker, joiners included, finished or died).
 
     Returns 0 when every worker finished or died and the servers confirmed the end (or the
     grace ran out); raises ClusterTimeoutError when the cluster was not complete within
@@ -360,9 +387,9 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
     """
     journal = (Journal(state_file, server_num, worker_num, token) if state_file else None)
     service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal,
-                               restart_wait=restart_wait)
+                               restart_wait=restart_wait, max_worker_num=max_worker_num)
     server = grpc.server(futures.ThreadPoolExecutor(
-        max_workers=2 * (server_num + worker_num) + 8, thread_name_prefix="tfpsx-sched"))
+        max_workers=2 * (server_num + service.limits[_cluster.WORKER]) + 8, thread_name_prefix="tfpsx-sched"))
     pb_grpc.add_SchedulerServicer_to_server(service, server)
     bound = (server.add_secure_port(address, tls.server_credentials()) if tls
              else server.add_insecure_port(address))
@@ -420,7 +447,8 @@ def run_scheduler(config: _cluster.ClusterConfig) -> int:
                  register_timeout=settings.get("TFPSX_REGISTER_TIMEOUT"),
                  heartbeat_timeout=settings.get("TFPSX_HEARTBEAT_TIMEOUT"),
                  tls=TlsConfig.from_env(), state_file=settings.get("TFPSX_SCHED_STATE"),
-                 restart_wait=settings.get("TFPSX_RESTART_WAIT"))
+                 restart_wait=settings.get("TFPSX_RESTART_WAIT"),
+                 max_worker_num=settings.get("TFPSX_MAX_WORKER_NUM"))
 
 
 def main() -> int:

@@ -45,6 +45,7 @@ from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
 from tfpsx.keras.feeding import RowFeeder
 from tfpsx.keras.modes import mode_class
+from tfpsx.modes.group import refuse_a_late_join
 from tfpsx.keras.modes.base import CreationContext
 from tfpsx.keras.partitioned import resolve_partitioner
 from tfpsx.runtime import RUNTIME
@@ -195,6 +196,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         self.variable_partitioner = resolve_partitioner(variable_partitioner,
                                                         config.server_num)
         _connect(config)
+        refuse_a_late_join(options.mode, config)
         mode = mode_class(options)(self, options, config)
         distribute_lib.Strategy.__init__(self, _Extended(self, mode.worker_device, mode))
         self.options, self._mode = options, mode

@@ -192,7 +192,7 @@ class LocalCluster:
             env.update({_cluster.ENV_ROLE: tfpsx_role,
                         _cluster.ENV_SCHED_ADDR: self.scheduler_address,
                         _cluster.ENV_SERVER_NUM: str(self.server_num),
-                        _cluster.ENV_WORKER_NUM: str(len(self.training_workers()))})
+                        _cluster.ENV_WORKER_NUM: str(self.worker_num + self.chief)})
             if role == _cluster.SCHEDULER:
                 env["TFPSX_SCHED_STATE"] = self.scheduler_state
             else:
@@ -236,12 +236,25 @@ class LocalCluster:
             self._started_at = time.monotonic()
         return proc
 
+    def add_worker(self) -> Task:
+        """Starts one more worker on a free port: in "scheduler" mode it joins the running
+        job with the next rank (the scheduler needs TFPSX_MAX_WORKER_NUM above the job's
+        worker count: give it in ``env``). Returns its task."""
+        if self.config_mode != "scheduler":
+            raise ValueError("add_worker: a worker joins a running job through the scheduler "
+                             f"(config_mode 'scheduler'), not {self.config_mode!r}")
+        (port,) = pick_ports(1)
+        self.workers.append(f"{self.host}:{port}")
+        task = (_cluster.WORKER, len(self.workers) - 1)
+        self.start_task(*task)
+        return task
+
     def tasks(self) -> List[Task]:
         """Every task of the job; the scheduler (if any) first, the evaluator (if any) last."""
         return ([(_cluster.SCHEDULER, 0)] * (self.config_mode == "scheduler") +
                 [(_cluster.SERVER, i) for i in range(self.server_num)] +
                 [(_cluster.CHIEF, 0)] * self.chief +
-                [(_cluster.WORKER, i) for i in range(self.worker_num)] +
+                [(_cluster.WORKER, i) for i in range(len(self.workers))] +
                 [(_cluster.EVALUATOR, 0)] * self.evaluator)
 
     def start(self, tasks: Optional[Iterable[Task]] = None) -> "LocalCluster":

@@ -34,3 +34,22 @@ def add_to_entry(vector, index: int, value):
 def leave(vector, index: int):
     """The op marking worker ``index`` done: nobody waits for it again."""
     return set_entry(vector, index, DONE)
+
+
+# Modes whose protocol holds one entry per worker the job started with: a joiner has none.
+_FIXED_GROUP_MODES = ("sync", "staleness")
+
+
+def refuse_a_late_join(mode: str, config) -> None:
+    """A worker that joined a running job (``config.joined``) trains in async and GEO; sync
+    and bounded staleness wait on a fixed group, so they refuse it, naming why.
+
+    Raises:
+      ValueError: ``mode`` is sync or staleness and this worker joined late.
+    """
+    if mode in _FIXED_GROUP_MODES and config.joined:
+        raise ValueError(
+            f"{mode}: worker {config.index} joined a running job of "
+            f"{config.initial_worker_num} workers, but {mode} training waits on the workers "
+            "the job started with (one entry each on PS 0); a joining worker can train in "
+            "async or GEO only. Start it with the job (TFPSX_WORKER_NUM) instead.")

@@ -11,6 +11,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpsx.modes.group import refuse_a_late_join
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
 from tfpsx.training.strategy import DistributedStrategy
@@ -33,4 +34,5 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise ValueError("distributed_optimizer: optimizer must be a tf.compat.v1.train "
                          f"optimizer (e.g. AdagradOptimizer), got {type(optimizer).__name__}")
+    refuse_a_late_join(strategy.mode, config)
     return modes.mode_class(strategy).wrap_optimizer(optimizer, strategy, config)

@@ -12,6 +12,7 @@ A new mode is a module with a ``Mode`` subclass plus one entry in ``REGISTRY``.
 
 from typing import Dict, Type
 
+from tfpsx.modes.group import refuse_a_late_join
 from tfpsx.training.modes import async_, geo, staleness, sync
 from tfpsx.training.modes.base import Mode, WrappedOptimizer, mode_of
 
@@ -27,6 +28,7 @@ def mode_class(strategy) -> Type[Mode]:
 
 def mode_for(strategy, config, graph=None) -> Mode:
     """The mode object of ``graph`` (default: the current one) for ``strategy``."""
+    refuse_a_late_join(strategy.mode, config)
     return mode_class(strategy).for_graph(strategy, config, graph)
 
 
