@@ -479,3 +479,24 @@ def test_sync_refuses_a_joining_worker_naming_why(make_cluster):
     # The others finish their sync steps: the joiner never took part.
     assert codes[("worker", 0)] == 0 and codes[("worker", 1)] == 0, f"{codes}\n{c.logs()}"
     assert reports(c, 2)[0]["global_step"] >= 300
+
+
+@pytest.mark.timeout(240)
+def test_a_joined_worker_killed_with_sigkill_leaves_and_the_others_finish(make_cluster):
+    c = make_cluster(1, 2, script="training_job.py", config_mode="scheduler",
+                     env=dict(FAST, TFPSX_MAX_WORKER_NUM="3"),
+                     args=["--mode", "async", "--steps", "900", "--step_delay", "0.01",
+                           "--no_final_barrier"])
+    c.start()
+    wait_for_log(c, "worker", 0, "session ready")
+    joiner = c.add_worker()
+    wait_for_log(c, *joiner, "session ready")
+    time.sleep(0.5)
+    c.kill(*joiner)
+    codes = c.wait(timeout=200)
+    del codes[joiner]
+    assert all(code == 0 for code in codes.values()), f"{codes}\n{c.logs()}"
+    assert reports(c, 2)[0]["global_step"] >= 900
+    sched = c.log("scheduler", 0)
+    assert re.search(r"worker rank 2 \(127\.0\.0\.1:\d+\) is dead: no heartbeat", sched), \
+        sched[-2000:]
