@@ -7,6 +7,7 @@ import sys
 import time
 
 import numpy as np
+import tensorflow as tf
 import pytest
 
 from conftest import wait_for_log
@@ -500,3 +501,19 @@ def test_a_joined_worker_killed_with_sigkill_leaves_and_the_others_finish(make_c
     sched = c.log("scheduler", 0)
     assert re.search(r"worker rank 2 \(127\.0\.0\.1:\d+\) is dead: no heartbeat", sched), \
         sched[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_geo_chiefs_final_checkpoint_holds_its_last_local_steps(make_cluster, tmp_path):
+    """GEO's last push (steps since the last round) runs when the session ends: it must
+    reach the servers before TF's saver writes the final checkpoint, or the checkpoint
+    (what a restart, an evaluator or an export reads) misses up to k-1 steps."""
+    ckpt = str(tmp_path / "ckpt")
+    c = make_cluster(1, 1, script="training_job.py", env=FAST,
+                     args=["--mode", "geo", "--k_steps", "10", "--steps", "95",
+                           "--checkpoint_dir", ckpt]).start()
+    finish(c)
+    r = reports(c, 1)[0]
+    saved = tf.train.load_variable(ckpt, "w").ravel()
+    np.testing.assert_allclose(saved, r["global_w"], rtol=1e-6, atol=1e-7)
+    assert tf.train.load_variable(ckpt, "global_step") == r["global_step"]

@@ -113,14 +113,14 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():
         own.append(WorkerCacheHook())
-    return _monitored_session(config, checkpoint_dir, list(hooks or []) + own,
+    return _monitored_session(config, checkpoint_dir, list(hooks or []), own,
                               chief_only_hooks, last_step,
                               save_checkpoint_steps, save_checkpoint_secs,
                               save_summaries_steps, scaffold, log_step_count_steps,
                               session_timeout, stop_grace_period_secs)
 
 
-def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_step,
+def _monitored_session(config, checkpoint_dir, hooks, own, chief_only_hooks, last_step,
                        save_checkpoint_steps, save_checkpoint_secs, save_summaries_steps,
                        scaffold, log_step_count_steps, session_timeout, stop_grace_period_secs):
     if last_step is not None:
@@ -133,7 +133,8 @@ def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_ste
             settings.get("TFPSX_RECOVERY_WAIT"), scaffold=scaffold, master=master,
             config=session_config, max_wait_secs=timeout)
         return tf.compat.v1.train.MonitoredSession(
-            session_creator=creator, hooks=hooks, stop_grace_period_secs=stop_grace_period_secs)
+            session_creator=creator, hooks=hooks + own,
+            stop_grace_period_secs=stop_grace_period_secs)
     kwargs = {}
     if save_checkpoint_steps is not None:
         kwargs["save_checkpoint_steps"] = save_checkpoint_steps
@@ -141,7 +142,11 @@ def _monitored_session(config, checkpoint_dir, hooks, chief_only_hooks, last_ste
         kwargs["save_checkpoint_secs"] = save_checkpoint_secs
     if save_summaries_steps is not None:
         kwargs["save_summaries_steps"] = save_summaries_steps
-    chief_hooks = list(chief_only_hooks or []) + [ResumeLogHook(checkpoint_dir)]
+    # TF ends hooks in list order: chief-only ones, its checkpoint saver, then `hooks`.
+    # tfpsx's own (GEO's last push, the stagers', the caches' final flush) end before the
+    # saver's final save, so the last checkpoint holds every local step (measured before:
+    # a GEO chief's final checkpoint missed the steps since its last round).
+    chief_hooks = own + list(chief_only_hooks or []) + [ResumeLogHook(checkpoint_dir)]
     if checkpoint_dir is not None:
         # Among `hooks`, which TF ends after its checkpoint saver's final save.
         hooks = hooks + [TrainingDoneHook(checkpoint_dir)]
