@@ -78,6 +78,27 @@ def test_keras_fit_fails_naming_the_killed_server(make_cluster, cache):
                          rf"at {re.escape(c.servers[0])}", log), log[-3000:]
 
 
+@pytest.mark.timeout(240)
+def test_keras_fit_names_a_server_lost_right_before_kerass_own_wait_at_an_epochs_end(
+        make_cluster):
+    """The window no step can catch: the server dies after the epoch's last step and its
+    callbacks, and Keras's own wait at the epoch's end (which reaches every server) is
+    the first to meet it. The error still names the server, and the exit code is the
+    one a restart policy retries (it was a raw UnavailableError and exit 1)."""
+    c = make_cluster(1, 2, script="keras_job.py", env=ENV, timeout=200, config_mode="scheduler",
+                     args=["--mode", "async", "--epochs", "100", "--examples", "1024",
+                           "--pause_at_epoch_end", "2"]).start()
+    for i in range(2):
+        wait_for_log(c, "worker", i, "LAST STEP DONE", timeout=120)
+    c.kill("server", 0)  # within both workers' pause (before the watch's 4 s could tell)
+    codes = c.wait([("worker", 0), ("worker", 1)], timeout=60)
+    for i in range(2):
+        assert codes[("worker", i)] == 138, c.logs()
+        log = c.log("worker", i)
+        assert re.search(rf"ServerUnavailableError: worker {i}: fit\(\) lost server 0 "
+                         rf"at {re.escape(c.servers[0])}", log), log[-3000:]
+
+
 @pytest.mark.timeout(120)
 def test_without_its_scheduler_a_server_serves_on_then_gives_up_within_its_bound(make_cluster):
     """By hand (no launcher to restart it): a killed scheduler does not take the model with

@@ -160,7 +160,45 @@ def main_thread_activity() -> str:
 
 _exit_lock = threading.Lock()
 _exit_armed = False
-_hook_armed = False
+_hook_installed = False
+_exit_on_uncaught = False
+_translators: List[Callable[[BaseException], Optional[BaseException]]] = []
+
+
+def _install_hook() -> None:
+    """Chains this module's ``sys.excepthook`` in front of the current one (once;
+    the caller holds ``_exit_lock``)."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        translated = False
+        try:
+            for translate in list(_translators):
+                try:
+                    instead = translate(value)
+                except Exception:  # noqa: BLE001 — report the original error then
+                    instead = None
+                if instead is not None:
+                    instead.__cause__ = value
+                    kind, value, tb, translated = type(instead), instead, None, True
+                    break
+            previous(kind, value, tb)
+        finally:
+            if _exit_on_uncaught or translated:
+                try:
+                    for handler in logger.handlers:
+                        handler.flush()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(EXIT_PEER_LOST if isinstance(value, ServerUnavailableError)
+                             else 1)
+
+    sys.excepthook = hook
 
 
 def exit_if_uncaught() -> None:
@@ -170,24 +208,26 @@ def exit_if_uncaught() -> None:
     for good. The code is :data:`EXIT_PEER_LOST` for a lost server
     (``ServerUnavailableError``: a restart from the last checkpoint can succeed), else 1
     as always. A caught exception changes nothing."""
-    global _hook_armed
+    global _exit_on_uncaught
     with _exit_lock:
-        if _hook_armed:
-            return
-        _hook_armed = True
-    previous = sys.excepthook
+        _install_hook()
+        _exit_on_uncaught = True
 
-    def hook(kind, value, tb):
-        try:
-            previous(kind, value, tb)
-            for handler in logger.handlers:
-                handler.flush()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(EXIT_PEER_LOST if isinstance(value, ServerUnavailableError) else 1)
 
-    sys.excepthook = hook
+def translate_uncaught(translate: Callable[[BaseException], Optional[BaseException]]) -> None:
+    """From now on an exception that ends the program uncaught is first offered to
+    ``translate``: where it returns an error (say, a ``ServerUnavailableError`` naming
+    the server a raw ``UnavailableError`` lost), that error is what Python prints (the
+    original as its cause) and the process leaves as :func:`exit_if_uncaught` says.
+
+    For failures tfpsx cannot catch where they happen: Keras's own wait at an epoch's
+    end (outside every step) reaches every server, so a server lost just before it
+    surfaces there, raw, out of ``fit``. Where ``translate`` returns None, nothing
+    changes: the interpreter ends as usual."""
+    with _exit_lock:
+        _install_hook()
+        if translate not in _translators:
+            _translators.append(translate)
 
 
 def exit_when_lost(message: str, grace: float) -> None:

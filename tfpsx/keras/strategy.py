@@ -39,7 +39,8 @@ import tensorflow as tf
 from tfpsx import compat, errors, settings
 from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
-from tfpsx.control.watchdog import exit_if_uncaught, lost_server
+from tfpsx.control.watchdog import (exit_if_uncaught, lost_server, probe,
+                                    translate_uncaught)
 from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
@@ -345,22 +346,40 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
             raise
 
     def _raise_if_server_lost(self, error: BaseException) -> None:
-        unavailable = error
-        while unavailable is not None and not isinstance(unavailable, tf.errors.UnavailableError):
-            unavailable = unavailable.__cause__
-        if unavailable is None:
+        lost = server_lost_error(error)
+        if lost is None:
             return
-        config = RUNTIME.require("keras")
-        lost = lost_server(unavailable, config.servers)
-        server = f"server {lost[0]} at {lost[1]}" if lost else "a parameter server"
-        lines = [line.strip() for line in str(unavailable).splitlines()
-                 if line.strip() and "execution error" not in line and "root error" not in line]
-        first = (lines or ["unavailable"])[0][:300]
         exit_if_uncaught()  # the job is over for this worker: no hang in TF's teardown
-        raise errors.ServerUnavailableError(
-            f"worker {config.index}: fit() lost {server} ({first}); the job cannot go on "
-            "without it (its share of the variables and tables is gone): restart it from "
-            "the last checkpoint") from error
+        raise lost from error
+
+
+def server_lost_error(error: BaseException) -> Optional[errors.ServerUnavailableError]:
+    """The ``ServerUnavailableError`` naming the server an ``UnavailableError`` (``error``
+    or one that caused it) lost, or None when there is none. A Keras worker's eager
+    context reaches the PS tasks only: an unavailable peer is one of them."""
+    if isinstance(error, errors.ServerUnavailableError):
+        return None
+    unavailable, seen = error, set()
+    while unavailable is not None and not isinstance(unavailable, tf.errors.UnavailableError):
+        seen.add(id(unavailable))
+        unavailable = unavailable.__cause__ or unavailable.__context__
+        if unavailable is not None and id(unavailable) in seen:
+            return None
+    if unavailable is None:
+        return None
+    config = RUNTIME.require("keras")
+    lost = lost_server(unavailable, config.servers)
+    if lost is None:  # the message does not say ("recvmsg:Connection reset by peer"): ask
+        lost = next(((rank, address) for rank, address in enumerate(config.servers)
+                     if not probe(address, timeout=2.0)), None)
+    server = f"server {lost[0]} at {lost[1]}" if lost else "a parameter server"
+    lines = [line.strip() for line in str(unavailable).splitlines()
+             if line.strip() and "execution error" not in line and "root error" not in line]
+    first = (lines or ["unavailable"])[0][:300]
+    return errors.ServerUnavailableError(
+        f"worker {config.index}: fit() lost {server} ({first}); the job cannot go on "
+        "without it (its share of the variables and tables is gone): restart it from "
+        "the last checkpoint")
 
 
 def _connect(config) -> None:
@@ -385,3 +404,6 @@ def _connect(config) -> None:
                          settings.get("TFPSX_CONNECT_TIMEOUT"),
                          log=lambda m: logger.info("worker %d %s", config.index, m))
     RUNTIME.eager_connection = key
+    # A server lost where no step can catch it (Keras's own wait at an epoch's end) is
+    # still named, and the process still exits to be restarted.
+    translate_uncaught(server_lost_error)

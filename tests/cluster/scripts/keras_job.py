@@ -123,6 +123,20 @@ def partitioned(strategy):
             if hasattr(g, "slices")}
 
 
+class PauseAtEpochEnd(keras.callbacks.Callback):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.epoch = seconds, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 0 and batch + 1 == self.params["steps"]:
+            print("LAST STEP DONE", flush=True)
+            time.sleep(self.seconds)
+
+
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["async", "sync", "geo", "staleness"], default="async")
@@ -145,6 +159,10 @@ def main(argv):
                    help="the chief saves weights there every epoch (ModelCheckpoint) and, "
                         "when a file is there already, restores it before fit")
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--pause_at_epoch_end", type=float, default=0.0,
+                   help="after the first epoch's last step (after every other callback), "
+                   "print LAST STEP DONE and sleep this long, so that a test can kill a "
+                   "server right before Keras's own wait at the epoch's end")
     p.add_argument("--cache_size", type=int, default=0,
                    help="a worker cache of that many rows on both tables (flushed every 10)")
     p.add_argument("--partition", type=int, default=0,
@@ -181,6 +199,8 @@ def main(argv):
     if args.step_delay:
         callbacks.append(keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda *_, **__: time.sleep(args.step_delay)))
+    if args.pause_at_epoch_end:
+        callbacks.append(PauseAtEpochEnd(args.pause_at_epoch_end))
     start = time.time()
     if args.model == "linear":
         steps = args.k_steps * args.syncs if args.mode == "geo" else args.steps
