@@ -81,13 +81,17 @@ def __getattr__(name):
     raise AttributeError(f"module 'tfpsx' has no attribute {name!r}")
 
 
-def init(role_maker: Optional[RoleMaker] = None) -> ClusterConfig:
+def init(role_maker: Optional[RoleMaker] = None, is_collective: bool = False) -> ClusterConfig:
     """Resolves this process's role, rank and cluster.
 
     Args:
       role_maker: where to read the cluster from. ``None`` reads TF_CONFIG, else the
         TFPSX_* variables (``AutoRoleMaker``); pass ``UserDefinedRoleMaker``,
         ``TFConfigRoleMaker``, ``EnvRoleMaker`` or ``FlagsRoleMaker`` to choose.
+      is_collective: a collective job (Fleet's ``fleet.init(is_collective=True)``):
+        workers only, no parameter servers; every weight is all-reduced among the
+        workers (``tfpsx.keras.CollectiveStrategy``). A cluster that declares servers
+        is refused.
 
     Returns:
       The validated :class:`ClusterConfig`.
@@ -96,7 +100,7 @@ def init(role_maker: Optional[RoleMaker] = None) -> ClusterConfig:
       ValueError: the configuration is missing or malformed (the message names the
         variable, the bad value and what was expected).
     """
-    return _RUNTIME.init(role_maker)
+    return _RUNTIME.init(role_maker, is_collective)
 
 
 def cluster_config() -> ClusterConfig:

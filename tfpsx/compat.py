@@ -64,6 +64,32 @@ def ensure_eager_context_initialized() -> None:
     _context.ensure_initialized()
 
 
+def enable_collectives(cluster_spec, job_name: str, task_index: int, leader: str) -> None:
+    """Starts this process's collective runtime the way TF's MultiWorkerMirroredStrategy
+    does: the group leader and device filters in the context's config, then an in-process
+    gRPC server for ``/job:<job_name>/task:<task_index>`` of ``cluster_spec`` whose
+    collective executor reaches the other tasks. Raises RuntimeError once the eager
+    context exists (TF configures collectives at program start only)."""
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+
+    ctx = _context.context()
+    ctx.configure_collective_ops(
+        collective_leader=leader, scoped_allocator_enabled_ops=("CollectiveReduce",),
+        device_filters=(f"/job:{job_name}/task:{task_index}",))
+    server_def = tensorflow_server_pb2.ServerDef(
+        cluster=cluster_spec.as_cluster_def(), job_name=job_name, task_index=task_index,
+        protocol="grpc")
+    server_def.default_session_config.CopyFrom(ctx.config)
+    ctx.enable_collective_ops(server_def)
+    ctx.ensure_initialized()
+
+
+def abort_collectives(message: str) -> None:
+    """Fails every collective in flight, and every later one, with ``message`` (a lost
+    peer: TF's collectives would wait for it until their timeout)."""
+    _context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
+
+
 def async_wait() -> None:
     """Waits for this process's eager ops in flight; raises the error of one that failed
     (a remote op whose server died)."""
@@ -88,4 +114,5 @@ def keras_current_path() -> str:
 __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "BaseResourceVariable", "gen_resource_variable_ops", "set_handle_shapes_and_types",
            "ensure_eager_context_initialized", "async_wait", "Trackable",
+           "enable_collectives", "abort_collectives",
            "keras_name_scopes", "keras_current_path"]

@@ -33,6 +33,11 @@ class ServerUnavailableError(ConnectionError):
     """A parameter server (or the scheduler) stopped answering."""
 
 
+class PeerUnavailableError(ConnectionError):
+    """Another worker of a collective job stopped answering: no collective can complete
+    without it (the message names it)."""
+
+
 class SchedulerRejectedError(RuntimeError):
     """The scheduler refused a node: wrong token, wrong role, too many nodes, rank taken."""
 

@@ -20,6 +20,7 @@ from tfpsx import errors, metrics, settings
 from tfpsx.control import eager_anchor, sched_client
 from tfpsx.control.channels import wait_for_servers
 from tfpsx.control.counters import CounterCoordinator
+from tfpsx.control.peers import PeersOnlyCoordinator
 from tfpsx.control.protocol import Coordinator
 from tfpsx.control.scheduler import run_scheduler
 from tfpsx.control.watchdog import ServerWatch, exit_when_lost, main_thread_activity
@@ -79,7 +80,8 @@ class Runtime:
             metrics.set_identity(None, None)
 
     # ------------------------------------------------------------------ setup
-    def init(self, role_maker: Optional[_cluster.RoleMaker] = None) -> _cluster.ClusterConfig:
+    def init(self, role_maker: Optional[_cluster.RoleMaker] = None,
+             is_collective: bool = False) -> _cluster.ClusterConfig:
         with self._lock:
             if self._worker_state == "started":
                 raise RuntimeError("tfpsx.init() called again after init_worker(); call "
@@ -90,7 +92,10 @@ class Runtime:
                                 f"FlagsRoleMaker), got {role_maker!r}")
             _ensure_log_handler()
             role_maker = role_maker or _cluster.AutoRoleMaker()
-            config = role_maker.resolve()
+            if not isinstance(is_collective, bool):
+                raise TypeError(f"tfpsx.init(is_collective=...) expects True or False, got "
+                                f"{is_collective!r}")
+            config = role_maker.resolve(collective=True) if is_collective else role_maker.resolve()
             self._stop_watch()
             if self._coord is not None:
                 self._coord.close()
@@ -101,6 +106,8 @@ class Runtime:
                     settings.get("TFPSX_REGISTER_TIMEOUT"), settings.get("TFPSX_RPC_TIMEOUT"),
                     settings.get("TFPSX_HEARTBEAT_INTERVAL"))
                 self._coord = sched_client.SchedulerCoordinator(config, client)
+            elif config.collective and config.role == _cluster.WORKER:
+                self._coord = PeersOnlyCoordinator()
             elif config.role in (_cluster.SERVER, _cluster.WORKER):
                 self._coord = CounterCoordinator(
                     config, settings.get("TFPSX_RPC_TIMEOUT"),
@@ -180,6 +187,15 @@ class Runtime:
             if self._worker_state == "started":
                 return
             start = time.monotonic()
+            if config.collective:
+                # No servers: the peers meet in the first collective (the strategy's start,
+                # bounded by TFPSX_COLLECTIVE_TIMEOUT), which also starts their watch.
+                _enable_collectives(config)
+                self._coord.worker_start()
+                self._worker_state = "started"
+                logger.info("worker %d of %d started (collective)", config.index,
+                            config.worker_num)
+                return
             wait_for_servers(
                 {f"ps:{i}": addr for i, addr in enumerate(config.servers)},
                 settings.get("TFPSX_CONNECT_TIMEOUT", connect_timeout),
@@ -225,6 +241,39 @@ class Runtime:
             f"(TFPSX_HEARTBEAT_TIMEOUT={settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); "
             f"{main_thread_activity()}. The job cannot go on without that server (its share "
             "of the variables and tables is gone): restart it from the last checkpoint. "
+            f"This worker exits in {grace:g} s (TFPSX_LOST_GRACE) unless it fails first.",
+            grace)
+
+    def watch_peers(self) -> None:
+        """A collective worker watches the other workers (their collective servers are
+        up once the first collective ran): a lost one ends this worker within the
+        heartbeat timeout, naming it; TF's collectives would wait for it until their
+        own timeout (TFPSX_COLLECTIVE_TIMEOUT)."""
+        config = self.require_role("watch_peers", _cluster.WORKER)
+        with self._lock:
+            if self._watch is not None or self._worker_state != "started":
+                return
+            me = config.index
+            self._watch = ServerWatch(
+                {f"worker {r}": a for r, a in enumerate(config.workers) if r != me},
+                settings.get("TFPSX_HEARTBEAT_TIMEOUT"), settings.get("TFPSX_HEARTBEAT_INTERVAL"),
+                self._peer_lost,
+                reported_dead=lambda: [(f"worker {r}", a) for r, a in self._coord.dead_workers()]
+            ).start()
+
+    def _peer_lost(self, task: str, address: str, why: str) -> None:
+        config = self.config
+        grace = settings.get("TFPSX_LOST_GRACE")
+        metrics.emit("peer_lost", peer=task, address=address, why=why)
+        from tfpsx import compat
+
+        # The collective in flight fails at once, naming the peer (not at its timeout).
+        compat.abort_collectives(f"worker {config.index} lost {task} at {address}: {why}")
+        exit_when_lost(
+            f"worker {config.index} lost {task} at {address}: {why} "
+            f"(TFPSX_HEARTBEAT_TIMEOUT={settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); "
+            f"{main_thread_activity()}. A collective cannot go on without every rank: "
+            "restart the job from the last checkpoint. "
             f"This worker exits in {grace:g} s (TFPSX_LOST_GRACE) unless it fails first.",
             grace)
 
@@ -278,3 +327,20 @@ class Runtime:
 
 
 RUNTIME = Runtime()
+
+
+def _enable_collectives(config: _cluster.ClusterConfig) -> None:
+    """This worker's collective runtime (an in-process server on its address, the group
+    leader worker 0), before any TensorFlow op: TF configures collectives once, at
+    program start."""
+    from tfpsx import compat
+
+    leader_job, leader_task = config.worker_device_job(0)
+    try:
+        compat.enable_collectives(config.cluster_spec(), config.job_name, config.task_index,
+                                  f"/job:{leader_job}/replica:0/task:{leader_task}")
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(
+            f"tfpsx.init_worker() could not start worker {config.index}'s collectives ({e}): "
+            "in a collective job call it right after tfpsx.init(), before any TensorFlow op "
+            "runs (TF configures collectives once, at program start)") from e

@@ -201,6 +201,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "timeouts"),
     Setting("TFPSX_STALENESS_TIMEOUT", "seconds", 300.0,
             "bounded staleness: a worker waiting for the slowest", "timeouts"),
+    Setting("TFPSX_COLLECTIVE_TIMEOUT", "seconds", 600.0,
+            "one collective (an all-reduce or a broadcast) waiting for the other workers: "
+            "the bound behind the peer watch, which names a lost rank sooner", "timeouts"),
     Setting("TFPSX_LOST_GRACE", "seconds", 10.0,
             "a worker that lost a server: how long its training code gets to fail by "
             "itself before the process exits with code 138 (retryable)", "timeouts"),

@@ -328,3 +328,46 @@ def test_reset_forgets_the_role_and_the_control_plane(fresh_runtime):
     with pytest.raises(tfpsx.errors.NotInitializedError, match="call tfpsx.init"):
         tfpsx.worker_index()
     fresh_runtime.reset()  # twice is fine
+
+
+# ------------------------------------------------------------------ collective jobs
+
+def test_a_collective_job_has_workers_only_in_every_source():
+    spec = {"cluster": {"worker": WK}, "task": {"type": "worker", "index": 1}}
+    c = cluster.from_tf_config(spec, collective=True)
+    assert (c.role, c.index, c.servers, c.collective) == ("worker", 1, (), True)
+    assert c.cluster_dict() == {"worker": WK} and c.server_num == 0
+    env = env_vars(servers=None)
+    assert EnvRoleMaker(env=env).resolve(collective=True).workers == tuple(WK)
+    sched = {"TFPSX_ROLE": "worker", "TFPSX_SCHED_ADDR": "127.0.0.1:7000",
+             "TFPSX_SERVER_NUM": "0", "TFPSX_WORKER_NUM": "3"}
+    s = cluster.from_env(sched, collective=True)
+    assert s.needs_scheduler and s.server_num == 0 and s.collective
+    user = UserDefinedRoleMaker("worker", 0, [], WK).resolve(collective=True)
+    assert user.servers == () and user.collective
+    flags = FlagsRoleMaker(["--worker_hosts", ",".join(WK), "--job_name", "worker",
+                            "--task_index", "2"]).resolve(collective=True)
+    assert (flags.index, flags.servers) == (2, ())
+
+
+def test_servers_in_a_collective_job_and_none_in_a_ps_job_are_refused():
+    with pytest.raises(ValueError, match=r"TF_CONFIG\['cluster'\]\['ps'\]: 2 parameter server\(s\) "
+                       r".*tfpsx.init\(is_collective=True\) trains by all-reduce"):
+        cluster.from_tf_config(tf_config("worker", 0), collective=True)
+    with pytest.raises(ValueError, match=r"TFPSX_SERVER_ENDPOINTS: 2 parameter server"):
+        cluster.from_env(env_vars(), collective=True)
+    with pytest.raises(ValueError, match=r"TFPSX_SERVER_NUM: 1 parameter server"):
+        cluster.from_env({"TFPSX_ROLE": "worker", "TFPSX_SCHED_ADDR": "127.0.0.1:7000",
+                          "TFPSX_SERVER_NUM": "1", "TFPSX_WORKER_NUM": "2"}, collective=True)
+    with pytest.raises(ValueError, match=r"has no 'ps' hosts.*is_collective=True"):
+        cluster.from_tf_config({"cluster": {"worker": WK}, "task": {"type": "worker"}})
+    with pytest.raises(ValueError, match=r"TFPSX_SERVER_NUM: expected an integer >= 1, got '0'"):
+        cluster.from_env({"TFPSX_ROLE": "worker", "TFPSX_SCHED_ADDR": "127.0.0.1:7000",
+                          "TFPSX_SERVER_NUM": "0", "TFPSX_WORKER_NUM": "2"})
+    with pytest.raises(ValueError, match=r"server_endpoints: no endpoints given"):
+        UserDefinedRoleMaker("worker", 0, [], WK).resolve(collective=False)
+
+
+def test_init_takes_is_collective_as_a_bool_only():
+    with pytest.raises(TypeError, match=r"is_collective=\.\.\.\) expects True or False, got 'yes'"):
+        tfpsx.init(UserDefinedRoleMaker("worker", 0, [], WK), is_collective="yes")

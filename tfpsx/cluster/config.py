@@ -62,6 +62,8 @@ class ClusterConfig:
       source: where the config came from, for messages.
       initial_worker_num: the workers the job started with, when a scheduler says so
         (workers beyond it joined the running job).
+      collective: a collective job (``tfpsx.init(is_collective=True)``): workers only,
+        no parameter servers.
     """
     role: str
     index: Optional[int]
@@ -72,6 +74,7 @@ class ClusterConfig:
     scheduler: Optional[SchedulerInfo] = None
     source: str = "user"
     initial_worker_num: Optional[int] = None
+    collective: bool = False
 
     @property
     def server_num(self) -> int:
@@ -84,7 +87,7 @@ class ClusterConfig:
     @property
     def needs_scheduler(self) -> bool:
         """True while ranks and endpoints are still to come from the scheduler."""
-        return self.scheduler is not None and (self.index is None or not self.servers)
+        return self.scheduler is not None and (self.index is None or not self.workers)
 
     @property
     def joined(self) -> bool:
@@ -133,7 +136,7 @@ class ClusterConfig:
         if self.needs_scheduler:
             raise ValueError("the cluster is not known yet: the scheduler at "
                              f"{self.scheduler.address} has not assigned endpoints")
-        spec = {"ps": list(self.servers)}
+        spec = {"ps": list(self.servers)} if self.servers else {}
         if self.has_chief_job:
             spec["chief"] = [self.workers[0]]
             if len(self.workers) > 1:

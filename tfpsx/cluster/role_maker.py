@@ -14,9 +14,10 @@ from tfpsx.cluster.config import ClusterConfig
 
 
 class RoleMaker:
-    """Base class: ``resolve()`` returns a validated :class:`tfpsx.cluster.ClusterConfig`."""
+    """Base class: ``resolve()`` returns a validated :class:`tfpsx.cluster.ClusterConfig`
+    (``resolve(collective=True)`` for a collective job: workers only, no servers)."""
 
-    def resolve(self) -> ClusterConfig:
+    def resolve(self, collective: bool = False) -> ClusterConfig:
         raise NotImplementedError(f"{type(self).__name__} must implement resolve()")
 
 
@@ -26,8 +27,8 @@ class AutoRoleMaker(RoleMaker):
     def __init__(self, env: Optional[Mapping[str, str]] = None):
         self._env = env
 
-    def resolve(self):
-        return _sources.resolve(self._env)
+    def resolve(self, collective: bool = False):
+        return _sources.resolve(self._env, collective=collective)
 
 
 class TFConfigRoleMaker(RoleMaker):
@@ -45,14 +46,15 @@ class TFConfigRoleMaker(RoleMaker):
         self._task_type = task_type
         self._task_index = task_index
 
-    def resolve(self):
+    def resolve(self, collective: bool = False):
         config = self._tf_config
         if config is None:
             config = os.environ.get("TF_CONFIG", "")
             if not config.strip():
                 raise ValueError("TFConfigRoleMaker: TF_CONFIG is not set; expected a JSON "
                                  'object like {"cluster": {...}, "task": {...}}')
-        return _sources.from_tf_config(config, self._task_type, self._task_index)
+        return _sources.from_tf_config(config, self._task_type, self._task_index,
+                                       collective=collective)
 
 
 class EnvRoleMaker(RoleMaker):
@@ -68,8 +70,8 @@ class EnvRoleMaker(RoleMaker):
                             worker_endpoints=worker_endpoints)
         self._env = env
 
-    def resolve(self):
-        return _sources.from_env(self._env, **self._kwargs)
+    def resolve(self, collective: bool = False):
+        return _sources.from_env(self._env, collective=collective, **self._kwargs)
 
 
 class UserDefinedRoleMaker(RoleMaker):
@@ -85,8 +87,8 @@ class UserDefinedRoleMaker(RoleMaker):
                  worker_endpoints: Any):
         self._args = (role, current_id, server_endpoints, worker_endpoints)
 
-    def resolve(self):
-        return _sources.from_user(*self._args)
+    def resolve(self, collective: bool = False):
+        return _sources.from_user(*self._args, collective=collective)
 
 
 class FlagsRoleMaker(RoleMaker):
@@ -99,5 +101,6 @@ class FlagsRoleMaker(RoleMaker):
     def __init__(self, argv: Optional[Sequence[str]] = None):
         self._argv = argv
 
-    def resolve(self):
-        return _sources.from_flags(sys.argv[1:] if self._argv is None else self._argv)
+    def resolve(self, collective: bool = False):
+        return _sources.from_flags(sys.argv[1:] if self._argv is None else self._argv,
+                                   collective=collective)

@@ -52,24 +52,41 @@ def _check_index(index: Any, what: str, count: int, role: str) -> int:
     return number
 
 
+def _check_servers(count: int, collective: bool, what: str, listed: Any = None) -> None:
+    """A collective job has no parameter servers; any other job has at least one."""
+    if collective and count:
+        raise ValueError(
+            f"{what}: {count} parameter server(s) {list(listed) if listed else ''} declared, "
+            "but tfpsx.init(is_collective=True) trains by all-reduce among the workers "
+            "alone; remove them (tfpsx-run --server_num 0), or drop is_collective=True to "
+            "train on them")
+    if not collective and not count:
+        raise ValueError(
+            f"{what}: no parameter servers; tfpsx needs at least one (or "
+            "tfpsx.init(is_collective=True) for all-reduce among the workers alone)")
+
+
 # ----------------------------------------------------------------------------- sources
 
 
 def from_user(role: str, index: int, server_endpoints: Any, worker_endpoints: Any,
-              source: str = "user") -> ClusterConfig:
+              source: str = "user", collective: bool = False) -> ClusterConfig:
     """A config from explicit Python arguments (UserDefinedRoleMaker)."""
-    role = _check_role(role, f"{source}: role", (SERVER, WORKER))
-    servers = parse_endpoint_list(server_endpoints, f"{source}: server_endpoints")
+    role = _check_role(role, f"{source}: role", (WORKER,) if collective else (SERVER, WORKER))
+    servers = parse_endpoint_list(server_endpoints, f"{source}: server_endpoints",
+                                  allow_empty=collective)
+    _check_servers(len(servers), collective, f"{source}: server_endpoints", servers)
     workers = parse_endpoint_list(worker_endpoints, f"{source}: worker_endpoints")
     reject_duplicates([(f"{source}: server_endpoints", e) for e in servers] +
                        [(f"{source}: worker_endpoints", e) for e in workers])
     count = len(servers) if role == SERVER else len(workers)
     index = _check_index(index, f"{source}: current_id", count, role)
-    return ClusterConfig(role=role, index=index, servers=servers, workers=workers, source=source)
+    return ClusterConfig(role=role, index=index, servers=servers, workers=workers, source=source,
+                         collective=collective)
 
 
 def from_tf_config(tf_config: Any, task_type: Optional[str] = None,
-                   task_index: Optional[int] = None) -> ClusterConfig:
+                   task_index: Optional[int] = None, collective: bool = False) -> ClusterConfig:
     """A config from TF_CONFIG (a JSON string or an already parsed dict).
 
     ``task_type`` / ``task_index`` override the ``task`` entry when given.
@@ -102,9 +119,12 @@ def from_tf_config(tf_config: Any, task_type: Optional[str] = None,
         if len(jobs.get(single, ())) > 1:
             raise ValueError(f"TF_CONFIG['cluster'][{single!r}] lists {len(jobs[single])} hosts "
                              f"{list(jobs[single])}; expected at most one")
-    if not jobs.get("ps"):
+    if not jobs.get("ps") and not collective:
         raise ValueError(f"TF_CONFIG['cluster'] has no 'ps' hosts (jobs: {sorted(jobs)}); tfpsx "
-                         "needs at least one parameter server")
+                         "needs at least one parameter server (or tfpsx.init(is_collective=True) "
+                         "for all-reduce among the workers alone)")
+    _check_servers(len(jobs.get("ps", ())), collective, "TF_CONFIG['cluster']['ps']",
+                   jobs.get("ps"))
     if not jobs.get("chief") and not jobs.get("worker"):
         raise ValueError(f"TF_CONFIG['cluster'] has no 'chief' or 'worker' hosts "
                          f"(jobs: {sorted(jobs)}); expected at least one worker")
@@ -139,14 +159,14 @@ def from_tf_config(tf_config: Any, task_type: Optional[str] = None,
         role, index = WORKER, tindex + (1 if has_chief else 0)
     else:
         role, index = EVALUATOR, tindex
-    return ClusterConfig(role=role, index=index, servers=jobs["ps"], workers=workers,
+    return ClusterConfig(role=role, index=index, servers=jobs.get("ps", ()), workers=workers,
                          has_chief_job=has_chief, evaluators=jobs.get("evaluator", ()),
-                         source="TF_CONFIG")
+                         source="TF_CONFIG", collective=collective)
 
 
 def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None,
              rank: Optional[int] = None, server_endpoints: Any = None,
-             worker_endpoints: Any = None) -> ClusterConfig:
+             worker_endpoints: Any = None, collective: bool = False) -> ClusterConfig:
     """A config from TFPSX_* variables; the arguments override single variables."""
     env = os.environ if env is None else env
 
@@ -173,7 +193,7 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
         workers = (() if workers_value is None
                    else parse_endpoint_list(workers_value, workers_src))
         return ClusterConfig(role=EVALUATOR, index=index, servers=servers, workers=workers,
-                             source="env")
+                             source="env", collective=collective)
 
     if sched_value is not None:
         given = [n for n, v in ((ENV_SERVER_ENDPOINTS, servers_value),
@@ -189,8 +209,13 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
             missing = [n for n, v in ((ENV_SERVER_NUM, num_s), (ENV_WORKER_NUM, num_w)) if v is None]
             raise ValueError(f"{ENV_SCHED_ADDR} is set but {', '.join(missing)} is not; expected "
                              "the number of servers and workers the scheduler waits for")
+        # The scheduler serves collective jobs (no servers) as any other.
+        server_num = parse_int(num_s, ENV_SERVER_NUM,
+                               minimum=0 if collective or role_value == SCHEDULER else 1)
+        if role_value != SCHEDULER:
+            _check_servers(server_num, collective, ENV_SERVER_NUM)
         info = SchedulerInfo(address=address,
-                             server_num=parse_int(num_s, ENV_SERVER_NUM, minimum=1),
+                             server_num=server_num,
                              worker_num=parse_int(num_w, ENV_WORKER_NUM, minimum=1),
                              token=settings.raw(ENV_TOKEN, env))
         index = None
@@ -202,18 +227,21 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
                      max(info.worker_num, parse_int(most, "TFPSX_MAX_WORKER_NUM", minimum=1)))
             index = (None if role_value == SCHEDULER
                      else _check_index(rank_value, rank_src, count, role_value))
-        return ClusterConfig(role=role_value, index=index, scheduler=info, source="env")
+        return ClusterConfig(role=role_value, index=index, scheduler=info, source="env",
+                             collective=collective)
 
     if role_value == SCHEDULER:
         raise ValueError(f"{ENV_ROLE}=scheduler needs {ENV_SCHED_ADDR} (host:port to serve on), "
                          f"{ENV_SERVER_NUM} and {ENV_WORKER_NUM}")
-    if servers_value is None:
+    if servers_value is None and not collective:
         raise ValueError(f"{ENV_SERVER_ENDPOINTS} is not set; expected comma-separated host:port "
                          f"of every server (or {ENV_SCHED_ADDR} to use a scheduler)")
     if workers_value is None:
         raise ValueError(f"{ENV_WORKER_ENDPOINTS} is not set; expected comma-separated host:port "
                          f"of every worker (or {ENV_SCHED_ADDR} to use a scheduler)")
-    servers = parse_endpoint_list(servers_value, servers_src)
+    servers = (() if servers_value is None else
+               parse_endpoint_list(servers_value, servers_src, allow_empty=collective))
+    _check_servers(len(servers), collective, servers_src, servers)
     workers = parse_endpoint_list(workers_value, workers_src)
     reject_duplicates([(servers_src, e) for e in servers] + [(workers_src, e) for e in workers])
     if rank_value is None:
@@ -222,15 +250,15 @@ def from_env(env: Optional[Mapping[str, str]] = None, role: Optional[str] = None
     index = _check_index(rank_value, rank_src, count, role_value)
     for name, expected in ((ENV_SERVER_NUM, len(servers)), (ENV_WORKER_NUM, len(workers))):
         if settings.raw(name, env) is not None:
-            declared = parse_int(env[name], name, minimum=1)
+            declared = parse_int(env[name], name, minimum=0 if collective else 1)
             if declared != expected:
                 raise ValueError(f"{name}={declared} disagrees with the {expected} endpoint(s) "
                                  "listed; fix one of them")
     return ClusterConfig(role=role_value, index=index, servers=servers, workers=workers,
-                         source="env")
+                         source="env", collective=collective)
 
 
-def from_flags(argv: Sequence[str]) -> ClusterConfig:
+def from_flags(argv: Sequence[str], collective: bool = False) -> ClusterConfig:
     """A config from TF's classic between-graph flags.
 
     ``--ps_hosts h:p,... --worker_hosts h:p,... --job_name ps|worker --task_index N``;
@@ -240,6 +268,8 @@ def from_flags(argv: Sequence[str]) -> ClusterConfig:
     for flag in ("--ps_hosts", "--worker_hosts", "--job_name", "--task_index"):
         parser.add_argument(flag, default=None)
     known, _ = parser.parse_known_args(list(argv))
+    if collective and known.ps_hosts is None:
+        known.ps_hosts = ""
     missing = [f"--{k}" for k, v in vars(known).items() if v is None]
     if missing:
         raise ValueError(f"classic flags: missing {', '.join(missing)}; expected --ps_hosts, "
@@ -247,10 +277,10 @@ def from_flags(argv: Sequence[str]) -> ClusterConfig:
     if known.job_name not in ("ps", "worker"):
         raise ValueError(f"--job_name: unknown job {known.job_name!r}; expected 'ps' or 'worker'")
     return from_user(SERVER if known.job_name == "ps" else WORKER, known.task_index,
-                     known.ps_hosts, known.worker_hosts, source="flags")
+                     known.ps_hosts, known.worker_hosts, source="flags", collective=collective)
 
 
-def resolve(env: Optional[Mapping[str, str]] = None) -> ClusterConfig:
+def resolve(env: Optional[Mapping[str, str]] = None, collective: bool = False) -> ClusterConfig:
     """Resolves the cluster from the environment: TF_CONFIG, else TFPSX_* variables.
 
     Raises:
@@ -263,9 +293,9 @@ def resolve(env: Optional[Mapping[str, str]] = None) -> ClusterConfig:
         if tfpsx_vars:
             raise ValueError(f"conflicting cluster sources: TF_CONFIG is set and so are "
                              f"{', '.join(tfpsx_vars)}; set only one of them")
-        return from_tf_config(tf_config)
+        return from_tf_config(tf_config, collective=collective)
     if tfpsx_vars:
-        return from_env(env)
+        return from_env(env, collective=collective)
     raise ValueError("no cluster configured: set TF_CONFIG, or TFPSX_ROLE with "
                      "TFPSX_SERVER_ENDPOINTS/TFPSX_WORKER_ENDPOINTS/TFPSX_RANK (or TFPSX_SCHED_ADDR), "
                      "or pass a role maker to tfpsx.init(); tfpsx-run sets these for you")

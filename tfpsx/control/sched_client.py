@@ -308,7 +308,8 @@ def register_node(config: _cluster.ClusterConfig, connect_timeout: float,
         raise
     resolved = _cluster.ClusterConfig(role=config.role, index=rank, servers=servers,
                                       workers=workers, scheduler=config.scheduler,
-                                      source="scheduler", initial_worker_num=started_with)
+                                      source="scheduler", initial_worker_num=started_with,
+                                      collective=config.collective)
     return resolved, client
 
 

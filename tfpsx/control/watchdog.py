@@ -31,7 +31,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from tfpsx.background import BackgroundLoop
-from tfpsx.errors import ServerUnavailableError
+from tfpsx.errors import PeerUnavailableError, ServerUnavailableError
 
 logger = logging.getLogger("tfpsx")
 
@@ -40,6 +40,8 @@ logger = logging.getLogger("tfpsx")
 # restart policy (it also retries 130, 137, 143; every other code, EX_TEMPFAIL's 75
 # included, is permanent there): deploy/kubeflow relies on it.
 EXIT_PEER_LOST = 138
+# The errors a process exits with EXIT_PEER_LOST for: a restart can succeed.
+RETRYABLE = (ServerUnavailableError, PeerUnavailableError)
 
 # The client's HTTP/2 connection preface and an empty SETTINGS frame: a live gRPC
 # server answers with its own SETTINGS frame (type 4) at once.
@@ -195,8 +197,7 @@ def _install_hook() -> None:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 finally:
-                    os._exit(EXIT_PEER_LOST if isinstance(value, ServerUnavailableError)
-                             else 1)
+                    os._exit(EXIT_PEER_LOST if isinstance(value, RETRYABLE) else 1)
 
     sys.excepthook = hook
 
@@ -205,8 +206,8 @@ def exit_if_uncaught() -> None:
     """If the exception being raised now ends the program uncaught, the process leaves
     right after Python prints it, without the interpreter's teardown: TF's input-pipeline
     threads (a ``tf.py_function`` in flight) and sessions towards a lost peer can block it
-    for good. The code is :data:`EXIT_PEER_LOST` for a lost server
-    (``ServerUnavailableError``: a restart from the last checkpoint can succeed), else 1
+    for good. The code is :data:`EXIT_PEER_LOST` for a lost server or peer
+    (:data:`RETRYABLE`: a restart from the last checkpoint can succeed), else 1
     as always. A caught exception changes nothing."""
     global _exit_on_uncaught
     with _exit_lock:

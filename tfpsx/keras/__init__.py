@@ -5,6 +5,8 @@
   staleness); the per-mode parts are :mod:`~tfpsx.keras.modes`, the hooks around
   ``fit`` :mod:`~tfpsx.keras.fit`, the PS-resident variables
   :mod:`~tfpsx.keras.variables`;
+* :class:`CollectiveStrategy` (:mod:`~tfpsx.keras.collective`): ``fit`` in a collective
+  job, every weight all-reduced among the workers (no parameter servers);
 * :mod:`~tfpsx.keras.layers`: ``DynamicEmbedding``, a layer over a growing table;
 * :mod:`~tfpsx.keras.checkpoint`: ``IncrementalCheckpoint``, a callback saving tables as
   full exports every M saves and deltas between, and ``evaluate_checkpoints``, an
@@ -17,10 +19,11 @@ eager / ``tf.function`` front-end.
 """
 
 from tfpsx.keras import layers
+from tfpsx.keras.collective import CollectiveStrategy
 from tfpsx.keras.checkpoint import IncrementalCheckpoint, evaluate_checkpoints
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.keras.summaries import TrainingSummaries
 
-__all__ = ["ParameterServerStrategy", "DynamicEmbedding", "IncrementalCheckpoint",
+__all__ = ["ParameterServerStrategy", "CollectiveStrategy", "DynamicEmbedding", "IncrementalCheckpoint",
            "evaluate_checkpoints", "TrainingSummaries", "layers"]

@@ -44,6 +44,7 @@ from tfpsx.embedding.cache import CacheOptions
 from tfpsx.embedding.sharding import EXPORT_FIELDS
 from tfpsx.keras.modes.base import TRIGGER
 from tfpsx.keras.row_sources import source_of
+from tfpsx.keras.collective import CollectiveStrategy
 from tfpsx.keras.strategy import ParameterServerStrategy
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -117,7 +118,15 @@ class DynamicEmbedding(keras.layers.Layer):
             return
         # On the parameter servers in a ParameterServerStrategy's scope; a local table
         # otherwise, also in a process of a cluster (its eager context reaches no PS).
-        on_ps = isinstance(tf.distribute.get_strategy(), ParameterServerStrategy)
+        strategy = tf.distribute.get_strategy()
+        if isinstance(strategy, CollectiveStrategy):
+            raise ValueError(
+                f"DynamicEmbedding layer {self.name!r} in a tfpsx.keras.CollectiveStrategy: "
+                "its table grows on the parameter servers, and a collective job has none "
+                "(every weight is all-reduced); train it under "
+                "tfpsx.keras.ParameterServerStrategy, or use keras.layers.Embedding for a "
+                "fixed vocabulary")
+        on_ps = isinstance(strategy, ParameterServerStrategy)
         self.table = E.DynamicTable(
             self.table_name or self.name, self.dim, initializer=self.initializer,
             optimizer=self.table_optimizer, seed=self.seed, min_frequency=self.min_frequency,

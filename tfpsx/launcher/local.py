@@ -106,7 +106,8 @@ class LocalCluster:
         if config_mode not in ("env", "tf_config", "scheduler"):
             raise ValueError("config_mode: expected 'env', 'tf_config' or 'scheduler', got "
                              f"{config_mode!r}")
-        settings.parse_int(server_num, "server_num", minimum=1)
+        # No servers: a collective job (its script calls tfpsx.init(is_collective=True)).
+        settings.parse_int(server_num, "server_num", minimum=0)
         # With a chief, the chief alone may train (TF_CONFIG then has no "worker" job).
         settings.parse_int(worker_num, "worker_num", minimum=0 if chief else 1)
         self.chief, self.evaluator = bool(chief), bool(evaluator)
@@ -159,7 +160,7 @@ class LocalCluster:
         return index + 1 if role == _cluster.WORKER and self.chief else index
 
     def _tf_config(self, role: str, index: int) -> Dict:
-        cluster = {"ps": self.servers}
+        cluster = {"ps": self.servers} if self.servers else {}
         if self.chief:
             cluster["chief"] = [self.chief_address]
         if self.workers:
@@ -202,8 +203,9 @@ class LocalCluster:
                 env[_cluster.ENV_TOKEN] = self.token
         else:
             env.update({_cluster.ENV_ROLE: tfpsx_role, _cluster.ENV_RANK: str(rank),
-                        _cluster.ENV_SERVER_ENDPOINTS: ",".join(self.servers),
                         _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.training_workers())})
+            if self.servers:
+                env[_cluster.ENV_SERVER_ENDPOINTS] = ",".join(self.servers)
         env.update(self.env)
         return env
 

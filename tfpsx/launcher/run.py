@@ -56,7 +56,8 @@ from tfpsx.launcher.local import LocalCluster
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfpsx-run", description="Run a tfpsx parameter-server job on this machine.")
-    p.add_argument("--server_num", type=str, default="1", help="number of parameter servers")
+    p.add_argument("--server_num", type=str, default="1",
+                   help="number of parameter servers (0: a collective job, workers only)")
     p.add_argument("--worker_num", type=str, default="1", help="number of workers")
     p.add_argument("--log_dir", default="logs", help="folder for per-process logs")
     p.add_argument("--no_scheduler", action="store_true",
@@ -189,7 +190,8 @@ def _how(code: int) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        server_num = settings.parse_int(args.server_num, "--server_num", minimum=1)
+        # 0: a collective job (workers only; the script calls tfpsx.init(is_collective=True)).
+        server_num = settings.parse_int(args.server_num, "--server_num", minimum=0)
         worker_num = settings.parse_int(args.worker_num, "--worker_num",
                                         minimum=0 if args.chief else 1)
         timeout = (None if args.timeout is None

@@ -1,0 +1,110 @@
+"""Keras 3 fit in a collective job (tests/cluster/test_collective.py).
+
+  collective_job.py --out DIR [--epochs E] [--batch B] [--examples N]
+      tfpsx.init(is_collective=True); a small dense regression, plain SGD, each rank
+      seeded differently; rank r trains on rows r, r + W, ... (tfpsx.data.shard_arrays).
+      Writes DIR/initial.<rank>.npy (the weights right after the model is built),
+      DIR/steps.<rank>.npy (the weights after every step) and DIR/final.<rank>.npy.
+  collective_job.py --local --out DIR ...
+      no cluster: one process from DIR/initial.0.npy on the whole data, batch W * B
+      (the concatenation of the ranks' batches); writes DIR/local.npy.
+  --embedding   adds a tfpsx.keras.DynamicEmbedding (refused in a collective job).
+  --step_delay  seconds of sleep after every batch (fault tests).
+"""
+import argparse
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+faulthandler.register(signal.SIGUSR1)
+
+
+def data(n):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 1)).astype(np.float32)
+    return x, (x @ w + 0.1 * np.sin(3 * x[:, :1])).astype(np.float32)
+
+
+def flat(model):
+    return np.concatenate([np.asarray(w).ravel() for w in model.get_weights()])
+
+
+def build(keras, embedding=False):
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    if embedding:
+        import tfpsx
+
+        ids = keras.layers.Lambda(lambda x: keras.ops.cast(x[:, :1] > 0, "int64"))(inputs)
+        emb = tfpsx.keras.DynamicEmbedding(4, name="emb")(ids)
+        hidden = keras.layers.Concatenate()([hidden, keras.layers.Flatten()(emb)])
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--examples", type=int, default=512)
+    p.add_argument("--workers", type=int, default=2, help="(--local) the job's world size")
+    p.add_argument("--local", action="store_true")
+    p.add_argument("--embedding", action="store_true")
+    p.add_argument("--step_delay", type=float, default=0.0)
+    args = p.parse_args(argv)
+    x, y = data(args.examples)
+
+    if args.local:
+        import keras
+
+        model = build(keras)
+        start = np.load(os.path.join(args.out, "initial.0.npy"))
+        shapes = [w.shape for w in model.get_weights()]
+        pieces = np.split(start, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+        model.set_weights([a.reshape(s) for a, s in zip(pieces, shapes)])
+        model.fit(x, y, batch_size=args.workers * args.batch, epochs=args.epochs,
+                  shuffle=False, verbose=0)
+        np.save(os.path.join(args.out, "local.npy"), flat(model))
+        return 0
+
+    import tfpsx
+
+    tfpsx.init(is_collective=True)
+    tfpsx.init_worker()  # before any TF op: it starts this worker's collectives
+    import keras
+
+    rank = tfpsx.worker_index()
+    strategy = tfpsx.keras.CollectiveStrategy()
+    print(f"rank {rank} of {tfpsx.worker_num()}: {strategy!r}", flush=True)
+    keras.utils.set_random_seed(100 + rank)  # differently seeded ranks
+    with strategy.scope():
+        model = build(keras, args.embedding)
+    np.save(os.path.join(args.out, f"initial.{rank}.npy"), flat(model))
+    steps = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(flat(self.model))
+            if args.step_delay:
+                time.sleep(args.step_delay)
+
+    xs, ys = tfpsx.data.shard_arrays(x, y)
+    print("TRAINING", flush=True)
+    history = model.fit(xs, ys, batch_size=args.batch, epochs=args.epochs, shuffle=False,
+                        verbose=2, callbacks=strategy.callbacks() + [Record()])
+    np.save(os.path.join(args.out, f"steps.{rank}.npy"), np.stack(steps))
+    np.save(os.path.join(args.out, f"final.{rank}.npy"), flat(model))
+    print(f"rank {rank} loss {history.history['loss']}", flush=True)
+    tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,124 @@
+"""Collective mode in Keras 3 fit (tfpsx.keras.CollectiveStrategy): every weight
+all-reduced among the workers, no parameter servers. Two workers of
+scripts/collective_job.py, as tfpsx-run --server_num 0 starts them."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, wait_for_log
+
+HEARTBEAT_TIMEOUT, GRACE = 4, 3
+
+
+def _run(make_cluster, tmp_path, config_mode="env", args=(), env=None, worker_num=2,
+         server_num=0):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    c = make_cluster(server_num, worker_num, script="collective_job.py", timeout=150,
+                     config_mode=config_mode, env=env,
+                     args=["--out", str(out), *args]).start()
+    return c, out, c.wait(timeout=150)
+
+
+def _local(out, args=()):
+    """One process training on the concatenation of the ranks' batches."""
+    subprocess.run([sys.executable, os.path.join(SCRIPTS, "collective_job.py"), "--local",
+                    "--out", str(out), *args], check=True, timeout=120,
+                   capture_output=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    return np.load(out / "local.npy")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config_mode", ["env", "scheduler", "tf_config"])
+def test_two_ranks_train_as_one_process_on_their_concatenated_batches(
+        make_cluster, tmp_path, config_mode):
+    """Differently seeded ranks start equal, stay identical after every step, and end
+    where one process training on both ranks' batches together ends (SGD)."""
+    c, out, codes = _run(make_cluster, tmp_path, config_mode)
+    assert set(codes.values()) == {0} and ("worker", 1) in codes, c.logs()
+    initial = [np.load(out / f"initial.{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(initial[0], initial[1])
+    steps = [np.load(out / f"steps.{r}.npy") for r in range(2)]
+    assert steps[0].shape == (2 * 512 // 2 // 16, 161)
+    np.testing.assert_allclose(steps[0], steps[1], rtol=0, atol=1e-6)
+    final = np.load(out / "final.0.npy")
+    assert np.abs(final - initial[0]).max() > 0.05  # it trained
+    np.testing.assert_allclose(final, _local(out), rtol=0, atol=1e-5)
+    # Keras's own logs are the worker's own loss, one line an epoch.
+    for r in range(2):
+        assert len(re.findall(r"16/16 - .* loss: ", c.log("worker", r))) == 2, c.log("worker", r)
+
+
+@pytest.mark.timeout(300)
+def test_an_uneven_split_gives_every_rank_the_same_steps_and_no_deadlock(make_cluster, tmp_path):
+    """514 rows: tfpsx.data.shard_arrays gives each rank 257 (16 batches of 16 and one
+    of 1, a retraced step on both ranks); the result still equals one process's."""
+    c, out, codes = _run(make_cluster, tmp_path, args=["--examples", "514"])
+    assert codes == {("worker", 0): 0, ("worker", 1): 0}, c.logs()
+    steps = [np.load(out / f"steps.{r}.npy") for r in range(2)]
+    assert steps[0].shape[0] == steps[1].shape[0] == 2 * 17
+    np.testing.assert_allclose(steps[0], steps[1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.load(out / "final.0.npy"), _local(out, ["--examples", "514"]),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_cluster, tmp_path):
+    """SIGKILL of worker 1 mid-training: worker 0's collective would wait for it until
+    TFPSX_COLLECTIVE_TIMEOUT (600 s); the peer watch names it and the job ends with the
+    code a restart policy retries."""
+    out = tmp_path / "out"
+    out.mkdir()
+    c = make_cluster(0, 2, script="collective_job.py", timeout=200,
+                     env={"TFPSX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
+                          "TFPSX_LOST_GRACE": str(GRACE)},
+                     args=["--out", str(out), "--epochs", "1000", "--step_delay", "0.02"]).start()
+    for r in range(2):
+        wait_for_log(c, "worker", r, "Epoch 2/", timeout=120)
+    c.kill("worker", 1)
+    killed = time.monotonic()
+    codes = c.wait([("worker", 0)], timeout=60)
+    seconds = time.monotonic() - killed
+    assert codes[("worker", 0)] == 138, c.logs()
+    assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
+    log = c.log("worker", 0)
+    assert re.search(rf"worker 0 lost worker 1 at {re.escape(c.workers[1])}", log), log[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_misuse_is_a_clear_error(make_cluster, tmp_path):
+    # A table in a collective job: it needs parameter servers.
+    c, _, codes = _run(make_cluster, tmp_path, args=["--embedding"])
+    assert set(codes.values()) == {1}, c.logs()
+    assert ("DynamicEmbedding layer 'emb' in a tfpsx.keras.CollectiveStrategy: its table "
+            "grows on the parameter servers") in c.log("worker", 0)
+    # Parameter servers declared in a collective job.
+    c, _, codes = _run(make_cluster, tmp_path, server_num=1)
+    assert set(codes.values()) == {1}, c.logs()
+    for role in ("server", "worker"):
+        log = c.log(role, 0)
+        assert "1 parameter server(s)" in log and "tfpsx.init(is_collective=True)" in log, log
+
+
+@pytest.mark.timeout(200)
+def test_ranks_that_disagree_on_the_world_size_fail_naming_it(make_cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    c = make_cluster(0, 2, script="collective_job.py", timeout=150, args=["--out", str(out)])
+    from tfpsx.launcher.local import pick_ports
+
+    c.start_task("worker", 0)
+    c.start_task("worker", 1, {"TFPSX_WORKER_ENDPOINTS": ",".join(
+        c.workers + [f"127.0.0.1:{pick_ports(1)[0]}"])})
+    codes = c.wait(timeout=120)
+    assert set(codes.values()) == {1}, c.logs()
+    log = c.log("worker", 1)
+    assert ("the workers could not form one collective group: rank 1 counts 3 worker(s)"
+            in log), log[-3000:]
+    assert "joining a group with size3, but that group has size 2" in log, log[-3000:]

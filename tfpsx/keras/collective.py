@@ -1,0 +1,132 @@
+"""``tfpsx.keras.CollectiveStrategy``: Keras 3 ``model.fit`` with all-reduce among the
+workers of a collective job (no parameter servers).
+
+TF's own ``MultiWorkerMirroredStrategy`` + Keras 3 ``fit`` fails on TF 2.21 at the first
+step (a ``PerReplica`` value Keras cannot convert). Here every worker runs its own
+``fit`` under a one-replica ``tf.distribute`` strategy on its own device that says the
+job has ``world size`` replicas in sync: Keras scales each worker's loss by
+``1 / world size`` and asks the strategy to sum the gradients, which
+:class:`tfpsx.modes.collective.CollectiveGroup` does with TF's collective ops, so every
+worker applies the mean gradient of the global batch. A weight takes rank 0's initial
+value when it is created (differently seeded ranks start equal);
+``strategy.callbacks()`` broadcasts rank 0's weights again when ``fit`` starts (after
+a checkpoint restored on rank 0 only). Loss and metrics in the logs are the worker's
+own, of its own batches.
+
+Example::
+
+  tfpsx.init(is_collective=True)
+  tfpsx.init_worker()              # before any TF op: starts this worker's collectives
+  strategy = tfpsx.keras.CollectiveStrategy()
+  with strategy.scope():
+      model = build_model()
+      model.compile(optimizer="adam", loss="binary_crossentropy")
+  model.fit(tfpsx.data.shard(dataset).batch(256), epochs=3, callbacks=strategy.callbacks())
+  tfpsx.stop_worker()
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfpsx import compat
+from tfpsx.control.watchdog import translate_uncaught
+from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, lost_peer_error
+from tfpsx.runtime import RUNTIME
+
+
+class _CollectiveExtended(compat.OneDeviceExtended):
+    """One replica on this worker, ``world size`` replicas in sync."""
+
+    def __init__(self, container, device: str, group: CollectiveGroup):
+        super().__init__(container, device)
+        self.group = group
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self.group.size
+
+    def _create_variable(self, next_creator, **kwargs):
+        var = super()._create_variable(next_creator, **kwargs)
+        if var.dtype in REDUCIBLE:
+            with tf.init_scope():
+                var.assign(self.group.broadcast([var.read_value()])[0])
+        return var
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        values = [value for value, _ in value_destination_pairs]
+        return self.group.all_reduce(values, mean=reduce_op == tf.distribute.ReduceOp.MEAN)
+
+
+class CollectiveStrategy(tf.distribute.OneDeviceStrategy):
+    """Keras 3 ``fit`` / ``evaluate`` / ``predict`` on a collective job's workers.
+
+    Needs ``tfpsx.init(is_collective=True)`` and ``tfpsx.init_worker()`` first. Build
+    and compile the model in ``strategy.scope()``; pass ``strategy.callbacks()`` to
+    ``fit``. Give every worker the same number of steps per epoch
+    (``tfpsx.data.shard``): a collective waits for every rank.
+
+    Raises:
+      tfpsx.errors.NotInitializedError / WrongRoleError: no cluster, or not a worker.
+      ValueError: the job is not collective (it has parameter servers), or the ranks
+        disagree on the world size.
+      RuntimeError: ``tfpsx.init_worker()`` was not called.
+    """
+
+    def __init__(self):
+        config = RUNTIME.require_role("keras.CollectiveStrategy", "worker")
+        if not config.collective:
+            raise ValueError(
+                f"tfpsx.keras.CollectiveStrategy() needs a collective job "
+                f"(tfpsx.init(is_collective=True), no parameter servers); this one has "
+                f"{config.server_num} server(s): use tfpsx.keras.ParameterServerStrategy")
+        if not RUNTIME.worker_started:
+            raise RuntimeError("tfpsx.keras.CollectiveStrategy() needs tfpsx.init_worker() "
+                               "first (it starts this worker's collectives)")
+        device = f"/job:{config.job_name}/replica:0/task:{config.task_index}/device:CPU:0"
+        group = CollectiveGroup(config.index, config.worker_num, device)
+        group.check_world("tfpsx.keras.CollectiveStrategy")
+        RUNTIME.watch_peers()  # every peer answered: from now on a lost one is named
+        # A collective that fails on a lost peer ends fit() uncaught: named, and the
+        # process exits with the code a restart policy retries.
+        translate_uncaught(_named_peer_loss)
+        super().__init__(device)
+        self._extended = _CollectiveExtended(self, device, group)
+
+    @property
+    def group(self) -> CollectiveGroup:
+        return self._extended.group
+
+    def callbacks(self) -> list:
+        """The callbacks to pass to ``fit``: rank 0's weights everywhere when it starts."""
+        return [_BroadcastAtStart(self)]
+
+    def __repr__(self):
+        return (f"tfpsx.keras.CollectiveStrategy(rank={self.group.rank}, "
+                f"world_size={self.group.size})")
+
+
+def _named_peer_loss(error: BaseException):
+    config = RUNTIME.config
+    return None if config is None or not config.collective else lost_peer_error(error, config)
+
+
+class _BroadcastAtStart(keras.callbacks.Callback):
+    """Rank 0's model and optimizer variables on every rank when ``fit`` starts."""
+
+    def __init__(self, strategy: CollectiveStrategy):
+        super().__init__()
+        self._strategy = strategy
+
+    def on_train_begin(self, logs=None):
+        variables = list(self.model.weights)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+        variables = [v for v in variables if v.dtype in [d.name for d in REDUCIBLE]]
+        if not variables:
+            return
+        values = self._strategy.group.broadcast([v.value for v in variables])
+        for v, value in zip(variables, values):
+            v.assign(value)

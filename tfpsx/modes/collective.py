@@ -1,0 +1,147 @@
+"""Collective mode's protocol, written once for both front-ends: data parallelism by
+all-reduce among the workers, no parameter servers.
+
+Every rank holds every weight. Each step, the ranks' gradients are summed by TF's own
+``CollectiveReduceV2`` (the op TF's MultiWorkerMirroredStrategy is built on; ring over
+gRPC between the workers' collective servers, which ``tfpsx.init_worker()`` starts);
+the front-end scales the loss by the world size first, so the sum is the mean gradient
+of the global batch. A new weight takes rank 0's initial value (a broadcast), so
+differently seeded ranks start equal.
+
+Instance keys come from a counter variable at run time, not from the trace: the ranks'
+collectives pair up by the order they run in, so a rank that retraces a step (a last,
+smaller batch) and one that does not still agree. Every collective is bounded by
+``TFPSX_COLLECTIVE_TIMEOUT``; the peer watch (:meth:`tfpsx.runtime.Runtime.watch_peers`)
+names a lost rank sooner and aborts the collectives in flight.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpsx import errors, settings
+from tfpsx.control.watchdog import probe
+
+# One group for all of a job's collectives (its workers, one device each).
+GROUP_KEY = 0x7466
+# CollectiveReduceV2's types; a weight of another type (a bool flag) is not broadcast.
+REDUCIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+class CollectiveGroup:
+    """The workers of a collective job, from one rank's side.
+
+    Args:
+      rank, size: this worker's rank and the world size.
+      device: this worker's device (``/job:worker/replica:0/task:<i>/device:CPU:0``).
+    """
+
+    def __init__(self, rank: int, size: int, device: str):
+        if not 0 <= rank < size:
+            raise ValueError(f"collective group: rank {rank} is out of range for world size "
+                             f"{size}; expected 0..{size - 1}")
+        self.rank, self.size, self.device = rank, size, device
+        self.timeout = float(settings.get("TFPSX_COLLECTIVE_TIMEOUT"))
+        with tf.init_scope(), tf.device(device):
+            self._instance = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                         name="tfpsx_collective_instance")
+
+    def _reduce(self, flat: tf.Tensor, final_op: str) -> tf.Tensor:
+        key = self._instance.assign_add(1)
+        return tf.raw_ops.CollectiveReduceV2(
+            input=flat, group_size=self.size, group_key=GROUP_KEY, instance_key=key,
+            ordering_token=[], merge_op="Add", final_op=final_op,
+            communication_hint="ring", timeout_seconds=self.timeout)
+
+    def all_reduce(self, values: Sequence, mean: bool = False) -> List[tf.Tensor]:
+        """The sum (or mean) of each value over the ranks. Values of one dtype travel
+        packed in one collective; ``IndexedSlices`` (a sparse Keras gradient) are made
+        dense first."""
+        tensors = [tf.convert_to_tensor(v) for v in values]
+        with tf.device(self.device):
+            by_dtype: Dict[tf.DType, List[int]] = {}
+            for i, t in enumerate(tensors):
+                if t.dtype not in REDUCIBLE:
+                    raise TypeError(f"collective all-reduce: value {i} has dtype "
+                                    f"{t.dtype.name}; expected one of "
+                                    f"{', '.join(d.name for d in REDUCIBLE)}")
+                by_dtype.setdefault(t.dtype, []).append(i)
+            out: List[tf.Tensor] = [None] * len(tensors)
+            for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
+                members = by_dtype[dtype]
+                flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
+                reduced = self._reduce(flat, "Div" if mean else "Id")
+                sizes = [tf.size(tensors[i]) for i in members]
+                for i, piece in zip(members, tf.split(reduced, sizes)):
+                    out[i] = tf.reshape(piece, tf.shape(tensors[i]))
+            return out
+
+    def broadcast(self, values: Sequence) -> List[tf.Tensor]:
+        """Rank 0's values on every rank (a sum where the others add zeros: exact)."""
+        tensors = [tf.convert_to_tensor(v) for v in values]
+        with tf.device(self.device):
+            mine = tensors if self.rank == 0 else [tf.zeros_like(t) for t in tensors]
+            return self.all_reduce(mine)
+
+    def check_world(self, what: str) -> None:
+        """The first collective: every rank reached it and counts the same world (TF
+        refuses a rank that joins with another group size; its error is named here).
+        Bounded by TFPSX_COLLECTIVE_TIMEOUT when a rank never comes."""
+        try:
+            with tf.device(self.device):
+                seen = self.all_reduce([tf.constant([1, self.size], tf.int64)])[0].numpy()
+        except tf.errors.OpError as e:
+            lines = [line.strip() for line in (e.message or "").splitlines() if line.strip()]
+            cause = next((line for line in lines if "group" in line or "timed out" in line),
+                         lines[0] if lines else type(e).__name__)
+            raise ValueError(
+                f"{what}: the workers could not form one collective group: rank {self.rank} "
+                f"counts {self.size} worker(s), and TF said: {cause[:400]}. Every worker "
+                "must be given the same worker list (and every one must start)") from e
+        if int(seen[0]) != self.size or int(seen[1]) != self.size * self.size:
+            raise ValueError(
+                f"{what}: the ranks disagree on the world size: rank {self.rank} counts "
+                f"{self.size} worker(s), the collective met {int(seen[0])} whose sizes sum "
+                f"to {int(seen[1])}; every worker must be given the same worker list")
+
+
+_TASK = re.compile(r"/job:(?:worker|chief)/replica:\d+/task:(\d+)")
+
+
+def lost_peer_error(error: BaseException, config) -> Optional[errors.PeerUnavailableError]:
+    """The ``PeerUnavailableError`` naming the worker a failed collective lost (its
+    address or task in TF's message, else the first peer that does not answer), or None
+    when ``error`` is no such failure."""
+    if isinstance(error, errors.PeerUnavailableError):
+        return None
+    failed, seen = error, set()
+    while failed is not None and not isinstance(
+            failed, (tf.errors.UnavailableError, tf.errors.InternalError,
+                     tf.errors.AbortedError, tf.errors.CancelledError)):
+        seen.add(id(failed))
+        failed = failed.__cause__ or failed.__context__
+        if failed is not None and id(failed) in seen:
+            return None
+    if failed is None:
+        return None
+    text = str(failed)
+    if not isinstance(failed, tf.errors.UnavailableError) and "Collective" not in text:
+        return None
+    peers = {r: a for r, a in enumerate(config.workers) if r != config.index}
+    lost = next(((r, a) for r, a in peers.items() if a in text), None)
+    if lost is None:
+        tasks = [int(t) for t in _TASK.findall(text)]
+        ranks = [r for r in peers if config.worker_device_job(r)[1] in tasks]
+        lost = (ranks[0], peers[ranks[0]]) if len(ranks) == 1 else None
+    if lost is None:
+        lost = next(((r, a) for r, a in peers.items() if not probe(a, timeout=2.0)), None)
+    if lost is None:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return errors.PeerUnavailableError(
+        f"worker {config.index} lost worker {lost[0]} at {lost[1]} "
+        f"({(lines or ['unavailable'])[0][:300]}); a collective cannot go on without every "
+        "rank: restart the job from its last checkpoint")
