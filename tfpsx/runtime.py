@@ -147,6 +147,14 @@ class Runtime:
         import tensorflow as tf
 
         config = self.require("session_config")
+        if config.collective:
+            # Sessions run on this worker alone; its collectives reach the others through
+            # the server init_worker() started, whose group leader is worker 0.
+            proto = tf.compat.v1.ConfigProto(
+                device_filters=[f"/job:{config.job_name}/task:{config.task_index}"])
+            job, task = config.worker_device_job(0)
+            proto.experimental.collective_group_leader = f"/job:{job}/replica:0/task:{task}"
+            return proto
         # Without device filters a worker's master talks to every task and, measured, hung
         # in 4 of 6 runs; a worker needs only the servers and itself.
         filters = ["/job:ps"]
@@ -169,6 +177,12 @@ class Runtime:
         import tensorflow as tf
 
         config = self.require_role("server_target", _cluster.WORKER)
+        if config.collective:
+            # The collective server tfpsx.init_worker() started serves the sessions too.
+            if self._worker_state != "started":
+                raise RuntimeError("tfpsx.server_target() in a collective job needs "
+                                   "tfpsx.init_worker() first (it starts this worker's server)")
+            return f"grpc://{config.task_address()}"
         with self._lock:
             if self._server is None:
                 spec, job, task = config.cluster_spec(), config.job_name, config.task_index

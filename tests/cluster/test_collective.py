@@ -56,6 +56,21 @@ def test_two_ranks_train_as_one_process_on_their_concatenated_batches(
 
 
 @pytest.mark.timeout(300)
+def test_the_graph_front_end_trains_to_the_keras_values(make_cluster, tmp_path):
+    """The same model, data and seed in TF1 graph mode (distributed_optimizer with
+    DistributedStrategy(collective=True), tfpsx.MonitoredTrainingSession; rank 1 starts
+    from other values) ends where Keras's CollectiveStrategy ends."""
+    c, out, codes = _run(make_cluster, tmp_path)
+    assert set(codes.values()) == {0}, c.logs()
+    c, out, codes = _run(make_cluster, tmp_path, args=["--graph"])
+    assert set(codes.values()) == {0}, c.logs()
+    graph = [np.load(out / f"graph_final.{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(graph[0], graph[1])
+    np.testing.assert_allclose(graph[0], np.load(out / "final.0.npy"), rtol=0, atol=1e-5)
+    assert "rank 1 graph steps 32" in c.log("worker", 1)
+
+
+@pytest.mark.timeout(300)
 def test_an_uneven_split_gives_every_rank_the_same_steps_and_no_deadlock(make_cluster, tmp_path):
     """514 rows: tfpsx.data.shard_arrays gives each rank 257 (16 batches of 16 and one
     of 1, a retraced step on both ranks); the result still equals one process's."""

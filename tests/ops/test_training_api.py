@@ -24,6 +24,7 @@ def test_strategy_modes():
     assert tfpsx.DistributedStrategy(a_sync=False).mode == "sync"
     assert tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 100}).mode == "geo"
     assert tfpsx.DistributedStrategy(a_sync_configs={"max_staleness": 3}).mode == "staleness"
+    assert tfpsx.DistributedStrategy(collective=True).mode == "collective"
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -34,6 +35,8 @@ def test_strategy_modes():
     ({"a_sync": "yes"}, ["a_sync", "'yes'"]),
     ({"a_sync": False, "a_sync_configs": {"k_steps": 5}}, ["a_sync=True"]),
     ({"a_sync_configs": {"k_steps": 5, "max_staleness": 2}}, ["separate modes"]),
+    ({"collective": 1}, ["collective", "True or False", "1"]),
+    ({"collective": True, "a_sync_configs": {"k_steps": 5}}, ["all-reduce", "do not apply"]),
     ({"a_sync_configs": {"k_steps": 5, "geo_sync_in_train_thread": 1}},
      ["geo_sync_in_train_thread", "True or False"]),
 ])
@@ -48,6 +51,14 @@ def test_distributed_optimizer_before_init(monkeypatch):
     monkeypatch.setattr(FLEET, "config", None)
     with pytest.raises(tfpsx.errors.NotInitializedError, match=r"tfpsx.init\(\)"):
         tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+
+
+def test_collective_in_a_job_with_servers_is_a_clear_error(worker):
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match=r"collective=True\) needs a collective job .*"
+                           r"this one has 2 server"):
+            with tfpsx.model_scope(tfpsx.DistributedStrategy(collective=True)):
+                pass
 
 
 def test_geo_needs_an_optimizer_with_a_local_form(worker):

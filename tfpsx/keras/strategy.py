@@ -190,6 +190,10 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         if not RUNTIME.worker_started:
             raise RuntimeError("tfpsx.keras.ParameterServerStrategy() needs "
                                "tfpsx.init_worker() first (it waits for the servers)")
+        if config.collective:
+            raise ValueError("tfpsx.keras.ParameterServerStrategy() in a collective job "
+                             "(tfpsx.init(is_collective=True): no parameter servers); use "
+                             "tfpsx.keras.CollectiveStrategy()")
         options = strategy or DistributedStrategy()
         if not isinstance(options, DistributedStrategy):
             raise ValueError("tfpsx.keras.ParameterServerStrategy: strategy must be a "

@@ -46,8 +46,14 @@ class CollectiveGroup:
         self.rank, self.size, self.device = rank, size, device
         self.timeout = float(settings.get("TFPSX_COLLECTIVE_TIMEOUT"))
         with tf.init_scope(), tf.device(device):
-            self._instance = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                         name="tfpsx_collective_instance")
+            if tf.executing_eagerly():
+                self._instance = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                             name="tfpsx_collective_instance")
+            else:  # a graph's: local (never saved, never restored), so ranks agree
+                self._instance = tf.compat.v1.Variable(
+                    0, dtype=tf.int32, trainable=False, use_resource=True,
+                    collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+                    name="tfpsx_collective_instance")
 
     def _reduce(self, flat: tf.Tensor, final_op: str) -> tf.Tensor:
         key = self._instance.assign_add(1)

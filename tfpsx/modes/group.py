@@ -37,7 +37,7 @@ def leave(vector, index: int):
 
 
 # Modes whose protocol holds one entry per worker the job started with: a joiner has none.
-_FIXED_GROUP_MODES = ("sync", "staleness")
+_FIXED_GROUP_MODES = ("sync", "staleness", "collective")
 
 
 def refuse_a_late_join(mode: str, config) -> None:

@@ -29,6 +29,8 @@ def replica_device_setter(ps_strategy=None, worker_device: Optional[str] = None)
       worker_device: default: this worker's ``/job:<job>/task:<i>``.
     """
     config = RUNTIME.require_role("replica_device_setter", "worker")
+    if config.collective:
+        return worker_device or worker_device_of(config)  # no servers: all on this worker
     if ps_strategy is None:
         ps_strategy = GreedyByBytes(config.server_num)
     return tf.compat.v1.train.replica_device_setter(

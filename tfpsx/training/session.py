@@ -85,6 +85,10 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     ``StopAtStepHook(last_step)`` are added. Master, ``is_chief`` and the session config
     (device filters) come from the resolved cluster.
 
+    In a collective job (``DistributedStrategy(collective=True)``) every rank initializes
+    its own variables and takes rank 0's when the session starts; rank 0 alone restores
+    and saves ``checkpoint_dir``.
+
     ``incremental_checkpoints=M``: tables are saved as a full export every M checkpoints
     and as deltas (rows written and keys removed since the previous one) in between,
     through :class:`tfpsx.checkpoint.IncrementalSaver`; restore applies the chain. Needs
@@ -108,6 +112,10 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
                              "full_every=M) instead")
         if config.is_chief:  # only the chief saves and restores
             scaffold = _IncrementalScaffold(every)
+    if config.collective and not config.is_chief:
+        # Each rank initializes its own variables; rank 0's (restored ones included) reach
+        # the others by the collective mode's broadcast. Rank 0 alone saves.
+        checkpoint_dir = None
     mode = modes.mode_of()
     own = mode.hooks() if mode else []
     own += graph_stagers()  # they finish their stagings before the caches' final flush
@@ -127,7 +135,7 @@ def _monitored_session(config, checkpoint_dir, hooks, own, chief_only_hooks, las
         hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
     master = RUNTIME.server_target()
     session_config = RUNTIME.session_config()
-    if not config.is_chief:
+    if not config.is_chief and not config.collective:
         timeout = settings.get("TFPSX_SESSION_TIMEOUT", session_timeout)
         creator = _FastWorkerSessionCreator(
             settings.get("TFPSX_RECOVERY_WAIT"), scaffold=scaffold, master=master,
@@ -146,7 +154,9 @@ def _monitored_session(config, checkpoint_dir, hooks, own, chief_only_hooks, las
     # tfpsx's own (GEO's last push, the stagers', the caches' final flush) end before the
     # saver's final save, so the last checkpoint holds every local step (measured before:
     # a GEO chief's final checkpoint missed the steps since its last round).
-    chief_hooks = own + list(chief_only_hooks or []) + [ResumeLogHook(checkpoint_dir)]
+    chief_hooks = own + list(chief_only_hooks or [])
+    if config.is_chief:  # (a collective rank > 0 restores nothing: rank 0's broadcast)
+        chief_hooks.append(ResumeLogHook(checkpoint_dir))
     if checkpoint_dir is not None:
         # Among `hooks`, which TF ends after its checkpoint saver's final save.
         hooks = hooks + [TrainingDoneHook(checkpoint_dir)]

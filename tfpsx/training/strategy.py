@@ -29,6 +29,10 @@ class DistributedStrategy:
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``replicas_to_aggregate``
         (sync only).
+      collective: True for collective mode (a job of workers only,
+        ``tfpsx.init(is_collective=True)``): every weight on every worker, gradients
+        averaged by all-reduce each step (Fleet's ``fleet.init(is_collective=True)``);
+        ``a_sync`` and ``a_sync_configs`` do not apply.
 
     Raises:
       ValueError: an unknown key or a bad value (the message names both).
@@ -38,7 +42,15 @@ class DistributedStrategy:
       'geo'
     """
 
-    def __init__(self, a_sync: bool = True, a_sync_configs: Optional[Dict] = None):
+    def __init__(self, a_sync: bool = True, a_sync_configs: Optional[Dict] = None,
+                 collective: bool = False):
+        if not isinstance(collective, bool):
+            raise ValueError("DistributedStrategy: collective must be True or False, got "
+                             f"{collective!r}")
+        if collective and a_sync_configs:
+            raise ValueError("DistributedStrategy: collective=True averages every step by "
+                             f"all-reduce; a_sync_configs {a_sync_configs} do not apply")
+        self.collective = collective
         if not isinstance(a_sync, bool):
             raise ValueError(f"DistributedStrategy: a_sync must be True or False, got {a_sync!r}")
         configs = dict(a_sync_configs or {})
@@ -67,7 +79,10 @@ class DistributedStrategy:
 
     @property
     def mode(self) -> str:
-        """"sync", "async", "geo" or "staleness" (the only place options become a mode)."""
+        """"sync", "async", "geo", "staleness" or "collective" (the only place options
+        become a mode)."""
+        if self.collective:
+            return "collective"
         if not self.a_sync:
             return "sync"
         if self.k_steps > 0:
@@ -77,9 +92,11 @@ class DistributedStrategy:
     def key(self) -> Tuple:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
-                self.replicas_to_aggregate, self.geo_wire_dtype)
+                self.replicas_to_aggregate, self.geo_wire_dtype, self.collective)
 
     def __repr__(self):
+        if self.collective:
+            return "DistributedStrategy(mode='collective')"
         extra = ""
         if self.mode == "geo" and self.geo_sync_in_train_thread:
             extra = ", geo_sync_in_train_thread=True"

@@ -8,6 +8,11 @@
   collective_job.py --local --out DIR ...
       no cluster: one process from DIR/initial.0.npy on the whole data, batch W * B
       (the concatenation of the ranks' batches); writes DIR/local.npy.
+  collective_job.py --graph --out DIR ...
+      the same model and steps in TF1 graph mode (tfpsx.distributed_optimizer with
+      DistributedStrategy(collective=True), tfpsx.MonitoredTrainingSession); rank 0
+      starts from DIR/initial.0.npy, the others from their own seeds; writes
+      DIR/graph_final.<rank>.npy.
   --embedding   adds a tfpsx.keras.DynamicEmbedding (refused in a collective job).
   --step_delay  seconds of sleep after every batch (fault tests).
 """
@@ -58,6 +63,7 @@ def main(argv):
     p.add_argument("--local", action="store_true")
     p.add_argument("--embedding", action="store_true")
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--graph", action="store_true")
     args = p.parse_args(argv)
     x, y = data(args.examples)
 
@@ -78,6 +84,8 @@ def main(argv):
 
     tfpsx.init(is_collective=True)
     tfpsx.init_worker()  # before any TF op: it starts this worker's collectives
+    if args.graph:
+        return graph(tfpsx, args, x, y)
     import keras
 
     rank = tfpsx.worker_index()
@@ -102,6 +110,44 @@ def main(argv):
     np.save(os.path.join(args.out, f"steps.{rank}.npy"), np.stack(steps))
     np.save(os.path.join(args.out, f"final.{rank}.npy"), flat(model))
     print(f"rank {rank} loss {history.history['loss']}", flush=True)
+    tfpsx.stop_worker()
+    return 0
+
+
+def graph(tfpsx, args, x, y):
+    import tensorflow as tf
+
+    rank = tfpsx.worker_index()
+    shapes = [(8, 16), (16,), (16, 1), (1,)]
+    start = None
+    if rank == 0:
+        flat0 = np.load(os.path.join(args.out, "initial.0.npy"))
+        start = np.split(flat0, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    with tf.Graph().as_default():
+        rng = np.random.default_rng(100 + rank)  # differently seeded ranks
+        with tf.compat.v1.device(tfpsx.replica_device_setter()):
+            weights = [tf.compat.v1.get_variable(
+                f"w{i}", initializer=(start[i].reshape(s) if start is not None else
+                                      rng.normal(size=s).astype(np.float32)), use_resource=True)
+                for i, s in enumerate(shapes)]
+            step = tf.compat.v1.train.get_or_create_global_step()
+            xb = tf.compat.v1.placeholder(tf.float32, [None, 8])
+            yb = tf.compat.v1.placeholder(tf.float32, [None, 1])
+            hidden = tf.tanh(xb @ weights[0] + weights[1])
+            loss = tf.reduce_mean(tf.square(hidden @ weights[2] + weights[3] - yb))
+            opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.05),
+                                              tfpsx.DistributedStrategy(collective=True))
+            train = opt.minimize(loss, global_step=step)
+        xs, ys = tfpsx.data.shard_arrays(x, y)
+        with tfpsx.MonitoredTrainingSession() as sess:
+            for _ in range(args.epochs):
+                for i in range(0, len(xs), args.batch):
+                    sess.run(train, {xb: xs[i:i + args.batch], yb: ys[i:i + args.batch]})
+            final = sess.run(weights)
+            steps = sess.run(step)
+    np.save(os.path.join(args.out, f"graph_final.{rank}.npy"),
+            np.concatenate([w.ravel() for w in final]))
+    print(f"rank {rank} graph steps {steps}", flush=True)
     tfpsx.stop_worker()
     return 0
 

@@ -15,6 +15,11 @@ REGISTRY: Dict[str, Type[KerasMode]] = {
 
 def mode_class(options) -> Type[KerasMode]:
     """The Keras implementation of ``options.mode``."""
+    if options.mode == "collective":
+        raise ValueError("tfpsx.keras.ParameterServerStrategy: DistributedStrategy("
+                         "collective=True) trains without parameter servers; use "
+                         "tfpsx.keras.CollectiveStrategy() (after "
+                         "tfpsx.init(is_collective=True))")
     return REGISTRY[options.mode]
 
 

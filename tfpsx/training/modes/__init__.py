@@ -5,7 +5,8 @@ interface: TF1-session executors of the protocols in :mod:`tfpsx.modes`.
 * :mod:`~.sync`: gradients of ``replicas_to_aggregate`` workers averaged per step, one
   from each (:mod:`tfpsx.modes.sync`), dense and tables;
 * :mod:`~.staleness`: async, no worker more than ``max_staleness`` steps ahead;
-* :mod:`~.geo`: k-step GEO, dense and sparse, with its communicator.
+* :mod:`~.geo`: k-step GEO, dense and sparse, with its communicator;
+* :mod:`~.collective`: no servers, gradients averaged by all-reduce every step.
 
 A new mode is a module with a ``Mode`` subclass plus one entry in ``REGISTRY``.
 """
@@ -13,12 +14,12 @@ A new mode is a module with a ``Mode`` subclass plus one entry in ``REGISTRY``.
 from typing import Dict, Type
 
 from tfpsx.modes.group import refuse_a_late_join
-from tfpsx.training.modes import async_, geo, staleness, sync
+from tfpsx.training.modes import async_, collective, geo, staleness, sync
 from tfpsx.training.modes.base import Mode, WrappedOptimizer, mode_of
 
 REGISTRY: Dict[str, Type[Mode]] = {
     cls.NAME: cls for cls in (async_.AsyncMode, sync.SyncMode, staleness.StalenessMode,
-                              geo.GeoMode)}
+                              geo.GeoMode, collective.CollectiveMode)}
 
 
 def mode_class(strategy) -> Type[Mode]:
