@@ -33,19 +33,41 @@ def _part(num_shards: Optional[int], index: Optional[int], what: str) -> Tuple[i
     return num_shards, index
 
 
-def shard(dataset, num_shards: Optional[int] = None, index: Optional[int] = None):
+def shard(dataset, num_shards: Optional[int] = None, index: Optional[int] = None,
+          shuffle_buffer: Optional[int] = None, seed: Optional[int] = None):
     """This worker's part of ``dataset`` (unbatched examples: shard first, then batch).
 
     Args:
       dataset: a ``tf.data.Dataset``.
       num_shards, index: default: the cluster's worker count and this worker's rank.
+      shuffle_buffer: shuffle the whole dataset before sharding, again every epoch
+        (``reshuffle_each_iteration``), with a buffer of this many examples. Needs
+        ``seed``.
+      seed: the seed every worker shares: each epoch they draw the same order of the
+        whole dataset, so their parts never overlap and every example is seen once.
 
     Returns:
       Every ``num_shards``-th element from ``index``, the same count on every worker when
-      the dataset's size is known (``cardinality``); for an infinite or unknown-size
+      the dataset's size is known (``cardinality``): a collective, which waits for every
+      rank, never meets a rank with one batch more. For an infinite or unknown-size
       dataset, pass ``steps_per_epoch`` to ``fit``.
+
+    Raises:
+      ValueError: a bad shard count or index, or ``shuffle_buffer`` without ``seed``.
     """
     num_shards, index = _part(num_shards, index, "tfpsx.data.shard")
+    if shuffle_buffer is not None:
+        checks = (("shuffle_buffer", shuffle_buffer, 1, ""),
+                  ("seed", seed, 0, "; every worker must pass the same seed, or their "
+                   "parts overlap"))
+        for name, value, low, why in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"tfpsx.data.shard: {name} must be an int >= {low}, got "
+                                 f"{value!r}{why}")
+        size = int(dataset.cardinality())
+        dataset = dataset.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        part = dataset.shard(num_shards, index)
+        return part.take(size // num_shards) if size >= 0 else part
     part = dataset.shard(num_shards, index)
     size = int(dataset.cardinality())
     # Known size: cut every part to the smallest one's (negative: infinite or unknown).

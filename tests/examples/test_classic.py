@@ -63,3 +63,16 @@ def test_the_fleet_shaped_mlp_learns_in_every_ps_mode(tmp_path, mode):
     assert accuracy > 0.85, proc.stdout[-3000:]
     other = (tmp_path / "logs" / "workerlog.1").read_text()
     assert re.search(rf"FLEET_MLP worker 1 \({mode}\): test accuracy 0\.[89]", other), other[-2000:]
+
+
+def test_the_fleet_shaped_mlp_learns_in_collective_mode(tmp_path):
+    """fleet.init(is_collective=True) under tfpsx-run --server_num 0: the two workers end
+    with the same weights, so the same test accuracy."""
+    proc = _launch(tmp_path, ["--server_num", "0", "--worker_num", "2", FLEET,
+                              "--mode", "collective"])
+    accuracy = re.search(r"FLEET_MLP worker 0 \(collective\): test accuracy ([\d.]+)",
+                         proc.stdout).group(1)
+    assert float(accuracy) > 0.85, proc.stdout[-3000:]
+    other = (tmp_path / "logs" / "workerlog.1").read_text()
+    assert f"FLEET_MLP worker 1 (collective): test accuracy {accuracy}" in other, other[-2000:]
+    assert "0 server(s), 2 worker(s)" in proc.stdout, proc.stdout[-2000:]

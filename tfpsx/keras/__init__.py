@@ -11,6 +11,8 @@
 * :mod:`~tfpsx.keras.checkpoint`: ``IncrementalCheckpoint``, a callback saving tables as
   full exports every M saves and deltas between, and ``evaluate_checkpoints``, an
   evaluator task's loop over them;
+* :mod:`~tfpsx.keras.schedules`: ``ScaledLearningRate``, the learning rate proportional
+  to the global batch, with a warm-up;
 * :mod:`~tfpsx.keras.summaries`: ``TrainingSummaries``, a callback writing loss,
   examples/s and the PS traffic as TensorBoard scalars.
 
@@ -22,8 +24,9 @@ from tfpsx.keras import layers
 from tfpsx.keras.collective import CollectiveStrategy
 from tfpsx.keras.checkpoint import IncrementalCheckpoint, evaluate_checkpoints
 from tfpsx.keras.layers import DynamicEmbedding
+from tfpsx.keras.schedules import ScaledLearningRate
 from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.keras.summaries import TrainingSummaries
 
 __all__ = ["ParameterServerStrategy", "CollectiveStrategy", "DynamicEmbedding", "IncrementalCheckpoint",
-           "evaluate_checkpoints", "TrainingSummaries", "layers"]
+           "evaluate_checkpoints", "TrainingSummaries", "ScaledLearningRate", "layers"]
