@@ -84,6 +84,16 @@ def enable_collectives(cluster_spec, job_name: str, task_index: int, leader: str
     ctx.ensure_initialized()
 
 
+def collective_barrier(device: str, group_size: int, group_key: int, timeout: float) -> None:
+    """An all-reduce of one number over ``group_size`` ranks (``group_key``, used once
+    per process): it returns on a rank once every rank reached it."""
+    with tf.device(device):
+        tf.raw_ops.CollectiveReduceV2(
+            input=tf.constant([1], tf.int32), group_size=group_size, group_key=group_key,
+            instance_key=tf.constant(1), ordering_token=[], merge_op="Add", final_op="Id",
+            timeout_seconds=float(timeout)).numpy()
+
+
 def abort_collectives(message: str) -> None:
     """Fails every collective in flight, and every later one, with ``message`` (a lost
     peer: TF's collectives would wait for it until their timeout)."""
@@ -114,5 +124,5 @@ def keras_current_path() -> str:
 __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "BaseResourceVariable", "gen_resource_variable_ops", "set_handle_shapes_and_types",
            "ensure_eager_context_initialized", "async_wait", "Trackable",
-           "enable_collectives", "abort_collectives",
+           "enable_collectives", "abort_collectives", "collective_barrier",
            "keras_name_scopes", "keras_current_path"]

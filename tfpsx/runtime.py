@@ -233,11 +233,45 @@ class Runtime:
             if self._worker_state == "new":
                 raise RuntimeError("tfpsx.stop_worker() before tfpsx.init_worker(): the servers "
                                    "never saw this worker start")
+            if config.collective:
+                self._leave_collective(config)
             # Servers exit once every worker stopped: from here on, a gone server is no loss.
             self._stop_watch()
             self._coord.worker_stop()
             self._worker_state = "stopped"
             logger.info("worker %d stopped", config.index)
+
+    def _leave_collective(self, config: _cluster.ClusterConfig) -> None:
+        """A collective rank leaves only when no peer can still need it: a ring
+        all-reduce pulls each chunk from the rank before, so a rank whose last collective
+        completed may still be read by a peer whose own has not; exiting then fails that
+        peer ("Socket closed"). Every rank meets the others first: at the scheduler's
+        barrier (a rank reaches it only after its collectives completed), else at a last
+        all-reduce of its own, after which the peers' pulls left are that one's few
+        bytes: it waits TFPSX_COLLECTIVE_LINGER for them."""
+        from tfpsx import compat
+
+        timeout = settings.get("TFPSX_COLLECTIVE_TIMEOUT")
+        start = time.monotonic()
+        try:
+            if isinstance(self._coord, PeersOnlyCoordinator):
+                job, task = config.job_name, config.task_index
+                compat.collective_barrier(f"/job:{job}/replica:0/task:{task}/device:CPU:0",
+                                          config.worker_num, _GOODBYE_GROUP_KEY, timeout)
+                linger = settings.get("TFPSX_COLLECTIVE_LINGER")
+            else:
+                self._barrier_generation += 1
+                self._coord.barrier(self._barrier_generation, timeout)
+                linger = 0.0
+        except Exception as e:  # noqa: BLE001 — named and re-raised
+            raise errors.ClusterTimeoutError(
+                f"worker {config.index}: tfpsx.stop_worker() could not meet the other "
+                f"{config.worker_num - 1} worker(s) of the collective job within "
+                f"{time.monotonic() - start:.0f} s (TFPSX_COLLECTIVE_TIMEOUT={timeout:g} s): "
+                f"{e}") from e
+        self._stop_watch()  # every rank is leaving: a peer gone from now on is no loss
+        if linger:
+            time.sleep(linger)
 
     def _stop_watch(self) -> None:
         watch, self._watch = self._watch, None
@@ -341,6 +375,10 @@ class Runtime:
 
 
 RUNTIME = Runtime()
+
+
+# The collective group of stop_worker's last all-reduce (the training's is another).
+_GOODBYE_GROUP_KEY = 0x7467
 
 
 def _enable_collectives(config: _cluster.ClusterConfig) -> None:

@@ -204,6 +204,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_COLLECTIVE_TIMEOUT", "seconds", 600.0,
             "one collective (an all-reduce or a broadcast) waiting for the other workers: "
             "the bound behind the peer watch, which names a lost rank sooner", "timeouts"),
+    Setting("TFPSX_COLLECTIVE_LINGER", "seconds", 1.0,
+            "a collective rank leaving without a scheduler: how long it stays after its "
+            "last all-reduce, for the peers' pulls of its bytes (with a scheduler the "
+            "barrier there makes it exact)", "timeouts"),
     Setting("TFPSX_LOST_GRACE", "seconds", 10.0,
             "a worker that lost a server: how long its training code gets to fail by "
             "itself before the process exits with code 138 (retryable)", "timeouts"),

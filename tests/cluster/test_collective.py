@@ -133,7 +133,39 @@ def test_ranks_that_disagree_on_the_world_size_fail_naming_it(make_cluster, tmp_
         c.workers + [f"127.0.0.1:{pick_ports(1)[0]}"])})
     codes = c.wait(timeout=120)
     assert set(codes.values()) == {1}, c.logs()
-    log = c.log("worker", 1)
-    assert ("the workers could not form one collective group: rank 1 counts 3 worker(s)"
-            in log), log[-3000:]
-    assert "joining a group with size3, but that group has size 2" in log, log[-3000:]
+    for rank, counts in ((0, 2), (1, 3)):
+        log = c.log("worker", rank)
+        assert (f"the workers could not form one collective group: rank {rank} counts "
+                f"{counts} worker(s)" in log), log[-3000:]
+        # TF's own words, as the first of the two to join saw the other.
+        assert re.search(r"joining a group with size[23], but that group has size [23]",
+                         log), log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_max_restarts_restarts_the_whole_job_from_rank_0s_checkpoint(tmp_path):
+    """tfpsx-run --server_num 0 --max_restarts 1: rank 1 SIGKILLs itself after epoch 2,
+    rank 0 fails naming it, the launcher starts every rank again, rank 0 restores epoch
+    2's checkpoint, the others take its weights, and the job ends 0 with equal ranks."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    ckpt.mkdir()
+    env = dict(os.environ, PYTHONPATH=SCRIPTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TFPSX_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT), TFPSX_LOST_GRACE=str(GRACE),
+               TFPSX_HEARTBEAT_INTERVAL="0.5")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfpsx.launcher.run", "--server_num", "0", "--worker_num", "2",
+         "--max_restarts", "1", "--timeout", "200", "--log_dir", str(tmp_path / "logs"),
+         os.path.join(SCRIPTS, "collective_job.py"), "--out", str(out), "--epochs", "4",
+         "--checkpoint", str(ckpt), "--die_after_epoch", "2",
+         "--die_marker", str(tmp_path / "died")],
+        env=env, capture_output=True, text=True, timeout=260)
+    logs = {r: (tmp_path / "logs" / f"workerlog.{r}").read_text() for r in range(2)}
+    assert proc.returncode == 0, proc.stderr[-3000:] + logs[0][-3000:]
+    assert (tmp_path / "died").exists()
+    assert "restarting the job (1 of 1)" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 resumes at epoch 2" in logs[0] and "rank 1 resumes at epoch 2" in logs[1]
+    assert re.search(r"worker 0 lost worker 1 at 127\.0\.0\.1:\d+", logs[0]), logs[0][-3000:]
+    steps = np.load(out / "steps.1.npy")
+    assert steps.shape[0] == 2 * 16  # epochs 3 and 4 after the restart
+    np.testing.assert_array_equal(np.load(out / "final.0.npy"), np.load(out / "final.1.npy"))

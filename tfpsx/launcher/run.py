@@ -19,7 +19,9 @@ each step); N restarts in all. A
 scheduler that fails is restarted on its address (up to 3 times; it
 journals the job in ``log_dir/scheduler.state`` and takes it back, while servers serve
 and workers train on). A non-chief worker that fails is reported and the others go on
-(async and GEO train without it). The exit code is 0 when every process exits 0,
+(async and GEO train without it). ``--server_num 0`` runs a collective job (workers
+only, ``tfpsx.init(is_collective=True)``): any worker that fails ends or, under
+``--max_restarts``, restarts the whole job (no rank trains without the others). The exit code is 0 when every process exits 0,
 otherwise the failed one's (128 + N for signal N), after every process started here is
 gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). With
 ``--no_scheduler`` each process gets its cluster from
@@ -284,8 +286,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 code = job.procs[task].poll()
                 if failed or code in (None, 0) or task in dict(lost_workers):
                     continue
-                if task == primary:
-                    failed = (task, code)  # the chief: it initializes and checkpoints
+                if task == primary or job.server_num == 0:
+                    # The chief initializes and checkpoints; in a collective job (no
+                    # servers) no rank trains without the others: the job comes back whole.
+                    failed = (task, code)
                 elif job_restarts < max_restarts:
                     # Its share of the model is on the servers: a new process of the same
                     # rank and address joins the running job.

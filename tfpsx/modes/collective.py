@@ -8,15 +8,16 @@ the front-end scales the loss by the world size first, so the sum is the mean gr
 of the global batch. A new weight takes rank 0's initial value (a broadcast), so
 differently seeded ranks start equal.
 
-Instance keys come from a counter variable at run time, not from the trace: the ranks'
-collectives pair up by the order they run in, so a rank that retraces a step (a last,
-smaller batch) and one that does not still agree. Every collective is bounded by
+Instance keys are given as the collectives are built, in the same order on every rank,
+as TF's own strategies give them (a traced step reuses its keys each run). Every
+collective is bounded by
 ``TFPSX_COLLECTIVE_TIMEOUT``; the peer watch (:meth:`tfpsx.runtime.Runtime.watch_peers`)
 names a lost rank sooner and aborts the collectives in flight.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Dict, List, Optional, Sequence
 
@@ -45,18 +46,18 @@ class CollectiveGroup:
                              f"{size}; expected 0..{size - 1}")
         self.rank, self.size, self.device = rank, size, device
         self.timeout = float(settings.get("TFPSX_COLLECTIVE_TIMEOUT"))
-        with tf.init_scope(), tf.device(device):
-            if tf.executing_eagerly():
-                self._instance = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                             name="tfpsx_collective_instance")
-            else:  # a graph's: local (never saved, never restored), so ranks agree
-                self._instance = tf.compat.v1.Variable(
-                    0, dtype=tf.int32, trainable=False, use_resource=True,
-                    collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-                    name="tfpsx_collective_instance")
+        # Instance keys are given when a collective is built (traced, or run eagerly),
+        # as TF's own strategies give them: ranks build the same collectives in the same
+        # order (the same code on the same shapes; tfpsx.data.shard gives every rank the
+        # same steps, so a retrace for a last, smaller batch happens on all of them), and
+        # a traced step reuses its keys every time it runs.
+        self._keys = itertools.count(1)
+
+    def _next_key(self) -> int:
+        return next(self._keys)
 
     def _reduce(self, flat: tf.Tensor, final_op: str) -> tf.Tensor:
-        key = self._instance.assign_add(1)
+        key = self._next_key()
         return tf.raw_ops.CollectiveReduceV2(
             input=flat, group_size=self.size, group_key=GROUP_KEY, instance_key=key,
             ordering_token=[], merge_op="Add", final_op=final_op,

@@ -13,6 +13,11 @@
       DistributedStrategy(collective=True), tfpsx.MonitoredTrainingSession); rank 0
       starts from DIR/initial.0.npy, the others from their own seeds; writes
       DIR/graph_final.<rank>.npy.
+  --checkpoint DIR   rank 0 saves the weights and the epoch after every epoch and, when
+                a checkpoint is there, restores it before fit (the others take its
+                weights by the strategy's broadcast) and resumes from its epoch.
+  --die_after_epoch N --die_marker FILE   rank 1 SIGKILLs itself once (FILE marks it)
+                at the end of epoch N.
   --embedding   adds a tfpsx.keras.DynamicEmbedding (refused in a collective job).
   --step_delay  seconds of sleep after every batch (fault tests).
 """
@@ -64,6 +69,9 @@ def main(argv):
     p.add_argument("--embedding", action="store_true")
     p.add_argument("--step_delay", type=float, default=0.0)
     p.add_argument("--graph", action="store_true")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--die_after_epoch", type=int, default=None)
+    p.add_argument("--die_marker", default=None)
     args = p.parse_args(argv)
     x, y = data(args.examples)
 
@@ -103,10 +111,39 @@ def main(argv):
             if args.step_delay:
                 time.sleep(args.step_delay)
 
+    callbacks = strategy.callbacks() + [Record()]
+    initial_epoch = 0
+    if args.checkpoint:
+        weights = os.path.join(args.checkpoint, "model.weights.h5")
+        done = os.path.join(args.checkpoint, "epoch.txt")
+        if os.path.exists(done):
+            initial_epoch = int(open(done).read())
+            if rank == 0:
+                model.load_weights(weights)  # the others take it from rank 0 at fit
+            print(f"rank {rank} resumes at epoch {initial_epoch}", flush=True)
+
+        class Save(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if rank == 0:
+                    self.model.save_weights(weights)
+                    with open(done + ".tmp", "w") as f:
+                        f.write(str(epoch + 1))
+                    os.replace(done + ".tmp", done)
+
+        callbacks.append(Save())
+    if args.die_after_epoch is not None and rank == 1 and not os.path.exists(args.die_marker):
+        class Die(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch + 1 == args.die_after_epoch:
+                    time.sleep(1.0)  # rank 0's checkpoint of this epoch is written
+                    open(args.die_marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        callbacks.append(Die())
     xs, ys = tfpsx.data.shard_arrays(x, y)
     print("TRAINING", flush=True)
     history = model.fit(xs, ys, batch_size=args.batch, epochs=args.epochs, shuffle=False,
-                        verbose=2, callbacks=strategy.callbacks() + [Record()])
+                        verbose=2, callbacks=callbacks, initial_epoch=initial_epoch)
     np.save(os.path.join(args.out, f"steps.{rank}.npy"), np.stack(steps))
     np.save(os.path.join(args.out, f"final.{rank}.npy"), flat(model))
     print(f"rank {rank} loss {history.history['loss']}", flush=True)

@@ -12,6 +12,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup
+from tfpsx.runtime import RUNTIME
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
@@ -90,3 +91,4 @@ class _BroadcastHook(tf.compat.v1.train.SessionRunHook):
     def after_create_session(self, session, coord):
         if self._assign is not None:
             session.run(self._assign)
+        RUNTIME.watch_peers()  # every peer answered: from now on a lost one is named
