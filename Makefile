@@ -160,6 +160,7 @@ bench: setup
 	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
+	$(PY) benchmarks/collective_scaling.py
 	$(PY) benchmarks/incremental_checkpoint.py
 	$(PY) benchmarks/fault_soak.py
 	$(PY) benchmarks/startup_soak.py --kind keras --jobs 24 --parallel 2
