@@ -50,6 +50,11 @@ def test_two_ranks_train_as_one_process_on_their_concatenated_batches(
     final = np.load(out / "final.0.npy")
     assert np.abs(final - initial[0]).max() > 0.05  # it trained
     np.testing.assert_allclose(final, _local(out), rtol=0, atol=1e-5)
+    # evaluate, predict and a serving export of the trained model, the same everywhere.
+    np.testing.assert_allclose(np.load(out / "eval.0.npy"), np.load(out / "eval.1.npy"),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.load(out / "served.npy"), np.load(out / "predicted.npy"),
+                               rtol=0, atol=1e-5)
     # Keras's own logs are the worker's own loss, one line an epoch.
     for r in range(2):
         assert len(re.findall(r"16/16 - .* loss: ", c.log("worker", r))) == 2, c.log("worker", r)

@@ -144,6 +144,17 @@ def main(argv):
     print("TRAINING", flush=True)
     history = model.fit(xs, ys, batch_size=args.batch, epochs=args.epochs, shuffle=False,
                         verbose=2, callbacks=callbacks, initial_epoch=initial_epoch)
+    held_out = x[:64]
+    np.save(os.path.join(args.out, f"eval.{rank}.npy"),
+            np.array(model.evaluate(held_out, y[:64], verbose=0)))
+    if rank == 0:  # every rank holds the same model: one exports it
+        import tensorflow as tf
+
+        path = tfpsx.export_serving(model, os.path.join(args.out, "export"))
+        served = tf.saved_model.load(path).signatures["serving_default"]
+        got = list(served(tf.constant(held_out)).values())[0].numpy()
+        np.save(os.path.join(args.out, "served.npy"), got)
+        np.save(os.path.join(args.out, "predicted.npy"), model.predict(held_out, verbose=0))
     np.save(os.path.join(args.out, f"steps.{rank}.npy"), np.stack(steps))
     np.save(os.path.join(args.out, f"final.{rank}.npy"), flat(model))
     print(f"rank {rank} loss {history.history['loss']}", flush=True)
