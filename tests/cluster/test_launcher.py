@@ -393,7 +393,9 @@ def test_plain_tf_config_script_runs_unchanged(tmp_path):
 
 def test_bad_launcher_arguments(tmp_path):
     proc = _launch(tmp_path, ["--server_num", "two", "x.py"], _env(), timeout=30)
-    assert proc.returncode == 2 and "--server_num: expected an integer >= 1, got 'two'" in proc.stderr
+    assert proc.returncode == 2 and "--server_num: expected an integer >= 0, got 'two'" in proc.stderr
+    proc = _launch(tmp_path, ["--server_num", "-1", "x.py"], _env(), timeout=30)
+    assert proc.returncode == 2 and "--server_num: expected an integer >= 0, got '-1'" in proc.stderr
     proc = _launch(tmp_path, ["--worker_num", "0", "x.py"], _env(), timeout=30)
     assert proc.returncode == 2 and "--worker_num" in proc.stderr
     proc = _launch(tmp_path, ["missing.py"], _env(), timeout=30)

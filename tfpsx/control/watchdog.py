@@ -124,6 +124,18 @@ class ServerWatch:
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
 
 
+def find_in_chain(error: Optional[BaseException], kinds) -> Optional[BaseException]:
+    """``error`` or the first exception in its chain of causes (``__cause__``, else
+    ``__context__``) that is one of ``kinds``; None when none is."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def lost_server(error: BaseException, servers) -> Optional[Tuple[int, str]]:
     """(rank, address) of the server an ``UnavailableError`` (or an error it caused)
     failed to reach, when its message says which; None otherwise."""

@@ -39,7 +39,7 @@ import tensorflow as tf
 from tfpsx import compat, errors, settings
 from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
-from tfpsx.control.watchdog import (exit_if_uncaught, lost_server, probe,
+from tfpsx.control.watchdog import (exit_if_uncaught, find_in_chain, lost_server, probe,
                                     translate_uncaught)
 from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
@@ -363,12 +363,7 @@ def server_lost_error(error: BaseException) -> Optional[errors.ServerUnavailable
     context reaches the PS tasks only: an unavailable peer is one of them."""
     if isinstance(error, errors.ServerUnavailableError):
         return None
-    unavailable, seen = error, set()
-    while unavailable is not None and not isinstance(unavailable, tf.errors.UnavailableError):
-        seen.add(id(unavailable))
-        unavailable = unavailable.__cause__ or unavailable.__context__
-        if unavailable is not None and id(unavailable) in seen:
-            return None
+    unavailable = find_in_chain(error, tf.errors.UnavailableError)
     if unavailable is None:
         return None
     config = RUNTIME.require("keras")

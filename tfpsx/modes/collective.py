@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from tfpsx import errors, settings
-from tfpsx.control.watchdog import probe
+from tfpsx.control.watchdog import find_in_chain, probe
 
 # One group for all of a job's collectives (its workers, one device each).
 GROUP_KEY = 0x7466
@@ -124,14 +124,8 @@ def lost_peer_error(error: BaseException, config) -> Optional[errors.PeerUnavail
     when ``error`` is no such failure."""
     if isinstance(error, errors.PeerUnavailableError):
         return None
-    failed, seen = error, set()
-    while failed is not None and not isinstance(
-            failed, (tf.errors.UnavailableError, tf.errors.InternalError,
-                     tf.errors.AbortedError, tf.errors.CancelledError)):
-        seen.add(id(failed))
-        failed = failed.__cause__ or failed.__context__
-        if failed is not None and id(failed) in seen:
-            return None
+    failed = find_in_chain(error, (tf.errors.UnavailableError, tf.errors.InternalError,
+                                   tf.errors.AbortedError, tf.errors.CancelledError))
     if failed is None:
         return None
     text = str(failed)
