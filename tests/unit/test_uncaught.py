@@ -54,3 +54,4 @@ def test_an_error_the_translator_leaves_ends_the_process_as_python_does():
     assert "ValueError: a bad value" in done.stderr
     assert "ServerUnavailableError" not in done.stderr
     assert "ATEXIT RAN" in done.stdout  # the interpreter's own teardown ran
+
