@@ -111,6 +111,22 @@ def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_clus
     assert re.search(rf"worker 0 lost worker 1 at {re.escape(c.workers[1])}", log), log[-3000:]
 
 
+@pytest.mark.timeout(240)
+def test_a_rank_killed_before_stop_worker_ends_the_others_wait_there_naming_it(
+        make_cluster, tmp_path):
+    """stop_worker() meets every rank before leaving (here: a last all-reduce, no
+    scheduler); a rank SIGKILLed after fit never comes, and the other's wait ends within
+    the heartbeat bound naming it, not at TFPSX_COLLECTIVE_TIMEOUT."""
+    c, _, codes = _run(make_cluster, tmp_path, args=["--die_at_end"],
+                       env={"TFPSX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
+                            "TFPSX_LOST_GRACE": str(GRACE)})
+    assert codes[("worker", 1)] == -9, c.logs()
+    assert codes[("worker", 0)] == 138, c.logs()
+    log = c.log("worker", 0)
+    assert "rank 0 loss" in log, log[-3000:]  # it trained, then waited in stop_worker
+    assert re.search(rf"worker 0 lost worker 1 at {re.escape(c.workers[1])}", log), log[-3000:]
+
+
 @pytest.mark.timeout(200)
 def test_misuse_is_a_clear_error(make_cluster, tmp_path):
     # A table in a collective job: it needs parameter servers.

@@ -18,6 +18,8 @@
                 weights by the strategy's broadcast) and resumes from its epoch.
   --die_after_epoch N --die_marker FILE   rank 1 SIGKILLs itself once (FILE marks it)
                 at the end of epoch N.
+  --die_at_end  rank 1 SIGKILLs itself after fit, before stop_worker (rank 0 then waits
+                for it in stop_worker).
   --embedding   adds a tfpsx.keras.DynamicEmbedding (refused in a collective job).
   --step_delay  seconds of sleep after every batch (fault tests).
 """
@@ -72,6 +74,7 @@ def main(argv):
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--die_after_epoch", type=int, default=None)
     p.add_argument("--die_marker", default=None)
+    p.add_argument("--die_at_end", action="store_true")
     args = p.parse_args(argv)
     x, y = data(args.examples)
 
@@ -158,6 +161,8 @@ def main(argv):
     np.save(os.path.join(args.out, f"steps.{rank}.npy"), np.stack(steps))
     np.save(os.path.join(args.out, f"final.{rank}.npy"), flat(model))
     print(f"rank {rank} loss {history.history['loss']}", flush=True)
+    if args.die_at_end and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
     tfpsx.stop_worker()
     return 0
 

@@ -33,13 +33,10 @@ class CollectiveMode(Mode):
                 f"{self.config.server_num} server(s): train on them with a_sync=... instead")
 
     def group(self) -> CollectiveGroup:
-        """The graph's collective group (its instance counter is a local variable: a rank
-        never restores it, so the ranks' keys agree after a restart)."""
+        """The graph's collective group."""
         if self._group is None:
-            with self.graph.as_default(), tf.compat.v1.variable_scope(
-                    "tfpsx_collective", use_resource=True):
-                self._group = CollectiveGroup(self.config.index, self.config.worker_num,
-                                              worker_device_of(self.config) + "/device:CPU:0")
+            self._group = CollectiveGroup(self.config.index, self.config.worker_num,
+                                          worker_device_of(self.config) + "/device:CPU:0")
         return self._group
 
     @classmethod
