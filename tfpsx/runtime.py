@@ -59,6 +59,7 @@ class Runtime:
         self._server = None
         self._coord: Optional[Coordinator] = None
         self._watch: Optional[ServerWatch] = None
+        self._peer_watch: Optional[ServerWatch] = None  # collective and hybrid workers
         self._barrier_generation = 0
         self._worker_state = "new"  # new -> started -> stopped
         # (job, task, servers, address) this process's eager context is connected to
@@ -274,9 +275,10 @@ class Runtime:
             time.sleep(linger)
 
     def _stop_watch(self) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.stop()
+        for watch in (self._watch, self._peer_watch):
+            if watch is not None:
+                watch.stop()
+        self._watch = self._peer_watch = None
 
     def _server_lost(self, task: str, address: str, why: str) -> None:
         """The server watch lost a server: the worker cannot go on (its share of the
@@ -293,21 +295,29 @@ class Runtime:
             grace)
 
     def watch_peers(self) -> None:
-        """A collective worker watches the other workers (their collective servers are
-        up once the first collective ran): a lost one ends this worker within the
-        heartbeat timeout, naming it; TF's collectives would wait for it until their
+        """A collective (or hybrid) worker watches the other workers (their collective
+        servers are up once the first collective ran): a lost one ends this worker within
+        the heartbeat timeout, naming it; TF's collectives would wait for it until their
         own timeout (TFPSX_COLLECTIVE_TIMEOUT)."""
         config = self.require_role("watch_peers", _cluster.WORKER)
         with self._lock:
-            if self._watch is not None or self._worker_state != "started":
+            if self._peer_watch is not None or self._worker_state != "started":
                 return
             me = config.index
-            self._watch = ServerWatch(
+            self._peer_watch = ServerWatch(
                 {f"worker {r}": a for r, a in enumerate(config.workers) if r != me},
                 settings.get("TFPSX_HEARTBEAT_TIMEOUT"), settings.get("TFPSX_HEARTBEAT_INTERVAL"),
                 self._peer_lost,
                 reported_dead=lambda: [(f"worker {r}", a) for r, a in self._coord.dead_workers()]
             ).start()
+
+    def stop_peer_watch(self) -> None:
+        """The workers met after their last all-reduce (a hybrid ``fit`` ended): a peer
+        that leaves from now on is no loss."""
+        with self._lock:
+            watch, self._peer_watch = self._peer_watch, None
+        if watch is not None:
+            watch.stop()
 
     def _peer_lost(self, task: str, address: str, why: str) -> None:
         config = self.config
@@ -316,11 +326,14 @@ class Runtime:
         from tfpsx import compat
 
         # The collective in flight fails at once, naming the peer (not at its timeout).
-        compat.abort_collectives(f"worker {config.index} lost {task} at {address}: {why}")
+        # (A hybrid worker's all-reduce runs in a session of its own: it ends with the
+        # process.)
+        if config.collective:
+            compat.abort_collectives(f"worker {config.index} lost {task} at {address}: {why}")
         exit_when_lost(
             f"worker {config.index} lost {task} at {address}: {why} "
             f"(TFPSX_HEARTBEAT_TIMEOUT={settings.get('TFPSX_HEARTBEAT_TIMEOUT'):g} s); "
-            f"{main_thread_activity()}. A collective cannot go on without every rank: "
+            f"{main_thread_activity()}. An all-reduce cannot go on without every rank: "
             "restart the job from the last checkpoint. "
             f"This worker exits in {grace:g} s (TFPSX_LOST_GRACE) unless it fails first.",
             grace)

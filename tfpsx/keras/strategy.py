@@ -214,7 +214,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
 
     @property
     def mode(self) -> str:
-        """"async", "sync", "geo" or "staleness"."""
+        """"async", "sync", "geo", "staleness" or "hybrid"."""
         return self._mode.NAME
 
     @property
@@ -287,9 +287,12 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         self._fitting = False
         self._fit_flag.assign(0)
         self._feeder.end(wait=not failed)
-        self._mode.end_fit(model)
-        if not failed:
-            flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
+        try:
+            self._mode.end_fit(model)
+            if not failed:
+                flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
+        finally:
+            self._mode.after_fit(model, failed)
 
     def check_model(self, model) -> None:
         optimizer = getattr(model, "optimizer", None)
@@ -322,7 +325,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
             try:
                 return fn(*args, **kwargs)
             except (errors.ClusterTimeoutError, errors.ServerUnavailableError,
-                    errors.BackgroundTaskError) as e:
+                    errors.PeerUnavailableError, errors.BackgroundTaskError) as e:
                 self._pending = e
                 raise tf.errors.AbortedError(None, None, f"{type(e).__name__}: {e}") from e
 

@@ -18,6 +18,7 @@ _CONFIG_KEYS = {
                       "'float16'); values stay float32 on both sides",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
+_DENSE = ("ps", "allreduce")
 
 
 class DistributedStrategy:
@@ -33,6 +34,12 @@ class DistributedStrategy:
         ``tfpsx.init(is_collective=True)``): every weight on every worker, gradients
         averaged by all-reduce each step (Fleet's ``fleet.init(is_collective=True)``);
         ``a_sync`` and ``a_sync_configs`` do not apply.
+      dense: where the dense weights train. ``"ps"`` (default): on the parameter
+        servers, in the mode of ``a_sync`` / ``a_sync_configs``. ``"allreduce"``: the
+        hybrid mode: every worker holds every dense weight, their gradients are averaged
+        over the workers by all-reduce each step (differently seeded workers start from
+        worker 0's values), while ``DynamicEmbedding`` tables stay on the parameter
+        servers in the async or GEO mode ``a_sync_configs`` select.
 
     Raises:
       ValueError: an unknown key or a bad value (the message names both).
@@ -43,7 +50,19 @@ class DistributedStrategy:
     """
 
     def __init__(self, a_sync: bool = True, a_sync_configs: Optional[Dict] = None,
-                 collective: bool = False):
+                 collective: bool = False, dense: str = "ps"):
+        if dense not in _DENSE:
+            raise ValueError(f"DistributedStrategy: dense must be one of {list(_DENSE)} "
+                             f"(where dense weights train), got {dense!r}")
+        if dense == "allreduce" and collective:
+            raise ValueError("DistributedStrategy: dense='allreduce' is the hybrid mode "
+                             "(tables on the parameter servers); collective=True has no "
+                             "servers and all-reduces every weight already: set one of them")
+        if dense == "allreduce" and not a_sync:
+            raise ValueError("DistributedStrategy: dense='allreduce' (the hybrid mode) trains "
+                             "the tables async or GEO; a_sync=False (sync) does not apply: "
+                             "the dense weights are averaged every step already")
+        self.dense = dense
         if not isinstance(collective, bool):
             raise ValueError("DistributedStrategy: collective must be True or False, got "
                              f"{collective!r}")
@@ -76,11 +95,20 @@ class DistributedStrategy:
         if self.k_steps and self.max_staleness:
             raise ValueError("DistributedStrategy: GEO (k_steps > 0) and max_staleness are "
                              "separate modes; set one of them")
+        if dense == "allreduce" and self.max_staleness:
+            raise ValueError("DistributedStrategy: dense='allreduce' (the hybrid mode) steps "
+                             "every worker together; max_staleness="
+                             f"{self.max_staleness} does not apply (tables: async or GEO)")
+
+    @property
+    def hybrid(self) -> bool:
+        """The hybrid mode: dense weights all-reduced, tables on the servers in ``mode``."""
+        return self.dense == "allreduce"
 
     @property
     def mode(self) -> str:
         """"sync", "async", "geo", "staleness" or "collective" (the only place options
-        become a mode)."""
+        become a mode). In the hybrid mode (``dense="allreduce"``), the tables' mode."""
         if self.collective:
             return "collective"
         if not self.a_sync:
@@ -92,7 +120,7 @@ class DistributedStrategy:
     def key(self) -> Tuple:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
-                self.replicas_to_aggregate, self.geo_wire_dtype, self.collective)
+                self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense)
 
     def __repr__(self):
         if self.collective:
@@ -104,6 +132,8 @@ class DistributedStrategy:
             extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
+        if self.hybrid:
+            extra += ", dense='allreduce'"
         return (f"DistributedStrategy(mode={self.mode!r}, k_steps={self.k_steps}, "
                 f"max_staleness={self.max_staleness}{extra})")
 

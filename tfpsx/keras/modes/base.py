@@ -134,6 +134,9 @@ class KerasMode:
     def end_fit(self, model) -> None:
         """After ``fit``, also when it failed."""
 
+    def after_fit(self, model, failed: bool) -> None:
+        """Last, after ``end_fit`` (``failed``: a step raised)."""
+
     # ------------------------------------------------------------------ helpers
     def record(self, op):
         """Remembers a stateful op of the step being traced (for ``after_step``)."""

@@ -1,0 +1,154 @@
+"""The hybrid mode on Keras: ``DynamicEmbedding`` tables on the parameter servers (async
+or GEO, as the tables train in those modes), every other weight on every worker with its
+gradient averaged over the workers each step (:mod:`tfpsx.modes.hybrid`, shared with
+graph mode).
+
+* Model weights, optimizer slots and ``optimizer.iterations`` are ordinary variables of
+  this worker. A model weight takes worker 0's value when it is created, and every
+  weight and optimizer variable again when ``fit`` starts (a checkpoint restored on the
+  chief reaches everyone), so the workers' dense weights are equal at every step.
+* Keras asks the strategy to all-reduce the gradients: the dense ones are averaged over
+  the workers (the mean gradient of the global batch; the loss is not scaled); a
+  table's rows were pushed to its servers in the backward pass already, each worker's
+  own, as in async / GEO.
+* ``optimizer.iterations`` counts steps of the job, which every worker runs together.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfpsx import settings
+from tfpsx.keras.modes.base import SHARED_PREFIX, TRIGGER, CreationContext, KerasMode
+from tfpsx.keras.modes.geo import KerasGeo
+from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.modes import hybrid
+from tfpsx.modes.collective import REDUCIBLE, lost_peer_error
+from tfpsx.runtime import RUNTIME
+
+
+class _AllReducedDense:
+    """The dense half (a mixin before a :class:`KerasMode`)."""
+    NAME = "hybrid"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.config.worker_num < 1:
+            raise ValueError("hybrid mode: no workers")
+
+    def dense_group(self) -> hybrid.DenseAllReduce:
+        """This worker's dense all-reduce (started with the strategy)."""
+        bridge = getattr(self, "_bridge", None)
+        if bridge is None:
+            ports = SharedVariable(shared_name=SHARED_PREFIX + "hybrid/dense_ports",
+                                   shape=[self.worker_num], dtype=tf.int64,
+                                   device=self.ps_devices[0], trainable=False,
+                                   name="dense_ports")
+            initialize(ports, tf.zeros([self.worker_num], tf.int64), self.is_chief,
+                       settings.get("TFPSX_SESSION_TIMEOUT"))
+
+            def write(rank, port):
+                ports.scatter_update(tf.IndexedSlices(tf.constant([port], tf.int64),
+                                                      tf.constant([rank])))
+
+            hosts = [address.rsplit(":", 1)[0] for address in self.config.workers]
+            bridge = hybrid.start(self.worker_index, hosts, write,
+                                  lambda: ports.read_value().numpy())
+            self._bridge = bridge
+            RUNTIME.watch_peers()  # every worker answered: from now on a lost one is named
+        return bridge
+
+    # ------------------------------------------------------------------ variables
+    def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
+        var = extended.create_local(next_creator, kwargs)
+        if ctx.is_model_weight(kwargs) and var.dtype in REDUCIBLE:
+            with tf.init_scope():  # differently seeded workers start from worker 0's values
+                value = self.dense_group().broadcast([var.read_value().numpy()])[0]
+                var.assign(value)
+        return var
+
+    # ------------------------------------------------------------------ the step
+    def reduce(self, extended, reduce_op, value_destination_pairs, options):
+        values = [value for value, _ in value_destination_pairs]
+        if not values:
+            return []
+        # Every gradient Keras reduces is a dense one's (a table's trigger gives zeros:
+        # its rows were pushed in the backward pass).
+        return self.dense_group().in_step(
+            values, report=lambda fn: self.keras_strategy.reporting(self._naming(fn)))
+
+    def _naming(self, fn):
+        def run(*args):
+            try:
+                return fn(*args)
+            except tf.errors.OpError as e:
+                lost = lost_peer_error(e, self.config)
+                if lost is not None:
+                    raise lost from e
+                raise
+        return run
+
+    def update(self, extended, var, fn, args, kwargs, group):
+        return KerasMode.update(self, extended, var, fn, args, kwargs, group)
+
+    # ------------------------------------------------------------------ fit
+    def after_fit(self, model, failed: bool) -> None:
+        super().after_fit(model, failed)
+        if failed or getattr(self, "_bridge", None) is None:
+            return
+        # Every worker's last all-reduce is done once they all reach this one; after it,
+        # a peer may still read this worker's few bytes of it (a ring pulls each chunk
+        # from the rank before): TFPSX_COLLECTIVE_LINGER. Then a worker that ends is no
+        # loss to the others (it may save or export longer than they run).
+        self._bridge.mean([np.zeros([1], np.float32)])
+        time.sleep(settings.get("TFPSX_COLLECTIVE_LINGER"))
+        RUNTIME.stop_peer_watch()
+
+    def broadcast_model(self, model) -> None:
+        """Worker 0's model weights and optimizer variables on every worker (``fit``'s
+        start: after a restore on the chief)."""
+        variables = [v for v in model.weights if not isinstance(v, SharedVariable)
+                     and getattr(v, "name", "") != TRIGGER]
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+        variables = [v for v in variables if v.dtype in [d.name for d in REDUCIBLE]]
+        if not variables:
+            return
+        RUNTIME.watch_peers()
+        values = self.dense_group().broadcast([np.asarray(v.numpy()) for v in variables])
+        for v, value in zip(variables, values):
+            v.assign(value)
+
+
+class KerasHybridAsync(_AllReducedDense, KerasMode):
+    """Hybrid: tables async on the PS (each worker's rows applied there as they come)."""
+
+    def begin_fit(self, model) -> None:
+        super().begin_fit(model)
+        self.broadcast_model(model)
+
+
+class KerasHybridGeo(_AllReducedDense, KerasGeo):
+    """Hybrid: tables GEO (each worker's copy, synced every K steps); no dense copies:
+    GEO's rounds move table rows only."""
+
+    def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
+        return _AllReducedDense.create_variable(self, extended, next_creator, kwargs, ctx)
+
+    def begin_fit(self, model) -> None:
+        super().begin_fit(model)
+        self.broadcast_model(model)
+
+
+def hybrid_class(options) -> Optional[type]:
+    """The hybrid mode's class for ``options`` (None when not hybrid)."""
+    if not options.hybrid:
+        return None
+    if options.mode not in ("async", "geo"):
+        raise ValueError(f"hybrid mode: tables train async or GEO, not {options.mode}")
+    return KerasHybridGeo if options.mode == "geo" else KerasHybridAsync

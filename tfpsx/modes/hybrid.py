@@ -1,0 +1,170 @@
+"""The hybrid mode's dense half, written once for both front-ends: every worker holds
+every dense weight, and each step their gradients are averaged over the workers by
+all-reduce, while the ``DynamicEmbedding`` tables stay on the parameter servers (async or
+GEO, their own server-side optimizer).
+
+The all-reduce is TF's own ``CollectiveReduceV2`` (:class:`~tfpsx.modes.collective.
+CollectiveGroup`, as in collective mode), run by a :class:`DenseAllReduce`: a graph session
+on a small in-process server of its own per worker (job ``tfpsx_dense``), whose cluster is
+the workers' dense servers only, with worker 0 as the group leader. Why a server of its
+own: a worker's link to the parameter servers cannot carry collectives among the
+workers on TF 2.21 (measured: a Keras worker's eager context connected to the PS with
+``enable_collective_ops`` after it fails every function that reads a PS resource; in the
+other order TF crashes; a context whose cluster lists the other workers deadlocks at
+connect, each waiting for the other's server). A step hands its packed gradients to the
+session through ``tf.numpy_function`` (an in-process session: no gRPC to itself).
+
+The dense servers' ports are found at start-up: each worker picks a free port on its own
+host and writes it into a vector on PS 0 (:func:`meet`); every worker waits until all
+ports are there, bounded by TFPSX_SESSION_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tfpsx import errors, settings
+from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup
+
+JOB = "tfpsx_dense"
+
+
+def meet(rank: int, size: int, port: int, write: Callable[[int, int], None],
+         read: Callable[[], Sequence[int]], timeout: float, poll: float = 0.05) -> List[int]:
+    """Writes this worker's dense-server ``port`` at ``rank`` (``write(rank, port)``) and
+    waits until every worker's is there (``read()``: the vector, 0 where none yet).
+
+    Raises:
+      ClusterTimeoutError: a worker did not write its port within ``timeout`` seconds.
+    """
+    write(rank, port)
+    deadline = time.monotonic() + timeout
+    while True:
+        ports = [int(p) for p in read()]
+        if len(ports) != size:
+            raise ValueError(f"hybrid mode: the servers hold {len(ports)} workers' ports, "
+                             f"this worker counts {size}; every worker must be given the same "
+                             "worker list")
+        if all(ports):
+            return ports
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(ports) if not p]
+            raise errors.ClusterTimeoutError(
+                f"hybrid mode: worker {rank} waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) "
+                f"for worker(s) {missing} to start their dense all-reduce (each writes its "
+                "port on server 0 when its strategy or session starts); are they running, "
+                "in the same mode?")
+        time.sleep(poll)
+
+
+class DenseAllReduce:
+    """This worker's side of the dense weights' all-reduce (see the module doc).
+
+    Args:
+      rank: this worker's rank.
+      addresses: every worker's dense server, ``host:port``, in rank order.
+      timeout: each collective's bound (TFPSX_COLLECTIVE_TIMEOUT).
+    """
+
+    def __init__(self, rank: int, addresses: Sequence[str], timeout: float):
+        self.rank, self.addresses, self.timeout = rank, list(addresses), float(timeout)
+        config = tf.compat.v1.ConfigProto()
+        config.experimental.collective_group_leader = f"/job:{JOB}/replica:0/task:0"
+        self._server = tf.distribute.Server(
+            tf.train.ClusterSpec({JOB: self.addresses}), job_name=JOB, task_index=rank,
+            config=config, start=True)
+        self._graph = tf.Graph()
+        self._session = tf.compat.v1.Session(self._server.target, graph=self._graph,
+                                             config=config)
+        self._group = CollectiveGroup(rank, len(self.addresses),
+                                      f"/job:{JOB}/replica:0/task:{rank}/device:CPU:0")
+        self._built: Dict[Tuple, Tuple[list, list]] = {}
+        self._lock = threading.Lock()  # one collective at a time, in the same order everywhere
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+    def _run(self, kind: str, arrays: Sequence[np.ndarray]) -> List[np.ndarray]:
+        arrays = [np.asarray(a) for a in arrays]
+        signature = (kind,) + tuple((a.dtype.str, a.shape) for a in arrays)
+        with self._lock:
+            if signature not in self._built:
+                # Built on first use, in the order the ranks use them: the collectives'
+                # instance keys are given as they are built (the same on every rank).
+                with self._graph.as_default():
+                    inputs = [tf.compat.v1.placeholder(a.dtype, a.shape) for a in arrays]
+                    if kind == "broadcast":
+                        outputs = self._group.broadcast(inputs)
+                    else:
+                        outputs = self._group.all_reduce(inputs, mean=kind == "mean")
+                self._built[signature] = (inputs, outputs)
+            inputs, outputs = self._built[signature]
+            options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout * 1000) + 1000)
+            return self._session.run(outputs, dict(zip(inputs, arrays)), options=options)
+
+    def mean(self, arrays: Sequence[np.ndarray]) -> List[np.ndarray]:
+        """Each array's mean over the workers."""
+        return self._run("mean", arrays)
+
+    def broadcast(self, arrays: Sequence[np.ndarray]) -> List[np.ndarray]:
+        """Worker 0's arrays on every worker."""
+        return self._run("broadcast", arrays)
+
+    def check_world(self) -> None:
+        """The first collective: every worker's dense server answered, with the same
+        world size. Raises ValueError naming TF's reason otherwise."""
+        try:
+            self._run("sum", [np.ones([1], np.int32)])
+        except tf.errors.OpError as e:
+            lines = [line.strip() for line in (e.message or "").splitlines() if line.strip()]
+            raise ValueError(
+                f"hybrid mode: worker {self.rank}'s dense all-reduce could not form one "
+                f"group with {self.addresses} ({(lines or [type(e).__name__])[0][:300]}); "
+                "every worker must run the hybrid mode with the same worker list") from e
+
+    def in_step(self, values: Sequence, report=None) -> List[tf.Tensor]:
+        """Inside a step being built (a ``tf.function`` or a TF1 graph): the mean of
+        ``values`` over the workers. Values of one dtype travel packed in one collective;
+        ``IndexedSlices`` are made dense first. ``report`` wraps the Python side (the
+        Keras strategy's error relay)."""
+        tensors = [tf.convert_to_tensor(v) for v in values]
+        by_dtype: Dict[tf.DType, List[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.dtype not in REDUCIBLE:
+                raise TypeError(f"hybrid mode: gradient {i} has dtype {t.dtype.name}; "
+                                f"expected one of {', '.join(d.name for d in REDUCIBLE)}")
+            by_dtype.setdefault(t.dtype, []).append(i)
+        out: List[tf.Tensor] = [None] * len(tensors)
+        for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
+            members = by_dtype[dtype]
+            flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
+            run = (lambda x: self.mean([x])[0])
+            reduced = tf.numpy_function(report(run) if report else run, [flat], dtype,
+                                        stateful=True, name="tfpsx_dense_all_reduce")
+            reduced.set_shape(flat.shape)
+            sizes = [tf.size(tensors[i]) for i in members]
+            for i, piece in zip(members, tf.split(reduced, sizes)):
+                out[i] = tf.reshape(piece, tf.shape(tensors[i]))
+        return out
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def start(rank: int, hosts: Sequence[str], write, read) -> DenseAllReduce:
+    """This worker's :class:`DenseAllReduce`: a free port on its host, the ports met on
+    the servers (:func:`meet`), the group checked."""
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    ports = meet(rank, len(hosts), port, write, read, settings.get("TFPSX_SESSION_TIMEOUT"))
+    bridge = DenseAllReduce(rank, [f"{h}:{p}" for h, p in zip(hosts, ports)],
+                            settings.get("TFPSX_COLLECTIVE_TIMEOUT"))
+    bridge.check_world()
+    return bridge
