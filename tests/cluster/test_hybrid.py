@@ -4,6 +4,7 @@ every dense weight all-reduced among the workers each step
 scripts/hybrid_job.py."""
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -43,3 +44,36 @@ def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
     losses = [float(m) for r in range(2)
               for m in re.findall(r"eval loss ([\d.]+)", c.log("worker", r))]
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-3, losses
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tables", ["async", "geo"])
+def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_equal(
+        make_cluster, tmp_path, tables):
+    """The same job in TF1 graph mode (model_scope, distributed_optimizer,
+    MonitoredTrainingSession); rank 1 starts from other values."""
+    c, out, codes = _run(make_cluster, tmp_path, ["--tables", tables, "--graph"])
+    assert set(codes.values()) == {0} and ("worker", 1) in codes, c.logs()
+    _check_training(out, "graph_")
+    for r in range(2):  # global_step counts the job's steps, which both ran together
+        assert "graph steps 32 global_step 32" in c.log("worker", r), c.log("worker", r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("front_end", ["keras", "graph"])
+def test_a_killed_worker_makes_the_other_exit_within_the_bound_naming_it(
+        make_cluster, tmp_path, front_end):
+    """Worker 1 SIGKILLs itself at its 5th step: worker 0's next all-reduce would wait
+    for it until TFPSX_COLLECTIVE_TIMEOUT (600 s); the peer watch names it within the
+    heartbeat bound and exits with the code a restart policy retries."""
+    start = time.monotonic()
+    c, out, codes = _run(make_cluster, tmp_path,
+                         ["--die_at_step", "5", "--epochs", "20"]
+                         + (["--graph"] if front_end == "graph" else []),
+                         env={"TFPSX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
+                              "TFPSX_LOST_GRACE": str(GRACE)})
+    assert codes[("worker", 1)] == -9, c.logs()
+    assert codes[("worker", 0)] == 138, c.logs()
+    log = c.log("worker", 0)
+    assert re.search(rf"worker 0 lost worker 1 at {re.escape(c.workers[1])}", log), log[-3000:]
+    assert time.monotonic() - start < 100, c.logs()

@@ -25,6 +25,10 @@ def test_strategy_modes():
     assert tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 100}).mode == "geo"
     assert tfpsx.DistributedStrategy(a_sync_configs={"max_staleness": 3}).mode == "staleness"
     assert tfpsx.DistributedStrategy(collective=True).mode == "collective"
+    hybrid = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}, dense="allreduce")
+    assert hybrid.hybrid and hybrid.mode == "geo" and "dense='allreduce'" in repr(hybrid)
+    assert not tfpsx.DistributedStrategy().hybrid
+    assert hybrid.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -37,6 +41,11 @@ def test_strategy_modes():
     ({"a_sync_configs": {"k_steps": 5, "max_staleness": 2}}, ["separate modes"]),
     ({"collective": 1}, ["collective", "True or False", "1"]),
     ({"collective": True, "a_sync_configs": {"k_steps": 5}}, ["all-reduce", "do not apply"]),
+    ({"dense": "mirrored"}, ["dense", "'ps', 'allreduce'", "'mirrored'"]),
+    ({"dense": "allreduce", "collective": True}, ["hybrid", "collective=True", "one of them"]),
+    ({"dense": "allreduce", "a_sync": False}, ["hybrid", "a_sync=False"]),
+    ({"dense": "allreduce", "a_sync_configs": {"max_staleness": 2}},
+     ["hybrid", "max_staleness=2"]),
     ({"a_sync_configs": {"k_steps": 5, "geo_sync_in_train_thread": 1}},
      ["geo_sync_in_train_thread", "True or False"]),
 ])
@@ -59,6 +68,25 @@ def test_collective_in_a_job_with_servers_is_a_clear_error(worker):
                            r"this one has 2 server"):
             with tfpsx.model_scope(tfpsx.DistributedStrategy(collective=True)):
                 pass
+
+
+@pytest.mark.parametrize("k_steps", [0, 10])
+def test_hybrid_places_the_model_on_the_worker_and_refuses_variables_on_servers(
+        worker, k_steps):
+    hybrid = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": k_steps}, dense="allreduce")
+    with tf.Graph().as_default():
+        with tfpsx.model_scope(hybrid):
+            w = tf.compat.v1.get_variable("w", [3], initializer=tf.zeros_initializer())
+        assert w.device == "/job:worker/task:1"
+        assert tfpsx.training.mode_of().NAME == "hybrid"
+    with tf.Graph().as_default():
+        with tf.compat.v1.device(tfpsx.replica_device_setter()):  # not model_scope
+            w = tf.compat.v1.get_variable("w", [3], initializer=tf.zeros_initializer())
+        opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                          hybrid)
+        with pytest.raises(ValueError, match=r"variables \['w:0'\] live on the parameter "
+                                             r"servers.*tfpsx.model_scope\(strategy\)"):
+            opt.minimize(tf.reduce_sum(w * w))
 
 
 def test_geo_needs_an_optimizer_with_a_local_form(worker):

@@ -39,8 +39,8 @@ import tensorflow as tf
 from tfpsx import compat, errors, settings
 from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
-from tfpsx.control.watchdog import (exit_if_uncaught, find_in_chain, lost_server, probe,
-                                    translate_uncaught)
+from tfpsx.control.watchdog import (RETRYABLE, exit_if_uncaught, find_in_chain, lost_server,
+                                    probe, translate_uncaught)
 from tfpsx.embedding.cache import flush_eager_caches
 from tfpsx.embedding.updaters import updater_scope
 from tfpsx.keras import fit
@@ -342,6 +342,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         except tf.errors.OpError as e:
             pending, self._pending = self._pending, None
             if pending is not None:
+                if isinstance(pending, RETRYABLE):
+                    exit_if_uncaught()  # a lost peer: the code a restart policy retries
                 raise pending from e
             self._raise_if_server_lost(e)
             staging = self._feeder.take_failure()  # fit's input pipeline lost a server

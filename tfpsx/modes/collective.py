@@ -110,6 +110,13 @@ class CollectiveGroup:
                 "must be given the same worker list (and every one must start)") from e
 
 
+_RELAYED = re.compile(r"PeerUnavailableError: (worker \d+ lost worker .*)")
+# TF's lines around the cause in a failed collective's message.
+_NOISE = ("Graph execution error", "From /job:", "Additional GRPC error information",
+          "The error could be from", "[[", "Recent warning", "Executing non-",
+          "Detected at node", "File ")
+_CAUSE = re.compile(r"recvmsg|socket closed|connection|failed to connect|unavailable|"
+                    r"deadline|timed out", re.IGNORECASE)
 _TASK = re.compile(r"/job:(?:worker|chief)/replica:\d+/task:(\d+)")
 
 
@@ -119,6 +126,12 @@ def lost_peer_error(error: BaseException, config) -> Optional[errors.PeerUnavail
     when ``error`` is no such failure."""
     if isinstance(error, errors.PeerUnavailableError):
         return None
+    # Raised by a step's Python side (the hybrid mode's all-reduce) and carried out of a
+    # TF1 session as a TF error: the same error again.
+    relayed = find_in_chain(error, tf.errors.OpError)
+    named = _RELAYED.search(str(relayed)) if relayed is not None else None
+    if named:
+        return errors.PeerUnavailableError(named.group(1))
     failed = find_in_chain(error, (tf.errors.UnavailableError, tf.errors.InternalError,
                                    tf.errors.AbortedError, tf.errors.CancelledError))
     if failed is None:
@@ -136,7 +149,9 @@ def lost_peer_error(error: BaseException, config) -> Optional[errors.PeerUnavail
         lost = next(((r, a) for r, a in peers.items() if not probe(a, timeout=2.0)), None)
     if lost is None:
         return None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line.strip().startswith(_NOISE)]
+    lines = [line for line in lines if _CAUSE.search(line)] or lines
     return errors.PeerUnavailableError(
         f"worker {config.index} lost worker {lost[0]} at {lost[1]} "
         f"({(lines or ['unavailable'])[0][:300]}); a collective cannot go on without every "

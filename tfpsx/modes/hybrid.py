@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx import errors, settings
-from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup
+from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, lost_peer_error
 
 JOB = "tfpsx_dense"
 
@@ -128,33 +128,49 @@ class DenseAllReduce:
                 f"group with {self.addresses} ({(lines or [type(e).__name__])[0][:300]}); "
                 "every worker must run the hybrid mode with the same worker list") from e
 
-    def in_step(self, values: Sequence, report=None) -> List[tf.Tensor]:
-        """Inside a step being built (a ``tf.function`` or a TF1 graph): the mean of
-        ``values`` over the workers. Values of one dtype travel packed in one collective;
-        ``IndexedSlices`` are made dense first. ``report`` wraps the Python side (the
-        Keras strategy's error relay)."""
-        tensors = [tf.convert_to_tensor(v) for v in values]
-        by_dtype: Dict[tf.DType, List[int]] = {}
-        for i, t in enumerate(tensors):
-            if t.dtype not in REDUCIBLE:
-                raise TypeError(f"hybrid mode: gradient {i} has dtype {t.dtype.name}; "
-                                f"expected one of {', '.join(d.name for d in REDUCIBLE)}")
-            by_dtype.setdefault(t.dtype, []).append(i)
-        out: List[tf.Tensor] = [None] * len(tensors)
-        for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
-            members = by_dtype[dtype]
-            flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
-            run = (lambda x: self.mean([x])[0])
-            reduced = tf.numpy_function(report(run) if report else run, [flat], dtype,
-                                        stateful=True, name="tfpsx_dense_all_reduce")
-            reduced.set_shape(flat.shape)
-            sizes = [tf.size(tensors[i]) for i in members]
-            for i, piece in zip(members, tf.split(reduced, sizes)):
-                out[i] = tf.reshape(piece, tf.shape(tensors[i]))
-        return out
-
     def close(self) -> None:
         self._session.close()
+
+
+def mean_in_step(values: Sequence, mean: Callable[[np.ndarray], np.ndarray]) -> List[tf.Tensor]:
+    """Inside a step being built (a ``tf.function`` or a TF1 graph): the mean of
+    ``values`` over the workers, by ``mean`` (a flat array's mean: a
+    :class:`DenseAllReduce`'s, wrapped by the front-end) through ``tf.numpy_function``.
+    Values of one dtype travel packed in one collective; ``IndexedSlices`` (a sparse
+    gradient) are made dense first."""
+    tensors = [tf.convert_to_tensor(v) for v in values]
+    by_dtype: Dict[tf.DType, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dtype not in REDUCIBLE:
+            raise TypeError(f"hybrid mode: gradient {i} has dtype {t.dtype.name}; "
+                            f"expected one of {', '.join(d.name for d in REDUCIBLE)}")
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: List[tf.Tensor] = [None] * len(tensors)
+    for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
+        members = by_dtype[dtype]
+        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
+        reduced = tf.numpy_function(mean, [flat], dtype, stateful=True,
+                                    name="tfpsx_dense_all_reduce")
+        reduced.set_shape(flat.shape)
+        sizes = [tf.size(tensors[i]) for i in members]
+        for i, piece in zip(members, tf.split(reduced, sizes)):
+            out[i] = tf.reshape(piece, tf.shape(tensors[i]))
+    return out
+
+
+def named_peer_loss(fn, config):
+    """``fn``, its failure on a lost worker raised as the ``PeerUnavailableError`` that
+    names it."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except tf.errors.OpError as e:
+            lost = lost_peer_error(e, config)
+            if lost is not None:
+                raise lost from e
+            raise
+
+    return run
 
 
 def start(rank: int, hosts: Sequence[str], write, read) -> DenseAllReduce:

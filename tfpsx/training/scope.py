@@ -9,7 +9,6 @@ import tensorflow as tf
 
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.placement import replica_device_setter
 from tfpsx.training.strategy import DistributedStrategy
 
 
@@ -18,7 +17,8 @@ def model_scope(strategy: Optional[DistributedStrategy] = None):
     """Places the variables (and trains the tables) of a model built inside it for
     ``strategy`` (default: async).
 
-    Every mode: ``replica_device_setter()`` (variables on the PS, balanced by bytes).
+    Every mode but the hybrid: ``replica_device_setter()`` (variables on the PS,
+    balanced by bytes); hybrid (``dense="allreduce"``): every variable on this worker.
     GEO: each trainable variable is created on the PS under its own name (checkpoints are
     the same as in async mode) and the model reads a local copy ``<name>_geo_local`` on
     this worker; a ``DynamicTable`` built inside trains a worker-local copy table.
@@ -32,5 +32,5 @@ def model_scope(strategy: Optional[DistributedStrategy] = None):
     config = RUNTIME.require_role("model_scope", "worker")
     strategy = strategy or DistributedStrategy()
     mode = modes.mode_for(strategy, config)
-    with tf.compat.v1.device(replica_device_setter()), mode.scope():
+    with tf.compat.v1.device(mode.placement()), mode.scope():
         yield

@@ -112,30 +112,31 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
                              "full_every=M) instead")
         if config.is_chief:  # only the chief saves and restores
             scaffold = _IncrementalScaffold(every)
-    if config.collective and not config.is_chief:
-        # Each rank initializes its own variables; rank 0's (restored ones included) reach
-        # the others by the collective mode's broadcast. Rank 0 alone saves.
-        checkpoint_dir = None
     mode = modes.mode_of()
+    each_initializes = bool(mode and mode.EACH_WORKER_INITIALIZES)
+    if each_initializes and not config.is_chief:
+        # Each rank initializes its own variables; rank 0's (restored ones included) reach
+        # the others by the mode's broadcast (collective, hybrid). Rank 0 alone saves.
+        checkpoint_dir = None
     own = mode.hooks() if mode else []
     own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():
         own.append(WorkerCacheHook())
-    return _monitored_session(config, checkpoint_dir, list(hooks or []), own,
+    return _monitored_session(config, each_initializes, checkpoint_dir, list(hooks or []), own,
                               chief_only_hooks, last_step,
                               save_checkpoint_steps, save_checkpoint_secs,
                               save_summaries_steps, scaffold, log_step_count_steps,
                               session_timeout, stop_grace_period_secs)
 
 
-def _monitored_session(config, checkpoint_dir, hooks, own, chief_only_hooks, last_step,
+def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chief_only_hooks, last_step,
                        save_checkpoint_steps, save_checkpoint_secs, save_summaries_steps,
                        scaffold, log_step_count_steps, session_timeout, stop_grace_period_secs):
     if last_step is not None:
         hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
     master = RUNTIME.server_target()
     session_config = RUNTIME.session_config()
-    if not config.is_chief and not config.collective:
+    if not config.is_chief and not each_initializes:
         timeout = settings.get("TFPSX_SESSION_TIMEOUT", session_timeout)
         creator = _FastWorkerSessionCreator(
             settings.get("TFPSX_RECOVERY_WAIT"), scaffold=scaffold, master=master,

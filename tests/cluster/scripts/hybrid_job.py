@@ -104,28 +104,37 @@ def main(argv):
     return 0
 
 
+def _dense(tf, x, units, name):
+    with tf.compat.v1.variable_scope(name):
+        w = tf.compat.v1.get_variable("kernel", [x.shape[-1], units],
+                                      initializer=tf.compat.v1.glorot_uniform_initializer())
+        b = tf.compat.v1.get_variable("bias", [units], initializer=tf.zeros_initializer())
+    return tf.matmul(x, w) + b
+
+
 def graph(tfpsx, options, args, rank, xs, idss, ys):
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
     tf.compat.v1.set_random_seed(100 + rank)
-    with tf.compat.v1.device(tfpsx.replica_device_setter(strategy=options)):
+    with tfpsx.model_scope(options):
         x = tf.compat.v1.placeholder(tf.float32, [None, 8])
         i = tf.compat.v1.placeholder(tf.int64, [None])
         y = tf.compat.v1.placeholder(tf.float32, [None, 1])
-        table = tfpsx.embedding.DynamicEmbedding("emb", DIM, optimizer=tfpsx.embedding.SGD(0.05))
-        emb = table.lookup(i)
-        h = tf.compat.v1.layers.dense(tf.concat([x, emb], 1), 16, tf.tanh, name="dense_1")
-        out = tf.compat.v1.layers.dense(h, 1, name="dense_2")
+        table = tfpsx.embedding.DynamicTable("emb", DIM, optimizer=tfpsx.embedding.SGD(0.05))
+        looked = table.lookup_unique(i)
+        h = tf.tanh(_dense(tf, tf.concat([x, looked.embeddings], 1), 16, "dense_1"))
+        out = _dense(tf, h, 1, "dense_2")
         loss = tf.reduce_mean(tf.square(out - y))
         step = tf.compat.v1.train.get_or_create_global_step()
         opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.05),
                                           options)
-        train = opt.minimize(loss, global_step=step)
+        train = tf.group(opt.minimize(loss, global_step=step), table.minimize(loss, [looked]))
     dense = [v for v in tf.compat.v1.trainable_variables() if v.name.startswith("dense")]
     flat = tf.concat([tf.reshape(v, [-1]) for v in dense], 0)
     all_ids = np.arange(IDS, dtype=np.int64)
     rows = table.lookup(tf.constant(all_ids))
+    read_step = tf.compat.v1.train.get_global_step()
     steps = []
     n = len(xs) // args.batch
     with tfpsx.MonitoredTrainingSession() as sess:
@@ -136,12 +145,15 @@ def graph(tfpsx, options, args, rank, xs, idss, ys):
             for b in range(n):
                 s = slice(b * args.batch, (b + 1) * args.batch)
                 sess.run(train, {x: xs[s], i: idss[s], y: ys[s]})
+                if args.die_at_step is not None and rank == 1 and len(steps) + 1 == args.die_at_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 steps.append(sess.run(flat))
         np.save(os.path.join(args.out, f"graph_steps.{rank}.npy"), np.stack(steps))
         np.save(os.path.join(args.out, f"graph_final.{rank}.npy"), steps[-1])
         if rank == 0:
             np.save(os.path.join(args.out, "graph_rows.npy"), sess.run(rows))
-    print(f"rank {rank} graph steps {len(steps)}", flush=True)
+        global_step = sess.run(read_step)
+    print(f"rank {rank} graph steps {len(steps)} global_step {global_step}", flush=True)
     tfpsx.stop_worker()
     return 0
 

@@ -27,18 +27,14 @@ from tfpsx.keras.modes.base import SHARED_PREFIX, TRIGGER, CreationContext, Kera
 from tfpsx.keras.modes.geo import KerasGeo
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes import hybrid
-from tfpsx.modes.collective import REDUCIBLE, lost_peer_error
+from tfpsx.modes.collective import REDUCIBLE
+from tfpsx.modes.hybrid import named_peer_loss
 from tfpsx.runtime import RUNTIME
 
 
 class _AllReducedDense:
     """The dense half (a mixin before a :class:`KerasMode`)."""
     NAME = "hybrid"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.config.worker_num < 1:
-            raise ValueError("hybrid mode: no workers")
 
     def dense_group(self) -> hybrid.DenseAllReduce:
         """This worker's dense all-reduce (started with the strategy)."""
@@ -78,19 +74,9 @@ class _AllReducedDense:
             return []
         # Every gradient Keras reduces is a dense one's (a table's trigger gives zeros:
         # its rows were pushed in the backward pass).
-        return self.dense_group().in_step(
-            values, report=lambda fn: self.keras_strategy.reporting(self._naming(fn)))
-
-    def _naming(self, fn):
-        def run(*args):
-            try:
-                return fn(*args)
-            except tf.errors.OpError as e:
-                lost = lost_peer_error(e, self.config)
-                if lost is not None:
-                    raise lost from e
-                raise
-        return run
+        bridge = self.dense_group()
+        return hybrid.mean_in_step(values, self.keras_strategy.reporting(
+            named_peer_loss(lambda x: bridge.mean([x])[0], self.config)))
 
     def update(self, extended, var, fn, args, kwargs, group):
         return KerasMode.update(self, extended, var, fn, args, kwargs, group)

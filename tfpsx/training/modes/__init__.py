@@ -6,7 +6,8 @@ interface: TF1-session executors of the protocols in :mod:`tfpsx.modes`.
   from each (:mod:`tfpsx.modes.sync`), dense and tables;
 * :mod:`~.staleness`: async, no worker more than ``max_staleness`` steps ahead;
 * :mod:`~.geo`: k-step GEO, dense and sparse, with its communicator;
-* :mod:`~.collective`: no servers, gradients averaged by all-reduce every step.
+* :mod:`~.collective`: no servers, gradients averaged by all-reduce every step;
+* :mod:`~.hybrid`: tables on the servers (async or GEO), dense gradients all-reduced.
 
 A new mode is a module with a ``Mode`` subclass plus one entry in ``REGISTRY``.
 """
@@ -14,7 +15,7 @@ A new mode is a module with a ``Mode`` subclass plus one entry in ``REGISTRY``.
 from typing import Dict, Type
 
 from tfpsx.modes.group import refuse_a_late_join
-from tfpsx.training.modes import async_, collective, geo, staleness, sync
+from tfpsx.training.modes import async_, collective, geo, hybrid, staleness, sync
 from tfpsx.training.modes.base import Mode, WrappedOptimizer, mode_of
 
 REGISTRY: Dict[str, Type[Mode]] = {
@@ -23,8 +24,8 @@ REGISTRY: Dict[str, Type[Mode]] = {
 
 
 def mode_class(strategy) -> Type[Mode]:
-    """The implementation of ``strategy.mode``."""
-    return REGISTRY[strategy.mode]
+    """The implementation of ``strategy.mode`` (the hybrid mode's, for its tables' mode)."""
+    return hybrid.mode_class(strategy) if strategy.hybrid else REGISTRY[strategy.mode]
 
 
 def mode_for(strategy, config, graph=None) -> Mode:

@@ -31,6 +31,9 @@ class Mode:
     """Base: variables on the PS as TF places them, the optimizer as it is, tables trained
     by their server-side optimizer, no hooks (which is async)."""
     NAME = ""
+    # Every worker initializes its own variables (they all live on it), rank 0 alone
+    # restores and saves; else the chief initializes and the others wait for it.
+    EACH_WORKER_INITIALIZES = False
 
     def __init__(self, strategy, config, graph):
         self.strategy, self.config, self.graph = strategy, config, graph
@@ -59,6 +62,12 @@ class Mode:
     # ------------------------------------------------------------------ the interface
     def validate(self) -> None:
         """Raises ValueError when the cluster or the options do not fit the mode."""
+
+    def placement(self):
+        """The device function ``model_scope`` places variables with."""
+        from tfpsx.training.placement import replica_device_setter
+
+        return replica_device_setter()
 
     def variable_creator(self) -> Optional[Callable]:
         """A ``variable_creator_scope`` function for ``model_scope``, or None."""

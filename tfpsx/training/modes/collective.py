@@ -19,6 +19,7 @@ from tfpsx.training.placement import worker_device_of
 
 class CollectiveMode(Mode):
     NAME = "collective"
+    EACH_WORKER_INITIALIZES = True
 
     def __init__(self, strategy, config, graph):
         super().__init__(strategy, config, graph)

@@ -35,6 +35,7 @@ class GeoMode(Mode):
     """GEO for one graph: the dense pairs and tables to sync, the train ops that count as
     local steps, the counters, and the communicator hook."""
     NAME = "geo"
+    REPORTS_STEPS = True  # a round adds the local steps it pushed to global_step
 
     def __init__(self, strategy, config, graph):
         super().__init__(strategy, config, graph)
@@ -175,7 +176,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         with tf.control_dependencies(pushes):
             # global_step counts every worker's local steps, reported at each push.
             report = ([tf.compat.v1.assign_add(global_step, self._new_steps)]
-                      if global_step is not None else [])
+                      if global_step is not None and mode.REPORTS_STEPS else [])
             self._push = dict(rows=rows, bytes=nbytes, done=tf.group(*report, name="geo_push"))
         self._push_pull = None
         if mode.in_train_thread:
