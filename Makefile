@@ -161,6 +161,7 @@ bench: setup
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/collective_scaling.py
+	$(PY) benchmarks/collective_scaling.py --criteo --rounds 2
 	$(PY) benchmarks/incremental_checkpoint.py
 	$(PY) benchmarks/fault_soak.py
 	$(PY) benchmarks/startup_soak.py --kind keras --jobs 24 --parallel 2

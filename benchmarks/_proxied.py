@@ -5,11 +5,15 @@ scheduler, no launcher: their cluster specs route through the proxies). A
 :class:`~netem.DelayProxy` sits in front of every process: the others dial the proxy,
 the process itself listens on its real address; so every cross-process byte pays the
 one-way delay, and a server's proxy (``rate``: its NIC's bandwidth, per direction,
-shared by its connections) counts the bytes to and from that server.
+shared by its connections) counts the bytes to and from that server. The workers' dense
+all-reduce servers (the hybrid mode, TFPSX_DENSE_ENDPOINTS) sit behind proxies of
+their own, at the same delay and ``rate`` (the worker's NIC), whose bytes are counted
+apart.
 
   with run_job(cmd, servers=1, workers=2, one_way=0.0005, rate=1e9 / 8) as job:
       job.logs            # TFPSX_METRICS_DIR of every process
       job.server_bytes    # bytes through the servers' proxies, both directions
+      job.dense_bytes     # bytes through the workers' dense all-reduce proxies
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Job:
     logs: str
     outputs: List[str]
     server_bytes: int = 0
+    dense_bytes: int = 0
 
 
 @contextlib.contextmanager
@@ -49,13 +54,20 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
     n = servers + workers
     ports = [portpicker.pick_unused_port() for _ in range(n)]
     real = [f"127.0.0.1:{p}" for p in ports]
+    dense_ports = [portpicker.pick_unused_port() for _ in range(workers)]
+    dense_real = [f"127.0.0.1:{p}" for p in dense_ports]
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as logs:
         seen, proxies = list(real), []
+        dense_seen, dense_proxies = list(dense_real), []
         if one_way > 0 or rate is not None:
             proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way,
                                                       rate=rate if i < servers else None))
                        for i, p in enumerate(ports)]
             seen = [proxy.address for proxy in proxies]
+            dense_proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way,
+                                                            rate=rate))
+                             for p in dense_ports]
+            dense_seen = [proxy.address for proxy in dense_proxies]
         base = dict(os.environ, TFPSX_METRICS_DIR=logs, TF_CPP_MIN_LOG_LEVEL="2",
                     PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                     **(env or {}))
@@ -64,9 +76,12 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
             # Each process dials the others through their proxies; its own entry is real.
             addresses = [real[j] if j == i else seen[j] for j in range(n)]
             role, rank = ("server", i) if i < servers else ("worker", i - servers)
+            dense = [dense_real[j] if role == "worker" and j == rank else dense_seen[j]
+                     for j in range(workers)]
             envs.append(dict(base, TFPSX_ROLE=role, TFPSX_RANK=str(rank),
                              TFPSX_SERVER_ENDPOINTS=",".join(addresses[:servers]),
-                             TFPSX_WORKER_ENDPOINTS=",".join(addresses[servers:])))
+                             TFPSX_WORKER_ENDPOINTS=",".join(addresses[servers:]),
+                             TFPSX_DENSE_ENDPOINTS=",".join(dense)))
         procs = []
         try:
             for e in envs:
@@ -83,4 +98,5 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
                 f"--- {i}: {o[-3000:]}" for i, o in enumerate(outputs)
                 if procs[i].returncode))
         yield Job(logs, outputs,
-                  sum(sum(p.bytes.values()) for p in proxies[:servers]))
+                  sum(sum(p.bytes.values()) for p in proxies[:servers]),
+                  sum(sum(p.bytes.values()) for p in dense_proxies))

@@ -43,7 +43,10 @@ CEILING = ["--mode", "async", "--cache_size", "100000000", "--cache_flush_steps"
 
 
 def _bytes_per_step(job, steps: int):
-    return job.server_bytes / max(1, steps * 2) if job.server_bytes else None
+    """Bytes per step and worker between the processes: through the servers' links and
+    (the hybrid mode) the workers' all-reduce links."""
+    total = job.server_bytes + job.dense_bytes
+    return total / max(1, steps * 2) if total else None
 
 
 class CriteoJob:
@@ -56,6 +59,9 @@ class CriteoJob:
         "async_cache_ceiling": CEILING,
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
+        # The hybrid mode: the table on the PS (async / GEO), dense weights all-reduced.
+        "hybrid": ["--mode", "async", "--dense", "allreduce"],
+        "hybrid_geo100": ["--mode", "geo", "--k_steps", "100", "--dense", "allreduce"],
         "local": ["--mode", "local"],
     }
 
@@ -103,6 +109,9 @@ class Word2vecJob:
         "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
         "async_cache_ceiling": CEILING,
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
+        # The hybrid mode: the table on the PS (async / GEO), dense weights all-reduced.
+        "hybrid": ["--mode", "async", "--dense", "allreduce"],
+        "hybrid_geo100": ["--mode", "geo", "--k_steps", "100", "--dense", "allreduce"],
         "local": ["--mode", "local"],
         "tf_async": [],
     }

@@ -134,6 +134,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "comma-separated host:port of every server, rank order (no scheduler)", "cluster"),
     Setting("TFPSX_WORKER_ENDPOINTS", "host:port list", None,
             "comma-separated host:port of every worker, rank order (no scheduler)", "cluster"),
+    Setting("TFPSX_DENSE_ENDPOINTS", "str", None,
+            "hybrid mode: comma-separated host:port of every worker's dense all-reduce "
+            "server, rank order (each binds its own port); unset: each worker picks a free "
+            "port and they meet on server 0", "cluster"),
     Setting("TFPSX_SCHED_ADDR", "host:port", None,
             "the scheduler: it assigns ranks and endpoints", "cluster"),
     Setting("TFPSX_SERVER_NUM", "count", None,

@@ -45,6 +45,10 @@ flags.DEFINE_string("eval_data", None, "Criteo-format eval files (the chief eval
 flags.DEFINE_enum("mode", "geo", ["sync", "async", "geo", "staleness", "local"],
                   "training mode")
 flags.DEFINE_enum("model", "wide_deep", list(criteo_model.MODELS), "the model")
+flags.DEFINE_enum("dense", "ps", ["ps", "allreduce"],
+                  "where the dense weights train: on the parameter servers in --mode, or "
+                  "all-reduced among the workers every step (the hybrid mode: the tables "
+                  "stay on the servers, --mode async or geo)")
 flags.DEFINE_integer("k_steps", 50, "geo: local steps between syncs")
 flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
 flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
@@ -78,7 +82,7 @@ def strategy_for(mode: str):
     configs = {"geo": {"k_steps": FLAGS.k_steps, "geo_wire_dtype": FLAGS.geo_wire_dtype},
                "staleness": {"max_staleness": FLAGS.max_staleness}}.get(mode, {})
     return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
-        a_sync=mode != "sync", a_sync_configs=configs))
+        a_sync=mode != "sync", a_sync_configs=configs, dense=FLAGS.dense))
 
 
 class Evaluation(keras.callbacks.Callback):
@@ -257,7 +261,8 @@ def main(argv):
     rate = examples / seconds if seconds > 0 else 0.0
     if strategy is not None:
         tfpsx.barrier_worker()  # every worker's last update is in: the global model
-    report = {"worker": me, "mode": FLAGS.mode, "model": FLAGS.model, "k_steps": FLAGS.k_steps,
+    report = {"worker": me, "mode": FLAGS.mode, "dense": FLAGS.dense, "model": FLAGS.model,
+              "k_steps": FLAGS.k_steps,
               "cache_size": FLAGS.cache_size, "seconds": seconds, "examples_per_sec": rate,
               "steps_per_epoch": steps}
     if strategy is not None and strategy.counters is not None:

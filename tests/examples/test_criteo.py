@@ -66,6 +66,8 @@ def final_line(text):
     ("async", "deepfm", []),
     ("sync", "wide_deep", []),
     ("staleness", "deepfm", ["--max_staleness", "2"]),
+    ("async", "deepfm", ["--dense", "allreduce"]),      # hybrid: tables async on the PS
+    ("geo", "wide_deep", ["--k_steps", "10", "--dense", "allreduce"]),  # hybrid, GEO tables
 ])
 def test_every_mode_learns_under_the_launcher(tmp_path, data, mode, model, extra):
     proc, reports = launch(tmp_path, data, "--mode", mode, "--model", model, "--epochs", "2",
@@ -96,14 +98,17 @@ def test_the_same_code_trains_without_a_cluster(tmp_path, data):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_restarted_job_resumes_after_the_last_epoch(tmp_path, data):
+@pytest.mark.parametrize("dense", ["ps", "allreduce"])
+def test_a_restarted_job_resumes_after_the_last_epoch(tmp_path, data, dense):
+    """(allreduce: the hybrid mode, where the chief restores the dense weights and the
+    other worker takes them from it when fit starts.)"""
     ckpt = tmp_path / "ckpt"
     first, _ = launch(tmp_path / "a", data, "--mode", "async", "--epochs", "1",
-                      "--checkpoint_dir", str(ckpt))
+                      "--checkpoint_dir", str(ckpt), "--dense", dense)
     auc1, _, _ = final_line(first.stdout)
     assert json.loads((ckpt / "progress.json").read_text()) == {"epochs_done": 1}
     again, reports = launch(tmp_path / "b", data, "--mode", "async", "--epochs", "2",
-                            "--checkpoint_dir", str(ckpt))
+                            "--checkpoint_dir", str(ckpt), "--dense", dense)
     assert f"resumed from {ckpt} after epoch 1" in again.stdout
     assert "Epoch 1/2" not in again.stdout and "Epoch 2/2" in again.stdout
     # The second job starts from the first one's model (its first evaluation is at

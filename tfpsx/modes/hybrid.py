@@ -14,16 +14,19 @@ other order TF crashes; a context whose cluster lists the other workers deadlock
 connect, each waiting for the other's server). A step hands its packed gradients to the
 session through ``tf.numpy_function`` (an in-process session: no gRPC to itself).
 
-The dense servers' ports are found at start-up: each worker picks a free port on its own
-host and writes it into a vector on PS 0 (:func:`meet`); every worker waits until all
-ports are there, bounded by TFPSX_SESSION_TIMEOUT.
+The dense servers' addresses are TFPSX_DENSE_ENDPOINTS (one per worker, rank order)
+when the deployment gives them; else they are found at start-up: each worker picks a
+free port on its own host and writes it into a vector on PS 0 (:func:`meet`); every
+worker waits until all ports are there, bounded by TFPSX_SESSION_TIMEOUT. (A worker
+restarted alone while the servers run could read a peer's port of before the restart:
+give the addresses, or restart the whole job, as ``tfpsx-run`` does.)
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -90,7 +93,8 @@ class DenseAllReduce:
     def size(self) -> int:
         return len(self.addresses)
 
-    def _run(self, kind: str, arrays: Sequence[np.ndarray]) -> List[np.ndarray]:
+    def _run(self, kind: str, arrays: Sequence[np.ndarray],
+             timeout: Optional[float] = None) -> List[np.ndarray]:
         arrays = [np.asarray(a) for a in arrays]
         signature = (kind,) + tuple((a.dtype.str, a.shape) for a in arrays)
         with self._lock:
@@ -105,7 +109,8 @@ class DenseAllReduce:
                         outputs = self._group.all_reduce(inputs, mean=kind == "mean")
                 self._built[signature] = (inputs, outputs)
             inputs, outputs = self._built[signature]
-            options = tf.compat.v1.RunOptions(timeout_in_ms=int(self.timeout * 1000) + 1000)
+            bound = self.timeout + 1.0 if timeout is None else timeout
+            options = tf.compat.v1.RunOptions(timeout_in_ms=int(bound * 1000))
             return self._session.run(outputs, dict(zip(inputs, arrays)), options=options)
 
     def mean(self, arrays: Sequence[np.ndarray]) -> List[np.ndarray]:
@@ -116,11 +121,12 @@ class DenseAllReduce:
         """Worker 0's arrays on every worker."""
         return self._run("broadcast", arrays)
 
-    def check_world(self) -> None:
-        """The first collective: every worker's dense server answered, with the same
-        world size. Raises ValueError naming TF's reason otherwise."""
+    def check_world(self, timeout: float) -> None:
+        """The first collective: every worker's dense server answered within ``timeout``
+        seconds, with the same world size. Raises ValueError naming TF's reason
+        otherwise."""
         try:
-            self._run("sum", [np.ones([1], np.int32)])
+            self._run("sum", [np.ones([1], np.int32)], timeout=timeout)
         except tf.errors.OpError as e:
             lines = [line.strip() for line in (e.message or "").splitlines() if line.strip()]
             raise ValueError(
@@ -174,13 +180,36 @@ def named_peer_loss(fn, config):
 
 
 def start(rank: int, hosts: Sequence[str], write, read) -> DenseAllReduce:
-    """This worker's :class:`DenseAllReduce`: a free port on its host, the ports met on
-    the servers (:func:`meet`), the group checked."""
-    import portpicker
+    """This worker's :class:`DenseAllReduce`, on the addresses TFPSX_DENSE_ENDPOINTS
+    gives, else on a free port of its host, the ports met on the servers (:func:`meet`);
+    the group checked.
 
-    port = portpicker.pick_unused_port()
-    ports = meet(rank, len(hosts), port, write, read, settings.get("TFPSX_SESSION_TIMEOUT"))
-    bridge = DenseAllReduce(rank, [f"{h}:{p}" for h, p in zip(hosts, ports)],
-                            settings.get("TFPSX_COLLECTIVE_TIMEOUT"))
-    bridge.check_world()
+    Raises:
+      ValueError: TFPSX_DENSE_ENDPOINTS is not one ``host:port`` per worker.
+    """
+    given = settings.get("TFPSX_DENSE_ENDPOINTS")
+    if given:
+        addresses = dense_endpoints(given, len(hosts))
+    else:
+        import portpicker
+
+        port = portpicker.pick_unused_port()
+        ports = meet(rank, len(hosts), port, write, read,
+                     settings.get("TFPSX_SESSION_TIMEOUT"))
+        addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
+    bridge = DenseAllReduce(rank, addresses, settings.get("TFPSX_COLLECTIVE_TIMEOUT"))
+    bridge.check_world(settings.get("TFPSX_SESSION_TIMEOUT"))
     return bridge
+
+
+def dense_endpoints(value: str, workers: int) -> List[str]:
+    """TFPSX_DENSE_ENDPOINTS's addresses, checked: one ``host:port`` per worker."""
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    bad = [a for a in addresses
+           if ":" not in a or not a.rsplit(":", 1)[1].isdigit() or not a.rsplit(":", 1)[0]]
+    if bad or len(addresses) != workers:
+        raise ValueError(
+            f"TFPSX_DENSE_ENDPOINTS={value!r}: expected {workers} host:port address(es), "
+            f"one per worker in rank order"
+            + (f"; not host:port: {bad}" if bad else f"; it lists {len(addresses)}"))
+    return addresses
