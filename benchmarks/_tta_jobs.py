@@ -109,9 +109,6 @@ class Word2vecJob:
         "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
         "async_cache_ceiling": CEILING,
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
-        # The hybrid mode: the table on the PS (async / GEO), dense weights all-reduced.
-        "hybrid": ["--mode", "async", "--dense", "allreduce"],
-        "hybrid_geo100": ["--mode", "geo", "--k_steps", "100", "--dense", "allreduce"],
         "local": ["--mode", "local"],
         "tf_async": [],
     }
