@@ -1,7 +1,7 @@
 """The jobs of benchmarks/time_to_auc.py: how each runs a mode over a network and what
 it reports.
 
-Each job runs 1 PS + 2 workers through ``_proxied.run_job`` (every process behind a
+Each job runs 1 PS + 2 workers (--servers, --workers) through ``_proxied.run_job`` (every process behind a
 delay proxy; the PS's proxy counts its bytes) and returns, per run: the chief's quality
 points against training seconds (evaluation pauses left out), the final quality of the
 shared model, examples/s of both workers, bytes through the PS's link per step and
@@ -42,11 +42,11 @@ COMMON_MODES = {
 CEILING = ["--mode", "async", "--cache_size", "100000000", "--cache_flush_steps", "1000000000"]
 
 
-def _bytes_per_step(job, steps: int):
+def _bytes_per_step(job, steps: int, workers: int):
     """Bytes per step and worker between the processes: through the servers' links and
     (the hybrid mode) the workers' all-reduce links."""
     total = job.server_bytes + job.dense_bytes
-    return total / max(1, steps * 2) if total else None
+    return total / max(1, steps * workers) if total else None
 
 
 class CriteoJob:
@@ -58,6 +58,7 @@ class CriteoJob:
         # (criteo: the dense weights stay async on the PS)
         "async_cache_ceiling": CEILING,
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
+        "geo100_fp16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "float16"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
         # The hybrid mode: the table on the PS (async / GEO), dense weights all-reduced.
         "hybrid": ["--mode", "async", "--dense", "allreduce"],
@@ -70,7 +71,8 @@ class CriteoJob:
 
     def title(self) -> str:
         a = self.args
-        return (f"examples/criteo Wide&Deep, {a.train_rows} generated rows, {a.epochs} "
+        return (f"examples/criteo Wide&Deep, {a.servers} PS + {a.workers} workers, "
+                f"{a.train_rows} generated rows, {a.epochs} "
                 f"epoch(s), batch {a.batch_size} per worker, cache {a.cache_size} rows")
 
     def data_dir(self) -> str:
@@ -89,15 +91,17 @@ class CriteoJob:
                os.path.join(data, "train-*"), "--eval_data", os.path.join(data, "eval.txt"),
                "--epochs", str(a.epochs), "--batch_size", str(a.batch_size), "--verbose", "0",
                "--eval_every", str(a.eval_every), "--eval_rows", str(a.eval_rows)] + extra
-        with run_job(cmd, one_way=one_way, rate=rate, timeout=a.timeout) as job:
-            reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1] for i in range(2)]
+        with run_job(cmd, servers=a.servers, workers=a.workers, one_way=one_way, rate=rate,
+                     timeout=a.timeout) as job:
+            reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1]
+                       for i in range(a.workers)]
             steps = reports[0]["steps_per_epoch"] * a.epochs
             # The chief's rate counts every worker's examples (equal steps on each).
             return {"examples_per_sec": reports[0]["examples_per_sec"],
                     "final": reports[0]["auc"], "seconds": reports[0]["seconds"],
                     "points": [{"seconds": p["seconds"], "value": p["auc"]}
                                for p in reports[0]["points"]],
-                    "bytes_per_step": _bytes_per_step(job, steps)}
+                    "bytes_per_step": _bytes_per_step(job, steps, a.workers)}
 
 
 class Word2vecJob:
@@ -118,7 +122,8 @@ class Word2vecJob:
 
     def title(self) -> str:
         a = self.args
-        return (f"examples/word2vec skip-gram, a {a.w2v_topics * a.w2v_per_topic:,}-word "
+        return (f"examples/word2vec skip-gram, {a.servers} PS + {a.workers} workers, a "
+                f"{a.w2v_topics * a.w2v_per_topic:,}-word "
                 f"vocabulary ({a.w2v_sentences * 20:,} tokens), dim 64, batches of 512 pairs, "
                 f"{a.w2v_seconds:g} s of training per worker (at most {a.w2v_steps} steps), "
                 f"cache {a.w2v_cache_size} rows")
@@ -141,16 +146,17 @@ class Word2vecJob:
         extra = [str(a.w2v_cache_size) if x == "CACHE" else x for x in self.MODES[mode]]
         cmd = [sys.executable, script, "--corpus", self.corpus(), "--steps", str(a.w2v_steps),
                "--max_seconds", str(a.w2v_seconds), "--eval_every", str(a.eval_every)] + extra
-        with run_job(cmd, one_way=one_way, rate=rate, timeout=a.timeout) as job:
+        with run_job(cmd, servers=a.servers, workers=a.workers, one_way=one_way, rate=rate,
+                     timeout=a.timeout) as job:
             reports = [tfpsx.metrics.read(job.logs, "worker", i, "word2vec")[-1]
-                       for i in range(2)]
+                       for i in range(a.workers)]
             steps = max(r["steps"] for r in reports)
             return {"examples_per_sec": sum(r["examples_per_sec"] for r in reports),
                     "final": reports[0]["points"][-1]["loss"],
                     "seconds": reports[0]["seconds"],
                     "points": [{"seconds": p["seconds"], "value": p["loss"]}
                                for p in reports[0]["points"]],
-                    "bytes_per_step": _bytes_per_step(job, steps)}
+                    "bytes_per_step": _bytes_per_step(job, steps, a.workers)}
 
 
 JOBS: Dict[str, type] = {"criteo": CriteoJob, "word2vec": Word2vecJob}
@@ -158,6 +164,8 @@ JOBS: Dict[str, type] = {"criteo": CriteoJob, "word2vec": Word2vecJob}
 
 def add_flags(p) -> None:
     """The jobs' own flags."""
+    p.add_argument("--servers", type=int, default=1, help="parameter servers")
+    p.add_argument("--workers", type=int, default=2, help="workers")
     p.add_argument("--train_rows", type=int, default=1_000_000, help="criteo")
     p.add_argument("--epochs", type=int, default=1, help="criteo")
     p.add_argument("--batch_size", type=int, default=512, help="criteo")

@@ -4,10 +4,12 @@ Jobs (benchmarks/_tta_jobs.py): ``criteo`` (examples/criteo, Wide&Deep over a
 DynamicEmbedding table, Keras 3 fit, eval AUC) and ``word2vec`` (examples/word2vec,
 skip-gram over two DynamicTable tables of a 100,000-word vocabulary, graph mode, eval
 loss; with ``tf_async``, the same model in plain TF async, as a peer). 1 PS + 2 workers
+(``--servers``, ``--workers``)
 started with TFPSX_* env, every process behind a userspace delay proxy
 (benchmarks/netem.py; the PS's proxy is also a link of the given bandwidth and counts
 its bytes). Modes: sync, async, GEO at several k, async and GEO with a worker cache,
-and "local" (each worker trains alone on its half: the no-sync ceiling). Runs are
+the hybrid mode (criteo: the table async or GEO on the PS, the dense weights all-reduced
+among the workers through proxies of the same delay and bandwidth), and "local" (each worker trains alone on its half: the no-sync ceiling). Runs are
 interleaved over the rounds (machine drift hits all alike); figures are medians.
 
 Per mode:
@@ -20,7 +22,8 @@ Per mode:
 * time to async's final quality (what async reached by its end, in its worst round: a
   target async meets when a faster mode's best is out of its reach in the budget);
 * quality at equal time: each mode's at the time the fastest cluster mode finished;
-* examples/s (both workers), bytes through the PS's link per step and worker, the
+* examples/s (every worker's), bytes per step and worker through the PS's link (and,
+  hybrid, the workers' all-reduce links), the
   final quality of the global model.
 
 It writes a markdown table (--out, default build/bench/time_to_auc[_<job>].md) and two
@@ -93,7 +96,7 @@ def main(argv=None):
             print(f"  round {r + 1}: {network:8s} {mode:20s} "
                   f"{got['examples_per_sec']:8.0f} examples/s, final {job.quality} "
                   f"{got['final']:.4f}, {got['seconds']:.1f} s", flush=True)
-    lines = [f"time_to_auc: {job.title()}, 1 PS + 2 workers, medians of {args.rounds} "
+    lines = [f"time_to_auc: {job.title()}, medians of {args.rounds} "
              "interleaved rounds", ""]
     plots = {}
     for network in networks:
@@ -203,7 +206,8 @@ def write_plots(job, plots, prefix: str) -> None:
                     label=mode)
         ax.set_xlabel("training seconds (evaluation pauses excluded)")
         ax.set_ylabel(f"{job.quality} (the chief's view of the shared model)")
-        save(fig, ax, f"examples/{job.name}, 1 PS + 2 workers, {network}",
+        save(fig, ax, f"examples/{job.name}, {job.args.servers} PS + "
+                  f"{job.args.workers} workers, {network}",
              f"{prefix}_{network}_{'auc' if job.name == 'criteo' else 'loss'}.png")
         geo = sorted((int(mode[3:]), m["examples_per_sec"])  # geoK modes, no variants
                      for mode, m in med.items() if mode.startswith("geo") and mode[3:].isdigit())
@@ -215,7 +219,7 @@ def write_plots(job, plots, prefix: str) -> None:
                     ax.axhline(med[mode]["examples_per_sec"], linestyle=style, label=mode)
             ax.set_xscale("log")
             ax.set_xlabel("k (local steps between syncs)")
-            ax.set_ylabel("examples/s (2 workers)")
+            ax.set_ylabel(f"examples/s ({job.args.workers} workers)")
             save(fig, ax, f"GEO's speed against k, {network}", f"{prefix}_{network}_k.png")
     print(f"plots: {prefix}_*.png")
 
