@@ -134,6 +134,7 @@ def test_misuse_is_a_clear_error(make_cluster, tmp_path):
     assert set(codes.values()) == {1}, c.logs()
     assert ("DynamicEmbedding layer 'emb' in a tfpsx.keras.CollectiveStrategy: its table "
             "grows on the parameter servers") in c.log("worker", 0)
+    assert "use the hybrid mode" in c.log("worker", 0)  # the way out, named
     # Parameter servers declared in a collective job.
     c, _, codes = _run(make_cluster, tmp_path, server_num=1)
     assert set(codes.values()) == {1}, c.logs()

@@ -123,9 +123,10 @@ class DynamicEmbedding(keras.layers.Layer):
             raise ValueError(
                 f"DynamicEmbedding layer {self.name!r} in a tfpsx.keras.CollectiveStrategy: "
                 "its table grows on the parameter servers, and a collective job has none "
-                "(every weight is all-reduced); train it under "
-                "tfpsx.keras.ParameterServerStrategy, or use keras.layers.Embedding for a "
-                "fixed vocabulary")
+                "(every weight is all-reduced); use the hybrid mode (tables on parameter "
+                "servers, dense weights all-reduced: tfpsx.keras.ParameterServerStrategy("
+                "tfpsx.DistributedStrategy(dense='allreduce'))), or keras.layers.Embedding "
+                "for a fixed vocabulary")
         on_ps = isinstance(strategy, ParameterServerStrategy)
         self.table = E.DynamicTable(
             self.table_name or self.name, self.dim, initializer=self.initializer,

@@ -67,24 +67,9 @@ class CollectiveGroup:
         """The sum (or mean) of each value over the ranks. Values of one dtype travel
         packed in one collective; ``IndexedSlices`` (a sparse Keras gradient) are made
         dense first."""
-        tensors = [tf.convert_to_tensor(v) for v in values]
         with tf.device(self.device):
-            by_dtype: Dict[tf.DType, List[int]] = {}
-            for i, t in enumerate(tensors):
-                if t.dtype not in REDUCIBLE:
-                    raise TypeError(f"collective all-reduce: value {i} has dtype "
-                                    f"{t.dtype.name}; expected one of "
-                                    f"{', '.join(d.name for d in REDUCIBLE)}")
-                by_dtype.setdefault(t.dtype, []).append(i)
-            out: List[tf.Tensor] = [None] * len(tensors)
-            for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
-                members = by_dtype[dtype]
-                flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
-                reduced = self._reduce(flat, "Div" if mean else "Id")
-                sizes = [tf.size(tensors[i]) for i in members]
-                for i, piece in zip(members, tf.split(reduced, sizes)):
-                    out[i] = tf.reshape(piece, tf.shape(tensors[i]))
-            return out
+            return packed(values, lambda flat: self._reduce(flat, "Div" if mean else "Id"),
+                          "collective all-reduce")
 
     def broadcast(self, values: Sequence) -> List[tf.Tensor]:
         """Rank 0's values on every rank (a sum where the others add zeros: exact)."""
@@ -117,6 +102,32 @@ _NOISE = ("Graph execution error", "From /job:", "Additional GRPC error informat
           "Detected at node", "File ")
 _CAUSE = re.compile(r"recvmsg|socket closed|connection|failed to connect|unavailable|"
                     r"deadline|timed out", re.IGNORECASE)
+def packed(values: Sequence, reduce_flat, what: str) -> List[tf.Tensor]:
+    """``reduce_flat`` of ``values`` packed by dtype: one flat tensor per dtype (in the
+    same order on every rank), reduced, and cut back into the values' shapes.
+    ``IndexedSlices`` are made dense first.
+
+    Raises:
+      TypeError: a value of a dtype a collective cannot reduce (named).
+    """
+    tensors = [tf.convert_to_tensor(v) for v in values]
+    by_dtype: Dict[tf.DType, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dtype not in REDUCIBLE:
+            raise TypeError(f"{what}: value {i} has dtype {t.dtype.name}; expected one of "
+                            f"{', '.join(d.name for d in REDUCIBLE)}")
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: List[tf.Tensor] = [None] * len(tensors)
+    for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
+        members = by_dtype[dtype]
+        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
+        reduced = reduce_flat(flat)
+        sizes = [tf.size(tensors[i]) for i in members]
+        for i, piece in zip(members, tf.split(reduced, sizes)):
+            out[i] = tf.reshape(piece, tf.shape(tensors[i]))
+    return out
+
+
 _TASK = re.compile(r"/job:(?:worker|chief)/replica:\d+/task:(\d+)")
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx import errors, settings
-from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, lost_peer_error
+from tfpsx.modes.collective import CollectiveGroup, lost_peer_error, packed
 
 JOB = "tfpsx_dense"
 
@@ -144,24 +144,13 @@ def mean_in_step(values: Sequence, mean: Callable[[np.ndarray], np.ndarray]) -> 
     :class:`DenseAllReduce`'s, wrapped by the front-end) through ``tf.numpy_function``.
     Values of one dtype travel packed in one collective; ``IndexedSlices`` (a sparse
     gradient) are made dense first."""
-    tensors = [tf.convert_to_tensor(v) for v in values]
-    by_dtype: Dict[tf.DType, List[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.dtype not in REDUCIBLE:
-            raise TypeError(f"hybrid mode: gradient {i} has dtype {t.dtype.name}; "
-                            f"expected one of {', '.join(d.name for d in REDUCIBLE)}")
-        by_dtype.setdefault(t.dtype, []).append(i)
-    out: List[tf.Tensor] = [None] * len(tensors)
-    for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
-        members = by_dtype[dtype]
-        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
-        reduced = tf.numpy_function(mean, [flat], dtype, stateful=True,
+    def reduce_flat(flat):
+        reduced = tf.numpy_function(mean, [flat], flat.dtype, stateful=True,
                                     name="tfpsx_dense_all_reduce")
         reduced.set_shape(flat.shape)
-        sizes = [tf.size(tensors[i]) for i in members]
-        for i, piece in zip(members, tf.split(reduced, sizes)):
-            out[i] = tf.reshape(piece, tf.shape(tensors[i]))
-    return out
+        return reduced
+
+    return packed(values, reduce_flat, "hybrid mode's all-reduce")
 
 
 def named_peer_loss(fn, config):

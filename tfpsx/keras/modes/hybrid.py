@@ -28,7 +28,6 @@ from tfpsx.keras.modes.geo import KerasGeo
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes import hybrid
 from tfpsx.modes.collective import REDUCIBLE
-from tfpsx.modes.hybrid import named_peer_loss
 from tfpsx.runtime import RUNTIME
 
 
@@ -76,7 +75,7 @@ class _AllReducedDense:
         # its rows were pushed in the backward pass).
         bridge = self.dense_group()
         return hybrid.mean_in_step(values, self.keras_strategy.reporting(
-            named_peer_loss(lambda x: bridge.mean([x])[0], self.config)))
+            hybrid.named_peer_loss(lambda x: bridge.mean([x])[0], self.config)))
 
     def update(self, extended, var, fn, args, kwargs, group):
         return KerasMode.update(self, extended, var, fn, args, kwargs, group)

@@ -48,7 +48,8 @@ class CollectiveMode(Mode):
         raise ValueError(
             f"DistributedStrategy(collective=True): table {table.name!r} grows on the "
             "parameter servers, and a collective job has none (every weight is "
-            "all-reduced); train it on parameter servers (a_sync=...)")
+            "all-reduced); use the hybrid mode: parameter servers for the tables, dense "
+            "weights all-reduced (DistributedStrategy(dense='allreduce'))")
 
 
 class AllReduceOptimizer(WrappedOptimizer):
