@@ -61,14 +61,17 @@ def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("front_end", ["keras", "graph"])
+@pytest.mark.parametrize("step", [5, 32])
 def test_a_killed_worker_makes_the_other_exit_within_the_bound_naming_it(
-        make_cluster, tmp_path, front_end):
-    """Worker 1 SIGKILLs itself at its 5th step: worker 0's next all-reduce would wait
-    for it until TFPSX_COLLECTIVE_TIMEOUT (600 s); the peer watch names it within the
-    heartbeat bound and exits with the code a restart policy retries."""
+        make_cluster, tmp_path, front_end, step):
+    """Worker 1 SIGKILLs itself at its 5th step (mid-training), or at its 32nd, the last
+    (worker 0 then waits for it at the workers' meeting after fit / the session): an
+    all-reduce would wait for it until TFPSX_COLLECTIVE_TIMEOUT (600 s); the error or the
+    peer watch names it within the heartbeat bound, and worker 0 exits with the code a
+    restart policy retries."""
     start = time.monotonic()
     c, out, codes = _run(make_cluster, tmp_path,
-                         ["--die_at_step", "5", "--epochs", "20"]
+                         ["--die_at_step", str(step), "--epochs", "20" if step == 5 else "2"]
                          + (["--graph"] if front_end == "graph" else []),
                          env={"TFPSX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
                               "TFPSX_LOST_GRACE": str(GRACE)})
@@ -77,3 +80,19 @@ def test_a_killed_worker_makes_the_other_exit_within_the_bound_naming_it(
     log = c.log("worker", 0)
     assert re.search(rf"worker 0 lost worker 1 at {re.escape(c.workers[1])}", log), log[-3000:]
     assert time.monotonic() - start < 100, c.logs()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("front_end", ["keras", "graph"])
+def test_given_dense_endpoints_are_used_without_meeting_on_the_server(
+        make_cluster, tmp_path, front_end):
+    """TFPSX_DENSE_ENDPOINTS: each worker binds its own entry's port (no ports met on
+    server 0), and the job trains as with met ports."""
+    import portpicker
+
+    ports = [portpicker.pick_unused_port() for _ in range(2)]
+    c, out, codes = _run(make_cluster, tmp_path, ["--graph"] if front_end == "graph" else [],
+                         env={"TFPSX_DENSE_ENDPOINTS": ",".join(f"127.0.0.1:{p}"
+                                                                for p in ports)})
+    assert set(codes.values()) == {0}, c.logs()
+    _check_training(out, "graph_" if front_end == "graph" else "")

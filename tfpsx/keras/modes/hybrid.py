@@ -39,20 +39,26 @@ class _AllReducedDense:
         """This worker's dense all-reduce (started with the strategy)."""
         bridge = getattr(self, "_bridge", None)
         if bridge is None:
-            ports = SharedVariable(shared_name=SHARED_PREFIX + "hybrid/dense_ports",
-                                   shape=[self.worker_num], dtype=tf.int64,
-                                   device=self.ps_devices[0], trainable=False,
-                                   name="dense_ports")
-            initialize(ports, tf.zeros([self.worker_num], tf.int64), self.is_chief,
-                       settings.get("TFPSX_SESSION_TIMEOUT"))
+            vector = []  # the ports vector on server 0: made only when ports are met
+
+            def ports() -> SharedVariable:
+                if not vector:
+                    var = SharedVariable(shared_name=SHARED_PREFIX + "hybrid/dense_ports",
+                                         shape=[self.worker_num], dtype=tf.int64,
+                                         device=self.ps_devices[0], trainable=False,
+                                         name="dense_ports")
+                    initialize(var, tf.zeros([self.worker_num], tf.int64), self.is_chief,
+                               settings.get("TFPSX_SESSION_TIMEOUT"))
+                    vector.append(var)
+                return vector[0]
 
             def write(rank, port):
-                ports.scatter_update(tf.IndexedSlices(tf.constant([port], tf.int64),
-                                                      tf.constant([rank])))
+                ports().scatter_update(tf.IndexedSlices(tf.constant([port], tf.int64),
+                                                        tf.constant([rank])))
 
             hosts = [address.rsplit(":", 1)[0] for address in self.config.workers]
             bridge = hybrid.start(self.worker_index, hosts, write,
-                                  lambda: ports.read_value().numpy())
+                                  lambda: ports().read_value().numpy())
             self._bridge = bridge
             RUNTIME.watch_peers()  # every worker answered: from now on a lost one is named
         return bridge

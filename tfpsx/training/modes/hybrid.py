@@ -151,12 +151,13 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
     def after_create_session(self, session, coord):
         mode, config = self._mode, self._mode.config
         if mode.bridge is None:
-            self._meet_ports(session, config)
+            def write(rank, port):  # (only when the ports are met on server 0)
+                self._meet_ports(session, config)
+                session.run(self._write, {self._port: port})
+
             hosts = [address.rsplit(":", 1)[0] for address in config.workers]
-            mode.bridge = hybrid.start(
-                config.index, hosts, lambda rank, port: session.run(self._write,
-                                                                    {self._port: port}),
-                lambda: session.run(self._read))
+            mode.bridge = hybrid.start(config.index, hosts, write,
+                                       lambda: session.run(self._read))
         RUNTIME.watch_peers()  # every worker answered: from now on a lost one is named
         # A step's all-reduce that lost a peer fails the session.run with a TF error
         # carrying the PeerUnavailableError: uncaught, it is named and the process exits
