@@ -109,6 +109,50 @@ def run_cached_geo(workers, k, syncs, vocab, batch, size, policy="lfu"):
     return global_rows(g), caches
 
 
+@pytest.mark.parametrize("wire", [None, tf.bfloat16])
+def test_take_global_makes_a_copy_the_global_table(wire):
+    """After its last round (push, pull) a worker's copy takes the global table
+    (geo_rule.take_global, what GEO does when fit ends): every row the PS holds,
+    also those the other worker pushed after that pull and those this worker never
+    looked up, equals the PS's exactly in local and old, bfloat16 rows on the wire or
+    not (the pulls brought rounded rows: every value comes over); without a wire dtype
+    only the rows that differ have to."""
+    g = shared_table()
+    copies = []
+    for i in range(2):
+        copy = dict(initializer=g.initializer, seed=g.seed, devices=[None])
+        t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
+                              ShardedTable(name("o"), DIM, **copy), None, i + 1, wire=wire)
+        geo_rule.table_readers(t)
+        copies.append(t)
+    # Worker 0 sees ids 0-39, worker 1 ids 20-79: rows of both, and rows of one only.
+    data = {0: worker_batches(0, 12, 40, 10), 1: [b + 20 for b in worker_batches(1, 16, 60, 10)]}
+    for s in range(3):
+        for i, t in enumerate(copies):
+            for ids in data[i][s * 4:(s + 1) * 4]:
+                train_step(t.local, ids)
+            geo_rule.table_push(t, 1.0, None)
+        for t in copies:
+            geo_rule.table_pull(t)
+    first, other = copies
+    for ids in data[1][12:]:  # the other worker trains on and pushes after the last pull
+        train_step(other.local, ids)
+    late = geo_rule.table_push(other, 1.0, None)[1]
+    assert int(late) > 0
+    local_before = global_rows(first.local)
+    geo_rule.take_global(first)
+    want = global_rows(g)
+    assert set(want) - set(range(40)), "worker 1 pushed no row worker 0 never looked up"
+    for table in (first.local, first.old):
+        got = global_rows(table)
+        assert set(want) <= set(got)
+        for key, row in want.items():
+            np.testing.assert_array_equal(got[key], row, err_msg=f"key {key}")
+    if wire is None:  # only the late push's rows differed: the rest of the copy was the PS's
+        moved = [k for k in want if not np.array_equal(local_before.get(k), want[k])]
+        assert 0 < len(moved) <= int(late), (len(moved), int(late))
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_cached_geo_equals_uncached_geo(workers):
     """A cache that holds what a worker touches trains GEO exactly: the global table

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import table_readers
+from tfpsx.embedding.geo_rule import table_readers, take_global
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
@@ -204,16 +204,8 @@ class KerasGeo(KerasMode):
             value = v.global_.read_value()
             v.local.assign(value)
             v.old.assign(value)
-        zero = tf.constant(0, tf.int64)
         for t in self.tables:
-            if t.cached:  # a worker cache: the rows it holds, not the whole table
-                keys = t.local.export()["keys"]
-                rows = {"keys": keys, "values": t.global_.rows(keys, train=False)}
-            else:
-                rows = t.global_.export()
-            with tf.device(t.device):
-                t.local.shards[0].insert(rows["keys"], rows["values"], zero)
-                t.old.shards[0].insert(rows["keys"], rows["values"], zero)
+            take_global(t)
 
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
