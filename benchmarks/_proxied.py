@@ -2,17 +2,20 @@
 
 Every server and worker of the job is a process started here with TFPSX_* env (no
 scheduler, no launcher: their cluster specs route through the proxies). A
-:class:`~netem.DelayProxy` sits in front of every process: the others dial the proxy,
-the process itself listens on its real address; so every cross-process byte pays the
-one-way delay, and a server's proxy (``rate``: its NIC's bandwidth, per direction,
-shared by its connections) counts the bytes to and from that server. The workers' dense
-all-reduce servers (the hybrid mode, TFPSX_DENSE_ENDPOINTS) sit behind proxies of
-their own, at the same delay and ``rate`` (the worker's NIC), whose bytes are counted
-apart.
+:class:`~netem.DelayProxy` sits in front of every process: every process's cluster lists
+the proxies' addresses, its own included, and it listens on its real port
+(TFPSX_LISTEN_PORT, TF's ``ServerDef.port``), so every cross-process byte pays the
+one-way delay, whoever dials: TF moves a tensor by the receiver asking the sender (a PS fetches a worker's
+pushed gradients from the worker), so a worker's pushes pass the worker's proxy and the
+rows and weights it reads pass the server's. Each proxy is its process's NIC (``rate``,
+per direction, shared by its connections) and counts its bytes. The workers' dense
+all-reduce servers (the hybrid mode, TFPSX_DENSE_ENDPOINTS) sit behind proxies of their
+own, at the same delay and ``rate``, whose bytes are counted apart.
 
   with run_job(cmd, servers=1, workers=2, one_way=0.0005, rate=1e9 / 8) as job:
       job.logs            # TFPSX_METRICS_DIR of every process
       job.server_bytes    # bytes through the servers' proxies, both directions
+      job.worker_bytes    # bytes through the workers' proxies (what the servers fetched)
       job.dense_bytes     # bytes through the workers' dense all-reduce proxies
 """
 
@@ -38,6 +41,7 @@ class Job:
     outputs: List[str]
     server_bytes: int = 0
     dense_bytes: int = 0
+    worker_bytes: int = 0
 
 
 @contextlib.contextmanager
@@ -60,28 +64,28 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
         seen, proxies = list(real), []
         dense_seen, dense_proxies = list(dense_real), []
         if one_way > 0 or rate is not None:
-            proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way,
-                                                      rate=rate if i < servers else None))
-                       for i, p in enumerate(ports)]
+            proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way, rate=rate))
+                       for p in ports]
             seen = [proxy.address for proxy in proxies]
             dense_proxies = [stack.enter_context(DelayProxy(("127.0.0.1", p), one_way,
                                                             rate=rate))
                              for p in dense_ports]
             dense_seen = [proxy.address for proxy in dense_proxies]
         base = dict(os.environ, TFPSX_METRICS_DIR=logs, TF_CPP_MIN_LOG_LEVEL="2",
-                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-                    **(env or {}))
+                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        base.update(env or {})
         envs = []
         for i in range(n):
-            # Each process dials the others through their proxies; its own entry is real.
-            addresses = [real[j] if j == i else seen[j] for j in range(n)]
+            # Every process lists the proxies (its own too: the address the others dial)
+            # and listens on its real port.
+            addresses = seen
             role, rank = ("server", i) if i < servers else ("worker", i - servers)
             dense = [dense_real[j] if role == "worker" and j == rank else dense_seen[j]
                      for j in range(workers)]
             envs.append(dict(base, TFPSX_ROLE=role, TFPSX_RANK=str(rank),
                              TFPSX_SERVER_ENDPOINTS=",".join(addresses[:servers]),
                              TFPSX_WORKER_ENDPOINTS=",".join(addresses[servers:]),
-                             TFPSX_DENSE_ENDPOINTS=",".join(dense)))
+                             TFPSX_DENSE_ENDPOINTS=",".join(dense), TFPSX_LISTEN_PORT=str(ports[i])))
         procs = []
         try:
             for e in envs:
@@ -99,4 +103,5 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
                 if procs[i].returncode))
         yield Job(logs, outputs,
                   sum(sum(p.bytes.values()) for p in proxies[:servers]),
-                  sum(sum(p.bytes.values()) for p in dense_proxies))
+                  sum(sum(p.bytes.values()) for p in dense_proxies),
+                  sum(sum(p.bytes.values()) for p in proxies[servers:]))

@@ -43,9 +43,10 @@ CEILING = ["--mode", "async", "--cache_size", "100000000", "--cache_flush_steps"
 
 
 def _bytes_per_step(job, steps: int, workers: int):
-    """Bytes per step and worker between the processes: through the servers' links and
-    (the hybrid mode) the workers' all-reduce links."""
-    total = job.server_bytes + job.dense_bytes
+    """Bytes per step and worker between the processes: through the servers' and the
+    workers' links (what a worker reads, what it pushes) and (the hybrid mode) the
+    workers' all-reduce links."""
+    total = job.server_bytes + job.worker_bytes + job.dense_bytes
     return total / max(1, steps * workers) if total else None
 
 

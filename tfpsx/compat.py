@@ -38,6 +38,8 @@ symbol has existed unchanged in that range.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
@@ -56,6 +58,50 @@ def set_handle_shapes_and_types(handle, shape, dtype) -> None:
     own eager variables do to their handles)."""
     _resource_variable_ops._set_handle_shapes_and_types(  # noqa: SLF001
         handle, _handle_data_util.create_handle_data(shape, dtype), graph_mode=False)
+
+
+def server_def(cluster_spec, job_name: str, task_index: int, port: Optional[int] = None,
+               config=None):
+    """The ServerDef of ``/job:<job_name>/task:<task_index>`` of ``cluster_spec``,
+    listening on ``port`` when given (TF's ``ServerDef.port``: the cluster's address for
+    the task is what the others dial, e.g. a NAT's or a proxy's) and with ``config`` as
+    its sessions' default."""
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+
+    out = tensorflow_server_pb2.ServerDef(
+        cluster=cluster_spec.as_cluster_def(), job_name=job_name, task_index=task_index,
+        protocol="grpc", port=port or 0)
+    if config is not None:
+        out.default_session_config.CopyFrom(config)
+    return out
+
+
+def connect_to_cluster(cluster_spec, job_name: str, task_index: int,
+                       port: Optional[int] = None) -> None:
+    """``tf.config.experimental_connect_to_cluster``; with ``port``, this process's
+    server listens there (TF's function has no argument for ``ServerDef.port``: the
+    ServerDef it builds gets the port on its way to the context)."""
+    if not port:
+        tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
+                                                  task_index=task_index)
+        return
+    originals = {name: getattr(_context, name)
+                 for name in ("set_server_def", "update_server_def")}
+
+    def with_port(original):
+        def set_def(definition):
+            definition.port = port
+            return original(definition)
+        return set_def
+
+    try:
+        for name, original in originals.items():
+            setattr(_context, name, with_port(original))
+        tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
+                                                  task_index=task_index)
+    finally:
+        for name, original in originals.items():
+            setattr(_context, name, original)
 
 
 def ensure_eager_context_initialized() -> None:

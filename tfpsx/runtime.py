@@ -192,8 +192,11 @@ class Runtime:
                     # refuses for the name the server booted with: it boots under another.
                     spec, job, task = (tf.train.ClusterSpec({_JOINER_JOB: [
                         config.task_address()]}), _JOINER_JOB, 0)
-                self._server = tf.distribute.Server(spec, job_name=job, task_index=task,
-                                                    config=self.session_config(), start=True)
+                from tfpsx import compat
+
+                self._server = tf.distribute.Server(
+                    compat.server_def(spec, job, task, settings.get("TFPSX_LISTEN_PORT"),
+                                      self.session_config()), start=True)
             return self._server.target
 
     def init_worker(self, connect_timeout: Optional[float] = None) -> None:
@@ -362,8 +365,11 @@ class Runtime:
         load_ops()  # before the server starts: a bare tf.distribute.Server cannot run our ops
         info = library_info()
         start = time.monotonic()
-        self._server = tf.distribute.Server(config.cluster_spec(), job_name="ps",
-                                            task_index=config.index, start=True)
+        from tfpsx import compat
+
+        self._server = tf.distribute.Server(
+            compat.server_def(config.cluster_spec(), "ps", config.index,
+                              settings.get("TFPSX_LISTEN_PORT")), start=True)
         # Before any worker's eager context can reach it (workers wait for the anchor):
         # TF's CreateContext race (tfpsx.control.eager_anchor).
         eager_anchor.anchor(self._server.server_def, settings.get("TFPSX_RPC_TIMEOUT"))

@@ -69,6 +69,17 @@ def parse_bool(value: Any, what: str) -> bool:
     raise ValueError(f"{what}: expected one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
 
 
+def parse_port(value: Any, what: str) -> int:
+    """Parses a TCP port, 1-65535."""
+    try:
+        number = parse_int(value, what, 1)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 65535:
+        raise ValueError(f"{what}: expected a TCP port (an integer 1-65535), got {value!r}")
+    return number
+
+
 def _as_str(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what}: expected a string, got {value!r}")
@@ -82,6 +93,7 @@ _PARSERS: Dict[str, Callable[[Any, str], Any]] = {
     "int": lambda v, w: parse_int(v, w, 0),
     "count": lambda v, w: parse_int(v, w, 1),
     "bool": parse_bool,
+    "port": parse_port,
     "str": _as_str,
     "path": _as_str,
 }
@@ -93,7 +105,7 @@ class Setting:
 
     Attributes:
       name: the variable.
-      type: "seconds", "int" (>= 0), "count" (>= 1), "bool", "str", "path", or a
+      type: "seconds", "int" (>= 0), "count" (>= 1), "bool", "port", "str", "path", or a
         description of a value the cluster resolver parses ("host:port", ...).
       default: the value when unset (None: no default).
       doc: one line for the docs.
@@ -138,6 +150,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "hybrid mode: comma-separated host:port of every worker's dense all-reduce "
             "server, rank order (each binds its own port); unset: each worker picks a free "
             "port and they meet on server 0", "cluster"),
+    Setting("TFPSX_LISTEN_PORT", "port", None,
+            "the port this process's server listens on, when the address the cluster lists "
+            "for it is not its own (a NAT, a container's mapped port, a proxy): the others "
+            "dial the listed address; unset: the listed address's port", "cluster"),
     Setting("TFPSX_SCHED_ADDR", "host:port", None,
             "the scheduler: it assigns ranks and endpoints", "cluster"),
     Setting("TFPSX_SERVER_NUM", "count", None,

@@ -57,6 +57,11 @@ def test_get_parses_and_names_bad_values():
         settings.get("TFPSX_BARRIER_TIMEOUT", override=-1)
     with pytest.raises(ValueError, match=r"TFPSX_PORT: expected an integer >= 0, got 'x1'"):
         settings.get("TFPSX_PORT", env={"TFPSX_PORT": "x1"})
+    assert settings.get("TFPSX_LISTEN_PORT", env={"TFPSX_LISTEN_PORT": "2222"}) == 2222
+    for bad in ("0", "65536", "ab"):
+        with pytest.raises(ValueError, match=rf"TFPSX_LISTEN_PORT: expected a TCP port "
+                                             rf"\(an integer 1-65535\), got '{bad}'"):
+            settings.get("TFPSX_LISTEN_PORT", env={"TFPSX_LISTEN_PORT": bad})
     with pytest.raises(KeyError, match="TFPSX_NOPE.*is not a tfpsx setting"):
         settings.get("TFPSX_NOPE")
     with pytest.raises(ValueError, match="parsed by the cluster resolver"):

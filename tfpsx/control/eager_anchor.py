@@ -76,8 +76,9 @@ def anchor(server_def, timeout: float) -> None:
     own.default_session_config.inter_op_parallelism_threads = 1
     request = pb.CreateContextRequest(server_def=own.SerializeToString(), keep_alive_secs=0,
                                       context_id=ANCHOR_CONTEXT_ID, context_view_id=0)
-    # TF's gRPC server listens on every interface: reach it on loopback.
-    target = f"127.0.0.1:{address.rsplit(':', 1)[1]}"
+    # TF's gRPC server listens on every interface: reach it on loopback (on the port it
+    # listens on: ServerDef.port, when the cluster lists another address for it).
+    target = f"127.0.0.1:{server_def.port or address.rsplit(':', 1)[1]}"
     with grpc.insecure_channel(target, options=FAST_RECONNECT) as channel:
         # Never a second CreateContext for the anchor's id: TF replaces a context whose
         # id it gets again (erasing it first), which would empty the server for a moment.
@@ -155,10 +156,12 @@ def wait_anchored(addresses: Dict[str, str], timeout: float,
 
 
 def connect(cluster_spec, job_name: str, task_index: int, servers: Dict[str, str],
-            timeout: float, log: Optional[Callable[[str], None]] = None) -> None:
+            timeout: float, log: Optional[Callable[[str], None]] = None,
+            port: Optional[int] = None) -> None:
     """``tf.config.experimental_connect_to_cluster`` once every server in ``servers``
     (task name -> host:port) holds its anchor: the one way tfpsx connects an eager
-    context to servers that other clients share."""
+    context to servers that other clients share. ``port``: where this process's own
+    server listens, when not at its address in ``cluster_spec`` (TFPSX_LISTEN_PORT)."""
     import tensorflow as tf
 
     from tfpsx import compat  # TF loads here, not when a server imports this module
@@ -170,8 +173,7 @@ def connect(cluster_spec, job_name: str, task_index: int, servers: Dict[str, str
     level = tf_logger.level
     tf_logger.setLevel(max(level, logging.WARNING))
     try:
-        tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
-                                                  task_index=task_index)
+        compat.connect_to_cluster(cluster_spec, job_name, task_index, port)
     finally:
         tf_logger.setLevel(level)
     # TF defers the servers' CreateContext to the process's first eager op: make it here,

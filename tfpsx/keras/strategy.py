@@ -406,7 +406,8 @@ def _connect(config) -> None:
     spec = tf.train.ClusterSpec({"ps": list(config.servers), job: {task: config.task_address()}})
     eager_anchor.connect(spec, job, task, {f"ps:{i}": a for i, a in enumerate(config.servers)},
                          settings.get("TFPSX_CONNECT_TIMEOUT"),
-                         log=lambda m: logger.info("worker %d %s", config.index, m))
+                         log=lambda m: logger.info("worker %d %s", config.index, m),
+                         port=settings.get("TFPSX_LISTEN_PORT"))
     RUNTIME.eager_connection = key
     # A server lost where no step can catch it (Keras's own wait at an epoch's end) is
     # still named, and the process still exits to be restarted.
