@@ -112,21 +112,22 @@ def table_pull(t: GeoTable, after=()):
     return pull, tf.size(keys)
 
 
-def take_global(t: GeoTable) -> None:
+def take_global(t: GeoTable, refresh_rounded: bool = True) -> None:
     """After the last round, eagerly: this worker's copy becomes the global table (local
-    = old = the PS rows, exact; local keeps its optimizer slots), moving only what it
-    must.
+    = old = the PS rows; local keeps its optimizer slots), moving only what it must.
 
     ``old`` holds every row the PS had at this worker's last pull (a pull brings every
     changed row; the rows present at registration were imported), so only the rows
-    changed on the PS since (the other workers' last pushes) come over; then local takes
-    old's values, on the worker (a push leaves float32's rounding of old + (local - old)
-    in local - old). With a wire dtype the pulls brought rounded rows: every row's value
-    comes over, in float32 (its slots, step and frequency stay on the PS). Copying the
+    changed on the PS since (the other workers' last pushes) come over, exact; then
+    local takes old's values, on the worker (a push leaves float32's rounding of old +
+    (local - old) in local - old). With a wire dtype the pulls brought rounded rows:
+    ``refresh_rounded`` brings every row's value exact, in float32 (not its slots, step
+    or frequency); without it those rows stay as the wire carried them. Copying the
     whole PS table instead (every row with its optimizer slots, on every worker) was
     about three quarters of a GEO job's bytes (measured: benchmarks/time_to_auc.py's
     Criteo job). A cache holds a bounded set of rows: those, read fresh."""
     zero, me = tf.constant(0, tf.int64), tf.constant(t.reader, tf.int64)
+    refresh = t.wire is not None and refresh_rounded and not t.cached
     if t.cached:
         with tf.device(t.device):
             keys = t.local.export()["keys"]
@@ -140,13 +141,13 @@ def take_global(t: GeoTable) -> None:
         with tf.device(t.device):
             keys = tf.concat([k for k, _ in parts], 0)
             rows = tf.concat([r for _, r in parts], 0)
-            if t.wire is not None:
+            if refresh:
                 keys = tf.unique(tf.concat([t.old.export()["keys"], keys], 0))[0]
-        if t.wire is not None:
+        if refresh:
             rows = t.global_.rows(keys, train=False)
     with tf.device(t.device):
         t.old.shards[0].insert(keys, rows, zero)
-        if not t.cached and t.wire is None:
+        if not t.cached and not refresh:
             snapshot = t.old.export()
             keys, rows = snapshot["keys"], snapshot["values"]
         t.local.shards[0].insert(keys, rows, zero)

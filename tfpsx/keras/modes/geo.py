@@ -194,18 +194,21 @@ class KerasGeo(KerasMode):
             table_readers(t)
         self._registered = True
 
-    def _take_global(self) -> None:
+    def _take_global(self, refresh_rounded: bool = False) -> None:
         """This worker's copies become the global model: local = old = global, dense
-        and tables (table rows keep this worker's optimizer slots). GEO's pull does not
-        do that (local += global - old keeps the part of this worker's own delta that
-        it did not push), so without it a model saved, evaluated or predicted after
-        ``fit`` would mix the copy's dense weights with the PS tables' rows."""
+        and tables (table rows keep this worker's optimizer slots; with a wire dtype,
+        rows last pulled stay as the wire carried them unless ``refresh_rounded``: the
+        chief's, when fit ends, since its model is the one saved and exported). GEO's
+        pull does not do that (local += global - old keeps the part of this worker's
+        own delta that it did not push), so without it a model saved, evaluated or
+        predicted after ``fit`` would mix the copy's dense weights with the PS tables'
+        rows."""
         for v in self.dense + self.step_pairs:
             value = v.global_.read_value()
             v.local.assign(value)
             v.old.assign(value)
         for t in self.tables:
-            take_global(t)
+            take_global(t, refresh_rounded)
 
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
@@ -235,4 +238,4 @@ class KerasGeo(KerasMode):
         steps = int(self._steps.read_value()) if self._steps is not None else 0
         failed = not self.schedule.end(steps)  # raises a communicator's failure
         if not failed:
-            self._take_global()
+            self._take_global(refresh_rounded=self.is_chief)
