@@ -110,23 +110,19 @@ def ensure_eager_context_initialized() -> None:
     _context.ensure_initialized()
 
 
-def enable_collectives(cluster_spec, job_name: str, task_index: int, leader: str) -> None:
+def enable_collectives(cluster_spec, job_name: str, task_index: int, leader: str,
+                       port: Optional[int] = None) -> None:
     """Starts this process's collective runtime the way TF's MultiWorkerMirroredStrategy
     does: the group leader and device filters in the context's config, then an in-process
-    gRPC server for ``/job:<job_name>/task:<task_index>`` of ``cluster_spec`` whose
-    collective executor reaches the other tasks. Raises RuntimeError once the eager
-    context exists (TF configures collectives at program start only)."""
-    from tensorflow.core.protobuf import tensorflow_server_pb2
-
+    gRPC server for ``/job:<job_name>/task:<task_index>`` of ``cluster_spec`` (listening
+    on ``port`` when given) whose collective executor reaches the other tasks. Raises
+    RuntimeError once the eager context exists (TF configures collectives at program
+    start only)."""
     ctx = _context.context()
     ctx.configure_collective_ops(
         collective_leader=leader, scoped_allocator_enabled_ops=("CollectiveReduce",),
         device_filters=(f"/job:{job_name}/task:{task_index}",))
-    server_def = tensorflow_server_pb2.ServerDef(
-        cluster=cluster_spec.as_cluster_def(), job_name=job_name, task_index=task_index,
-        protocol="grpc")
-    server_def.default_session_config.CopyFrom(ctx.config)
-    ctx.enable_collective_ops(server_def)
+    ctx.enable_collective_ops(server_def(cluster_spec, job_name, task_index, port, ctx.config))
     ctx.ensure_initialized()
 
 

@@ -409,7 +409,8 @@ def _enable_collectives(config: _cluster.ClusterConfig) -> None:
     leader_job, leader_task = config.worker_device_job(0)
     try:
         compat.enable_collectives(config.cluster_spec(), config.job_name, config.task_index,
-                                  f"/job:{leader_job}/replica:0/task:{leader_task}")
+                                  f"/job:{leader_job}/replica:0/task:{leader_task}",
+                                  port=settings.get("TFPSX_LISTEN_PORT"))
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(
             f"tfpsx.init_worker() could not start worker {config.index}'s collectives ({e}): "
