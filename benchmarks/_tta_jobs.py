@@ -1,11 +1,11 @@
 """The jobs of benchmarks/time_to_auc.py: how each runs a mode over a network and what
 it reports.
 
-Each job runs 1 PS + 2 workers (--servers, --workers) through ``_proxied.run_job`` (every process behind a
-delay proxy; the PS's proxy counts its bytes) and returns, per run: the chief's quality
-points against training seconds (evaluation pauses left out), the final quality of the
-shared model, examples/s of both workers, bytes through the PS's link per step and
-worker.
+Each job runs 1 PS + 2 workers (--servers, --workers) through ``_proxied.run_job``
+(every process behind a delay proxy, its link; each proxy counts its bytes) and returns,
+per run: the chief's quality points against training seconds (evaluation pauses left
+out), the final quality of the shared model, examples/s of both workers, bytes between
+the processes per step and worker (both directions).
 
 * ``criteo``: examples/criteo (Wide&Deep over a DynamicEmbedding table, Keras 3 fit) on
   generated Criteo-format rows; quality: eval AUC (higher is better).

@@ -16,9 +16,11 @@ not a way to train (nothing is shared, so it has no global loss); it is the ceil
 cache on this machine: a cache that always hit and never synced would run at its speed.
 
 Networks: "loopback"; "+1ms" puts a userspace proxy (benchmarks/netem.py) in front of
-every server, 0.5 ms each way (every request waits 1 ms more for its reply); "+1ms 1Gb"
-also makes the PS's proxy a 1 Gbit/s link per direction, shared by its connections (the
-bandwidth of a PS's NIC that its workers share).
+every process, 0.5 ms each way (every request waits 1 ms more for its reply; a PS
+fetching a worker's push dials the worker's proxy); "+1ms 1Gb" also makes every proxy a
+1 Gbit/s link per direction, shared by its connections (each process's NIC). Figures
+measured before 2026-11-26 had only the servers' proxies on the path (pushes skipped
+them): not comparable with later runs.
 
 Targets (issue 13): the cache >= 2x examples/s at a final loss within 2%, and a larger
 gain with the delay.

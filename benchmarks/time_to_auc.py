@@ -6,8 +6,8 @@ skip-gram over two DynamicTable tables of a 100,000-word vocabulary, graph mode,
 loss; with ``tf_async``, the same model in plain TF async, as a peer). 1 PS + 2 workers
 (``--servers``, ``--workers``)
 started with TFPSX_* env, every process behind a userspace delay proxy
-(benchmarks/netem.py; the PS's proxy is also a link of the given bandwidth and counts
-its bytes). Modes: sync, async, GEO at several k, async and GEO with a worker cache,
+(benchmarks/netem.py; each proxy is also its process's link of the given bandwidth and
+counts its bytes; every process's cluster lists the proxies, TFPSX_LISTEN_PORT). Modes: sync, async, GEO at several k, async and GEO with a worker cache,
 the hybrid mode (criteo: the table async or GEO on the PS, the dense weights all-reduced
 among the workers through proxies of the same delay and bandwidth), and "local" (each worker trains alone on its half: the no-sync ceiling). Runs are
 interleaved over the rounds (machine drift hits all alike); figures are medians.
@@ -155,7 +155,7 @@ def table(job, network: str, med: Dict[str, dict]) -> List[str]:
     one_way, rate = NETWORKS[network]
     link = "no delay" if not one_way else f"{2000 * one_way:g} ms RTT"
     if rate:
-        link += f", {8 * rate / 1e9:g} Gbit/s at the PS"
+        link += f", {8 * rate / 1e9:g} Gbit/s at every process"
     q = job.quality
     lines = [f"**{network}** ({link}): target {q} {info['target']:.4f} (the best final "
              f"{info['best']:.4f}, {'times' if job.higher_is_better else 'divided by'} the "

@@ -38,6 +38,7 @@ symbol has existed unchanged in that range.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import tensorflow as tf
@@ -76,6 +77,9 @@ def server_def(cluster_spec, job_name: str, task_index: int, port: Optional[int]
     return out
 
 
+_CONNECT_LOCK = threading.Lock()  # the connect's patch of TF's module is process-wide
+
+
 def connect_to_cluster(cluster_spec, job_name: str, task_index: int,
                        port: Optional[int] = None) -> None:
     """``tf.config.experimental_connect_to_cluster``; with ``port``, this process's
@@ -85,23 +89,30 @@ def connect_to_cluster(cluster_spec, job_name: str, task_index: int,
         tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
                                                   task_index=task_index)
         return
-    originals = {name: getattr(_context, name)
-                 for name in ("set_server_def", "update_server_def")}
-
     def with_port(original):
         def set_def(definition):
             definition.port = port
             return original(definition)
         return set_def
 
-    try:
-        for name, original in originals.items():
-            setattr(_context, name, with_port(original))
-        tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
-                                                  task_index=task_index)
-    finally:
-        for name, original in originals.items():
-            setattr(_context, name, original)
+    with _CONNECT_LOCK:
+        originals = {name: getattr(_context, name)
+                     for name in ("set_server_def", "update_server_def")}
+        try:
+            for name, original in originals.items():
+                setattr(_context, name, with_port(original))
+            tf.config.experimental_connect_to_cluster(cluster_spec, job_name=job_name,
+                                                      task_index=task_index)
+        finally:
+            for name, original in originals.items():
+                setattr(_context, name, original)
+    got = _context.get_server_def()
+    if got is None or got.port != port:
+        raise RuntimeError(
+            f"TFPSX_LISTEN_PORT={port}: this TensorFlow ({tf.__version__}) connected its "
+            f"eager context without it (ServerDef.port "
+            f"{None if got is None else got.port}); tfpsx.compat.connect_to_cluster needs "
+            "updating for it")
 
 
 def ensure_eager_context_initialized() -> None:

@@ -171,7 +171,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "the address this node serves on (default: the local IP that routes to the "
             "scheduler)", "scheduler"),
     Setting("TFPSX_PORT", "int", None,
-            "the port this node serves on (default: a free one; 0 lets the scheduler pick)",
+            "the port this node registers and serves on (default: a free one; 0 lets the "
+            "scheduler pick); with TFPSX_LISTEN_PORT, the port the others dial",
             "scheduler"),
     Setting("TFPSX_NODE_ID", "str", None,
             "stable node id (default host:pid); a node that re-registers with it keeps its rank",

@@ -116,7 +116,7 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
     (geo_rule.take_global, what GEO does when fit ends): every row the PS holds,
     also those the other worker pushed after that pull and those this worker never
     looked up, equals the PS's exactly in local and old (bfloat16 rows on the wire: with
-    ``refresh_rounded``, every value comes over; without, the rows the pulls brought
+    ``refresh_all``, every value comes over; without, the rows the pulls brought
     are the PS's as bfloat16 carried them); without a wire dtype only the rows that
     differ have to."""
     g = shared_table()
@@ -142,7 +142,7 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
     late = geo_rule.table_push(other, 1.0, None)[1]
     assert int(late) > 0
     local_before = global_rows(first.local)
-    geo_rule.take_global(first, refresh_rounded=refresh)
+    geo_rule.take_global(first, refresh_all=refresh)
     want = global_rows(g)
     assert set(want) - set(range(40)), "worker 1 pushed no row worker 0 never looked up"
     exact = wire is None or refresh
@@ -154,7 +154,7 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
                 np.testing.assert_array_equal(got[key], row, err_msg=f"key {key}")
             else:  # bfloat16 keeps 8 bits of mantissa
                 np.testing.assert_allclose(got[key], row, rtol=2 ** -8, err_msg=f"key {key}")
-        if not exact:  # what refresh_rounded is for
+        if not exact:  # what refresh_all is for
             assert any(not np.array_equal(got[k], want[k]) for k in want)
     if wire is None:  # only the late push's rows differed: the rest of the copy was the PS's
         moved = [k for k in want if not np.array_equal(local_before.get(k), want[k])]

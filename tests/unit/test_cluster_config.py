@@ -371,3 +371,31 @@ def test_servers_in_a_collective_job_and_none_in_a_ps_job_are_refused():
 def test_init_takes_is_collective_as_a_bool_only():
     with pytest.raises(TypeError, match=r"is_collective=\.\.\.\) expects True or False, got 'yes'"):
         tfpsx.init(UserDefinedRoleMaker("worker", 0, [], WK), is_collective="yes")
+
+
+def test_a_listen_port_is_refused_without_the_port_the_others_dial(monkeypatch):
+    """With a scheduler the node registers host:TFPSX_PORT; listening elsewhere
+    (TFPSX_LISTEN_PORT) on a port picked at random would register an address nothing
+    listens on: refused, naming both, before any registration."""
+    from tfpsx.control import sched_client
+
+    config = cluster.resolve({"TFPSX_ROLE": "worker", "TFPSX_SCHED_ADDR": "127.0.0.1:7000",
+                              "TFPSX_SERVER_NUM": "1", "TFPSX_WORKER_NUM": "1"})
+    monkeypatch.setenv("TFPSX_LISTEN_PORT", "2222")
+    for port in (None, "0"):
+        if port is None:
+            monkeypatch.delenv("TFPSX_PORT", raising=False)
+        else:
+            monkeypatch.setenv("TFPSX_PORT", port)
+        with pytest.raises(ValueError, match=r"TFPSX_LISTEN_PORT=2222 needs TFPSX_PORT.*got "
+                                             + ("None" if port is None else "'0'")):
+            sched_client.register_node(config, 1.0, 1.0, 1.0, 1.0)
+
+
+def test_the_launcher_never_hands_one_listen_port_to_every_task(monkeypatch, tmp_path):
+    from tfpsx.testing import LocalCluster
+
+    monkeypatch.setenv("TFPSX_LISTEN_PORT", "2222")
+    c = LocalCluster("train.py", 1, 2, log_dir=str(tmp_path))
+    for role, index in (("server", 0), ("worker", 0), ("worker", 1)):
+        assert "TFPSX_LISTEN_PORT" not in c.task_env(role, index)

@@ -295,6 +295,11 @@ def register_node(config: _cluster.ClusterConfig, connect_timeout: float,
                          "expected 'server' or 'worker' (the scheduler runs run_scheduler())")
     host = settings.raw("TFPSX_HOST") or local_address_towards(config.scheduler.address)
     port = settings.get("TFPSX_PORT")
+    if settings.get("TFPSX_LISTEN_PORT") is not None and not port:
+        raise ValueError(
+            f"TFPSX_LISTEN_PORT={settings.raw('TFPSX_LISTEN_PORT')} needs TFPSX_PORT (the "
+            f"port the others dial, registered with the scheduler), got "
+            f"{settings.raw('TFPSX_PORT')!r}; expected a port 1-65535")
     if port is None:
         port = portpicker.pick_unused_port()
     client = SchedulerClient(config.scheduler, config.role, rpc_timeout,

@@ -112,7 +112,7 @@ def table_pull(t: GeoTable, after=()):
     return pull, tf.size(keys)
 
 
-def take_global(t: GeoTable, refresh_rounded: bool = True) -> None:
+def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     """After the last round, eagerly: this worker's copy becomes the global table (local
     = old = the PS rows; local keeps its optimizer slots), moving only what it must.
 
@@ -120,34 +120,34 @@ def take_global(t: GeoTable, refresh_rounded: bool = True) -> None:
     changed row; the rows present at registration were imported), so only the rows
     changed on the PS since (the other workers' last pushes) come over, exact; then
     local takes old's values, on the worker (a push leaves float32's rounding of old +
-    (local - old) in local - old). With a wire dtype the pulls brought rounded rows:
-    ``refresh_rounded`` brings every row's value exact, in float32 (not its slots, step
-    or frequency); without it those rows stay as the wire carried them. Copying the
-    whole PS table instead (every row with its optimizer slots, on every worker) was
-    about three quarters of a GEO job's bytes (measured: benchmarks/time_to_auc.py's
-    Criteo job). A cache holds a bounded set of rows: those, read fresh."""
+    (local - old) in local - old). ``refresh_all`` brings every row's value instead,
+    exact, in float32 (not its slots, step or frequency): when ``old`` is not the PS's
+    (a wire dtype's pulls brought rounded rows; rows evicted on the PS). Copying the
+    whole PS table with its slots on every worker instead was about three quarters of a
+    GEO job's bytes (measured: benchmarks/time_to_auc.py's Criteo job). A cache holds a
+    bounded set of rows: those, read fresh."""
     zero, me = tf.constant(0, tf.int64), tf.constant(t.reader, tf.int64)
-    refresh = t.wire is not None and refresh_rounded and not t.cached
     if t.cached:
         with tf.device(t.device):
             keys = t.local.export()["keys"]
         rows = t.global_.rows(keys, train=False)
+    elif refresh_all:
+        changed = t.global_.on_shards(lambda i, shard: shard.take_changed(me))
+        with tf.device(t.device):
+            keys = tf.unique(tf.concat([t.old.export()["keys"]] + changed, 0))[0]
+        rows = t.global_.rows(keys, train=False)
     else:
-        def changed(i, shard):
+        def changed_rows(i, shard):
             keys = shard.take_changed(me)
             return keys, shard.find(keys)[0]
 
-        parts = t.global_.on_shards(changed)
+        parts = t.global_.on_shards(changed_rows)
         with tf.device(t.device):
             keys = tf.concat([k for k, _ in parts], 0)
             rows = tf.concat([r for _, r in parts], 0)
-            if refresh:
-                keys = tf.unique(tf.concat([t.old.export()["keys"], keys], 0))[0]
-        if refresh:
-            rows = t.global_.rows(keys, train=False)
     with tf.device(t.device):
         t.old.shards[0].insert(keys, rows, zero)
-        if not t.cached and not refresh:
+        if not (t.cached or refresh_all):
             snapshot = t.old.export()
             keys, rows = snapshot["keys"], snapshot["values"]
         t.local.shards[0].insert(keys, rows, zero)

@@ -173,8 +173,10 @@ class LocalCluster:
     # ------------------------------------------------------------------ processes
     def task_env(self, role: str, index: int) -> Dict[str, str]:
         """The environment one task runs with."""
+        # (A listen port is one process's: every task inheriting it would bind the same.)
         env = {k: v for k, v in os.environ.items()
-               if k != "TF_CONFIG" and k not in _cluster.CLUSTER_ENV_VARS}
+               if k not in ("TF_CONFIG", "TFPSX_LISTEN_PORT")
+               and k not in _cluster.CLUSTER_ENV_VARS}
         env.update({"PYTHONUNBUFFERED": "1", "TFPSX_METRICS_DIR": self.log_dir})
         # TF's C++ info and warning lines stay out of the logs unless the user asked.
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -51,6 +51,7 @@ class KerasGeo(KerasMode):
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
             first_round=lambda: self.sync_fn().get_concrete_function(), inline_rounds=False)
         self._registered = False
+        self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
         self._in_fit = False
 
@@ -187,28 +188,40 @@ class KerasGeo(KerasMode):
                 v.local.assign(value)
                 v.old.assign(value)
         for t in self.tables:
+            # Readers first: a push landing while the rows are copied is then also
+            # marked for this worker's pulls (value-neutral if the copy had it).
+            table_readers(t)
             rows = t.global_.export()
             if int(tf.size(rows["keys"])):
                 t.local.import_rows(rows, clear=True)
                 t.old.import_rows(dict(rows, slots=tf.zeros([0], tf.float32)), clear=True)
-            table_readers(t)
+                with tf.device(t.device):  # the import is not this worker's change
+                    t.local.shards[0].take_changed(tf.constant(0, tf.int64))
+            self._evicted[t.global_.name] = self._ps_evictions(t)
         self._registered = True
+
+    @staticmethod
+    def _ps_evictions(t) -> int:
+        return 0 if t.cached else int(t.global_.stats()["evicted"])
 
     def _take_global(self, refresh_rounded: bool = False) -> None:
         """This worker's copies become the global model: local = old = global, dense
         and tables (table rows keep this worker's optimizer slots; with a wire dtype,
         rows last pulled stay as the wire carried them unless ``refresh_rounded``: the
-        chief's, when fit ends, since its model is the one saved and exported). GEO's
-        pull does not do that (local += global - old keeps the part of this worker's
-        own delta that it did not push), so without it a model saved, evaluated or
-        predicted after ``fit`` would mix the copy's dense weights with the PS tables'
-        rows."""
+        chief's, when fit ends, since its copy is what ``export_serving`` exports; rows
+        evicted on the PS since the last take: every row refreshed). GEO's pull does not
+        do that (local += global - old keeps the part of this worker's own delta that it
+        did not push), so without it a model evaluated, predicted or exported after
+        ``fit`` would mix the copy's dense weights with the PS tables' rows."""
         for v in self.dense + self.step_pairs:
             value = v.global_.read_value()
             v.local.assign(value)
             v.old.assign(value)
         for t in self.tables:
-            take_global(t, refresh_rounded)
+            evicted = self._ps_evictions(t)
+            moved = evicted != self._evicted.get(t.global_.name, evicted)
+            take_global(t, refresh_all=moved or (refresh_rounded and t.wire is not None))
+            self._evicted[t.global_.name] = evicted
 
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
