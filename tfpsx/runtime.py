@@ -183,8 +183,7 @@ class Runtime:
             if self._worker_state != "started":
                 raise RuntimeError("tfpsx.server_target() in a collective job needs "
                                    "tfpsx.init_worker() first (it starts this worker's server)")
-            port = settings.get("TFPSX_LISTEN_PORT")  # its own server: dial it locally
-            return f"grpc://localhost:{port}" if port else f"grpc://{config.task_address()}"
+            return f"grpc://{config.dial(config.task_address())}"
         with self._lock:
             if self._server is None:
                 spec, job, task = config.cluster_spec(), config.job_name, config.task_index

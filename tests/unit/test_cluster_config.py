@@ -399,3 +399,12 @@ def test_the_launcher_never_hands_one_listen_port_to_every_task(monkeypatch, tmp
     c = LocalCluster("train.py", 1, 2, log_dir=str(tmp_path))
     for role, index in (("server", 0), ("worker", 0), ("worker", 1)):
         assert "TFPSX_LISTEN_PORT" not in c.task_env(role, index)
+
+
+def test_a_process_dials_itself_at_its_listen_port(monkeypatch):
+    c = EnvRoleMaker(role="server", rank=0, env=env_vars()).resolve()
+    other = c.servers[1]
+    assert c.dial(c.task_address()) == c.task_address()  # no listen port: as listed
+    monkeypatch.setenv("TFPSX_LISTEN_PORT", "2222")
+    assert c.dial(c.task_address()) == "localhost:2222"
+    assert c.dial(other) == other

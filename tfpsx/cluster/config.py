@@ -99,6 +99,15 @@ class ClusterConfig:
     def is_chief(self) -> bool:
         return self.role == WORKER and self.index == 0
 
+    def dial(self, address: str) -> str:
+        """How this process dials ``address``: as listed, or, when it is its own listed
+        address and it listens elsewhere (TFPSX_LISTEN_PORT: behind a NAT the listed
+        address may not route back to its own host), at ``localhost:<listen port>``."""
+        from tfpsx import settings  # a bottom layer: no cycle
+
+        port = settings.get("TFPSX_LISTEN_PORT")
+        return f"localhost:{port}" if port and address == self.task_address() else address
+
     def task_address(self) -> Optional[str]:
         """This process's own host:port, when it has one in the cluster."""
         if self.role == SERVER:

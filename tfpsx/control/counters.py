@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from tfpsx import errors, settings
+from tfpsx import errors
 from tfpsx.background import BackgroundLoop
 from tfpsx.control.channels import wait_for_servers
 from tfpsx.control.protocol import Coordinator
@@ -28,14 +28,6 @@ _PREFIX = "tfpsx/control/"
 
 def heartbeat_name(worker: int) -> str:
     return f"heartbeat/worker_{worker}"
-
-
-def self_or(config, address: str) -> str:
-    """``address``, or, when it is this process's own listed address and the process
-    listens elsewhere (TFPSX_LISTEN_PORT: behind a NAT the listed address may not route
-    back to its own host), ``localhost:<listen port>``."""
-    port = settings.get("TFPSX_LISTEN_PORT")
-    return f"localhost:{port}" if port and address == config.task_address() else address
 
 
 class ControlClient:
@@ -158,7 +150,7 @@ class CounterCoordinator(Coordinator):
 
     def _connect(self) -> ControlClient:
         if self._client is None:
-            self._client = ControlClient(self_or(self.config, self.config.servers[0]),
+            self._client = ControlClient(self.config.dial(self.config.servers[0]),
                                          self.config.worker_num, self._rpc_timeout)
         return self._client
 
