@@ -111,9 +111,16 @@ class Word2vecJob:
     PLAIN_TF = os.path.join(ROOT, "benchmarks", "word2vec_tf_async.py")
     MODES = {
         **COMMON_MODES,
-        "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
-        "async_cache_ceiling": CEILING,
-        "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
+        # The caches' rows staged STAGE batches per run of the stager (--w2v_stage_batches),
+        # synced every 100 steps (the example's default) or 400.
+        "async_cache": ["--mode", "async", "--cache_size", "CACHE", "--stage_batches", "STAGE"],
+        "async_cache_flush400": ["--mode", "async", "--cache_size", "CACHE",
+                                 "--stage_batches", "STAGE", "--cache_flush_steps", "400"],
+        "async_cache_ceiling": CEILING + ["--stage_batches", "STAGE"],
+        "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE",
+                         "--stage_batches", "STAGE"],
+        # One batch per run of the stager.
+        "async_cache_stage1": ["--mode", "async", "--cache_size", "CACHE"],
         "local": ["--mode", "local"],
         "tf_async": [],
     }
@@ -144,7 +151,8 @@ class Word2vecJob:
     def run(self, mode: str, one_way: float, rate) -> dict:
         a = self.args
         script = self.PLAIN_TF if mode == "tf_async" else os.path.join(self.EXAMPLE, "train.py")
-        extra = [str(a.w2v_cache_size) if x == "CACHE" else x for x in self.MODES[mode]]
+        values = {"CACHE": str(a.w2v_cache_size), "STAGE": str(a.w2v_stage_batches)}
+        extra = [values.get(x, x) for x in self.MODES[mode]]
         cmd = [sys.executable, script, "--corpus", self.corpus(), "--steps", str(a.w2v_steps),
                "--max_seconds", str(a.w2v_seconds), "--eval_every", str(a.eval_every)] + extra
         with run_job(cmd, servers=a.servers, workers=a.workers, one_way=one_way, rate=rate,
@@ -181,6 +189,8 @@ def add_flags(p) -> None:
                    help="word2vec: each worker's training time (every mode the same)")
     p.add_argument("--w2v_cache_size", type=int, default=100_000,
                    help="word2vec: rows per table (the vocabulary: every word is hot)")
+    p.add_argument("--w2v_stage_batches", type=int, default=8,
+                   help="word2vec: batches a cache's stager stages per run")
 
 
 def mode_names(job: str) -> List[str]:

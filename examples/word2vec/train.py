@@ -15,6 +15,11 @@ output vectors) whose ids are hashes of the words, so no vocabulary is built. Mo
   local  no sharing at all: each worker trains its own tables (the communication-free
          ceiling that benchmarks/geo_vs_async.py compares against).
 
+With --cache_size N (async, geo) each worker keeps up to N rows per table in a worker
+cache that a tfpsx.RowStager fills ahead of the steps, --stage_batches batches per run
+of the stager: the steps run no PS op (async: the cache syncs every --cache_flush_steps
+steps in the stager's flusher thread, and the stager counts the steps into global_step).
+
 At the end every worker evaluates the shared tables (its own in local mode): the loss on
 a fixed set of pairs, and how much closer words of one planted topic are than words of
 different topics. Run it with
@@ -49,6 +54,8 @@ flags.DEFINE_integer("log_every", 0, "print the training loss every N steps (0: 
 flags.DEFINE_integer("seed", 0, "seed of the sampling streams (each worker adds its rank)")
 flags.DEFINE_integer("cache_size", 0, "async / geo: rows of a worker cache per table (0: none)")
 flags.DEFINE_integer("cache_flush_steps", 100, "async: steps between the caches' syncs")
+flags.DEFINE_integer("stage_batches", 1, "with a cache: batches staged per run of the "
+                     "stager (one PS round trip for several batches)", lower_bound=1)
 flags.DEFINE_float("max_seconds", 0, "also stop a worker after this many seconds of "
                    "training (0: no limit; --steps bounds it still): equal wall time per mode")
 flags.DEFINE_integer("eval_every", 0, "the chief also evaluates the shared tables every N "
@@ -152,11 +159,14 @@ def evaluate(rows_in, rows_out, corpus: Corpus, dim: int):
 
 
 def stage(stager, emb_in, emb_out, batches, i):
-    """Starts staging batch i (cycling) into the tables' caches; None without a stager."""
+    """Starts staging batches i .. i + --stage_batches - 1 (cycling) into the tables'
+    caches, in one run; None without a stager."""
     if stager is None:
         return None
-    c, t = batches[i % len(batches)]
-    return stager.stage({emb_in: c, emb_out: t})
+    group = [batches[(i + j) % len(batches)] for j in range(FLAGS.stage_batches)]
+    return stager.stage({emb_in: np.concatenate([c for c, _ in group]),
+                         emb_out: np.concatenate([t.reshape(-1) for _, t in group])},
+                        batches=len(group))
 
 
 def main(argv):
@@ -188,7 +198,10 @@ def main(argv):
                                      initializer=E.normal(stddev=0.1), **cache)
             # A cache's rows are staged one batch ahead in a thread of the stager's: the
             # steps read and train the caches only.
-            stager = tfpsx.RowStager([emb_in, emb_out]) if cache else None
+            # In async mode the stager also counts the steps into global_step (a step's
+            # own increment would be a PS round trip in every step).
+            stager = (tfpsx.RowStager([emb_in, emb_out], ahead=1, global_step=(
+                global_step if FLAGS.mode == "async" else None)) if cache else None)
             center = tf.compat.v1.placeholder(tf.int64, [None], name="center")
             targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],
                                                name="targets")
@@ -207,9 +220,9 @@ def main(argv):
             loss = tf.reduce_mean(per_pair)
             train = [emb_in.minimize(objective, [looked_in], step=step),
                      emb_out.minimize(objective, [looked_out], step=step)]
-            if FLAGS.mode == "async":  # GEO reports local steps to global_step when it
-                train.append(tf.compat.v1.assign_add(global_step, 1))  # pushes, sync counts
-                # its global steps itself; local: never
+            if FLAGS.mode == "async" and stager is None:  # GEO reports local steps to
+                train.append(tf.compat.v1.assign_add(global_step, 1))  # global_step when it
+                # pushes, a stager when it stages, sync counts its global steps; local: never
             train_op = tf.group(*train)
             export_in, export_out = emb_in.export(), emb_out.export()
             # The shared rows (the PS's; local: this worker's) of the eval pairs' ids.
@@ -237,9 +250,10 @@ def main(argv):
                 if FLAGS.max_seconds and time.perf_counter() - start - paused > FLAGS.max_seconds:
                     break
                 c, t = batches[i % len(batches)]
-                if staging is not None:
-                    staging.result()  # batch i's rows are in the caches
-                    staging = stage(stager, emb_in, emb_out, batches, i + 1)  # during step i
+                if staging is not None and i % FLAGS.stage_batches == 0:
+                    staging.result()  # batches i .. i + stage_batches - 1 are cached
+                    # the next group, during these steps
+                    staging = stage(stager, emb_in, emb_out, batches, i + FLAGS.stage_batches)
                 _, value = sess.run([train_op, loss], {center: c, targets: t})
                 losses.append(value)
                 i += 1
@@ -260,6 +274,9 @@ def main(argv):
             with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
                 rows_in, rows_out = s.run([export_in, export_out])
                 final = probe.loss(*s.run(probe_rows))
+                global_steps = int(s.run(global_step))
+        else:
+            global_steps = 0
         if probing:
             points.append({"seconds": seconds, "step": i, "loss": final})
     eval_loss, gap = evaluate(rows_in, rows_out, corpus, FLAGS.dim)
@@ -267,6 +284,7 @@ def main(argv):
               "seconds": seconds, "examples_per_sec": len(losses) * FLAGS.batch_size / seconds,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
               "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"])),
+              "global_step": global_steps,
               "points": points}
     if FLAGS.mode == "geo":
         c = tfpsx.metrics.snapshot()["geo"]  # the GEO communicator's counters

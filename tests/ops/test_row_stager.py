@@ -1,6 +1,8 @@
 """Graph mode's RowStager (tfpsx.training.staging), in one process: a local table's worker
 cache staged one batch ahead by the stager's thread while the steps run."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -78,9 +80,61 @@ def test_a_staged_cache_trains_as_the_table_itself():
     for key, row in want.items():
         np.testing.assert_allclose(got[key], row, rtol=1e-5, atol=1e-6, err_msg=f"key {key}")
     # Every row a step used was staged (none fetched by a step); the cache evicted (its
-    # 8 rows < the 3 batches kept), and synced every 7 stagings.
+    # 8 rows < the 3 batches kept) and synced (its flusher every 7 stagings, a sync
+    # due while one runs merged into the next; the final flush).
     assert counters["prefetched"] == counters["rows_fetched"] > 0, counters
-    assert counters["evictions"] > 0 and counters["flushes"] >= STEPS // 7, counters
+    assert counters["evictions"] > 0 and counters["flushes"] >= 1, counters
+
+
+def test_several_batches_per_staging_the_syncs_beside_and_the_steps_counted():
+    """Groups of 4 batches staged per run; the syncs run in the stager's flusher thread
+    during the steps; the stager, not the step, advances global_step: by the end, once
+    per step trained."""
+    data, group = batches(seed=1), 4
+    with tf.Graph().as_default():
+        table, _, ids, train = model()
+        with tf.compat.v1.train.MonitoredSession() as sess:
+            for b in data:
+                sess.run(train, {ids: b})
+            want = rows_of(table, sess._tf_sess())
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        table = E.DynamicTable(f"t{next(_names)}", DIM, optimizer=E.SGD(LR), devices=[None],
+                               initializer=E.normal(stddev=0.1), seed=3, cache_size=VOCAB,
+                               flush_steps=7)
+        stager = tfpsx.RowStager([table], global_step=step)
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        looked = table.lookup_unique(ids)
+        keys = tf.cast(ids, tf.float32)
+        target = tf.stack([keys / 50.0, -keys / 80.0, tf.sin(keys)], axis=-1)
+        train = table.minimize(tf.reduce_mean(tf.square(looked.embeddings - target)), [looked])
+        stats = table.cache.stats()
+        final = _ReadAtEnd({"rows": E.ShardedTable.export(table), "step": step})
+        with tf.compat.v1.train.MonitoredSession(
+                hooks=[stager, WorkerCacheHook(), final]) as sess:
+
+            def stage(i):
+                return stager.stage({table: np.concatenate(data[i:i + group])},
+                                    batches=len(data[i:i + group]))
+
+            pending = stage(0)
+            for i, b in enumerate(data):
+                if i % group == 0:
+                    pending.result()
+                    pending = stage(i + group) if i + group < len(data) else pending
+                sess.run(train, {ids: b})
+            # The flusher synced while the session ran (not only the final flush).
+            deadline = time.monotonic() + 30
+            while sess.run(stats)["flushes"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sess.run(stats)["flushes"] > 0
+            with pytest.raises(ValueError, match="batches must be an int >= 1, got 0"):
+                stager.stage({table: data[0]}, batches=0)
+    got = dict(zip(final.got["rows"]["keys"].tolist(), final.got["rows"]["values"]))
+    assert sorted(got) == sorted(want)
+    for key, row in want.items():
+        np.testing.assert_allclose(got[key], row, rtol=1e-5, atol=1e-6, err_msg=f"key {key}")
+    assert final.got["step"] == STEPS
 
 
 def test_misuse_is_a_clear_error():

@@ -14,7 +14,8 @@ step before the train step takes it:
   staged and not trained yet (the last ``2 * steps_per_execution + 3`` batches: the one
   in the step, the one the pipeline holds ready, the one being staged, with room);
 * an async / staleness table's cache syncs with the PS every ``flush_steps`` batches
-  (GEO's communicator syncs GEO's).
+  in the feeder's flusher thread, beside the stagings and steps (GEO's communicator
+  syncs GEO's).
 
 The staging runs for tf.data's thread (a ``tf.py_function`` waiting on the feeder's
 daemon thread, then a one-batch prefetch),
@@ -196,6 +197,7 @@ class RowFeeder(Stager):
         for cache in self._caches:
             cache.fed = False
         if not wait:
+            self.finish_flushes(0)
             return
         bound = settings.get("TFPSX_RPC_TIMEOUT")
         if not self._lock.acquire(timeout=bound):
@@ -204,6 +206,10 @@ class RowFeeder(Stager):
                 f"TFPSX_RPC_TIMEOUT={bound:g} s after fit ended (a parameter server does "
                 "not answer)")
         self._lock.release()
+        if not self.finish_flushes(bound):
+            raise errors.ClusterTimeoutError(
+                f"fit(): a worker cache's sync did not finish within TFPSX_RPC_TIMEOUT="
+                f"{bound:g} s after fit ended (a parameter server does not answer)")
 
     def _build_stage(self, model):
         caches = list(self._layers.items())

@@ -19,7 +19,8 @@ thread of its own, one batch ahead (the protocol: :mod:`tfpsx.embedding.cache.st
 Every batch a step trains must have been staged (a step that finds an id not staged
 fails, naming the table). ``stage`` runs in the stager's thread with the session's own
 ``tf.Session`` (as GEO's communicator does); :meth:`Staging.result` waits at most
-TFPSX_RPC_TIMEOUT. At the end of the session the stager finishes what it was given
+TFPSX_RPC_TIMEOUT. An async cache's syncs run in a flusher thread of the stager's. At the
+end of the session the stager finishes what it was given, and the sync in progress,
 before the caches' final flush.
 """
 
@@ -62,12 +63,18 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
         ``cache_admit_after`` > 1 trains rows it did not admit on the PS from the step).
       ahead: batches staged ahead of the one a step trains (kept from eviction with it).
 
+      global_step: a step counter to advance in the stagings' runs instead of in the
+        steps (whose own increment of a PS variable would cost each step a round trip):
+        each staging adds the steps trained since the last (the updates of the first
+        table's cache), the session's end the rest. It counts trained steps late by at
+        most one staging, as GEO mode's by at most k steps.
+
     Raises:
       ValueError: a table without a worker cache, with ``cache_admit_after`` > 1, or
         already looked up for training (its steps would not read the staged cache).
     """
 
-    def __init__(self, tables: Sequence, ahead: int = 1):
+    def __init__(self, tables: Sequence, ahead: int = 1, global_step=None):
         Stager.__init__(self)
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"RowStager: ahead must be an int >= 1, got {ahead!r}")
@@ -97,6 +104,7 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
         self._keep = tf.compat.v1.placeholder(tf.int64, [None], name="stage_keep")
         self._evict_ops = {c: c.evict_except(self._keep) for c in caches}
         self._flush_ops = {c: c.flush() for c in caches if c.flush_in_step}
+        self._count = _step_counter(caches[0], global_step) if global_step is not None else []
         for cache in caches:
             cache.fed = True
         self._start(caches, depth=2 * ahead + 3)
@@ -105,9 +113,16 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
         graph_state.of().stagers.append(self)
 
     # ------------------------------------------------------------------ staging
-    def stage(self, ids: Dict) -> Staging:
+    def stage(self, ids: Dict, batches: int = 1) -> Staging:
         """Starts staging one batch: ``ids`` maps each table to the ids its step will
-        look up (any shape, flattened). Returns the :class:`Staging` to wait on."""
+        look up (any shape, flattened). Returns the :class:`Staging` to wait on.
+
+        Several batches may be staged in one run (one ``session.run`` and one PS round
+        trip instead of one per batch: a stager slower than the steps is bound by its
+        runs): ``ids`` then holds the ids of the next ``batches`` batches together, and
+        the caches' syncs count ``batches`` batches."""
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            raise ValueError(f"RowStager.stage: batches must be an int >= 1, got {batches!r}")
         if self._session is None:
             raise RuntimeError("RowStager.stage needs the session: call it inside "
                                "tfpsx.MonitoredTrainingSession (which runs the stager)")
@@ -123,12 +138,13 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
                 raise TypeError(f"RowStager.stage: ids of table {t.name!r} must be integers, "
                                 f"got {values.dtype}")
             feed[ph] = values.astype(np.int64).reshape(-1)
-        return Staging(self._pool.submit(self._run, feed), f"{len(ids)} table(s)' ids")
+        return Staging(self._pool.submit(self._run, feed, batches),
+                       f"{batches} batch(es) of {len(ids)} table(s)' ids")
 
-    def _run(self, feed) -> None:
+    def _run(self, feed, batches: int) -> None:
         with self._lock:
-            got = self._session.run(self._stage, feed)
-            self.staged([k for k, _ in got], [n for _, n in got])
+            got, _ = self._session.run([self._stage, self._count], feed)
+            self.staged([k for k, _ in got], [n for _, n in got], batches)
 
     def _evict(self, cache, keep) -> None:
         self._session.run(self._evict_ops[cache], {self._keep: keep})
@@ -157,7 +173,28 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
                     f"RowStager: a staging did not finish within TFPSX_RPC_TIMEOUT={bound:g}"
                     " s at the end of the session (a parameter server does not answer)"
                 ) from None
+            if self._count:  # the steps trained since the last staging
+                session.run(self._count)
+            if not self.finish_flushes(bound):
+                raise errors.ClusterTimeoutError(
+                    f"RowStager: a worker cache's sync did not finish within "
+                    f"TFPSX_RPC_TIMEOUT={bound:g} s at the end of the session (a parameter "
+                    "server does not answer)")
         self._session = None
+
+
+def _step_counter(cache, global_step):
+    """The op that adds to ``global_step`` the updates ``cache`` ran since it last did
+    (a local counter of the counted ones on the worker)."""
+    with tf.compat.v1.device(cache.device):
+        counted = tf.compat.v1.Variable(
+            tf.zeros([], tf.int64), trainable=False, name="stager_counted_steps",
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        updates = tf.identity(cache.updates())
+        new = updates - counted.read_value()
+    added = global_step.assign_add(tf.cast(new, global_step.dtype))
+    with tf.control_dependencies([added]):
+        return counted.assign(updates).op
 
 
 def graph_stagers(graph=None) -> list:

@@ -10,10 +10,19 @@ the stager's thread, overlapping the steps:
 * a cache over its size evicts, its victims' deltas pushed, never a row of one of the
   last ``depth`` batches staged (the one a step trains, those staged ahead);
 * an async / staleness cache syncs with the PS every ``flush_steps`` batches (GEO's
-  communicator syncs GEO's caches).
+  communicator syncs GEO's caches), in a flusher thread of the stager's, beside the
+  stagings and the steps: a sync moves every row trained since the last (on a large
+  table, many times a batch's misses), and a staging waiting for it stalled the steps
+  (measured: word2vec, 100k-row caches, async at 1.18x no cache with the sync in the
+  stager's thread, where the cache's ceiling ran 2.2x). GEO's rule is the sync
+  (:mod:`tfpsx.embedding.geo_rule`), which GEO's communicator runs beside the steps too:
+  a step's update landing during a push stays in ``local - old`` for the next one. A
+  sync still due when the last is in progress runs once after it.
 
 Evictions and syncs hold the cache's ``sync_lock`` (so does GEO's communicator): two
-pushes of one row's delta at once would add it twice.
+pushes of one row's delta at once would add it twice. A failed sync fails the next
+staging with its error; :meth:`Stager.finish_flushes` ends the flusher (the caches'
+final flush at the end of training follows).
 
 Keras ``fit`` stages from its input pipeline (:mod:`tfpsx.keras.feeding`); graph mode
 stages from a thread of its own (:class:`tfpsx.training.staging.RowStager`).
@@ -23,9 +32,11 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
+
+from tfpsx.background import BackgroundLoop
 
 
 class Stager:
@@ -39,28 +50,63 @@ class Stager:
         self._caches: List = []
         self._window: collections.deque = collections.deque()
         self._staged = 0
+        self._flusher: Optional[BackgroundLoop] = None
+        self._due: List = []  # caches whose sync is due (the flusher takes them)
+        self._due_lock = threading.Lock()
 
     def _start(self, caches: Sequence, depth: int) -> None:
         """Stages into ``caches`` from now on, keeping the keys of the last ``depth``
-        batches from eviction."""
+        stagings from eviction."""
         self._caches = list(caches)
         self._window = collections.deque(maxlen=depth)
         self._staged = 0
 
-    def staged(self, keys: Sequence, sizes: Sequence) -> None:
-        """A batch was staged (``keys[i]``: its unique keys in cache i, ``sizes[i]``:
-        the rows cache i holds now): evictions and syncs that are due."""
+    def staged(self, keys: Sequence, sizes: Sequence, batches: int = 1) -> None:
+        """``batches`` batches were staged in one run (``keys[i]``: their unique keys in
+        cache i, ``sizes[i]``: the rows cache i holds now): evictions and syncs that are
+        due (a sync every ``flush_steps`` batches)."""
+        self._check_flushes()
         self._window.append([np.asarray(k) for k in keys])
-        self._staged += 1
+        before, self._staged = self._staged, self._staged + batches
         for i, cache in enumerate(self._caches):
-            if int(sizes[i]) <= cache.options.size and not (
-                    cache.flush_in_step and self._staged % cache.options.flush_steps == 0):
-                continue  # (the common case: no lock, no run)
-            with cache.sync_lock:
-                if int(sizes[i]) > cache.options.size:
+            if int(sizes[i]) > cache.options.size:
+                with cache.sync_lock:  # (waits for a sync of the cache in progress)
                     self._evict(cache, np.concatenate([k[i] for k in self._window]))
-                if cache.flush_in_step and self._staged % cache.options.flush_steps == 0:
-                    self._flush(cache)
+            if (cache.flush_in_step and self._staged // cache.options.flush_steps >
+                    before // cache.options.flush_steps):
+                self._flush_later(cache)
+
+    # ------------------------------------------------------------------ the flusher
+    def _flush_later(self, cache) -> None:
+        """Hands ``cache``'s sync to the flusher thread (started on first use)."""
+        with self._due_lock:
+            if cache not in self._due:
+                self._due.append(cache)
+        if self._flusher is None:
+            self._flusher = BackgroundLoop("worker cache sync", self._flush_due).start()
+        self._flusher.wake()
+
+    def _flush_due(self) -> None:
+        with self._due_lock:
+            due, self._due = self._due, []
+        for cache in due:
+            with cache.sync_lock:
+                self._flush(cache)
+
+    def _check_flushes(self) -> None:
+        """Raises the error of a failed sync (a lost PS's TF error, as itself)."""
+        flusher = self._flusher
+        if flusher is not None and flusher.error is not None:
+            raise flusher.error
+
+    def finish_flushes(self, timeout: float) -> bool:
+        """Ends the flusher after the sync in progress (the syncs due and not started
+        are left to the caches' final flush); False when it did not end within
+        ``timeout`` s."""
+        flusher, self._flusher = self._flusher, None
+        with self._due_lock:
+            self._due = []
+        return flusher is None or flusher.stop(timeout)
 
     def _evict(self, cache, keep: np.ndarray) -> None:
         raise NotImplementedError
