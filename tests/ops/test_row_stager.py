@@ -20,14 +20,16 @@ def batches(seed=0):
     return [rng.integers(0, VOCAB, size=BATCH) for _ in range(STEPS)]
 
 
-def model(cache_size=None, staged=True):
+def model(cache_size=None, staged=True, global_step=None):
     """A table (SGD: no slots, so a cache's rows train exactly as the table's), the
-    stager, and one step: mean((row - target(id))^2)."""
+    stager (counting steps into ``global_step`` if given), and one step:
+    mean((row - target(id))^2)."""
     table = E.DynamicTable(f"t{next(_names)}", DIM, optimizer=E.SGD(LR), devices=[None],
                            initializer=E.normal(stddev=0.1), seed=3,
                            **({"cache_size": cache_size, "flush_steps": 7}
                               if cache_size else {}))
-    stager = tfpsx.RowStager([table]) if cache_size and staged else None
+    stager = (tfpsx.RowStager([table], global_step=global_step)
+              if cache_size and staged else None)
     ids = tf.compat.v1.placeholder(tf.int64, [None])
     looked = table.lookup_unique(ids)
     keys = tf.cast(ids, tf.float32)
@@ -36,6 +38,16 @@ def model(cache_size=None, staged=True):
     train = table.minimize(loss, [looked])
     table.export_op = E.ShardedTable.export(table)  # the table's own rows, not the cache's
     return table, stager, ids, train
+
+
+def reference_rows(data):
+    """The rows the table itself (no cache) trains on ``data``, by key."""
+    with tf.Graph().as_default():
+        table, _, ids, train = model()
+        with tf.compat.v1.train.MonitoredSession() as sess:
+            for b in data:
+                sess.run(train, {ids: b})
+            return rows_of(table, sess._tf_sess())
 
 
 def rows_of(table, session):
@@ -55,12 +67,7 @@ class _ReadAtEnd(tf.compat.v1.train.SessionRunHook):
 
 def test_a_staged_cache_trains_as_the_table_itself():
     data = batches()
-    with tf.Graph().as_default():
-        table, _, ids, train = model()
-        with tf.compat.v1.train.MonitoredSession() as sess:
-            for b in data:
-                sess.run(train, {ids: b})
-            want = rows_of(table, sess._tf_sess())
+    want = reference_rows(data)
     with tf.Graph().as_default():
         table, stager, ids, train = model(cache_size=8)
         # What tfpsx.MonitoredTrainingSession adds: the stager, then the caches' hook
@@ -91,25 +98,12 @@ def test_several_batches_per_staging_the_syncs_beside_and_the_steps_counted():
     during the steps; the stager, not the step, advances global_step: by the end, once
     per step trained."""
     data, group = batches(seed=1), 4
-    with tf.Graph().as_default():
-        table, _, ids, train = model()
-        with tf.compat.v1.train.MonitoredSession() as sess:
-            for b in data:
-                sess.run(train, {ids: b})
-            want = rows_of(table, sess._tf_sess())
+    want = reference_rows(data)
     with tf.Graph().as_default():
         step = tf.compat.v1.train.get_or_create_global_step()
-        table = E.DynamicTable(f"t{next(_names)}", DIM, optimizer=E.SGD(LR), devices=[None],
-                               initializer=E.normal(stddev=0.1), seed=3, cache_size=VOCAB,
-                               flush_steps=7)
-        stager = tfpsx.RowStager([table], global_step=step)
-        ids = tf.compat.v1.placeholder(tf.int64, [None])
-        looked = table.lookup_unique(ids)
-        keys = tf.cast(ids, tf.float32)
-        target = tf.stack([keys / 50.0, -keys / 80.0, tf.sin(keys)], axis=-1)
-        train = table.minimize(tf.reduce_mean(tf.square(looked.embeddings - target)), [looked])
+        table, stager, ids, train = model(cache_size=VOCAB, global_step=step)
         stats = table.cache.stats()
-        final = _ReadAtEnd({"rows": E.ShardedTable.export(table), "step": step})
+        final = _ReadAtEnd({"rows": table.export_op, "step": step})
         with tf.compat.v1.train.MonitoredSession(
                 hooks=[stager, WorkerCacheHook(), final]) as sess:
 
