@@ -43,9 +43,8 @@ def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
             if i == 0:
                 assert [p["step"] for p in points] == [100, 200, 300, 300], points
                 # The PS's rows: with a cache, as of its last sync every 100 steps, which
-                # runs beside the steps: at step 100 the first may not have landed
-                # (untrained: 6 x log(2) = 4.16); after it, below.
-                assert points[0]["loss"] < 4.2, points
+                # runs beside the steps: at step 100 the first may not have landed (the
+                # untrained 6 x log(2) = 4.16); from step 200 on, below it.
                 assert all(p["loss"] < 4.0 for p in points[1:]), points
                 assert all(a["seconds"] <= b["seconds"] for a, b in zip(points, points[1:]))
             else:

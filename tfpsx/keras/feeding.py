@@ -185,6 +185,7 @@ class RowFeeder(Stager):
                                                       tf.TensorSpec([None], tf.int64))
                     self._flush_fns[cache] = _function(cache.flush)
             self._stage_fn = self._build_stage(model)
+            self.open_flushes()
             self._active = True
             return True
 
@@ -197,10 +198,11 @@ class RowFeeder(Stager):
         for cache in self._caches:
             cache.fed = False
         if not wait:
-            self.finish_flushes(0)
+            self.finish_flushes(0, raise_error=False)
             return
         bound = settings.get("TFPSX_RPC_TIMEOUT")
         if not self._lock.acquire(timeout=bound):
+            self.finish_flushes(0, raise_error=False)
             raise errors.ClusterTimeoutError(
                 f"fit(): the worker caches' staging of a batch did not finish within "
                 f"TFPSX_RPC_TIMEOUT={bound:g} s after fit ended (a parameter server does "

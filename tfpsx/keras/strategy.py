@@ -286,8 +286,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""
         self._fitting = False
         self._fit_flag.assign(0)
-        self._feeder.end(wait=not failed)
         try:
+            self._feeder.end(wait=not failed)
             self._mode.end_fit(model)
             if not failed:
                 flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)

@@ -66,8 +66,9 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
       global_step: a step counter to advance in the stagings' runs instead of in the
         steps (whose own increment of a PS variable would cost each step a round trip):
         each staging adds the steps trained since the last (the updates of the first
-        table's cache), the session's end the rest. It counts trained steps late by at
-        most one staging, as GEO mode's by at most k steps.
+        table's cache: one per step that trains it once), the session's end the rest.
+        It counts trained steps late by at most one staging, as GEO mode's by at most k
+        steps. Not in GEO mode (whose communicator counts the steps itself).
 
     Raises:
       ValueError: a table without a worker cache, with ``cache_admit_after`` > 1, or
@@ -94,8 +95,11 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
             if cache.apply_ops:
                 raise ValueError(f"RowStager: table {name!r} was already trained in this "
                                  "graph; create the stager before the model's lookups")
-        self._tables = tables
         caches = [t.cache for t in tables]
+        if global_step is not None and not all(c.flush_in_step for c in caches):
+            raise ValueError("RowStager: global_step is counted by GEO mode's communicator; "
+                             "pass global_step only for async / staleness tables")
+        self._tables = tables
         self._ids = [tf.compat.v1.placeholder(tf.int64, [None], name=f"stage_ids_{i}")
                      for i in range(len(caches))]
         step = tf.compat.v1.train.get_global_step()
@@ -156,31 +160,36 @@ class RowStager(tf.compat.v1.train.SessionRunHook, Stager):
     def after_create_session(self, session, coord):
         self._session = session
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tfpsx-row-stager")
+        self.open_flushes()  # (a session recreated after a failure starts clean)
 
     def end(self, session):
-        """Finishes the stagings given (before the caches' final flush), waiting at most
-        TFPSX_RPC_TIMEOUT."""
+        """Finishes the stagings given and the sync in progress (before the caches'
+        final flush), waiting at most TFPSX_RPC_TIMEOUT each; raises a failed sync's
+        error."""
         pool, self._pool = self._pool, None
-        if pool is not None:
-            bound = settings.get("TFPSX_RPC_TIMEOUT")
-            done = concurrent.futures.Future()
-            pool.submit(done.set_result, None)  # runs once the one in progress is over
-            pool.shutdown(wait=False, cancel_futures=False)
-            try:
-                done.result(timeout=bound)
-            except concurrent.futures.TimeoutError:
-                raise errors.ClusterTimeoutError(
-                    f"RowStager: a staging did not finish within TFPSX_RPC_TIMEOUT={bound:g}"
-                    " s at the end of the session (a parameter server does not answer)"
-                ) from None
+        bound = settings.get("TFPSX_RPC_TIMEOUT")
+        try:
+            if pool is not None:
+                done = concurrent.futures.Future()
+                pool.submit(done.set_result, None)  # runs once the one in progress is over
+                pool.shutdown(wait=False, cancel_futures=False)
+                try:
+                    done.result(timeout=bound)
+                except concurrent.futures.TimeoutError:
+                    raise errors.ClusterTimeoutError(
+                        f"RowStager: a staging did not finish within TFPSX_RPC_TIMEOUT="
+                        f"{bound:g} s at the end of the session (a parameter server does not "
+                        "answer)") from None
             if self._count:  # the steps trained since the last staging
                 session.run(self._count)
-            if not self.finish_flushes(bound):
-                raise errors.ClusterTimeoutError(
-                    f"RowStager: a worker cache's sync did not finish within "
-                    f"TFPSX_RPC_TIMEOUT={bound:g} s at the end of the session (a parameter "
-                    "server does not answer)")
-        self._session = None
+        finally:
+            ended = self.finish_flushes(bound, raise_error=False)
+            self._session = None
+        if not ended:
+            raise errors.ClusterTimeoutError(
+                f"RowStager: a worker cache's sync did not finish within TFPSX_RPC_TIMEOUT="
+                f"{bound:g} s at the end of the session (a parameter server does not answer)")
+        self._check_flushes()
 
 
 def _step_counter(cache, global_step):

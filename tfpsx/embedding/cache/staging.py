@@ -20,9 +20,13 @@ the stager's thread, overlapping the steps:
   sync still due when the last is in progress runs once after it.
 
 Evictions and syncs hold the cache's ``sync_lock`` (so does GEO's communicator): two
-pushes of one row's delta at once would add it twice. A failed sync fails the next
-staging with its error; :meth:`Stager.finish_flushes` ends the flusher (the caches'
-final flush at the end of training follows).
+pushes of one row's delta at once would add it twice. A staging does not (it would wait
+for a whole sync): a row fetched while a sync's pull runs may miss a change another
+worker pushed meanwhile, until that row changes on the PS again (the pull's ``local +=
+global - old`` then brings the missed change too; the PS's rows are not affected), as
+in GEO with a cache. A failed sync fails the next staging with its error, and the end;
+:meth:`Stager.open_flushes` / :meth:`Stager.finish_flushes` bracket a session or a
+``fit`` (the caches' final flush at the end of training follows).
 
 Keras ``fit`` stages from its input pipeline (:mod:`tfpsx.keras.feeding`); graph mode
 stages from a thread of its own (:class:`tfpsx.training.staging.RowStager`).
@@ -52,7 +56,10 @@ class Stager:
         self._staged = 0
         self._flusher: Optional[BackgroundLoop] = None
         self._due: List = []  # caches whose sync is due (the flusher takes them)
-        self._due_lock = threading.Lock()
+        self._due_lock = threading.Lock()  # (guards the three lines above and below)
+        self._flushing = False  # between open_flushes and finish_flushes
+        self._flush_error: Optional[BaseException] = None
+        self._generation = 0  # open_flushes calls
 
     def _start(self, caches: Sequence, depth: int) -> None:
         """Stages into ``caches`` from now on, keeping the keys of the last ``depth``
@@ -77,36 +84,59 @@ class Stager:
                 self._flush_later(cache)
 
     # ------------------------------------------------------------------ the flusher
-    def _flush_later(self, cache) -> None:
-        """Hands ``cache``'s sync to the flusher thread (started on first use)."""
+    def open_flushes(self) -> None:
+        """Syncs due from now on run in a flusher thread (a session or ``fit`` starts);
+        what a previous one left (a flusher, its error) is dropped."""
+        self.finish_flushes(0, raise_error=False)
         with self._due_lock:
+            self._flush_error = None
+            self._flushing = True
+            self._generation += 1  # (a late error of the previous flusher is not ours)
+
+    def _flush_later(self, cache) -> None:
+        """Hands ``cache``'s sync to the flusher thread (started on first use); nothing
+        once the flushes were finished (a staging that ends after its ``fit``)."""
+        with self._due_lock:
+            if not self._flushing:
+                return
             if cache not in self._due:
                 self._due.append(cache)
-        if self._flusher is None:
-            self._flusher = BackgroundLoop("worker cache sync", self._flush_due).start()
-        self._flusher.wake()
+            if self._flusher is None:
+                generation = self._generation
+                self._flusher = BackgroundLoop(
+                    "worker cache sync", lambda: self._flush_due(generation)).start()
+            self._flusher.wake()
 
-    def _flush_due(self) -> None:
+    def _flush_due(self, generation: int) -> None:
         with self._due_lock:
             due, self._due = self._due, []
-        for cache in due:
-            with cache.sync_lock:
-                self._flush(cache)
+        try:
+            for cache in due:
+                with cache.sync_lock:
+                    self._flush(cache)
+        except BaseException as e:  # noqa: BLE001 — raised by the next staging or the end
+            with self._due_lock:  # (kept even when the flusher was being stopped)
+                if generation == self._generation:
+                    self._flush_error = e
+            raise
 
     def _check_flushes(self) -> None:
         """Raises the error of a failed sync (a lost PS's TF error, as itself)."""
-        flusher = self._flusher
-        if flusher is not None and flusher.error is not None:
-            raise flusher.error
+        if self._flush_error is not None:
+            raise self._flush_error
 
-    def finish_flushes(self, timeout: float) -> bool:
+    def finish_flushes(self, timeout: float, raise_error: bool = True) -> bool:
         """Ends the flusher after the sync in progress (the syncs due and not started
         are left to the caches' final flush); False when it did not end within
-        ``timeout`` s."""
-        flusher, self._flusher = self._flusher, None
+        ``timeout`` s. With ``raise_error``, a failed sync's error is raised (after the
+        flusher ended): the final flush must not run as if every sync had landed."""
         with self._due_lock:
-            self._due = []
-        return flusher is None or flusher.stop(timeout)
+            flusher, self._flusher = self._flusher, None
+            self._flushing, self._due = False, []
+        ended = flusher is None or flusher.stop(timeout)
+        if raise_error and ended:
+            self._check_flushes()
+        return ended
 
     def _evict(self, cache, keep: np.ndarray) -> None:
         raise NotImplementedError
