@@ -7,6 +7,18 @@ Example:
   ...     codes = c.wait()          # {("worker", 0): 0, ...}; raises on the deadline
 """
 
+import time
+
 from tfpsx.launcher.local import LocalCluster, kill_process_group, pick_ports
 
-__all__ = ["LocalCluster", "pick_ports", "kill_process_group"]
+
+def wait_until(predicate, seconds: float = 10.0, what: str = "the condition") -> None:
+    """Polls ``predicate()`` until it is true; fails (AssertionError naming ``what``)
+    after ``seconds`` (a background thread's effect, in a test)."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:g} s"
+        time.sleep(0.005)
+
+
+__all__ = ["LocalCluster", "pick_ports", "kill_process_group", "wait_until"]

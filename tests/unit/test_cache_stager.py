@@ -4,12 +4,12 @@ next staging and the end; a finished stager starts no flusher; a new session sta
 clean."""
 
 import threading
-import time
 import types
 
 import pytest
 
 from tfpsx.embedding.cache.staging import Stager
+from tfpsx.testing import wait_until
 
 
 def _cache(flush_steps=2):
@@ -31,21 +31,14 @@ class _Recording(Stager):
         self.flushes += 1
 
 
-def _until(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "the flusher did not get there in time"
-        time.sleep(0.01)
-
-
 def test_syncs_count_batches_and_run_in_the_flusher():
     s, cache = _Recording(), _cache(flush_steps=2)
     s._start([cache], depth=3)
     s.open_flushes()
     s.staged([[1, 2]], [2], batches=3)   # batches 1-3: the sync due at 2
-    _until(lambda: s.flushes == 1)
+    wait_until(lambda: s.flushes == 1)
     s.staged([[3]], [3], batches=1)      # batch 4: due again
-    _until(lambda: s.flushes == 2)
+    wait_until(lambda: s.flushes == 2)
     s.staged([[4]], [4], batches=1)      # batch 5: not due
     assert s.finish_flushes(10)
     assert s.flushes == 2
@@ -59,7 +52,7 @@ def test_a_failed_sync_fails_the_next_staging_and_the_end_then_a_new_session_is_
     s._start([cache], depth=3)
     s.open_flushes()
     s.staged([[1]], [1])
-    _until(lambda: s._flush_error is not None)
+    wait_until(lambda: s._flush_error is not None)
     with pytest.raises(RuntimeError, match="/job:ps/task:0 lost"):
         s.staged([[2]], [2])
     with pytest.raises(RuntimeError, match="/job:ps/task:0 lost"):
@@ -67,5 +60,5 @@ def test_a_failed_sync_fails_the_next_staging_and_the_end_then_a_new_session_is_
     s.fail = False
     s.open_flushes()  # a recreated session: the old error is not its own
     s.staged([[3]], [3])
-    _until(lambda: s.flushes == 1)
+    wait_until(lambda: s.flushes == 1)
     assert s.finish_flushes(10)

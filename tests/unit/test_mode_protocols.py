@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tfpsx import errors
+from tfpsx.testing import wait_until
 from tfpsx.modes import BARRIER, DONE, PULL, PUSH, GeoSchedule, round_phases, wait_for_slowest
 
 
@@ -84,26 +85,19 @@ def test_a_front_end_that_rounds_in_its_step_reports_them_and_gets_the_final_rou
     assert rec.rounds == [(9, (PUSH, PULL))]
 
 
-def _wait_for(predicate, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
 def test_the_background_communicator_is_woken_once_k_steps_are_unpushed():
     rec = Recorder()
     traced = []
     s = rec.make(10, deterministic=False, first_round=lambda: traced.append(True))
     s.start(0)
     assert s.running and rec.barriers == 0
-    _wait_for(lambda: traced)  # its first wake-up traces, it does not sync
+    wait_until(lambda: traced)  # its first wake-up traces, it does not sync
     for step in range(1, 10):
         s.step_done(step)
     time.sleep(0.05)
     assert rec.rounds == []
     s.step_done(10)
-    _wait_for(lambda: rec.rounds)
+    wait_until(lambda: rec.rounds)
     assert rec.rounds == [(10, (PUSH, PULL))]
     s.step_done(13)
     assert s.end(13) and not s.running
@@ -116,7 +110,7 @@ def test_a_failed_communicator_fails_the_next_step_and_sends_nothing_more():
     s.start(0)
     rec.fail = errors.ServerUnavailableError("server 0 is gone")
     s.step_done(2)
-    _wait_for(lambda: s._loop.error is not None)
+    wait_until(lambda: s._loop.error is not None)
     with pytest.raises(errors.BackgroundTaskError, match="GEO communicator failed: server 0"):
         s.step_done(3)
     rec.fail = None
