@@ -214,6 +214,48 @@ void TestImportAndChanged() {
   CHECK(changed.size() == 1 && changed[0] == 3);
 }
 
+// GEO's parallel pushes of one row (the others: the pushes since the pusher's last take):
+// 'mean' keeps the row at the mean of the pushes, 'scaled' adds delta / (1 + others).
+void TestCombinedPushes() {
+  auto zeros = Opts(2);
+  zeros.init = tfpsx::InitKind::kZeros;
+  using C = tfpsx::HashTable::Combine;
+  int64_t k = 7;
+  float a[2] = {4, 8};
+  float b[2] = {2, 2};
+  float row[2];
+  tfpsx::HashTable t(zeros);
+  for (int64_t reader : {1, 2, 3}) CHECK(t.TakeChanged(reader).empty());  // registers
+  t.FindOrInsert(&k, 1, 1, row);  // a lookup creating the row marks it, not as a push
+  t.Accumulate(&k, 1, a, 1, /*skip_reader=*/1, C::kMean);  // nobody else pushed: whole
+  t.Find(&k, 1, row, nullptr);
+  CHECK(row[0] == 4 && row[1] == 8);
+  t.Accumulate(&k, 1, b, 1, /*skip_reader=*/2, C::kMean);  // one other since: the mean
+  t.Find(&k, 1, row, nullptr);
+  CHECK(row[0] == 3 && row[1] == 5);
+  t.Accumulate(&k, 1, b, 1, /*skip_reader=*/3, C::kMean);  // two others: of three
+  t.Find(&k, 1, row, nullptr);
+  CHECK(std::abs(row[0] - 8.f / 3) < 1e-6f && std::abs(row[1] - 4) < 1e-6f);
+  CHECK(t.TakeChanged(1).size() == 1);  // taking resets the reader's pushes
+  t.Accumulate(&k, 1, b, 1, /*skip_reader=*/1, C::kMean);  // none since: whole
+  t.Find(&k, 1, row, nullptr);
+  CHECK(std::abs(row[0] - 14.f / 3) < 1e-6f && std::abs(row[1] - 6) < 1e-6f);
+
+  tfpsx::HashTable s(zeros);
+  for (int64_t reader : {1, 2, 3}) CHECK(s.TakeChanged(reader).empty());
+  s.Accumulate(&k, 1, a, 1, /*skip_reader=*/1, C::kScaled);  // whole
+  s.Accumulate(&k, 1, a, 1, /*skip_reader=*/2, C::kScaled);  // half
+  s.Accumulate(&k, 1, b, 1, /*skip_reader=*/3, C::kScaled);  // a third
+  s.Find(&k, 1, row, nullptr);
+  CHECK(std::abs(row[0] - (6 + 2.f / 3)) < 1e-6f && std::abs(row[1] - (12 + 2.f / 3)) < 1e-6f);
+  CHECK(s.TakeChanged(2).size() == 1);
+  s.Accumulate(&k, 1, b, 1, /*skip_reader=*/2, C::kScaled);  // none since its take: whole
+  s.Find(&k, 1, row, nullptr);
+  CHECK(std::abs(row[0] - (8 + 2.f / 3)) < 1e-6f);
+  std::vector<int64_t> changed = s.TakeChanged(1);  // marked for the pusher's readers only
+  CHECK(changed.size() == 1 && changed[0] == 7);
+}
+
 void TestValidate() {
   auto o = Opts(0);
   CHECK(tfpsx::ValidateOptions(o).find("dim must be > 0") != std::string::npos);
@@ -443,6 +485,7 @@ int main() {
   TestOptimizers();
   TestConcurrentUpdates();
   TestImportAndChanged();
+  TestCombinedPushes();
   TestValidate();
   TestTableFull();
   TestReservedCapacity();

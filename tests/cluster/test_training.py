@@ -211,8 +211,10 @@ def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
 def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
     """Sparse GEO in numpy: rows changed in a worker's copy since its last push (by
     training or by a pull) are pushed whole (local-old: tables push with n = 1), unless
-    that is zero (a row the pull brought and this worker never trained); a pull brings
-    every row the other workers pushed since this worker's last pull. A copy's new row starts from its
+    that is zero (a row the pull brought and this worker never trained); the PS adds
+    each row's mean over the workers that pushed it in the round; a pull brings every
+    row the other workers pushed since this worker's last pull (and a row several
+    pushed, to each of them). A copy's new row starts from its
     initial value; with a worker ``cache``, from the PS's value (a miss is fetched),
     and a pull brings only the rows the cache holds."""
     zero = np.zeros(sparse.DIM, np.float32)
@@ -238,18 +240,22 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
                 for j, u in enumerate(uniq):
                     local[i][u] = (rows[j] - np.float32(sparse.LR) * grad[j]).astype(np.float32)
                     changed[i].add(u)
+        pushed = {}  # this round's deltas of each row, by pusher
         for i in range(workers):
             for u in changed[i]:
                 delta = local[i][u] - old[i].get(u, zero)
                 if not delta.any():
                     continue
                 old[i][u] = old[i].get(u, zero) + delta
-                glob[u] = glob.get(u, zero) + delta
-                for r in range(workers):
-                    if r != i:
-                        to_pull[r].add(u)
+                pushed.setdefault(u, {})[i] = delta
                 rows_sent[i] += 1
             changed[i] = set()
+        for u, deltas in pushed.items():  # the PS adds each row's mean over its pushers
+            glob[u] = glob.get(u, zero) + (np.sum(list(deltas.values()), axis=0)
+                                           / np.float32(len(deltas)))
+            for r in range(workers):  # a row one worker pushed is not pulled back by it
+                if len(deltas) > 1 or r not in deltas:
+                    to_pull[r].add(u)
         for i in range(workers):
             for u in to_pull[i]:
                 if cache and u not in local[i]:
@@ -262,7 +268,7 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers,cache", [(1, 0), (2, 0), (2, 32)])
+@pytest.mark.parametrize("workers,cache", [(1, 0), (2, 0), (3, 0), (2, 32)])
 def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster, workers,
                                                                    cache):
     """cache: each worker keeps a worker cache of 32 rows (of the 20-30 ids it trains),

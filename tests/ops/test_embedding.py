@@ -84,6 +84,38 @@ def test_changed_keys_per_reader():
     assert ops.tfpsx_hash_table_take_changed(handle, tf.constant(0, tf.int64)).shape == (0,)
 
 
+
+def _take(t, reader):
+    """The keys changed for ``reader`` on every shard, sorted."""
+    me = tf.constant(reader, tf.int64)
+    return sorted(int(k) for part in t.on_shards(lambda i, s: s.take_changed(me))
+                  for k in part.numpy())
+
+
+def test_parallel_pushes_of_a_row_combine_on_every_shard():
+    """GEO's pushes (skip_reader = the pusher; the others: the pushes of the row since the
+    pusher's last take): 'mean' keeps a row at the mean of the pushes, 'scaled' adds
+    delta / (1 + others); a bad combine is refused, nothing sent."""
+    keys = [4, 5, 6]
+    want = {"mean": [[7 / 3, 10 / 3], [2, 2], [3, 3]],
+            "scaled": [[3 + 0.5 + 1, 3 + 0.5 + 2], [3.5, 3.5], [3, 3]]}
+    for combine, rows in want.items():
+        t = table(dim=2, shards=3, initializer=E.zeros())
+        for reader in (1, 2, 3):
+            assert _take(t, reader) == []  # registers the readers
+        t.accumulate(keys, [[3, 3]] * 3, skip_reader=1, combine=combine)  # alone: whole
+        t.accumulate(keys[:2], [[1, 1]] * 2, skip_reader=2, combine=combine)  # 1 other
+        t.accumulate(keys[:1], [[3, 6]], skip_reader=3, combine=combine)  # 2 others
+        np.testing.assert_allclose(t.lookup(keys).numpy(), rows, rtol=1e-6, err_msg=combine)
+        assert _take(t, 3) == keys and _take(t, 1) == [4, 5]
+
+    with pytest.raises(ValueError, match=r"combine='avg'; expected one of sum, mean, scaled"):
+        t.accumulate([4], [[1, 1]], skip_reader=1, combine="avg")
+    with pytest.raises(ValueError, match=r"combine='mean' counts .* needs the pusher's reader "
+                                         r"as skip_reader \(>= 0\), got -1"):
+        t.accumulate([4], [[1, 1]], combine="mean")
+    np.testing.assert_allclose(t.lookup([4]).numpy(), [rows[0]], rtol=1e-6)
+
 def _dense_reference(tf_optimizer, init, grads_per_step):
     """The same update by TF's own optimizer on a dense variable."""
     with tf.Graph().as_default():

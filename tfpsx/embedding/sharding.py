@@ -18,7 +18,8 @@ from tfpsx.embedding import checks as _checks
 from tfpsx.embedding import optimizers as _optimizers
 from tfpsx.embedding.checks import EXPORT_FIELDS
 from tfpsx.embedding.initializers import Initializer, normal
-from tfpsx.embedding.storage import HASH_TABLE, Backend, ShardSpec, TableStorage, on_device
+from tfpsx.embedding.storage import (COMBINE, HASH_TABLE, Backend, ShardSpec, TableStorage,
+                                     on_device)
 
 INT64_MIN = -(2 ** 63)
 STATS_FIELDS = ("size", "admitted", "evicted", "pending_admission", "bytes_used",
@@ -218,11 +219,21 @@ class ShardedTable:
         keys, values = self._keys_and_rows("insert", "values", keys, values)
         return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step), keys, [values]))
 
-    def accumulate(self, keys, deltas, step=None, skip_reader: int = -1, wire_dtype=None):
+    def accumulate(self, keys, deltas, step=None, skip_reader: int = -1, wire_dtype=None,
+                   combine: str = "sum"):
         """row += delta for ``keys`` (any shape; deltas: keys' shape + [dim]); the keys
         count as changed for every changed-key reader but ``skip_reader`` (a worker's
         own push, when its pull need not bring it back). ``wire_dtype``: the deltas
-        travel to the shards in it (bfloat16, float16) and are added as float32."""
+        travel to the shards in it (bfloat16, float16) and are added as float32.
+        ``combine``: how pushes of several workers to one row add up (``skip_reader``
+        is the pusher; :data:`tfpsx.embedding.storage.COMBINE`)."""
+        if combine not in COMBINE:
+            raise ValueError(f"{self._what}: accumulate: combine={combine!r}; expected one "
+                             f"of {', '.join(COMBINE)}")
+        if combine != "sum" and skip_reader < 0:
+            raise ValueError(f"{self._what}: accumulate: combine={combine!r} counts the "
+                             f"other pushes since the pusher's last pull, so it needs the "
+                             f"pusher's reader as skip_reader (>= 0), got {skip_reader}")
         step = as_step(step)
         keys, deltas = self._keys_and_rows("accumulate", "deltas", keys, deltas)
         if wire_dtype is not None:
@@ -230,7 +241,7 @@ class ShardedTable:
 
         def add(i, shard, shard_keys, shard_deltas):
             return shard.accumulate(shard_keys, tf.cast(shard_deltas, tf.float32), step,
-                                    skip_reader=skip_reader)
+                                    skip_reader=skip_reader, combine=combine)
 
         return self._group(self.on_shards(add, keys, [deltas]))
 

@@ -29,6 +29,14 @@ def on_device(device: Optional[str]):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
+# How ``accumulate`` adds the pushes of several workers to one row (the pusher is
+# ``skip_reader``; the others: the c pushes of the row since the pusher last took its
+# changed keys): "sum": every delta whole; "mean": the row moves to the mean of the
+# pushes (exact when they started from one value: GEO's rounds with barriers); "scaled":
+# delta / (1 + c) (GEO's background communicator). See :mod:`tfpsx.embedding.geo_rule`.
+COMBINE = ("sum", "mean", "scaled")
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
     """What a backend needs to create one shard."""
@@ -61,9 +69,10 @@ class TableStorage(abc.ABC):
         """Sets the rows of ``keys``."""
 
     @abc.abstractmethod
-    def accumulate(self, keys, deltas, step, skip_reader: int = -1):
+    def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum"):
         """row += delta; a missing key starts from its initial row; marked changed for
-        every changed-key reader but ``skip_reader``."""
+        every changed-key reader but ``skip_reader``. ``combine`` (one of
+        :data:`COMBINE`): how the pushes of several workers to one row add up."""
 
     @abc.abstractmethod
     def apply(self, optimizer, keys, grads, step):
@@ -168,9 +177,9 @@ class HashTableStorage(TableStorage):
     def insert(self, keys, values, step):
         return self._run(bindings.table_insert, keys, values, step)
 
-    def accumulate(self, keys, deltas, step, skip_reader: int = -1):
+    def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum"):
         return self._run(bindings.table_accumulate, keys, deltas, step,
-                         skip_reader=skip_reader)
+                         skip_reader=skip_reader, combine=combine)
 
     def apply(self, optimizer, keys, grads, step):
         return self._run(bindings.table_apply, optimizer.name, keys, grads,

@@ -6,7 +6,8 @@ Dense variables and tables, one rule:
 
 * push: ``delta = (local - old) / N``; ``old += delta``; the PS value ``+= delta`` (a
   table pushes only the rows changed in the worker's copy since its last push, whole:
-  n = 1, see :mod:`tfpsx.embedding.geo_rule`);
+  n = 1, and the PS averages the pushes of a row that several workers trained from the
+  same value, see :mod:`tfpsx.embedding.geo_rule`);
 * pull: ``local += global - old``; ``old = global`` (a table pulls the rows any worker
   changed on the PS since this worker's last pull: the PS keeps a changed-key set per
   worker).
@@ -39,7 +40,7 @@ import tensorflow as tf
 from tfpsx import errors, metrics, settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.embedding.cache import WorkerCache
-from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push
+from tfpsx.embedding.geo_rule import GeoTable, combine_for, table_pull, table_push
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
 
@@ -292,6 +293,7 @@ class GeoState(Protocol):
     worker_device: str
     tables: List[GeoTable]
     wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
+    in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
 
     def local_train_op(self, op) -> None:
         """A table's local training op was built (graph mode counts local steps by it)."""
@@ -315,7 +317,8 @@ class GeoTableUpdater(TableUpdater):
         options = getattr(table, "cache_options", None)
         if options is not None:
             self.cache = WorkerCache(table, options, mode.worker_device, me,
-                                     scale=1.0, flush_in_step=False, wire=mode.wire_dtype)
+                                     scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
+                                     combine=combine_for(mode.in_train_thread))
             self._geo = self.cache.geo
             mode.tables.append(self._geo)
             return
@@ -324,7 +327,8 @@ class GeoTableUpdater(TableUpdater):
         local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,
                              optimizer=table.optimizer, min_frequency=table.min_frequency, **copy)
         old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim, **copy)
-        self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype)
+        self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
+                             combine=combine_for(mode.in_train_thread))
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):

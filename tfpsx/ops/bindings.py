@@ -76,9 +76,9 @@ def table_insert(handle, keys, values, step):
     return load_ops().tfpsx_hash_table_insert(handle, keys, values, step)
 
 
-def table_accumulate(handle, keys, deltas, step, skip_reader: int = -1):
+def table_accumulate(handle, keys, deltas, step, skip_reader: int = -1, combine: str = "sum"):
     return load_ops().tfpsx_hash_table_accumulate(handle, keys, deltas, step,
-                                                  skip_reader=skip_reader)
+                                                  skip_reader=skip_reader, combine=combine)
 
 
 def optimizer_registry():

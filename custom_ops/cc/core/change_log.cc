@@ -4,26 +4,59 @@
 
 namespace tfpsx {
 
-void ChangeLog::Mark(const int64_t* keys, int64_t n, int64_t skip_reader) {
+void ChangeLog::Mark(const int64_t* keys, int64_t n, int64_t skip_reader, bool push,
+                     const float* moved, int64_t dim) {
   if (!active()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& reader : changed_) {
-    if (reader.first != skip_reader) reader.second.insert(keys, keys + n);
+  for (auto& entry : readers_) {
+    if (entry.first == skip_reader) continue;
+    Reader& reader = entry.second;
+    for (int64_t i = 0; i < n; ++i) {
+      Marked& marked = reader.keys[keys[i]];
+      if (!push) continue;
+      ++marked.pushes;
+      if (moved == nullptr) continue;
+      if (marked.moved < 0) {
+        marked.moved = static_cast<int64_t>(reader.moved.size());
+        reader.moved.resize(reader.moved.size() + dim, 0.f);
+      }
+      float* sum = reader.moved.data() + marked.moved;
+      for (int64_t j = 0; j < dim; ++j) sum[j] += moved[i * dim + j];
+    }
+  }
+}
+
+void ChangeLog::Pushes(int64_t reader, const int64_t* keys, int64_t n, int32_t* pushes,
+                       float* moved, int64_t dim) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = readers_.find(reader);
+  if (moved != nullptr) std::fill(moved, moved + n * dim, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    pushes[i] = 0;
+    if (it == readers_.end()) continue;
+    auto found = it->second.keys.find(keys[i]);
+    if (found == it->second.keys.end()) continue;
+    pushes[i] = found->second.pushes;
+    if (moved != nullptr && found->second.moved >= 0) {
+      std::copy_n(it->second.moved.data() + found->second.moved, dim, moved + i * dim);
+    }
   }
 }
 
 std::vector<int64_t> ChangeLog::Take(int64_t reader) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
-  auto it = changed_.find(reader);
-  if (it == changed_.end()) {
-    changed_[reader];  // registered from now on
+  auto it = readers_.find(reader);
+  if (it == readers_.end()) {
+    readers_[reader];  // registered from now on
     active_.store(true, std::memory_order_release);
     return out;
   }
-  out.assign(it->second.begin(), it->second.end());
+  out.reserve(it->second.keys.size());
+  for (const auto& changed : it->second.keys) out.push_back(changed.first);
   std::sort(out.begin(), out.end());
-  it->second.clear();
+  it->second.keys.clear();
+  it->second.moved.clear();
   return out;
 }
 

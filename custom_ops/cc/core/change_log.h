@@ -3,6 +3,12 @@
 // them. A reader is registered by its first Take. Until one is, writers skip collecting
 // keys altogether (active() is one atomic load).
 //
+// Pushes are tracked further (GEO's parallel pushes of a row, hash_table.h's
+// Combine::kAverage): a reader keeps, per key, how many pushes marked it since its last
+// Take and, for pushes that give their increments, their sum (the row's move by others
+// since the reader last pulled it). Other writes, such as a lookup inserting a row, mark
+// without counting.
+//
 // Thread safety: every method may be called concurrently.
 
 #ifndef TFPSX_CORE_CHANGE_LOG_H_
@@ -12,7 +18,6 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace tfpsx {
@@ -21,16 +26,31 @@ class ChangeLog {
  public:
   bool active() const { return active_.load(std::memory_order_acquire); }
   // Marks keys[n] changed for every registered reader but `skip_reader` (-1: none): a
-  // worker's own push need not come back to it in its next pull.
-  void Mark(const int64_t* keys, int64_t n, int64_t skip_reader = -1);
+  // worker's own push need not come back to it in its next pull. `push`: counted as a
+  // push; `moved` (push only, may be null): the rows' increments, n * dim floats.
+  void Mark(const int64_t* keys, int64_t n, int64_t skip_reader = -1, bool push = false,
+            const float* moved = nullptr, int64_t dim = 0);
   // The reader's keys changed since its previous call, sorted; registers a new reader
   // (and returns nothing).
   std::vector<int64_t> Take(int64_t reader);
+  // For `reader` since its previous Take (nothing for a reader not registered):
+  // pushes[i], the pushes that marked keys[i]; moved[i * dim ...] (may be null), the sum
+  // of the increments they gave (zeros when none).
+  void Pushes(int64_t reader, const int64_t* keys, int64_t n, int32_t* pushes,
+              float* moved = nullptr, int64_t dim = 0);
 
  private:
+  struct Marked {
+    int32_t pushes = 0;
+    int64_t moved = -1;  // offset of the increments' sum in Reader::moved (-1: none)
+  };
+  struct Reader {
+    std::unordered_map<int64_t, Marked> keys;
+    std::vector<float> moved;  // dim floats per key with increments, cleared by Take
+  };
   std::atomic<bool> active_{false};
   std::mutex mu_;
-  std::unordered_map<int64_t, std::unordered_set<int64_t>> changed_;
+  std::unordered_map<int64_t, Reader> readers_;
 };
 
 }  // namespace tfpsx

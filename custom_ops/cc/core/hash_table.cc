@@ -165,15 +165,40 @@ void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int6
 }
 
 void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
-                           int64_t skip_reader) {
+                           int64_t skip_reader, Combine combine) {
   const int64_t dim = options_.dim;
-  UpdateRows(keys, n, deltas, step, /*init_value=*/true, [&](float* row, int64_t i) {
-    if (row != nullptr) {
-      const float* d = deltas + i * dim;
-      for (int64_t j = 0; j < dim; ++j) row[j] += d[j];
+  auto add = [&](const float* rows, const float* moved) {
+    UpdateRows(keys, n, rows, step, /*init_value=*/true, [&](float* row, int64_t i) {
+      if (row != nullptr) {
+        const float* d = rows + i * dim;
+        for (int64_t j = 0; j < dim; ++j) row[j] += d[j];
+      }
+      return true;
+    }, skip_reader, /*push=*/true, moved);
+  };
+  if (combine == Combine::kSum) {
+    add(deltas, nullptr);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(combine_mu_);
+  std::vector<int32_t> pushes(n);
+  std::vector<float> increments(n * dim);
+  const bool mean = combine == Combine::kMean;
+  changes_.Pushes(skip_reader, keys, n, pushes.data(), mean ? increments.data() : nullptr, dim);
+  for (int64_t i = 0; i < n; ++i) {
+    float* inc = increments.data() + i * dim;
+    const float* d = deltas + i * dim;
+    const float share = 1.f / static_cast<float>(1 + pushes[i]);
+    if (pushes[i] == 0) {
+      std::copy_n(d, dim, inc);
+    } else if (mean) {  // inc holds the others' move
+      for (int64_t j = 0; j < dim; ++j) inc[j] = (d[j] - inc[j]) * share;
+    } else {
+      for (int64_t j = 0; j < dim; ++j) inc[j] = d[j] * share;
     }
-    return true;
-  }, skip_reader);
+  }
+  // A mean push records its increments: the next pusher's "others' move".
+  add(increments.data(), mean ? increments.data() : nullptr);
 }
 
 int64_t HashTable::Remove(const int64_t* keys, int64_t n) {

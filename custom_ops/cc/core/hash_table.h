@@ -23,7 +23,9 @@
 #ifndef TFPSX_CORE_HASH_TABLE_H_
 #define TFPSX_CORE_HASH_TABLE_H_
 
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -117,10 +119,28 @@ class HashTable {
   // Sets the rows of keys[n] to values[n*dim], inserting missing keys.
   void Insert(const int64_t* keys, int64_t n, const float* values, int64_t step);
 
-  // row += delta for keys[n]; a missing key starts from its initial row. The keys are
-  // marked changed for every reader of the change log but `skip_reader` (-1: none).
+  // How Accumulate adds the deltas several writers push to one row (GEO's workers push
+  // the deltas of their local copies; `skip_reader` is then the pusher's reader). The
+  // other pushes: the c pushes (Accumulate) that marked the row for the pusher since its
+  // last TakeChanged, i.e. since it last pulled the row. A delta no other push met stays
+  // whole in every mode.
+  enum class Combine {
+    kSum,  // every delta whole
+    // the mean: the others moved the row by m in all; it moves by (delta - m) / (1 + c),
+    // to the pulled value + (their deltas + delta) / (1 + c) when they combined so too.
+    // Exact when every push started from the same value (GEO's rounds with barriers), in
+    // any order.
+    kMean,
+    // delta / (1 + c): for pushes from different values (GEO's background communicator),
+    // where the mean would pull the row back towards each pusher's stale copy.
+    kScaled,
+  };
+
+  // row += delta for keys[n] (combined by `combine`); a missing key starts from its
+  // initial row. The keys are marked changed for every reader of the change log but
+  // `skip_reader` (-1: none).
   void Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
-                  int64_t skip_reader = -1);
+                  int64_t skip_reader = -1, Combine combine = Combine::kSum);
 
   // Training: update(row, grad) on the row of every key of keys[n] (expected unique),
   // `row` being [value | slots] (row_width() floats) and `grad` grads + i * dim. A missing
@@ -214,10 +234,12 @@ class HashTable {
   int64_t RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evicted);
   // Runs fn(row, i) on the row of every key; a missing key is first asked fn(nullptr, i)
   // whether it gets a row (admission), which starts from its initial row when init_value.
-  // Sets each written row's step and marks its key changed.
+  // Sets each written row's step and marks its key changed (as a push with `push`, giving
+  // the rows' increments `moved`, n * dim floats, when not null: change_log.h).
   template <typename Fn>
   void UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
-                  bool init_value, Fn&& fn, int64_t skip_reader = -1);
+                  bool init_value, Fn&& fn, int64_t skip_reader = -1, bool push = false,
+                  const float* moved = nullptr);
 
   TableOptions options_;
   int64_t row_width_;  // dim * (1 + num_slots)
@@ -225,14 +247,19 @@ class HashTable {
   StripedStore store_;
   std::vector<StripeState> stripe_state_;  // one per stripe of store_
   ChangeLog changes_;
+  // Held by a combined Accumulate from reading the other pushes to marking its own, so
+  // that two parallel pushes see each other.
+  std::mutex combine_mu_;
 };
 
 template <typename Fn>
 void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, int64_t step,
-                           bool init_value, Fn&& fn, int64_t skip_reader) {
+                           bool init_value, Fn&& fn, int64_t skip_reader, bool push,
+                           const float* moved) {
   const bool track = changes_.active();
-  std::vector<int64_t> changed;
+  std::vector<int64_t> changed, at;
   if (track) changed.reserve(n);
+  if (track && moved != nullptr) at.reserve(n);
   store_.ForEachByStripe<true>(keys, n, stream, options_.dim,
                                [&](Stripe& s, int64_t i, uint64_t h) {
     const int64_t key = keys[i];
@@ -246,8 +273,19 @@ void HashTable::UpdateRows(const int64_t* keys, int64_t n, const float* stream, 
     s.rows.set_step(r, step);
     MarkRow(s, r);
     if (track) changed.push_back(key);
+    if (track && moved != nullptr) at.push_back(i);
   });
-  if (track) changes_.Mark(changed.data(), static_cast<int64_t>(changed.size()), skip_reader);
+  if (!track) return;
+  std::vector<float> increments;
+  if (moved != nullptr) {  // in the order of `changed`
+    const int64_t dim = options_.dim;
+    increments.resize(at.size() * dim);
+    for (size_t c = 0; c < at.size(); ++c) {
+      std::copy_n(moved + at[c] * dim, dim, increments.data() + c * dim);
+    }
+  }
+  changes_.Mark(changed.data(), static_cast<int64_t>(changed.size()), skip_reader, push,
+                moved != nullptr ? increments.data() : nullptr, options_.dim);
 }
 
 template <typename RowFn>

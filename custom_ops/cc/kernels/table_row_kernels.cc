@@ -63,7 +63,18 @@ template <bool kAccumulate>
 class WriteOp : public TableOpKernel {
  public:
   explicit WriteOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
-    if (kAccumulate) OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_reader", &skip_reader_));
+    if (!kAccumulate) return;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_reader", &skip_reader_));
+    std::string combine;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combine", &combine));
+    combine_ = combine == "mean"   ? HashTable::Combine::kMean
+             : combine == "scaled" ? HashTable::Combine::kScaled
+                                   : HashTable::Combine::kSum;
+    OP_REQUIRES(ctx, combine_ == HashTable::Combine::kSum || skip_reader_ >= 0,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "TfpsxHashTableAccumulate: combine='", combine, "' counts the other "
+                    "pushes since the pusher's last take_changed, so it needs the pusher's "
+                    "reader as skip_reader (>= 0), got ", skip_reader_)));
   }
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
@@ -78,7 +89,7 @@ class WriteOp : public TableOpKernel {
     OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
                                        [&](int64_t b, int64_t e) {
       if (kAccumulate) {
-        t.Accumulate(k + b, e - b, r + b * dim, step, skip_reader_);
+        t.Accumulate(k + b, e - b, r + b * dim, step, skip_reader_, combine_);
       } else {
         t.Insert(k + b, e - b, r + b * dim, step);
       }
@@ -87,6 +98,7 @@ class WriteOp : public TableOpKernel {
 
  private:
   int64_t skip_reader_ = -1;
+  HashTable::Combine combine_ = HashTable::Combine::kSum;
 };
 
 class RemoveOp : public TableOpKernel {

@@ -104,10 +104,15 @@ REGISTER_OP("TfpsxHashTableAccumulate")
     .Input("deltas: float")
     .Input("step: int64")
     .Attr("skip_reader: int = -1")
+    .Attr("combine: {'sum', 'mean', 'scaled'} = 'sum'")
     .SetShapeFn(NoOutputs)
     .Doc("row += delta for `keys`; a missing key starts from its initial row. The keys are "
          "marked changed for every changed-key reader but `skip_reader` (-1: none): a "
-         "worker's own push need not come back in its next pull.");
+         "worker's own push need not come back in its next pull. `combine` says how the "
+         "pushes of several workers to one row add up (skip_reader is the pusher; the "
+         "others: the c pushes of the row since the pusher's last take_changed): 'sum' "
+         "whole; 'mean' the row moves to the mean of the pushes (exact when they started "
+         "from one value); 'scaled' delta / (1 + c).");
 
 REGISTER_OP("TfpsxHashTableRemove")
     .SetIsStateful()

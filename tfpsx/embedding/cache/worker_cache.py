@@ -95,15 +95,18 @@ class WorkerCache(ShardedTable):
       options: a :class:`CacheOptions`.
       device: this worker's device (None: the current one, for a local table).
       reader: this worker's id in the PS shards' changed-key sets.
-      scale: the push's n (1; the worker count in GEO mode).
+      scale: the push's n (1: rows push their whole delta, see combine).
       flush_in_step: sync every ``options.flush_steps`` updates, between steps (False:
         GEO mode's communicator syncs).
       wire: the dtype rows travel in to and from the PS (None: float32).
+      combine: how the PS adds the syncs of several workers' caches to one row
+        (:mod:`tfpsx.embedding.geo_rule`: "sum" in async, whole updates as async; GEO's
+        own in GEO mode).
     """
 
     def __init__(self, table: ShardedTable, options: CacheOptions, device: Optional[str],
                  reader: int, scale: float = 1.0, flush_in_step: bool = True,
-                 wire: Optional[tf.DType] = None):
+                 wire: Optional[tf.DType] = None, combine: str = "sum"):
         name = f"{table.name}/cache_w{reader}"
         copy = dict(initializer=table.initializer, seed=table.seed, devices=[device])
         super().__init__(name, table.dim, optimizer=table.optimizer, **copy)
@@ -111,7 +114,8 @@ class WorkerCache(ShardedTable):
         self.staged = ShardedTable(f"{name}/staged", table.dim, **copy)
         self.table, self.options, self.device = table, options, device
         self.scale, self.flush_in_step = scale, flush_in_step
-        self.geo = GeoTable(table, self, self.old, device, reader, cached=True, wire=wire)
+        self.geo = GeoTable(table, self, self.old, device, reader, cached=True, wire=wire,
+                            combine=combine)
         # Evict down to this many rows when a lookup finds more than options.size.
         self.evict_to = max(0, options.size - max(1, options.size // 16))
         self.sketch = AdmissionSketch(options.size) if options.admit_after > 1 else None
