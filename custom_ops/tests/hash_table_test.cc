@@ -254,6 +254,14 @@ void TestCombinedPushes() {
   CHECK(std::abs(row[0] - (8 + 2.f / 3)) < 1e-6f);
   std::vector<int64_t> changed = s.TakeChanged(1);  // marked for the pusher's readers only
   CHECK(changed.size() == 1 && changed[0] == 7);
+
+  tfpsx::HashTable u(zeros);
+  for (int64_t reader : {1, 2}) CHECK(u.TakeChanged(reader).empty());
+  u.Accumulate(&k, 1, a, 1, /*skip_reader=*/1, C::kSum);  // summed: marked, not counted
+  u.Accumulate(&k, 1, b, 1, /*skip_reader=*/2, C::kMean);  // so this one stays whole
+  u.Find(&k, 1, row, nullptr);
+  CHECK(row[0] == 6 && row[1] == 10);
+  CHECK(u.TakeChanged(2).size() == 1);
 }
 
 void TestValidate() {

@@ -27,8 +27,7 @@ changed-key sets). A row no other worker pushed meanwhile moves by its whole del
   moves to the mean of the round's deltas, exact in any order, since every push of a
   round started from the value of the last one (the PS keeps the others' move since
   the pusher's pull: it adds (delta - their move) / (1 + c));
-* ``"scaled"`` (GEO's background communicator, a GEO cache's evictions): a push adds
-  delta / (1 + c). Their pushes start from different values (a worker pulled
+* ``"scaled"`` (GEO's background communicator): a push adds delta / (1 + c). Their pushes start from different values (a worker pulled
   before or after another's push), and the mean would drag a row back towards each
   pusher's stale copy (measured, 1 PS + 4 workers, 300k rows, k=10, one run each:
   final AUC 0.734 against 0.766 scaled and 0.763 summed); scaled, a hot row that every
@@ -36,9 +35,12 @@ changed-key sets). A row no other worker pushed meanwhile moves by its whole del
   (1 + 1/2 + 1/3 + 1/4 = 2.08 deltas for four pushes from one value, not 4).
 
 The pusher's copy keeps its whole delta in ``old``; a combined row is in its next pull
-(others changed it), which brings the PS's value. An async worker cache's syncs sum
-(``"sum"``): async applies every update whole, and a cache delivers the same updates,
-later.
+(others changed it), which brings the PS's value. A summed push (``"sum"``) is not
+counted: the combined pushes neither see it nor are seen by it. A cache's eviction push
+sums: its row leaves the copy in the middle of a round, and a worker that fetches it
+afterwards trains on top of it (a sequential delta, not a parallel one). An async worker
+cache's syncs sum too: async applies every update whole, and a cache delivers the same
+updates, later.
 
 GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
 changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
@@ -105,7 +107,10 @@ def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
         bump_old = t.old.shards[0].accumulate(keys, delta, zero) if keep_old else None
     # With n = 1 the copy holds nothing unpushed after the push (old = local): its next
     # pull need not bring this push back (the shards mark it for the others only).
-    skip, combine = (t.reader, t.combine) if n == 1 else (-1, "sum")
+    if n != 1:
+        skip, combine = -1, "sum"
+    else:  # an eviction (not keep_old) sums: see the module doc
+        skip, combine = t.reader, (t.combine if keep_old else "sum")
     pushed = t.global_.accumulate(keys, delta, step, skip_reader=skip, wire_dtype=t.wire,
                                   combine=combine)
     return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)

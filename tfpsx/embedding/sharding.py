@@ -226,7 +226,8 @@ class ShardedTable:
         own push, when its pull need not bring it back). ``wire_dtype``: the deltas
         travel to the shards in it (bfloat16, float16) and are added as float32.
         ``combine``: how pushes of several workers to one row add up (``skip_reader``
-        is the pusher; :data:`tfpsx.embedding.storage.COMBINE`)."""
+        is the pusher; :data:`tfpsx.embedding.storage.COMBINE`; the keys of a combined
+        push must be unique, as a GEO push's are)."""
         if combine not in COMBINE:
             raise ValueError(f"{self._what}: accumulate: combine={combine!r}; expected one "
                              f"of {', '.join(COMBINE)}")

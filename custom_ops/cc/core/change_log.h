@@ -4,10 +4,10 @@
 // keys altogether (active() is one atomic load).
 //
 // Pushes are tracked further (GEO's parallel pushes of a row, hash_table.h's
-// Combine::kAverage): a reader keeps, per key, how many pushes marked it since its last
+// HashTable::Combine): a reader keeps, per key, how many pushes marked it since its last
 // Take and, for pushes that give their increments, their sum (the row's move by others
-// since the reader last pulled it). Other writes, such as a lookup inserting a row, mark
-// without counting.
+// since the reader last pulled it). Other writes, such as a lookup inserting a row or a
+// summed push, mark without counting.
 //
 // Thread safety: every method may be called concurrently.
 

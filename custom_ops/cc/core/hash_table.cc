@@ -167,6 +167,8 @@ void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int6
 void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
                            int64_t skip_reader, Combine combine) {
   const int64_t dim = options_.dim;
+  // A summed push is not counted: the combined pushes neither see it nor are seen by it.
+  const bool counted = combine != Combine::kSum;
   auto add = [&](const float* rows, const float* moved) {
     UpdateRows(keys, n, rows, step, /*init_value=*/true, [&](float* row, int64_t i) {
       if (row != nullptr) {
@@ -174,9 +176,9 @@ void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, 
         for (int64_t j = 0; j < dim; ++j) row[j] += d[j];
       }
       return true;
-    }, skip_reader, /*push=*/true, moved);
+    }, skip_reader, counted, moved);
   };
-  if (combine == Combine::kSum) {
+  if (!counted) {
     add(deltas, nullptr);
     return;
   }

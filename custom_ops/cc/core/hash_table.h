@@ -121,9 +121,9 @@ class HashTable {
 
   // How Accumulate adds the deltas several writers push to one row (GEO's workers push
   // the deltas of their local copies; `skip_reader` is then the pusher's reader). The
-  // other pushes: the c pushes (Accumulate) that marked the row for the pusher since its
-  // last TakeChanged, i.e. since it last pulled the row. A delta no other push met stays
-  // whole in every mode.
+  // other pushes: the c combined (not kSum) pushes that marked the row for the pusher
+  // since its last TakeChanged, i.e. since it last pulled the row. A delta no other push
+  // met stays whole in every mode. Keys of one combined push must be unique.
   enum class Combine {
     kSum,  // every delta whole
     // the mean: the others moved the row by m in all; it moves by (delta - m) / (1 + c),

@@ -12,9 +12,10 @@ this worker (the C++ core's table, with the table's optimizer and slots) and a s
 * every ``flush_steps`` updates, between two steps (``tfpsx.MonitoredTrainingSession``
   and Keras ``fit`` do it; a loop of your own calls :meth:`WorkerCache.flush`), and at
   the end of training, the cache syncs with the PS by GEO's rule (:mod:`tfpsx.embedding.geo_rule`):
-  the trained rows are pushed as ``(local - old) / n`` and the cached rows other workers
-  changed are pulled back. n = 1 (every update reaches the PS whole), or the worker count
-  when the table trains in GEO mode, whose communicator then runs the sync every K steps;
+  the trained rows are pushed as ``local - old`` and the cached rows other workers
+  changed are pulled back. In async every update reaches the PS whole; in GEO mode the
+  mode's communicator runs the sync every K steps, and the PS combines the pushes of a
+  row that several workers trained from the same value as it does for GEO's tables;
 * when a training lookup finds more than N rows cached, the excess and a 1/16 margin are
   evicted (least frequently looked up first: ``"lfu"``, or least recently: ``"lru"``),
   their deltas pushed first, so nothing trained is lost. A batch with more distinct ids

@@ -251,4 +251,9 @@ class KerasGeo(KerasMode):
         steps = int(self._steps.read_value()) if self._steps is not None else 0
         failed = not self.schedule.end(steps)  # raises a communicator's failure
         if not failed:
+            if self.in_train_thread:
+                # Every final push is in before any copy takes the global model: the PS
+                # counts the pushes a worker has not pulled, and its next fit's first
+                # round combines by them (a mean over pushes its copy never held).
+                self._barrier()
             self._take_global(refresh_rounded=self.is_chief)
