@@ -84,7 +84,6 @@ def test_changed_keys_per_reader():
     assert ops.tfpsx_hash_table_take_changed(handle, tf.constant(0, tf.int64)).shape == (0,)
 
 
-
 def _take(t, reader):
     """The keys changed for ``reader`` on every shard, sorted."""
     me = tf.constant(reader, tf.int64)
@@ -115,6 +114,7 @@ def test_parallel_pushes_of_a_row_combine_on_every_shard():
                                          r"as skip_reader \(>= 0\), got -1"):
         t.accumulate([4], [[1, 1]], combine="mean")
     np.testing.assert_allclose(t.lookup([4]).numpy(), [rows[0]], rtol=1e-6)
+
 
 def _dense_reference(tf_optimizer, init, grads_per_step):
     """The same update by TF's own optimizer on a dense variable."""

@@ -27,12 +27,13 @@ changed-key sets). A row no other worker pushed meanwhile moves by its whole del
   moves to the mean of the round's deltas, exact in any order, since every push of a
   round started from the value of the last one (the PS keeps the others' move since
   the pusher's pull: it adds (delta - their move) / (1 + c));
-* ``"scaled"`` (GEO's background communicator): a push adds delta / (1 + c). Their pushes start from different values (a worker pulled
-  before or after another's push), and the mean would drag a row back towards each
-  pusher's stale copy (measured, 1 PS + 4 workers, 300k rows, k=10, one run each:
-  final AUC 0.734 against 0.766 scaled and 0.763 summed); scaled, a hot row that every
-  worker trains moves by about the mean of their deltas once the syncs interleave
-  (1 + 1/2 + 1/3 + 1/4 = 2.08 deltas for four pushes from one value, not 4).
+* ``"scaled"`` (GEO's background communicator): a push adds delta / (1 + c). Its
+  pushes start from different values (a worker pulled before or after another's push),
+  and the mean would drag a row back towards each pusher's stale copy (measured, 1 PS +
+  4 workers, 300k rows, k=10, one run each: final AUC 0.734 against 0.766 scaled and
+  0.763 summed); scaled, a hot row that every worker trains moves by about the mean of
+  their deltas once the syncs interleave (1 + 1/2 + 1/3 + 1/4 = 2.08 deltas for four
+  pushes from one value, not 4).
 
 The pusher's copy keeps its whole delta in ``old``; a combined row is in its next pull
 (others changed it), which brings the PS's value. A summed push (``"sum"``) is not
