@@ -209,6 +209,9 @@ class Runtime:
                 # No servers: the peers meet in the first collective (the strategy's start,
                 # bounded by TFPSX_COLLECTIVE_TIMEOUT), which also starts their watch.
                 _enable_collectives(config)
+                # The op library installs the crash trace (a fatal signal names its native
+                # and Python stacks); a collective job runs no tfpsx op otherwise.
+                load_ops()
                 self._coord.worker_start()
                 self._worker_state = "started"
                 logger.info("worker %d of %d started (collective)", config.index,

@@ -4,6 +4,7 @@ scripts/collective_job.py, as tfpsx-run --server_num 0 starts them."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -90,9 +91,10 @@ def test_an_uneven_split_gives_every_rank_the_same_steps_and_no_deadlock(make_cl
 
 @pytest.mark.timeout(240)
 def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_cluster, tmp_path):
-    """SIGKILL of worker 1 mid-training: worker 0's collective would wait for it until
-    TFPSX_COLLECTIVE_TIMEOUT (600 s); the peer watch names it and the job ends with the
-    code a restart policy retries."""
+    """Worker 1 dies of SIGSEGV mid-training (as a native crash would): it names its
+    native and Python stacks on its way out. Worker 0's collective would wait for it
+    until TFPSX_COLLECTIVE_TIMEOUT (600 s); the peer watch names it and the job ends
+    with the code a restart policy retries."""
     out = tmp_path / "out"
     out.mkdir()
     c = make_cluster(0, 2, script="collective_job.py", timeout=200,
@@ -101,11 +103,14 @@ def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_clus
                      args=["--out", str(out), "--epochs", "1000", "--step_delay", "0.02"]).start()
     for r in range(2):
         wait_for_log(c, "worker", r, "Epoch 2/", timeout=120)
-    c.kill("worker", 1)
+    c.kill("worker", 1, signal.SIGSEGV)
     killed = time.monotonic()
     codes = c.wait([("worker", 0)], timeout=60)
     seconds = time.monotonic() - killed
     assert codes[("worker", 0)] == 138, c.logs()
+    dead = c.log("worker", 1)
+    assert "*** tfpsx: fatal SIGSEGV (11) in pid" in dead, dead[-3000:]
+    assert "Fatal Python error: Segmentation fault" in dead, dead[-3000:]
     assert seconds < HEARTBEAT_TIMEOUT + GRACE + 10, (seconds, c.logs())
     log = c.log("worker", 0)
     assert re.search(rf"worker 0 lost worker 1 at {re.escape(c.workers[1])}", log), log[-3000:]
