@@ -64,6 +64,9 @@ class CriteoJob:
         # The hybrid mode: the table on the PS (async / GEO), dense weights all-reduced.
         "hybrid": ["--mode", "async", "--dense", "allreduce"],
         "hybrid_geo100": ["--mode", "geo", "--k_steps", "100", "--dense", "allreduce"],
+        # The hybrid mode with a worker cache: no PS op in the step but the cache's misses.
+        "hybrid_cache": ["--mode", "async", "--dense", "allreduce", "--cache_size", "CACHE"],
+        "hybrid_cache_ceiling": CEILING + ["--dense", "allreduce"],
         "local": ["--mode", "local"],
     }
 
