@@ -9,7 +9,8 @@ started with TFPSX_* env, every process behind a userspace delay proxy
 (benchmarks/netem.py; each proxy is also its process's link of the given bandwidth and
 counts its bytes; every process's cluster lists the proxies, TFPSX_LISTEN_PORT). Modes: sync, async, GEO at several k, async and GEO with a worker cache,
 the hybrid mode (criteo: the table async or GEO on the PS, the dense weights all-reduced
-among the workers through proxies of the same delay and bandwidth), and "local" (each worker trains alone on its half: the no-sync ceiling). Runs are
+among the workers through proxies of the same delay and bandwidth; with a worker cache
+and its ceiling too), and "local" (each worker trains alone on its half: the no-sync ceiling). Runs are
 interleaved over the rounds (machine drift hits all alike); figures are medians.
 
 Per mode:
