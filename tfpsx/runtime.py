@@ -24,7 +24,7 @@ from tfpsx.control.peers import PeersOnlyCoordinator
 from tfpsx.control.protocol import Coordinator
 from tfpsx.control.scheduler import run_scheduler
 from tfpsx.control.watchdog import ServerWatch, exit_when_lost, main_thread_activity
-from tfpsx.ops import library_info, load_ops
+from tfpsx.ops import crash_trace, library_info, load_ops
 
 logger = logging.getLogger("tfpsx")
 
@@ -208,10 +208,10 @@ class Runtime:
             if config.collective:
                 # No servers: the peers meet in the first collective (the strategy's start,
                 # bounded by TFPSX_COLLECTIVE_TIMEOUT), which also starts their watch.
+                trace = crash_trace.wanted()  # a bad value: named before anything starts
                 _enable_collectives(config)
-                # The op library installs the crash trace (a fatal signal names its native
-                # and Python stacks); a collective job runs no tfpsx op otherwise.
-                load_ops()
+                if trace:
+                    _install_crash_trace(config)
                 self._coord.worker_start()
                 self._worker_state = "started"
                 logger.info("worker %d of %d started (collective)", config.index,
@@ -401,6 +401,16 @@ RUNTIME = Runtime()
 
 # The collective group of stop_worker's last all-reduce (the training's is another).
 _GOODBYE_GROUP_KEY = 0x7467
+
+
+def _install_crash_trace(config: _cluster.ClusterConfig) -> None:
+    """A collective worker runs no tfpsx op, but loads the op library for its crash
+    trace (a fatal signal names the native and Python stacks). A library that cannot
+    load costs the trace only: a warning names it."""
+    try:
+        load_ops()
+    except errors.OpLibraryError as e:
+        logger.warning("worker %d runs without tfpsx's crash trace: %s", config.index, e)
 
 
 def _enable_collectives(config: _cluster.ClusterConfig) -> None:

@@ -99,7 +99,7 @@ def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_clus
     out.mkdir()
     c = make_cluster(0, 2, script="collective_job.py", timeout=200,
                      env={"TFPSX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
-                          "TFPSX_LOST_GRACE": str(GRACE)},
+                          "TFPSX_LOST_GRACE": str(GRACE), "TFPSX_CRASH_TRACE": "1"},
                      args=["--out", str(out), "--epochs", "1000", "--step_delay", "0.02"]).start()
     for r in range(2):
         wait_for_log(c, "worker", r, "Epoch 2/", timeout=120)
@@ -108,6 +108,7 @@ def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_clus
     codes = c.wait([("worker", 0)], timeout=60)
     seconds = time.monotonic() - killed
     assert codes[("worker", 0)] == 138, c.logs()
+    assert c.procs[("worker", 1)].returncode == -signal.SIGSEGV, c.logs()
     dead = c.log("worker", 1)
     assert "*** tfpsx: fatal SIGSEGV (11) in pid" in dead, dead[-3000:]
     assert "Fatal Python error: Segmentation fault" in dead, dead[-3000:]
