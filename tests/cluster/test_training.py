@@ -186,6 +186,34 @@ def test_non_chief_started_first_is_ready_soon_after_chief(make_cluster):
     assert gap < 5.0
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,checkpoint", [("sync", False), ("async", True), ("geo", False)])
+def test_a_chief_session_created_again_goes_on_from_the_servers_model(make_cluster, tmp_path,
+                                                                       mode, checkpoint):
+    """The chief's session run fails with the AbortedError of a broken connection (TF's
+    MonitoredSession then creates the session again): training goes on from the model
+    the server holds, never from a re-initialized one (sync, no checkpoint: TF's creator
+    ran the init op, the global step went back to 0 and the job hung) nor from the last
+    checkpoint (async: the steps since would be lost)."""
+    args = ["--mode", mode, "--steps", "300", "--step_delay", "0.01", "--abort_once_at", "150"]
+    if mode == "geo":
+        args += ["--k_steps", "10"]
+    if checkpoint:
+        args += ["--checkpoint_dir", str(tmp_path / "ckpt"), "--save_steps", "40"]
+    c = make_cluster(1, 2, script="training_job.py", env=FAST, timeout=200, args=args).start()
+    finish(c, timeout=200)
+    aborted = c.metrics("worker", 0, "aborted")
+    assert len(aborted) == 1 and aborted[0]["global_step"] >= 150, aborted
+    first, again = c.metrics("worker", 0, "resumed")
+    assert not first["again"] and first["global_step"] == 0, first
+    # The step the server held: not 0, not the last checkpoint's (120 when it failed)
+    assert again["again"] and again["global_step"] >= aborted[0]["global_step"], again
+    log = c.log("worker", 0)
+    assert "the parameter servers still hold the model, and training goes on from it" in log
+    r = reports(c, 2)
+    assert r[0]["global_step"] >= 300 and r[0]["eval_loss"] < 0.05, r
+
+
 @pytest.mark.timeout(300)
 def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
     ckpt = str(tmp_path / "ckpt")

@@ -17,11 +17,13 @@ logger = logging.getLogger("tfpsx")
 class ResumeLogHook(tf.compat.v1.train.SessionRunHook):
     """The chief says where training starts: from a checkpoint (which one, at which global
     step) or from a new model; a ``resumed`` metrics record says the same (a job that
-    ``tfpsx-run --max_restarts`` brought back shows from which step it went on)."""
+    ``tfpsx-run --max_restarts`` brought back shows from which step it went on). A
+    session created again after an error (``again``) says the step it goes on from."""
 
     def __init__(self, checkpoint_dir: Optional[str]):
         self._dir = checkpoint_dir
         self._step = None
+        self._sessions = 0
 
     def begin(self):
         self._step = tf.compat.v1.train.get_global_step()
@@ -29,11 +31,15 @@ class ResumeLogHook(tf.compat.v1.train.SessionRunHook):
     def after_create_session(self, session, coord):
         path = tf.train.latest_checkpoint(self._dir) if self._dir else None
         step = int(session.run(self._step)) if self._step is not None else None
-        if path:
+        self._sessions += 1
+        again = self._sessions > 1  # TF's MonitoredSession created it again after an error
+        if again:
+            logger.info("chief's session created again, at global step %s", step)
+        elif path:
             logger.info("chief resumed from checkpoint %s at global step %s", path, step)
         else:
             logger.info("chief started a new model (no checkpoint in %s)", self._dir)
-        metrics.emit("resumed", checkpoint=path, global_step=step)
+        metrics.emit("resumed", checkpoint=path, global_step=step, again=again)
 
 
 class TrainingDoneHook(tf.compat.v1.train.SessionRunHook):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import logging
+
 import tensorflow as tf
 
 from tfpsx import errors, settings
@@ -19,6 +21,8 @@ from tfpsx.training import modes
 from tfpsx.training.hooks import (ResumeLogHook, TrainingDoneHook, WorkerCacheHook,
                                   graph_caches)
 from tfpsx.training.staging import graph_stagers
+
+logger = logging.getLogger("tfpsx")
 
 
 class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
@@ -48,6 +52,61 @@ class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
             raise errors.ClusterTimeoutError(
                 f"worker waited {self._max_wait_secs:.0f} s (TFPSX_SESSION_TIMEOUT) for the "
                 "chief (worker 0) to initialize or restore the model; is it running?") from e
+
+
+class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
+    """TF's chief session creator, except when it creates the session again.
+
+    TF's ``MonitoredSession`` closes its session on an Aborted or Unavailable error (a
+    broken connection to a server, a preempted task) and creates a new one with the same
+    creator. TF's chief creator then restores the last checkpoint over the model the
+    parameter servers still hold, or, with none, runs the init op: the model trained so
+    far is lost (measured: a sync job's global step back to 0 after such an error, and
+    the job hung, its workers waiting for a step the chief had started counting again).
+    This one takes the model the servers hold when every global variable there is
+    initialized: it runs the local init alone and training goes on from the servers'
+    step. A server that lost its state (it was started again) has uninitialized
+    variables: TF's path then restores or initializes, as on the first start."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._created = False
+
+    def create_session(self):
+        if self._created:
+            session = self._session_on_the_servers_model()
+            if session is not None:
+                return session
+        session = super().create_session()
+        self._created = True
+        return session
+
+    def _session_on_the_servers_model(self):
+        scaffold = self._scaffold  # finalized by the first creation
+        check = scaffold.ready_for_local_init_op
+        if check is None:
+            return None
+        session = tf.compat.v1.Session(self._master, graph=tf.compat.v1.get_default_graph(),
+                                       config=self._config)
+        try:
+            missing = session.run(check)
+            if missing.size:
+                logger.warning(
+                    "the chief's session is created again after an error, and the parameter "
+                    "servers lost the model (uninitialized: %s): it is restored from the last "
+                    "checkpoint, or initialized anew without one",
+                    ", ".join(m.decode() for m in missing[:5]))
+                session.close()
+                return None
+            if scaffold.local_init_op is not None:
+                session.run(scaffold.local_init_op, feed_dict=scaffold.local_init_feed_dict)
+        except BaseException:
+            session.close()
+            raise
+        logger.warning("the chief's session is created again after an error (TF logs it at "
+                       "INFO): the parameter servers still hold the model, and training goes "
+                       "on from it (no restore, no initialization)")
+        return session
 
 
 class _IncrementalScaffold(tf.compat.v1.train.Scaffold):
@@ -144,13 +203,6 @@ def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chi
         return tf.compat.v1.train.MonitoredSession(
             session_creator=creator, hooks=hooks + own,
             stop_grace_period_secs=stop_grace_period_secs)
-    kwargs = {}
-    if save_checkpoint_steps is not None:
-        kwargs["save_checkpoint_steps"] = save_checkpoint_steps
-    if save_checkpoint_secs is not None:
-        kwargs["save_checkpoint_secs"] = save_checkpoint_secs
-    if save_summaries_steps is not None:
-        kwargs["save_summaries_steps"] = save_summaries_steps
     # TF ends hooks in list order: chief-only ones, its checkpoint saver, then `hooks`.
     # tfpsx's own (GEO's last push, the stagers', the caches' final flush) end before the
     # saver's final save, so the last checkpoint holds every local step (measured before:
@@ -161,8 +213,39 @@ def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chi
     if checkpoint_dir is not None:
         # Among `hooks`, which TF ends after its checkpoint saver's final save.
         hooks = hooks + [TrainingDoneHook(checkpoint_dir)]
-    return tf.compat.v1.train.MonitoredTrainingSession(
-        master=master, is_chief=True, checkpoint_dir=checkpoint_dir, scaffold=scaffold,
-        hooks=hooks, chief_only_hooks=chief_hooks, config=session_config,
-        log_step_count_steps=log_step_count_steps,
-        stop_grace_period_secs=stop_grace_period_secs, **kwargs)
+    # TF's MonitoredTrainingSession for a chief, with tfpsx's session creator.
+    scaffold = scaffold or tf.compat.v1.train.Scaffold()
+    creator = _ChiefSessionCreator(scaffold=scaffold, checkpoint_dir=checkpoint_dir,
+                                   master=master, config=session_config)
+    return tf.compat.v1.train.MonitoredSession(
+        session_creator=creator,
+        hooks=chief_hooks + _saver_hooks(checkpoint_dir, scaffold, log_step_count_steps,
+                                         save_checkpoint_steps, save_checkpoint_secs,
+                                         save_summaries_steps) + hooks,
+        stop_grace_period_secs=stop_grace_period_secs)
+
+
+def _saver_hooks(checkpoint_dir, scaffold, log_step_count_steps, save_checkpoint_steps,
+                 save_checkpoint_secs, save_summaries_steps):
+    """The hooks TF's MonitoredTrainingSession gives a chief, with its defaults: summaries
+    every 100 steps and a checkpoint every 600 s unless either is set; none without
+    ``checkpoint_dir``."""
+    if checkpoint_dir is None:
+        return []
+    train = tf.compat.v1.train
+    if save_summaries_steps is None:
+        save_summaries_steps = 100
+    if save_checkpoint_steps is None and save_checkpoint_secs is None:
+        save_checkpoint_secs = 600
+    hooks = []
+    if log_step_count_steps and log_step_count_steps > 0:
+        hooks.append(train.StepCounterHook(output_dir=checkpoint_dir,
+                                           every_n_steps=log_step_count_steps))
+    if save_summaries_steps > 0:
+        hooks.append(train.SummarySaverHook(scaffold=scaffold, save_steps=save_summaries_steps,
+                                            output_dir=checkpoint_dir))
+    if (save_checkpoint_secs or 0) > 0 or (save_checkpoint_steps or 0) > 0:
+        hooks.append(train.CheckpointSaverHook(checkpoint_dir, save_steps=save_checkpoint_steps,
+                                               save_secs=save_checkpoint_secs,
+                                               scaffold=scaffold))
+    return hooks

@@ -4,11 +4,16 @@ distributed_optimizer / MonitoredTrainingSession; emits one "training" metrics r
   training_job.py --mode async|geo [--k_steps K] [--deterministic] [--syncs T]
                   [--steps S] [--checkpoint_dir D] [--save_steps N] [--incremental M]
                   [--partitioned]
-                  [--table] [--export DIR]
+                  [--table] [--export DIR] [--abort_once_at STEP]
 
 --export DIR: after training (every worker's pushes in) the chief exports the inference
 (x -> pred) with tfpsx.export_serving to DIR/model/1, from a session on its server, with
 DIR/feed.npz and DIR/predictions.npy (that session's predictions) beside it.
+
+--abort_once_at STEP: the chief's session run fails once with the AbortedError TF raises
+when a connection to a server breaks, at the first run that ends at global step >= STEP
+(TF's MonitoredSession then creates its session again; the "aborted" metrics record says
+at which step).
 """
 import argparse
 import os
@@ -33,6 +38,25 @@ def batches(worker: int, count: int):
         yield x, y
 
 
+class AbortOnceHook(tf.compat.v1.train.SessionRunHook):
+    """Fails one run as a broken connection to a server does (see --abort_once_at)."""
+
+    def __init__(self, step: int):
+        self._at, self._done = step, False
+
+    def begin(self):
+        self._step = tf.compat.v1.train.get_global_step()
+
+    def before_run(self, run_context):
+        return None if self._done else tf.compat.v1.train.SessionRunArgs(self._step)
+
+    def after_run(self, run_context, run_values):
+        if not self._done and run_values.results >= self._at:
+            self._done = True
+            tfpsx.metrics.emit("aborted", global_step=int(run_values.results))
+            raise tf.errors.AbortedError(None, None, "the test's broken connection to a server")
+
+
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="async")
@@ -53,6 +77,7 @@ def main(argv):
     p.add_argument("--table", action="store_true",
                    help="add a per-id bias from a DynamicTable (id: the sign of x[0])")
     p.add_argument("--export", default=None)
+    p.add_argument("--abort_once_at", type=int, default=None)
     p.add_argument("--no_final_barrier", action="store_true",
                    help="a worker may have been killed: do not wait for everyone at the end")
     args = p.parse_args(argv)
@@ -100,7 +125,10 @@ def main(argv):
         eval_x, eval_y = next(batches(99, 1))
         local_steps = 0
         fixed = args.mode == "geo" and args.deterministic
+        hooks = ([AbortOnceHook(args.abort_once_at)]
+                 if args.abort_once_at is not None and me == 0 else [])
         with tfpsx.MonitoredTrainingSession(
+                hooks=hooks,
                 checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_steps,
                 incremental_checkpoints=args.incremental,
                 last_step=None if fixed else args.steps) as sess:
