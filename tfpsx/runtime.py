@@ -350,7 +350,7 @@ class Runtime:
         return self._coord.dead_workers() if self._coord is not None else []
 
     def barrier_worker(self, timeout: Optional[float] = None) -> None:
-        config = self.require_role("barrier_worker", _cluster.WORKER)
+        self.require_role("barrier_worker", _cluster.WORKER)
         if self._worker_state != "started":
             raise RuntimeError("tfpsx.barrier_worker() needs tfpsx.init_worker() first")
         timeout = settings.get("TFPSX_BARRIER_TIMEOUT", timeout)

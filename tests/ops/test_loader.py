@@ -1,7 +1,6 @@
 """The op loader: loads once, and every failure names both TF versions and the rebuild."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -91,7 +91,6 @@ def from_tf_config(tf_config: Any, task_type: Optional[str] = None,
 
     ``task_type`` / ``task_index`` override the ``task`` entry when given.
     """
-    what = "TF_CONFIG"
     if isinstance(tf_config, str):
         try:
             tf_config = json.loads(tf_config)

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from typing import Dict
 
@@ -50,13 +51,12 @@ class TrainingSummaries(keras.callbacks.Callback):
     def __init__(self, logdir: str, strategy=None, every_steps: int = 50,
                  examples_per_step: int = 0, table_every: int = 10):
         super().__init__()
-        try:
-            import tensorboard  # noqa: F401 — tf.summary's implementation lives there
-        except ImportError as e:
+        if importlib.util.find_spec("tensorboard") is None:
+            # (tf.summary's implementation lives there)
             raise ImportError(
                 "tfpsx.keras.TrainingSummaries writes with tf.summary, which needs the "
                 "tensorboard package (TensorFlow 2.21 no longer installs it): pip install "
-                "tensorboard (or tfpsx[tensorboard])") from e
+                "tensorboard (or tfpsx[tensorboard])")
         self.logdir = str(logdir)
         self.every = settings.parse_int(every_steps, "TrainingSummaries(every_steps=...)",
                                         minimum=1)

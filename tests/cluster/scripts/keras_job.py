@@ -171,14 +171,14 @@ def main(argv):
                    help="cut weights into slices of at least this many bytes, one per PS")
     args = p.parse_args(argv)
 
-    me, workers = 0, 1
+    me = 0
     if not args.local:
         tfpsx.init()
         if tfpsx.is_server():
             tfpsx.run_server()
             return 0
         tfpsx.init_worker()
-        me, workers = tfpsx.worker_index(), tfpsx.worker_num()
+        me = tfpsx.worker_index()
     strategy = None if args.local else strategy_for(args)
     with contextlib.nullcontext() if strategy is None else strategy.scope():
         model = (wide_and_deep(args.cache_size) if args.model == "wide_deep"
