@@ -33,11 +33,13 @@ class Recorder:
     def run_round(self, phases):
         if self.fail:
             raise self.fail
+        self.entered = True
         if self.slow:
             self.block.wait(10)
         self.rounds.append((self.schedule.pushed, phases))
 
     slow = False
+    entered = False  # a round started
 
     def barrier(self):
         self.barriers += 1
@@ -102,6 +104,52 @@ def test_the_background_communicator_is_woken_once_k_steps_are_unpushed():
     s.step_done(13)
     assert s.end(13) and not s.running
     assert rec.rounds[-1] == (13, (PUSH, PULL))  # the final round
+
+
+def test_no_background_round_starts_without_k_steps_left_after_its_pull():
+    """Keras fit knows the steps it has left: a background round starts only with K
+    steps left beyond the round's own length (the steps trained while the last one ran;
+    K before any), else the final round pushes them; without the count, every K steps."""
+    def schedule(rec, k):
+        traced = []
+        s = rec.make(k, deterministic=False, first_round=lambda: traced.append(True))
+        s.start(0)
+        wait_until(lambda: traced)
+        return s
+
+    rec = Recorder()
+    s = schedule(rec, 10)
+    for step in range(1, 26):  # 15 left at step 10: fewer than K + K
+        s.step_done(step, steps_left=25 - step)
+    time.sleep(0.05)
+    assert s.end(25) and [pushed for pushed, _ in rec.rounds] == [25]
+
+    rec = Recorder()
+    rec.slow = True  # the round at 10 runs while steps 11-14 train
+    s = schedule(rec, 10)
+    for step in range(1, 15):
+        s.step_done(step, steps_left=40 - step)
+        if step == 10:
+            wait_until(lambda: rec.entered)
+    rec.block.set()
+    wait_until(lambda: rec.rounds)
+    s.step_done(15, steps_left=25)  # (the communicator measures the lag after the round)
+    wait_until(lambda: s.lag == 4)
+    for step in range(16, 41):  # at 24, 16 are left: K + 4 = 14, a round; at 34, 6
+        s.step_done(step, steps_left=40 - step)
+        if step == 24:
+            wait_until(lambda: len(rec.rounds) == 2)
+    time.sleep(0.05)
+    assert s.end(40) and [pushed for pushed, _ in rec.rounds] == [10, 24, 40]
+
+    rec = Recorder()
+    s = schedule(rec, 10)
+    for step in range(1, 46):  # the steps left unknown: every K steps
+        s.step_done(step)
+        if step % 10 == 0:
+            wait_until(lambda: len(rec.rounds) == step // 10)
+    assert s.end(45)
+    assert [pushed for pushed, _ in rec.rounds] == [10, 20, 30, 40, 45]
 
 
 def test_a_failed_communicator_fails_the_next_step_and_sends_nothing_more():

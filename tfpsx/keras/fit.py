@@ -56,6 +56,8 @@ class StrategyCallback(keras.callbacks.Callback):
         self._originals = {}  # step-function name -> Keras's own, while fit runs
         self._active = False
         self._last_in_epoch = True  # the next train step ends the epoch (or may)
+        self._epoch = 0
+        self._steps_left = None
 
     # ------------------------------------------------------------------ Keras's hooks
     def on_train_begin(self, logs=None):
@@ -67,14 +69,23 @@ class StrategyCallback(keras.callbacks.Callback):
         if self._active:  # a validation inside fit
             self._wrap("test_function")
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
     def on_train_batch_begin(self, batch, logs=None):
         steps = self.params.get("steps") if self.params else None
+        epochs = self.params.get("epochs") if self.params else None
         per_call = getattr(self.model, "steps_per_execution", 1) or 1
         self._last_in_epoch = steps is None or batch + per_call >= steps
+        # The steps this fit runs after this execution (GEO starts no background round
+        # it could not follow with K of them); None when the epoch's length is unknown.
+        self._steps_left = (None if steps is None or epochs is None else
+                            (epochs - 1 - self._epoch) * steps + steps - min(batch + per_call, steps))
 
     def on_train_batch_end(self, batch, logs=None):
         try:
-            self._strategy.translating(self._strategy.batch_end, self.model)
+            self._strategy.translating(self._strategy.batch_end, self.model,
+                                       self._steps_left)
             flush_due_eager_caches()  # worker caches sync between steps
             if self._last_in_epoch:
                 # The ops this callback ran since the step's own wait are in flight too:

@@ -278,9 +278,10 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         self._fitting = True
         self._fit_flag.assign(1)
 
-    def batch_end(self, model) -> None:
-        """An execution of the train function ended (``steps_per_execution`` steps)."""
-        self._mode.batch_end(model)
+    def batch_end(self, model, steps_left: Optional[int] = None) -> None:
+        """An execution of the train function ended (``steps_per_execution`` steps);
+        ``steps_left``: the steps this ``fit`` still runs (None: unknown)."""
+        self._mode.batch_end(model, steps_left)
 
     def end_fit(self, model, failed: bool = False) -> None:
         """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""

@@ -26,6 +26,20 @@ meet first too). A front-end interprets the phases: a TF1 session runs them one
 The **schedule** (:class:`GeoSchedule`) says when a round runs: every K local steps
 (woken in the background, or inline), a final round when training ends with local
 steps not yet pushed, and the communicator's bounded stop.
+
+A background round starts only when at least K + L local steps are left to train, L
+being the steps trained while the last round ran (K before any round), when the
+front-end knows how many are left (Keras ``fit`` does; graph mode does not): else the
+final round pushes them. A background pull lands L steps after its round started, while
+the copy trains on; after it the copy holds the global model plus its own unpushed
+delta, and the steps after the pull are what bring it back from overshooting (the
+others' moves and its own delta both carry what every worker learned). A pull that
+lands at the end of training leaves no such steps, and the final push adds every
+copy's uncorrected rest to a global that has everyone's move already. Measured on the
+Criteo job, 1 PS + 4 workers, 146 steps per worker, one round moving ~145k rows out and
+~330k in (4-5 s, L ~ 26 steps): K = 120 ended at AUC 0.720 / log loss 0.85 (four runs),
+0.759-0.763 / 0.48 with the same rounds run while training paused, 0.761 / 0.50 with
+this rule; K = 50: 0.723 (K-only rule: 0.748, 0.752; this rule: 0.760).
 """
 
 from __future__ import annotations
@@ -211,6 +225,8 @@ class GeoSchedule:
         self.pushed = 0  # local steps counted at the start of the last round
         self._steps = 0  # local steps reported by step_done
         self._loop: Optional[BackgroundLoop] = None
+        # Local steps trained while the last background round ran (before any: K).
+        self.lag = k_steps
 
     @property
     def running(self) -> bool:
@@ -233,12 +249,16 @@ class GeoSchedule:
             if self._first_round is not None:
                 self._loop.wake()
 
-    def step_done(self, steps: int) -> None:
-        """``steps`` local steps have run (after a step, or an execution of several)."""
+    def step_done(self, steps: int, steps_left: Optional[int] = None) -> None:
+        """``steps`` local steps have run (after a step, or an execution of several);
+        ``steps_left``: how many training will still run, when the front-end knows (a
+        background round then starts only with at least K + :attr:`lag` of them left:
+        see the module doc)."""
         self._steps = steps
         if self._loop is not None:
             self._loop.check()
-            if steps - self.pushed >= self.k_steps:
+            if (steps - self.pushed >= self.k_steps
+                    and (steps_left is None or steps_left >= self.k_steps + self.lag)):
                 self._loop.wake()
         elif self.deterministic and self._inline and steps - self.pushed >= self.k_steps:
             self.round(steps, self.phases())
@@ -259,7 +279,9 @@ class GeoSchedule:
             first, self._first_round = self._first_round, None
             first()
             return
-        self.round(self._steps, self.phases())
+        started = self._steps
+        self.round(started, self.phases())
+        self.lag = self._steps - started
 
     def end(self, steps: int, raise_failure: bool = True) -> bool:
         """Training ended after ``steps`` local steps: the communicator stops (bounded by

@@ -128,8 +128,9 @@ class KerasMode:
         else:
             self.wait_until_ready()
 
-    def batch_end(self, model) -> None:
-        """After each execution of the train function (``steps_per_execution`` steps)."""
+    def batch_end(self, model, steps_left: Optional[int] = None) -> None:
+        """After each execution of the train function (``steps_per_execution`` steps);
+        ``steps_left``: the steps the ``fit`` still runs (None: unknown)."""
 
     def end_fit(self, model) -> None:
         """After ``fit``, also when it failed."""

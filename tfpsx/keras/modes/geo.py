@@ -240,9 +240,9 @@ class KerasGeo(KerasMode):
         elif not self._in_fit:
             self._take_global()
 
-    def batch_end(self, model) -> None:
+    def batch_end(self, model, steps_left: Optional[int] = None) -> None:
         if self.schedule.running:
-            self.schedule.step_done(int(self._steps.read_value()))
+            self.schedule.step_done(int(self._steps.read_value()), steps_left)
 
     def end_fit(self, model) -> None:
         # The last local steps reach the PS before fit returns; then the model is the

@@ -1,0 +1,58 @@
+"""tfpsx's fit callback (tfpsx.keras.fit.StrategyCallback) in a plain Keras fit, no
+cluster: what it tells the strategy after each execution of the train function."""
+
+import keras
+import numpy as np
+import pytest
+
+from tfpsx.keras.fit import StrategyCallback
+
+
+class RecordingStrategy:
+    """The strategy side of the callback, recording what fit told it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin_fit(self, model):
+        self.calls.append("begin")
+
+    def batch_end(self, model, steps_left=None):
+        self.calls.append(steps_left)
+
+    def end_fit(self, model, failed=False):
+        self.calls.append("end")
+
+    def translating(self, step, *args, **kwargs):
+        return step(*args, **kwargs)
+
+
+@pytest.mark.parametrize("per_call,initial_epoch,expected", [
+    (1, 0, list(range(14, -1, -1))),       # 3 epochs of 5 steps
+    (2, 0, [13, 11, 10, 8, 6, 5, 3, 1, 0]),  # executions of 2 steps; an epoch's last of 1
+    (1, 1, list(range(9, -1, -1))),        # resumed at the second epoch: 2 epochs left
+])
+def test_the_strategy_learns_the_steps_fit_has_left_after_each_execution(
+        per_call, initial_epoch, expected):
+    """GEO's schedule starts no background round it could not follow with K steps of
+    training (tfpsx.modes.geo): fit's callback gives it the count."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", steps_per_execution=per_call)
+    strategy = RecordingStrategy()
+    x, y = np.zeros((10, 3), np.float32), np.zeros((10, 1), np.float32)
+    model.fit(x, y, batch_size=2, epochs=3, initial_epoch=initial_epoch, verbose=0,
+              callbacks=[StrategyCallback(strategy)])
+    assert strategy.calls == ["begin"] + expected + ["end"]
+
+
+def test_an_epoch_of_unknown_length_leaves_the_count_unknown():
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    strategy = RecordingStrategy()
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((6, 3), np.float32), np.zeros((6, 1), np.float32))).batch(2).filter(
+        lambda x, y: True)  # (a filter: no cardinality)
+    model.fit(data, epochs=2, verbose=0, shuffle=False, callbacks=[StrategyCallback(strategy)])
+    assert strategy.calls == ["begin"] + [None] * 6 + ["end"]
