@@ -125,22 +125,45 @@ def test_no_background_round_starts_without_k_steps_left_after_its_pull():
     assert s.end(25) and [pushed for pushed, _ in rec.rounds] == [25]
 
     rec = Recorder()
-    rec.slow = True  # the round at 10 runs while steps 11-14 train
+    rec.slow = True  # each round runs until the test lets it end
+
+    def blocked_round(step, left):
+        rec.block, rec.entered = threading.Event(), False
+        s.step_done(step, steps_left=left)
+        wait_until(lambda: rec.entered)
+
     s = schedule(rec, 10)
-    for step in range(1, 15):
+    for step in range(1, 10):
         s.step_done(step, steps_left=40 - step)
-        if step == 10:
-            wait_until(lambda: rec.entered)
+    blocked_round(10, 30)  # 30 left: K + K
+    for step in range(11, 15):  # trained while it runs
+        s.step_done(step, steps_left=40 - step)
     rec.block.set()
-    wait_until(lambda: rec.rounds)
-    s.step_done(15, steps_left=25)  # (the communicator measures the lag after the round)
     wait_until(lambda: s.lag == 4)
-    for step in range(16, 41):  # at 24, 16 are left: K + 4 = 14, a round; at 34, 6
+    for step in range(15, 20):
         s.step_done(step, steps_left=40 - step)
-        if step == 24:
-            wait_until(lambda: len(rec.rounds) == 2)
+    blocked_round(20, 20)  # 20 left: K + 4
+    for step in range(21, 26):
+        s.step_done(step, steps_left=40 - step)
+    rec.block.set()
+    wait_until(lambda: s.lag == 5)
+    for step in range(26, 41):  # at 30, 10 left: fewer than K + 5
+        s.step_done(step, steps_left=40 - step)
     time.sleep(0.05)
-    assert s.end(40) and [pushed for pushed, _ in rec.rounds] == [10, 24, 40]
+    assert s.end(40) and [pushed for pushed, _ in rec.rounds] == [10, 20, 40]
+
+    # A wake-up during a round that runs long is checked again when its round would start.
+    rec = Recorder()
+    rec.slow = True
+    s = schedule(rec, 10)
+    for step in range(1, 10):
+        s.step_done(step, steps_left=100)
+    blocked_round(10, 100)
+    s.step_done(20, steps_left=50)  # wakes the communicator again (it is busy)
+    s.step_done(28, steps_left=2)   # but when that round would start, 2 are left
+    rec.block.set()
+    time.sleep(0.1)
+    assert s.end(30) and [pushed for pushed, _ in rec.rounds] == [10, 30]
 
     rec = Recorder()
     s = schedule(rec, 10)
@@ -164,6 +187,23 @@ def test_a_failed_communicator_fails_the_next_step_and_sends_nothing_more():
     rec.fail = None
     assert s.end(5, raise_failure=False) is False
     assert rec.rounds == []
+
+
+def test_a_session_created_again_restarts_the_communicator_without_the_old_failure():
+    """TF's MonitoredSession closed the session under a round (after an error) and made
+    a new one: that round's failure was the closed session's; the next rounds run."""
+    rec = Recorder()
+    s = rec.make(2, deterministic=False)
+    s.start(0)
+    rec.fail = RuntimeError("Attempted to use a closed Session.")
+    s.step_done(2)
+    wait_until(lambda: s._loop.error is not None)
+    rec.fail = None
+    s.restart(3)
+    s.step_done(4)
+    s.step_done(5)
+    wait_until(lambda: rec.rounds)
+    assert s.end(6) and [pushed for pushed, _ in rec.rounds] == [5, 6]
 
 
 def test_a_stuck_round_ends_training_within_the_rpc_timeout(monkeypatch):

@@ -30,7 +30,7 @@ steps not yet pushed, and the communicator's bounded stop.
 A background round starts only when at least K + L local steps are left to train, L
 being the steps trained while the last round ran (K before any round), when the
 front-end knows how many are left (Keras ``fit`` does; graph mode does not): else the
-final round pushes them. A background pull lands L steps after its round started, while
+final round pushes them (checked at the wake-up and again when the round would start). A background pull lands L steps after its round started, while
 the copy trains on; after it the copy holds the global model plus its own unpushed
 delta, and the steps after the pull are what bring it back from overshooting (the
 others' moves and its own delta both carry what every worker learned). A pull that
@@ -227,6 +227,7 @@ class GeoSchedule:
         self._loop: Optional[BackgroundLoop] = None
         # Local steps trained while the last background round ran (before any: K).
         self.lag = k_steps
+        self._steps_left: Optional[int] = None  # as the front-end last said
 
     @property
     def running(self) -> bool:
@@ -254,11 +255,10 @@ class GeoSchedule:
         ``steps_left``: how many training will still run, when the front-end knows (a
         background round then starts only with at least K + :attr:`lag` of them left:
         see the module doc)."""
-        self._steps = steps
+        self._steps, self._steps_left = steps, steps_left
         if self._loop is not None:
             self._loop.check()
-            if (steps - self.pushed >= self.k_steps
-                    and (steps_left is None or steps_left >= self.k_steps + self.lag)):
+            if steps - self.pushed >= self.k_steps and self._time_left():
                 self._loop.wake()
         elif self.deterministic and self._inline and steps - self.pushed >= self.k_steps:
             self.round(steps, self.phases())
@@ -270,6 +270,27 @@ class GeoSchedule:
         self.pushed = steps
         self._run_round(phases)
 
+    def _time_left(self) -> bool:
+        """Enough steps are left for a background round (or their count is unknown)."""
+        left = self._steps_left
+        return left is None or left >= self.k_steps + self.lag
+
+    def restart(self, steps: int) -> None:
+        """The front-end's session was created again (TF's MonitoredSession, after an
+        error): the communicator's round in flight ran on the closed session, and its
+        failure is that session's, not a new one; the communicator starts again."""
+        loop, self._loop = self._loop, None
+        timeout = settings.get("TFPSX_RPC_TIMEOUT")
+        if loop is not None and not loop.stop(timeout):
+            raise errors.ClusterTimeoutError(
+                "GEO communicator: the round in flight when the session was created again "
+                f"did not end within TFPSX_RPC_TIMEOUT={timeout:g} s")
+        self._first_round = None
+        if self.deterministic:  # (no barrier: the others are not meeting now)
+            self.pushed = self._steps = steps
+            return
+        self.start(steps)
+
     def pushed_in_step(self, steps: int) -> None:
         """A round ran inside the step (the front-end's own deterministic round)."""
         self.pushed = steps
@@ -278,6 +299,9 @@ class GeoSchedule:
         if self._first_round is not None:
             first, self._first_round = self._first_round, None
             first()
+            return
+        if not self._time_left():
+            # A wake-up during a round that ran long: the steps left now are too few.
             return
         started = self._steps
         self.round(started, self.phases())

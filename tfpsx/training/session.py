@@ -66,10 +66,13 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
     This one takes the model the servers hold when every global variable there is
     initialized: it runs the local init alone and training goes on from the servers'
     step. A server that lost its state (it was started again) has uninitialized
-    variables: TF's path then restores or initializes, as on the first start."""
+    variables: TF's path then restores or initializes, as on the first start. So the
+    check needs a variable on every server: a server holding only table shards (tables
+    are made on first use, no variable says they were) keeps TF's path, with a warning."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, servers: int = 0, **kwargs):
         super().__init__(**kwargs)
+        self._servers = servers
         self._created = False
 
     def create_session(self):
@@ -81,13 +84,29 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
         self._created = True
         return session
 
+    def _uncovered_servers(self, graph):
+        """The servers that hold none of the model's global variables."""
+        held = set()
+        for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
+            spec = tf.DeviceSpec.from_string(v.device or "")
+            if spec.job == "ps" and spec.task is not None:
+                held.add(spec.task)
+        return sorted(set(range(self._servers)) - held)
+
     def _session_on_the_servers_model(self):
         scaffold = self._scaffold  # finalized by the first creation
         check = scaffold.ready_for_local_init_op
         if check is None:
             return None
-        session = tf.compat.v1.Session(self._master, graph=tf.compat.v1.get_default_graph(),
-                                       config=self._config)
+        uncovered = self._uncovered_servers(check.graph)
+        if uncovered:
+            logger.warning(
+                "the chief's session is created again after an error; server(s) %s hold none "
+                "of the model's variables (only table shards), so whether they lost their "
+                "state cannot be told: the model is restored from the last checkpoint, or "
+                "initialized anew without one (TF's way)", uncovered)
+            return None
+        session = tf.compat.v1.Session(self._master, graph=check.graph, config=self._config)
         try:
             missing = session.run(check)
             if missing.size:
@@ -100,6 +119,9 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
                 return None
             if scaffold.local_init_op is not None:
                 session.run(scaffold.local_init_op, feed_dict=scaffold.local_init_feed_dict)
+            if scaffold.ready_op is not None and session.run(scaffold.ready_op).size:
+                session.close()
+                return None  # (TF's path then says what is not ready)
         except BaseException:
             session.close()
             raise
@@ -215,8 +237,9 @@ def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chi
         hooks = hooks + [TrainingDoneHook(checkpoint_dir)]
     # TF's MonitoredTrainingSession for a chief, with tfpsx's session creator.
     scaffold = scaffold or tf.compat.v1.train.Scaffold()
-    creator = _ChiefSessionCreator(scaffold=scaffold, checkpoint_dir=checkpoint_dir,
-                                   master=master, config=session_config)
+    creator = _ChiefSessionCreator(servers=config.server_num, scaffold=scaffold,
+                                   checkpoint_dir=checkpoint_dir, master=master,
+                                   config=session_config)
     return tf.compat.v1.train.MonitoredSession(
         session_creator=creator,
         hooks=chief_hooks + _saver_hooks(checkpoint_dir, scaffold, log_step_count_steps,
@@ -230,7 +253,7 @@ def _saver_hooks(checkpoint_dir, scaffold, log_step_count_steps, save_checkpoint
     """The hooks TF's MonitoredTrainingSession gives a chief, with its defaults: summaries
     every 100 steps and a checkpoint every 600 s unless either is set; none without
     ``checkpoint_dir``."""
-    if checkpoint_dir is None:
+    if not checkpoint_dir:
         return []
     train = tf.compat.v1.train
     if save_summaries_steps is None:

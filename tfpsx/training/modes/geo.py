@@ -198,11 +198,15 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
+        again = self._session is not None  # TF's MonitoredSession, after an error
         self._session = session
         # Sparse tables: this worker's reader of changed keys must exist before anyone
         # pushes (the table tracks changes only for readers it knows).
         session.run(self._register)
-        self._schedule.start(self._steps)
+        if again:
+            self._schedule.restart(self._steps)
+        else:
+            self._schedule.start(self._steps)
 
     def after_run(self, run_context, run_values):
         if self._detector.ran_training(run_context):
