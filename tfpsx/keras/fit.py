@@ -80,7 +80,7 @@ class StrategyCallback(keras.callbacks.Callback):
         # The steps this fit runs after this execution (GEO starts no background round
         # it could not follow with K of them); None when the epoch's length is unknown.
         self._steps_left = (None if steps is None or epochs is None else
-                            (epochs - 1 - self._epoch) * steps + steps - min(batch + per_call, steps))
+                            (epochs - self._epoch) * steps - min(batch + per_call, steps))
 
     def on_train_batch_end(self, batch, logs=None):
         try:

@@ -30,16 +30,17 @@ steps not yet pushed, and the communicator's bounded stop.
 A background round starts only when at least K + L local steps are left to train, L
 being the steps trained while the last round ran (K before any round), when the
 front-end knows how many are left (Keras ``fit`` does; graph mode does not): else the
-final round pushes them (checked at the wake-up and again when the round would start). A background pull lands L steps after its round started, while
-the copy trains on; after it the copy holds the global model plus its own unpushed
-delta, and the steps after the pull are what bring it back from overshooting (the
-others' moves and its own delta both carry what every worker learned). A pull that
-lands at the end of training leaves no such steps, and the final push adds every
-copy's uncorrected rest to a global that has everyone's move already. Measured on the
-Criteo job, 1 PS + 4 workers, 146 steps per worker, one round moving ~145k rows out and
-~330k in (4-5 s, L ~ 26 steps): K = 120 ended at AUC 0.720 / log loss 0.85 (four runs),
-0.759-0.763 / 0.48 with the same rounds run while training paused, 0.761 / 0.50 with
-this rule; K = 50: 0.723 (K-only rule: 0.748, 0.752; this rule: 0.760).
+final round pushes them (checked at the wake-up and again when the round would start).
+A background pull lands L steps after its round started, while the copy trains on; after
+it the copy holds the global model plus its own unpushed delta, and the steps after the
+pull are what bring it back from overshooting (the others' moves and its own delta both
+carry what every worker learned). A pull that lands at the end of training leaves no
+such steps, and the final push adds every copy's uncorrected rest to a global that has
+everyone's move already. Measured on the Criteo job, 1 PS + 4 workers, 146 steps per
+worker, one round moving ~145k rows out and ~330k in (4-5 s, L ~ 26 steps): K = 120
+ended at AUC 0.720 / log loss 0.85 (four runs), 0.759-0.763 / 0.48 with the same rounds
+run while training paused, 0.761 / 0.50 with this rule; K = 50: 0.723 (K-only rule:
+0.748, 0.752; this rule: 0.760).
 """
 
 from __future__ import annotations
@@ -279,17 +280,23 @@ class GeoSchedule:
         """The front-end's session was created again (TF's MonitoredSession, after an
         error): the communicator's round in flight ran on the closed session, and its
         failure is that session's, not a new one; the communicator starts again."""
-        loop, self._loop = self._loop, None
-        timeout = settings.get("TFPSX_RPC_TIMEOUT")
-        if loop is not None and not loop.stop(timeout):
-            raise errors.ClusterTimeoutError(
-                "GEO communicator: the round in flight when the session was created again "
-                f"did not end within TFPSX_RPC_TIMEOUT={timeout:g} s")
+        self._stop_loop("the round in flight when the session was created again")
         self._first_round = None
         if self.deterministic:  # (no barrier: the others are not meeting now)
             self.pushed = self._steps = steps
             return
         self.start(steps)
+
+    def _stop_loop(self, what: str) -> Optional[BackgroundLoop]:
+        """Stops the communicator after its round in flight (bounded by
+        TFPSX_RPC_TIMEOUT, else a ClusterTimeoutError naming ``what``); the stopped loop."""
+        loop, self._loop = self._loop, None
+        timeout = settings.get("TFPSX_RPC_TIMEOUT")
+        if loop is not None and not loop.stop(timeout):
+            raise errors.ClusterTimeoutError(
+                f"GEO communicator: {what} did not finish within TFPSX_RPC_TIMEOUT="
+                f"{timeout:g} s")
+        return loop
 
     def pushed_in_step(self, steps: int) -> None:
         """A round ran inside the step (the front-end's own deterministic round)."""
@@ -314,13 +321,8 @@ class GeoSchedule:
         failed, nothing more is sent and its error is raised (``raise_failure``; a
         BackgroundTaskError), else False is returned."""
         self._steps = steps
-        loop, self._loop = self._loop, None
+        loop = self._stop_loop("the last sync")
         if loop is not None:
-            timeout = settings.get("TFPSX_RPC_TIMEOUT")
-            if not loop.stop(timeout):
-                raise errors.ClusterTimeoutError(
-                    "GEO communicator: the last sync did not finish within TFPSX_RPC_TIMEOUT="
-                    f"{timeout:g} s")
             if loop.error is not None:
                 if raise_failure:
                     loop.check()

@@ -8,9 +8,8 @@ final flush).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import logging
+from typing import Optional
 
 import tensorflow as tf
 
