@@ -1,7 +1,10 @@
 # tfpsx developer entry points. `make demo` and `make test` set everything up on a fresh
 # machine (virtualenv, TensorFlow, the op library built against it) and then run.
 #
-#   make test             tests against tensorflow-cpu 2.21 (what CI runs; builds the docs too)
+#   make test             tests against tensorflow-cpu 2.21 (what CI runs; builds the docs too):
+#                         every feature end to end, not the variants and soaks marked slow
+#   make test-all         make test plus the tests marked slow (before a release, and when
+#                         touching their area: docs/testing.md lists them)
 #   make test-fast        the unit and single-process tests, not the slow ones
 #   make docs             the documentation site (MkDocs, --strict) into build/site
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
@@ -34,7 +37,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test test-fast docs native-test native-asan cuda-check cuda-native-test cuda-bench demo bench bazel \
+.PHONY: setup build test test-all test-fast docs native-test native-asan cuda-check cuda-native-test cuda-bench demo bench bazel \
     proto clean
 
 ifeq ($(TF),2.21)
@@ -131,7 +134,10 @@ cuda-bench: $(CUDA_BENCH)
 	$(CUDA_BENCH)
 
 test: setup native-test cuda-check docs
-	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=25 -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup native-test cuda-check docs
+	$(PY) -m pytest -ra --durations=40 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -ra --durations=10 -m "(unit or ops) and not slow" $(PYTEST_ARGS)
@@ -193,7 +199,7 @@ proto:
 
 else
 
-setup test test-fast docs demo build bench:
+setup test test-all test-fast docs demo build bench:
 	mkdir -p $(ALT_DIR)/src
 	git ls-files -z --cached --others --exclude-standard | \
 	    tar --null -T - -cf - | tar -xf - -C $(ALT_DIR)/src

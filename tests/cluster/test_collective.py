@@ -36,7 +36,8 @@ def _local(out, args=()):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config_mode", ["env", "scheduler", "tf_config"])
+@pytest.mark.parametrize("config_mode", [pytest.param("env", marks=pytest.mark.slow), "scheduler",
+                                         pytest.param("tf_config", marks=pytest.mark.slow)])
 def test_two_ranks_train_as_one_process_on_their_concatenated_batches(
         make_cluster, tmp_path, config_mode):
     """Differently seeded ranks start equal, stay identical after every step, and end
@@ -77,6 +78,7 @@ def test_the_graph_front_end_trains_to_the_keras_values(make_cluster, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_an_uneven_split_gives_every_rank_the_same_steps_and_no_deadlock(make_cluster, tmp_path):
     """514 rows: tfpsx.data.shard_arrays gives each rank 257 (16 batches of 16 and one
     of 1, a retraced step on both ranks); the result still equals one process's."""
@@ -118,6 +120,7 @@ def test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it(make_clus
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_rank_killed_before_stop_worker_ends_the_others_wait_there_naming_it(
         make_cluster, tmp_path):
     """stop_worker() meets every rank before leaving (here: a last all-reduce, no
@@ -150,6 +153,7 @@ def test_misuse_is_a_clear_error(make_cluster, tmp_path):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_ranks_that_disagree_on_the_world_size_fail_naming_it(make_cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

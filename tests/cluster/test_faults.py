@@ -45,6 +45,7 @@ def test_graph_mode_workers_exit_when_their_server_is_killed(make_cluster, mode,
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_worker_cache_fails_naming_the_killed_server(make_cluster):
     """Async through worker caches (misses fetched, evictions pushed and syncs every 5
     updates, all RPCs to the server): the server SIGKILLed, every worker ends within the
@@ -62,7 +63,8 @@ def test_a_worker_cache_fails_naming_the_killed_server(make_cluster):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("cache", [[], ["--cache_size", "24"]], ids=["tables", "cached"])
+@pytest.mark.parametrize("cache", [[], pytest.param(["--cache_size", "24"], marks=pytest.mark.slow)],
+                         ids=["tables", "cached"])
 def test_keras_fit_fails_naming_the_killed_server(make_cluster, cache):
     """cached: worker caches fed by fit's input pipeline, whose staging meets the dead
     server first (the error reaches the step through the dataset)."""
@@ -79,6 +81,7 @@ def test_keras_fit_fails_naming_the_killed_server(make_cluster, cache):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_keras_fit_names_a_server_lost_right_before_kerass_own_wait_at_an_epochs_end(
         make_cluster):
     """The window no step can catch: the server dies after the epoch's last step and its

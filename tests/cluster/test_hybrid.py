@@ -34,7 +34,7 @@ def _check_training(out, prefix=""):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tables", ["async", "geo"])
+@pytest.mark.parametrize("tables", ["async", pytest.param("geo", marks=pytest.mark.slow)])
 def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_equal(
         make_cluster, tmp_path, tables):
     c, out, codes = _run(make_cluster, tmp_path, ["--tables", tables])
@@ -47,7 +47,7 @@ def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tables", ["async", "geo"])
+@pytest.mark.parametrize("tables", [pytest.param("async", marks=pytest.mark.slow), "geo"])
 def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_equal(
         make_cluster, tmp_path, tables):
     """The same job in TF1 graph mode (model_scope, distributed_optimizer,
@@ -60,8 +60,11 @@ def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("front_end", ["keras", "graph"])
-@pytest.mark.parametrize("step", [5, 32])
+@pytest.mark.parametrize("front_end,step", [
+    ("keras", 5), pytest.param("graph", 5, marks=pytest.mark.slow),
+    # killed later in training (after its first meeting)
+    pytest.param("keras", 32, marks=pytest.mark.slow),
+    pytest.param("graph", 32, marks=pytest.mark.slow)])
 def test_a_killed_worker_makes_the_other_exit_within_the_bound_naming_it(
         make_cluster, tmp_path, front_end, step):
     """Worker 1 SIGKILLs itself at its 5th step (mid-training), or at its 32nd, the last
@@ -83,7 +86,7 @@ def test_a_killed_worker_makes_the_other_exit_within_the_bound_naming_it(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("front_end", ["keras", "graph"])
+@pytest.mark.parametrize("front_end", [pytest.param("keras", marks=pytest.mark.slow), "graph"])
 def test_given_dense_endpoints_are_used_without_meeting_on_the_server(
         make_cluster, tmp_path, front_end):
     """TFPSX_DENSE_ENDPOINTS: each worker binds its own entry's port (no ports met on

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, wait_for_log
+from conftest import SCRIPTS, scenario, wait_for_log
 from test_training import geo_reference, served_outputs
 import training_job as linear
 
@@ -72,8 +72,9 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,extra", [("async", []),
-                                        ("geo", ["--k_steps", "8", "--step_delay", "0.02"])])
+@pytest.mark.parametrize("mode,extra", [
+    ("async", []),
+    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02"], marks=pytest.mark.slow)])
 def test_worker_caches_are_fed_by_fits_input_pipeline(make_cluster, mode, extra):
     """Both tables with a worker cache of 24 rows (200 users, 100 tags): fit's dataset
     stages every batch's rows before the step takes it, so the steps fetch nothing from
@@ -96,12 +97,23 @@ def test_worker_caches_are_fed_by_fits_input_pipeline(make_cluster, mode, extra)
                 assert stats["flushes"] >= 1, (name, stats)
 
 
-@pytest.mark.timeout(300)
-def test_two_servers_share_the_model(make_cluster):
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    """The async job on 2 PS + 2 workers that the next tests read: weights of 512 bytes or
+    more cut over both servers, the chief's saved model (model.save) and its serving
+    export (tfpsx.export_serving) written after fit. (c, folder of the saved files)"""
+    out = tmp_path_factory.mktemp("keras_two_servers_out")
+    with scenario(tmp_path_factory, "keras_two_servers", 2, 2, script="keras_job.py",
+                  env=FAST, timeout=300,
+                  args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
+                        "--save", str(out / "saved"), "--export", str(out / "export")]) as c:
+        yield c, out
+
+
+@pytest.mark.timeout(400)
+def test_two_servers_share_the_model(two_servers):
     # Weights of 1 KiB or more are cut in two (a slice per server); the model trains.
-    c = make_cluster(2, 2, script="keras_job.py", env=FAST, timeout=240,
-                     args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512"]).start()
-    finish(c)
+    c, _ = two_servers
     got = reports(c, 2)
     assert all(r["eval_loss"] < LEARNED for r in got.values()), got
     for i in range(2):  # each server holds a share of the weights and the tables' shards
@@ -113,7 +125,9 @@ def test_two_servers_share_the_model(make_cluster):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("workers,servers", [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("workers,servers", [pytest.param(1, 1, marks=pytest.mark.slow),
+                                             pytest.param(2, 1, marks=pytest.mark.slow),
+                                             (2, 2)])
 def test_deterministic_geo_equals_graph_mode_geo(make_cluster, workers, servers):
     """The graph-mode test compares GEO with the numpy replay of the rule: Keras GEO on the
     same data, model and schedule gives the same global values (with 2 servers, the
@@ -150,7 +164,7 @@ def sync_reference(workers: int, steps: int):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_sync_applies_one_gradient_of_each_worker_per_step(make_cluster, servers):
     steps = 25
     # Worker 1 is slow: a fast worker that supplied two gradients of a step would show.
@@ -168,6 +182,7 @@ def test_sync_applies_one_gradient_of_each_worker_per_step(make_cluster, servers
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sync_with_a_killed_worker_is_a_cluster_timeout(make_cluster):
     c = make_cluster(1, 2, script="keras_job.py",
                      env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="4"), timeout=240,
@@ -200,6 +215,7 @@ def test_sync_fails_fast_when_the_scheduler_reports_the_worker_dead(make_cluster
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_uneven_shards_do_not_deadlock_sync(make_cluster):
     c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
                      args=["--mode", "sync", "--epochs", "2", "--uneven"]).start()
@@ -209,13 +225,9 @@ def test_uneven_shards_do_not_deadlock_sync(make_cluster):
     assert got[0]["eval_loss"] < 0.69, got
 
 
-@pytest.mark.timeout(300)
-def test_the_chief_saves_a_model_that_reloads_without_a_cluster(make_cluster, tmp_path):
-    out = tmp_path / "saved"
-    c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
-                     args=["--mode", "geo", "--k_steps", "8", "--epochs", "2",
-                           "--save", str(out)]).start()
-    finish(c)
+@pytest.mark.timeout(400)
+def test_the_chief_saves_a_model_that_reloads_without_a_cluster(two_servers):
+    out = two_servers[1] / "saved"
     check = (
         "import sys, numpy as np, keras, tensorflow as tf, tfpsx.keras\n"
         f"m = keras.models.load_model({str(out / 'model.keras')!r})\n"
@@ -231,21 +243,33 @@ def test_the_chief_saves_a_model_that_reloads_without_a_cluster(make_cluster, tm
         proc.stdout + proc.stderr[-3000:]
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "8"])])
-def test_the_chief_exports_a_model_that_serves_without_tfpsx(make_cluster, tmp_path, mode,
-                                                             extra):
-    """Async: the tables' rows come from their shards on two PS; GEO: from the chief's
-    copy, as predict reads them. Served in a process without tfpsx (TF2 and TF1 loaders)."""
-    out = tmp_path / "export"
-    c = make_cluster(2, 2, script="keras_job.py", env=FAST, timeout=300,
-                     args=["--mode", mode, "--epochs", "1", "--export", str(out)] + extra)
-    finish(c.start(), timeout=300)
+def check_served(out, tmp_path):
+    """The export in ``out`` serves, without tfpsx, what the chief's predict gave."""
     assert sorted(os.listdir(out / "model")) == ["1"]
     want = np.load(out / "predictions.npy")
     for loader, got in served_outputs(out / "model" / "1", out / "feed.npz", tmp_path).items():
         (name,) = got
         np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-6, err_msg=loader)
+
+
+@pytest.mark.timeout(400)
+def test_the_chief_exports_a_model_that_serves_without_tfpsx(two_servers, tmp_path):
+    """Async: the tables' rows come from their shards on two PS (the weights cut over both).
+    Served in a process without tfpsx (TF2 and TF1 loaders)."""
+    check_served(two_servers[1] / "export", tmp_path)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.slow
+def test_a_geo_chief_exports_its_copy_that_serves_without_tfpsx(make_cluster, tmp_path):
+    """GEO: the rows come from the chief's copy, as predict reads them (a job of its own:
+    the mode differs from the two-server scenario's)."""
+    out = tmp_path / "export"
+    c = make_cluster(2, 2, script="keras_job.py", env=FAST, timeout=300,
+                     args=["--mode", "geo", "--k_steps", "8", "--epochs", "1", "--export",
+                           str(out)])
+    finish(c.start(), timeout=300)
+    check_served(out, tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -261,6 +285,7 @@ def test_the_same_model_code_runs_without_a_cluster(tmp_path):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,extra", [("geo", ["--k_steps", "8"])])
 def test_a_restarted_job_resumes_from_the_chiefs_checkpoint(make_cluster, tmp_path, mode, extra):
     """ModelCheckpoint (weights, tables included) on the chief; a new job (new servers)

@@ -40,8 +40,11 @@ def _launch(tmp_path, args, env, timeout=150):
                           capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
 
 
-@pytest.mark.parametrize("mode", [[], ["--no_scheduler"], ["--no_scheduler", "--config", "tf_config"]],
-                         ids=["scheduler", "env", "tf_config"])
+@pytest.mark.parametrize("mode", [
+    pytest.param([], id="scheduler"),
+    pytest.param(["--no_scheduler"], id="env", marks=pytest.mark.slow),
+    pytest.param(["--no_scheduler", "--config", "tf_config"], id="tf_config",
+                 marks=pytest.mark.slow)])
 def test_job_runs_to_the_end(tmp_path, mode):
     proc = _launch(tmp_path, mode + ["--server_num", "2", "--worker_num", "2",
                                      os.path.join(SCRIPTS, "job.py")],
@@ -77,7 +80,9 @@ def _all_gone(pids, timeout=10):
     return not [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
+@pytest.mark.parametrize("mode", [
+    pytest.param([], id="scheduler"),
+    pytest.param(["--no_scheduler"], id="env", marks=pytest.mark.slow)])
 def test_a_failing_chief_stops_the_job_and_nothing_is_left(tmp_path, mode):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -121,7 +126,9 @@ def _start_long_job(tmp_path, extra=(), stdout=subprocess.PIPE):
     return launcher, pid_dir
 
 
-@pytest.mark.parametrize("mode", [[], ["--no_scheduler"]], ids=["scheduler", "env"])
+@pytest.mark.parametrize("mode", [
+    pytest.param([], id="scheduler"),
+    pytest.param(["--no_scheduler"], id="env", marks=pytest.mark.slow)])
 def test_a_killed_server_stops_the_job_naming_it(tmp_path, mode):
     launcher, pid_dir = _start_long_job(tmp_path, mode)
     try:
@@ -402,6 +409,7 @@ def test_bad_launcher_arguments(tmp_path):
     assert proc.returncode == 2 and "script 'missing.py' not found" in proc.stderr
 
 
+@pytest.mark.slow
 def test_killed_worker_reported_dead_within_heartbeat_timeout(make_cluster):
     c = make_cluster(server_num=1, worker_num=2, config_mode="scheduler",
                      env={"TFPSX_HEARTBEAT_TIMEOUT": "4", "JOB_SLEEP": "12"})
@@ -455,8 +463,10 @@ def test_tf_parameter_server_strategy_loop_runs_unchanged_with_a_chief_and_an_ev
     assert re.search(r"EVAL step 100 mse 0\.0\d+", (logs / "evaluatorlog.0").read_text())
 
 
-@pytest.mark.parametrize("mode", [[], ["--no_scheduler", "--config", "tf_config"]],
-                         ids=["scheduler", "tf_config"])
+@pytest.mark.parametrize("mode", [
+    pytest.param([], id="scheduler"),
+    pytest.param(["--no_scheduler", "--config", "tf_config"], id="tf_config",
+                 marks=pytest.mark.slow)])
 def test_a_tfpsx_job_whose_chief_is_tf_configs_chief(tmp_path, mode):
     proc = _launch(tmp_path, mode + ["--chief", "--evaluator", "--server_grace", "3",
                                      "--server_num", "1", "--worker_num", "2",
@@ -475,6 +485,7 @@ def test_a_tfpsx_job_whose_chief_is_tf_configs_chief(tmp_path, mode):
     assert "the evaluator still running 3 s after the chief exited; stopping them" in proc.stderr
 
 
+@pytest.mark.slow
 def test_with_a_chief_the_exit_code_is_the_chiefs(tmp_path):
     proc = _launch(tmp_path, ["--no_scheduler", "--chief", "--server_num", "1",
                               "--worker_num", "1", os.path.join(SCRIPTS, "job.py")],
@@ -483,6 +494,7 @@ def test_with_a_chief_the_exit_code_is_the_chiefs(tmp_path):
     assert "FAILED: the chief exited with code 3" in proc.stderr
 
 
+@pytest.mark.slow
 def test_an_evaluator_that_fails_is_named_and_training_goes_on(tmp_path):
     proc = _launch(tmp_path, ["--no_scheduler", "--evaluator", "--server_num", "1",
                               "--worker_num", "2", os.path.join(SCRIPTS, "job.py")],

@@ -19,7 +19,8 @@ from _proxied import run_job  # noqa: E402  (the benchmarks' harness, under test
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,args,record", [
-    ("keras_job.py", ["--mode", "async", "--examples", "2048"], "keras"),
+    pytest.param("keras_job.py", ["--mode", "async", "--examples", "2048"], "keras",
+                 marks=pytest.mark.slow),
     ("training_job.py", ["--mode", "async", "--steps", "100"], "training"),
 ])
 def test_a_cluster_of_listed_addresses_trains_through_them(script, args, record):

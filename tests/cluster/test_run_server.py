@@ -45,6 +45,7 @@ def test_server_without_op_library_gives_documented_error(make_cluster):
     assert "tfpsx.run_server()" in log
 
 
+@pytest.mark.slow
 def test_worker_waits_for_a_late_server(make_cluster):
     c = make_cluster(server_num=1, worker_num=1)
     c.start([("worker", 0)])
@@ -72,6 +73,7 @@ def test_worker_gives_up_on_a_missing_server(make_cluster):
     assert f"ps:1 at {c.servers[1]}" in error and f"ps:0 at {c.servers[0]}" not in error
 
 
+@pytest.mark.slow
 def test_server_reports_a_worker_that_never_comes(make_cluster):
     # 15 s: the server's clock starts when it serves, and on a loaded 2-core machine the
     # waiting worker once needed more than 5 s from there to register (CI: "never came:
@@ -90,6 +92,7 @@ def test_server_reports_a_worker_that_never_comes(make_cluster):
     assert f"never came: worker 1 ({c.workers[1]})" in log, log
 
 
+@pytest.mark.slow
 def test_lost_worker_does_not_block_the_job_end(make_cluster):
     c = make_cluster(server_num=1, worker_num=2, env={"TFPSX_HEARTBEAT_TIMEOUT": "3",
                                                       "JOB_SLEEP": "4"})
@@ -103,6 +106,7 @@ def test_lost_worker_does_not_block_the_job_end(make_cluster):
     assert "RUN_SERVER_RETURNED stopped=[0] lost=[1]" in log
 
 
+@pytest.mark.slow
 def test_embedding_shared_on_ps1_and_deterministic_across_servers(make_cluster):
     c = make_cluster(server_num=2, worker_num=2, script="embedding_job.py")
     assert set(c.start().wait().values()) == {0}, c.logs()

@@ -73,7 +73,7 @@ def geo_reference(workers: int, k: int, syncs: int):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
     k, syncs = 5, 4
     c = make_cluster(1, workers, script="training_job.py", env=FAST,
@@ -93,15 +93,16 @@ def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"]),
-                                        ("sync", []),
-                                        ("sync", ["--table"]),
-                                        # a straggler among 2 workers, 1 replica per step
-                                        # (also the replicas_to_aggregate < workers case)
-                                        ("sync", ["--table", "--replicas", "1",
-                                                  "--step_delay", "0.05",
-                                                  "--slow_worker", "1"]),
-                                        ("staleness", ["--max_staleness", "2"])])
+@pytest.mark.parametrize("mode,extra", [
+    # (async trains in the export's job below, staleness in the fast worker's)
+    pytest.param("async", [], marks=pytest.mark.slow), ("geo", ["--k_steps", "10"]),
+    pytest.param("sync", [], marks=pytest.mark.slow),
+    ("sync", ["--table"]),
+    # a straggler among 2 workers, 1 replica per step
+    # (also the replicas_to_aggregate < workers case)
+    pytest.param("sync", ["--table", "--replicas", "1", "--step_delay", "0.05",
+                          "--slow_worker", "1"], marks=pytest.mark.slow),
+    pytest.param("staleness", ["--max_staleness", "2"], marks=pytest.mark.slow)])
 def test_mode_trains_below_threshold(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--steps", "300"] + extra).start()
@@ -125,6 +126,7 @@ def test_mode_trains_below_threshold(make_cluster, mode, extra):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_partitioned_variable_spreads_over_servers(make_cluster):
     c = make_cluster(2, 2, script="training_job.py", env=FAST,
                      args=["--mode", "async", "--steps", "100", "--partitioned"]).start()
@@ -139,16 +141,23 @@ def test_partitioned_variable_spreads_over_servers(make_cluster):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,extra", [
     ("async", ["--steps", "100", "--partitioned"]),
-    ("geo", ["--k_steps", "5", "--deterministic", "--syncs", "4"])])
+    pytest.param("geo", ["--k_steps", "5", "--deterministic", "--syncs", "4"],
+                 marks=pytest.mark.slow)])
 def test_the_chief_exports_the_graph_that_serves_without_tfpsx(make_cluster, tmp_path, mode,
                                                                extra):
     """A graph-mode job: the table's shards on two PS (async; w partitioned over them) or
     the chief's GEO copies; exported from a session on the chief's server, served in a
-    process without tfpsx."""
+    process without tfpsx. The async job is also make test's async training and
+    partitioning check: it learns, and w's two slices sit one on each server."""
     out = tmp_path / "export"
     c = make_cluster(2, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--table", "--export", str(out)] + extra).start()
     finish(c)
+    if mode == "async":
+        for r in reports(c, 2).values():
+            assert r["eval_loss"] < 0.05 and r["global_step"] >= 100, r
+            parts = {n: d for n, d in r["placement"].items() if n.startswith("w/part_")}
+            assert set(parts.values()) == {"/job:ps/task:0", "/job:ps/task:1"}, r["placement"]
     want = np.load(out / "predictions.npy")
     for loader, got in served_outputs(out / "model" / "1", out / "feed.npz", tmp_path).items():
         np.testing.assert_allclose(got["pred"], want, rtol=0, atol=1e-6, err_msg=loader)
@@ -172,6 +181,7 @@ def served_outputs(path, feed, tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_non_chief_started_first_is_ready_soon_after_chief(make_cluster):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", "async", "--steps", "50"])
@@ -187,7 +197,9 @@ def test_non_chief_started_first_is_ready_soon_after_chief(make_cluster):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,checkpoint", [("sync", False), ("async", True), ("geo", False)])
+@pytest.mark.parametrize("mode,checkpoint", [("sync", False),
+                                             pytest.param("async", True, marks=pytest.mark.slow),
+                                             pytest.param("geo", False, marks=pytest.mark.slow)])
 def test_a_chief_session_created_again_goes_on_from_the_servers_model(make_cluster, tmp_path,
                                                                        mode, checkpoint):
     """The chief's session run fails with the AbortedError of a broken connection (TF's
@@ -296,7 +308,9 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers,cache", [(1, 0), (2, 0), (3, 0), (2, 32)])
+@pytest.mark.parametrize("workers,cache", [pytest.param(1, 0, marks=pytest.mark.slow), (2, 0),
+                                           pytest.param(3, 0, marks=pytest.mark.slow),
+                                           pytest.param(2, 32, marks=pytest.mark.slow)])
 def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster, workers,
                                                                    cache):
     """cache: each worker keeps a worker cache of 32 rows (of the 20-30 ids it trains),
@@ -368,7 +382,7 @@ def sparse_sync_reference(steps: int):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, workers):
     steps = 30
     c = make_cluster(2, workers, script="sparse_job.py", env=FAST,
@@ -392,6 +406,7 @@ def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, worke
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_sparse_sync_dead_worker_is_a_clear_timeout(make_cluster):
     c = make_cluster(2, 2, script="sparse_job.py", env=dict(FAST, TFPSX_SYNC_STEP_TIMEOUT="4"),
                      args=["--mode", "sync", "--syncs", "1000000"]).start()
@@ -428,7 +443,8 @@ def test_sync_fails_fast_naming_the_worker_the_scheduler_declared_dead(make_clus
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
+@pytest.mark.parametrize("mode,extra", [pytest.param("async", [], marks=pytest.mark.slow),
+                                        ("geo", ["--k_steps", "10"])])
 def test_training_goes_on_when_a_worker_is_killed(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--steps", "400", "--step_delay", "0.01",
@@ -472,6 +488,7 @@ def test_a_dead_worker_is_a_clear_timeout_not_a_hang(make_cluster, mode, env):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
 def test_a_worker_joins_a_running_job_trains_and_the_job_ends_cleanly(make_cluster, mode,
                                                                       extra):
@@ -502,6 +519,7 @@ def test_a_worker_joins_a_running_job_trains_and_the_job_ends_cleanly(make_clust
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_sync_refuses_a_joining_worker_naming_why(make_cluster):
     c = make_cluster(1, 2, script="training_job.py", config_mode="scheduler",
                      env=dict(FAST, TFPSX_MAX_WORKER_NUM="3"),
@@ -520,6 +538,7 @@ def test_sync_refuses_a_joining_worker_naming_why(make_cluster):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_joined_worker_killed_with_sigkill_leaves_and_the_others_finish(make_cluster):
     c = make_cluster(1, 2, script="training_job.py", config_mode="scheduler",
                      env=dict(FAST, TFPSX_MAX_WORKER_NUM="3"),

@@ -26,6 +26,7 @@ def _launch(tmp_path, args):
     return proc
 
 
+@pytest.mark.slow
 def test_mnist_between_graph_under_the_launcher(tmp_path):
     # 1,500 global steps: with two async workers sharing them, 600 (the script's default)
     # measured 0.57-0.78 test accuracy in 3 of 5 runs (0.98 when one worker took them
@@ -59,7 +60,8 @@ def test_mnist_between_graph_with_the_classic_flags(tmp_path):
     assert re.search(r"MNIST worker 0: 200 local steps .* test accuracy 0\.\d+", out.stdout)
 
 
-@pytest.mark.parametrize("mode", ["async", "geo", "sync"])
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.slow), "geo",
+                                  pytest.param("sync", marks=pytest.mark.slow)])
 def test_the_fleet_shaped_mlp_learns_in_every_ps_mode(tmp_path, mode):
     proc = _launch(tmp_path, ["--server_num", "1", "--worker_num", "2", FLEET, "--mode", mode])
     accuracy = float(re.search(rf"FLEET_MLP worker 0 \({mode}\): test accuracy ([\d.]+)",
@@ -69,6 +71,7 @@ def test_the_fleet_shaped_mlp_learns_in_every_ps_mode(tmp_path, mode):
     assert re.search(rf"FLEET_MLP worker 1 \({mode}\): test accuracy 0\.[89]", other), other[-2000:]
 
 
+@pytest.mark.slow
 def test_the_fleet_shaped_mlp_learns_in_collective_mode(tmp_path):
     """fleet.init(is_collective=True) under tfpsx-run --server_num 0: the two workers end
     with the same weights, so the same test accuracy."""

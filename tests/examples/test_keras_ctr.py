@@ -27,6 +27,7 @@ def test_keras_ctr_under_the_launcher(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_keras_ctr_without_a_cluster(tmp_path):
     proc = subprocess.run([sys.executable, EXAMPLE, "--mode", "local"] + SMALL,
                           capture_output=True, text=True, timeout=280, cwd=str(tmp_path),

@@ -14,10 +14,11 @@ RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,extra", [
-    ("geo", []), ("sync", []),
+    ("geo", []), pytest.param("sync", [], marks=pytest.mark.slow),
     # a worker cache of a quarter of the vocabulary staged 4 batches per run, the
     # chief's eval loss every 100 steps
-    ("async", ["--cache_size", "500", "--stage_batches", "4", "--eval_every", "100"])])
+    pytest.param("async", ["--cache_size", "500", "--stage_batches", "4", "--eval_every", "100"],
+                 marks=pytest.mark.slow)])
 def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
     proc = subprocess.run(
         RUN + ["--server_num", "1", "--worker_num", "2", "--log_dir", str(tmp_path),
