@@ -22,6 +22,8 @@
 PYTHON ?= python3
 TF ?= 2.21
 PYTEST_ARGS ?=
+# Parallel compiles of the native tests (make test's set-up time on 2 cores).
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 # A TF minor version maps to the newest patch release we test; pinned so that `make test`
 # means the same thing on every machine (tfpsx itself accepts any installed TF 2.16 .. 2.21).
@@ -77,7 +79,8 @@ $(NATIVE_DIR)/%_test: $(NATIVE_DIR)/custom_ops/tests/%_test.o $(NATIVE_CORE_OBJS
 -include $(NATIVE_CORE_OBJS:.o=.d) \
     $(NATIVE_TESTS:$(NATIVE_DIR)/%=$(NATIVE_DIR)/custom_ops/tests/%.d)
 
-native-test: $(NATIVE_TESTS)
+native-test:
+	@$(MAKE) --no-print-directory -j$(JOBS) $(NATIVE_TESTS)
 	@for t in $(NATIVE_TESTS); do echo $$t; $$t || exit 1; done
 
 # The same tests under AddressSanitizer and UBSan.
@@ -124,7 +127,7 @@ ifeq ($(NVCC),)
 	    "(install the CUDA toolkit or set NVCC=/path/to/nvcc to check the CUDA sources)"
 else
 	NVCC=$(NVCC) $(PY) setup.py -q cuda_check
-	$(MAKE) --no-print-directory $(CUDA_NATIVE_TESTS) $(CUDA_BENCH) NVCC=$(NVCC)
+	$(MAKE) --no-print-directory -j$(JOBS) $(CUDA_NATIVE_TESTS) $(CUDA_BENCH) NVCC=$(NVCC)
 endif
 
 cuda-native-test: $(CUDA_NATIVE_TESTS)
