@@ -61,7 +61,8 @@ def final_line(text):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,model,extra", [
-    ("geo", "wide_deep", ["--k_steps", "10"]),  # make demo's job
+    # (GEO Wide&Deep, make demo's job, runs in make test as the export's job below)
+    pytest.param("geo", "wide_deep", ["--k_steps", "10"], marks=pytest.mark.slow),
     pytest.param("async", "deepfm", [], marks=pytest.mark.slow),
     pytest.param("sync", "wide_deep", [], marks=pytest.mark.slow),
     pytest.param("staleness", "deepfm", ["--max_staleness", "2"], marks=pytest.mark.slow),
@@ -138,14 +139,20 @@ def test_an_evaluator_task_evaluates_each_checkpoint_until_the_last(tmp_path, da
     assert records[-1]["auc"] > 0.6
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_export_serves_without_tfpsx_and_tensorboard_has_the_traffic(tmp_path, data):
+    """make demo's job (GEO Wide&Deep under tfpsx-run) with a serving export and
+    TensorBoard summaries: it learns, the export serves its AUC without tfpsx, and the
+    chief's scalars are in the event files."""
     export, tb = tmp_path / "export", tmp_path / "tb"
     proc, reports = launch(tmp_path, data, "--mode", "geo", "--k_steps", "5", "--epochs", "1",
                            "--export_dir", str(export), "--tensorboard_dir", str(tb),
                            "--eval_every", "20", "--summary_steps", "10")
     auc, _, _ = final_line(proc.stdout)
+    planted = json.loads((data / "planted.json").read_text())
+    assert 0.62 < auc <= planted["planted_auc"] + 0.02, (auc, planted)
+    assert reports[0]["steps_per_epoch"] == reports[1]["steps_per_epoch"]
+    assert all(r["pushes"] >= 1 for r in reports), reports
 
     # The served model on the eval rows, in a process that never imports tfpsx.
     import tensorflow as tf
