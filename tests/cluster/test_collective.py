@@ -35,6 +35,8 @@ def _local(out, args=()):
     return np.load(out / "local.npy")
 
 
+@pytest.mark.budget(40, why="a collective job of 2 Keras ranks, then one process training on both"
+                            " batches")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config_mode", [pytest.param("env", marks=pytest.mark.slow), "scheduler",
                                          pytest.param("tf_config", marks=pytest.mark.slow)])
@@ -62,6 +64,8 @@ def test_two_ranks_train_as_one_process_on_their_concatenated_batches(
         assert len(re.findall(r"16/16 - .* loss: ", c.log("worker", r))) == 2, c.log("worker", r)
 
 
+@pytest.mark.budget(40, why="the Keras collective job, then the graph-mode one that must end "
+                            "where it does")
 @pytest.mark.timeout(300)
 def test_the_graph_front_end_trains_to_the_keras_values(make_cluster, tmp_path):
     """The same model, data and seed in TF1 graph mode (distributed_optimizer with
@@ -174,6 +178,8 @@ def test_ranks_that_disagree_on_the_world_size_fail_naming_it(make_cluster, tmp_
                          log), log[-3000:]
 
 
+@pytest.mark.budget(50, why="a collective job run, killed and run again under tfpsx-run: 4 "
+                            "TensorFlow starts")
 @pytest.mark.timeout(300)
 def test_max_restarts_restarts_the_whole_job_from_rank_0s_checkpoint(tmp_path):
     """tfpsx-run --server_num 0 --max_restarts 1: rank 1 SIGKILLs itself after epoch 2,

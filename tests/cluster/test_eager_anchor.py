@@ -24,6 +24,7 @@ CONTEXTS, STORM_ROUNDS = 8, 30
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 @pytest.mark.parametrize("servers,workers,rounds", [
     (1, 4, 1),
     # Two servers, each anchored, and a second round on a fresh cluster.

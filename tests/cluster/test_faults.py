@@ -23,6 +23,8 @@ def _kill_server_and_wait(c, started_marker):
     return codes, time.monotonic() - killed
 
 
+@pytest.mark.budget(40, why="a cluster trains, its server is killed, the workers wait out the "
+                            "heartbeat bound")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,config_mode", [("geo", "env")])
 def test_graph_mode_workers_exit_when_their_server_is_killed(make_cluster, mode, config_mode):

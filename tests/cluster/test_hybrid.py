@@ -33,6 +33,7 @@ def _check_training(out, prefix=""):
     assert moved[0::2].all() and moved[1::2].all(), moved
 
 
+@pytest.mark.budget(40, why="a hybrid cluster of 1 PS + 2 Keras workers")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tables", ["async", pytest.param("geo", marks=pytest.mark.slow)])
 def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_equal(
@@ -46,6 +47,7 @@ def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-3, losses
 
 
+@pytest.mark.budget(40, why="a hybrid cluster of 1 PS + 2 graph-mode workers")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tables", [pytest.param("async", marks=pytest.mark.slow), "geo"])
 def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_equal(
@@ -61,7 +63,8 @@ def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("front_end,step", [
-    ("keras", 5), pytest.param("graph", 5, marks=pytest.mark.slow),
+    pytest.param("keras", 5, marks=pytest.mark.slow),
+    pytest.param("graph", 5, marks=pytest.mark.slow),
     # killed later in training (after its first meeting)
     pytest.param("keras", 32, marks=pytest.mark.slow),
     pytest.param("graph", 32, marks=pytest.mark.slow)])
@@ -86,7 +89,8 @@ def test_a_killed_worker_makes_the_other_exit_within_the_bound_naming_it(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("front_end", [pytest.param("keras", marks=pytest.mark.slow), "graph"])
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["keras", "graph"])
 def test_given_dense_endpoints_are_used_without_meeting_on_the_server(
         make_cluster, tmp_path, front_end):
     """TFPSX_DENSE_ENDPOINTS: each worker binds its own entry's port (no ports met on

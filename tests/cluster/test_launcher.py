@@ -318,6 +318,7 @@ def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_max_restarts_brings_a_keras_job_back_from_its_incremental_checkpoint(tmp_path):
     """Keras fit under --max_restarts 1: the server killed after the chief's first
     IncrementalCheckpoint save; the job restarts, the chief restores the tables and
@@ -446,6 +447,7 @@ TF_PSS = os.path.join(os.path.dirname(os.path.dirname(SCRIPTS)), os.pardir, "exa
                       "tf_pss", "train.py")
 
 
+@pytest.mark.budget(40, why="5 processes of TF's own PSS loop, stopped after the chief's grace")
 def test_tf_parameter_server_strategy_loop_runs_unchanged_with_a_chief_and_an_evaluator(
         tmp_path):
     """TF's tutorial loop (no tfpsx import): the chief coordinates, workers and the server

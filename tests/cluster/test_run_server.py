@@ -9,6 +9,7 @@ from conftest import wait_for_log
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_run_server_returns_after_workers_stop(make_cluster):
     c = make_cluster(server_num=2, worker_num=2, env={"JOB_BARRIERS": "3"})
     codes = c.start().wait()

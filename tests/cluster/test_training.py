@@ -92,10 +92,12 @@ def test_geo_in_train_thread_matches_numpy_reference(make_cluster, workers):
         assert r["placement"]["w_geo_old"] == f"/job:worker/task:{i}"
 
 
+@pytest.mark.budget(40, why="a cluster of 1 PS + 2 workers, 300 sync steps")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,extra", [
     # (async trains in the export's job below, staleness in the fast worker's)
-    pytest.param("async", [], marks=pytest.mark.slow), ("geo", ["--k_steps", "10"]),
+    pytest.param("async", [], marks=pytest.mark.slow),
+    pytest.param("geo", ["--k_steps", "10"], marks=pytest.mark.slow),
     pytest.param("sync", [], marks=pytest.mark.slow),
     ("sync", ["--table"]),
     # a straggler among 2 workers, 1 replica per step
@@ -138,6 +140,8 @@ def test_partitioned_variable_spreads_over_servers(make_cluster):
     assert r["eval_loss"] < 0.05
 
 
+@pytest.mark.budget(50, why="a cluster of 2 PS + 2 workers, then the export served in a process "
+                            "without tfpsx")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,extra", [
     ("async", ["--steps", "100", "--partitioned"]),
@@ -197,9 +201,8 @@ def test_non_chief_started_first_is_ready_soon_after_chief(make_cluster):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,checkpoint", [("sync", False),
-                                             pytest.param("async", True, marks=pytest.mark.slow),
-                                             pytest.param("geo", False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,checkpoint", [("sync", False), ("async", True), ("geo", False)])
 def test_a_chief_session_created_again_goes_on_from_the_servers_model(make_cluster, tmp_path,
                                                                        mode, checkpoint):
     """The chief's session run fails with the AbortedError of a broken connection (TF's
@@ -226,6 +229,8 @@ def test_a_chief_session_created_again_goes_on_from_the_servers_model(make_clust
     assert r[0]["global_step"] >= 300 and r[0]["eval_loss"] < 0.05, r
 
 
+@pytest.mark.budget(50, why="the chief killed after its first checkpoint and started again: 4 "
+                            "TensorFlow starts")
 @pytest.mark.timeout(300)
 def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -307,6 +312,7 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
     return glob, rows_sent
 
 
+@pytest.mark.budget(40, why="a cluster of 2 PS + 2 workers")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers,cache", [pytest.param(1, 0, marks=pytest.mark.slow), (2, 0),
                                            pytest.param(3, 0, marks=pytest.mark.slow),
@@ -344,6 +350,7 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_async_worker_cache_trains_flushes_and_reports(make_cluster):
     """Async through a worker cache of 8 rows (each worker trains 20-30 ids): the PS rows
     learn their targets through evictions and flushes, the session's end flushes the
@@ -382,7 +389,8 @@ def sparse_sync_reference(steps: int):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
 def test_sparse_sync_applies_the_averaged_rows_once_per_step(make_cluster, workers):
     steps = 30
     c = make_cluster(2, workers, script="sparse_job.py", env=FAST,
@@ -443,8 +451,8 @@ def test_sync_fails_fast_naming_the_worker_the_scheduler_declared_dead(make_clus
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,extra", [pytest.param("async", [], marks=pytest.mark.slow),
-                                        ("geo", ["--k_steps", "10"])])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
 def test_training_goes_on_when_a_worker_is_killed(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,
                      args=["--mode", mode, "--steps", "400", "--step_delay", "0.01",
@@ -456,6 +464,7 @@ def test_training_goes_on_when_a_worker_is_killed(make_cluster, mode, extra):
     assert "worker 1" in c.log("server", 0) and "reported lost" in c.log("server", 0)
 
 
+@pytest.mark.budget(40, why="200 steps of a worker held back by a slow one (30 ms a step)")
 @pytest.mark.timeout(240)
 def test_bounded_staleness_holds_the_fast_worker_back(make_cluster):
     c = make_cluster(1, 2, script="training_job.py", env=FAST,

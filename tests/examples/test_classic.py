@@ -42,6 +42,7 @@ def test_mnist_between_graph_under_the_launcher(tmp_path):
     assert any(f.startswith("model.ckpt-") for f in os.listdir(tmp_path / "ckpt"))
 
 
+@pytest.mark.slow
 def test_mnist_between_graph_with_the_classic_flags(tmp_path):
     """The same script started by hand, as TF1's docs did: --ps_hosts/--worker_hosts."""
     ps, worker = (f"127.0.0.1:{p}" for p in pick_ports(2))
@@ -60,6 +61,7 @@ def test_mnist_between_graph_with_the_classic_flags(tmp_path):
     assert re.search(r"MNIST worker 0: 200 local steps .* test accuracy 0\.\d+", out.stdout)
 
 
+@pytest.mark.budget(40, why="the Fleet MLP example under tfpsx-run: a scheduler, 1 PS, 2 workers")
 @pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.slow), "geo",
                                   pytest.param("sync", marks=pytest.mark.slow)])
 def test_the_fleet_shaped_mlp_learns_in_every_ps_mode(tmp_path, mode):

@@ -139,6 +139,8 @@ def test_an_evaluator_task_evaluates_each_checkpoint_until_the_last(tmp_path, da
     assert records[-1]["auc"] > 0.6
 
 
+@pytest.mark.budget(50, why="make demo's job under tfpsx-run (4 processes), then the export "
+                            "served without tfpsx")
 @pytest.mark.timeout(400)
 def test_the_export_serves_without_tfpsx_and_tensorboard_has_the_traffic(tmp_path, data):
     """make demo's job (GEO Wide&Deep under tfpsx-run) with a serving export and

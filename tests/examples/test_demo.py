@@ -12,6 +12,7 @@ RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_ctr_demo_trains_with_falling_loss(tmp_path):
     proc = subprocess.run(
         RUN + ["--no_scheduler", "--server_num", "1", "--worker_num", "2", "--log_dir",

@@ -14,6 +14,7 @@ SMALL = ["--examples", "16384", "--epochs", "2", "--verbose", "0"]
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_keras_ctr_under_the_launcher(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tfpsx.launcher.run", "--server_num", "1", "--worker_num", "2",

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 
 
+@pytest.mark.budget(40, why="the word2vec example under tfpsx-run: a scheduler, 1 PS, 2 workers")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,extra", [
     ("geo", []), pytest.param("sync", [], marks=pytest.mark.slow),

@@ -186,7 +186,8 @@ class TwoTower(keras.Model):
                              axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("combiner", [pytest.param("sum", marks=pytest.mark.slow), "mean",
+                                      pytest.param("sqrtn", marks=pytest.mark.slow)])
 def test_a_subclassed_model_with_ragged_and_sparse_ids_serves(tmp_path, combiner):
     model = TwoTower(combiner)
     history = tf.ragged.constant([[1, 2, 3], [4], [], [2, 2]], dtype=tf.int64)
