@@ -5,7 +5,8 @@
 #                         every feature end to end, not the variants and soaks marked slow
 #   make test-all         make test plus the tests marked slow (before a release, and when
 #                         touching their area: docs/testing.md lists them)
-#   make test-fast        the unit and single-process tests, not the slow ones
+#   make test-fast        the unit and single-process tests, not the slow or heavy ones (the
+#                         inner loop: about a minute)
 #   make docs             the documentation site (MkDocs, --strict) into build/site
 #   make test TF=2.16     the same suite against tensorflow-cpu 2.16, in a separate copy
 #   make demo             a local job (scheduler, 2 PS, 2 workers, GEO) training the Criteo-
@@ -162,7 +163,7 @@ test-all: setup native-test cuda-check docs
 
 test-fast: setup
 	$(BYTECODE)
-	$(PY) -m pytest -ra --durations=10 -m "(unit or ops) and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=10 -m "(unit or ops) and not slow and not heavy" $(PYTEST_ARGS)
 
 # MkDocs + mkdocs-material (the site's theme): a docs extra, installed on first use.
 docs: setup

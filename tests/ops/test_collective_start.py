@@ -17,6 +17,7 @@ _LATE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(120)
 def test_a_collective_init_worker_after_tf_ops_names_the_fix():
     done = subprocess.run([sys.executable, "-c", _LATE], capture_output=True, text=True,

@@ -169,6 +169,7 @@ def test_graph_mode_training_lowers_the_loss():
             assert sess.run(emb.size()) == 50
 
 
+@pytest.mark.heavy
 def test_tf_function_training():
     emb = table(dim=2, optimizer=E.SGD(0.1))
 
@@ -304,6 +305,7 @@ except tf.errors.ResourceExhaustedError as e:
 """
 
 
+@pytest.mark.heavy
 def test_capacity_beyond_memory_is_a_clear_error():
     # 100M rows (~9 GiB) in a process allowed 1 GiB more address space: the table is not
     # created, and the error says which table, what it reserved and why it failed.

@@ -84,6 +84,7 @@ def saved_rounds(model, sess, rng, rounds, directory):
     return saved
 
 
+@pytest.mark.heavy
 def test_full_and_delta_chain_restores_bit_exact(tmp_path):
     prefix = f"inc{next(_names)}"
     rng = np.random.default_rng(3)
@@ -169,6 +170,7 @@ def test_a_missing_part_is_a_clear_error_before_any_change(tmp_path):
             assert model.state(sess) == before
 
 
+@pytest.mark.heavy
 def test_a_table_that_lost_its_base_gets_a_full_save(tmp_path):
     """A restarted server's tables (restored by import) have no base for a delta."""
     prefix = f"inc{next(_names)}"
@@ -190,6 +192,7 @@ def test_a_table_that_lost_its_base_gets_a_full_save(tmp_path):
     assert restored_state(prefix, path) == want
 
 
+@pytest.mark.heavy
 def test_checkpoints_of_a_plain_saver_still_restore(tmp_path):
     prefix = f"inc{next(_names)}"
     with tf.Graph().as_default():
@@ -241,6 +244,7 @@ _KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_a_process_killed_halfway_through_a_save_leaves_the_previous_checkpoint(tmp_path):
     """SIGKILL in the middle of writing a delta's part: the checkpoint state still names

@@ -88,6 +88,7 @@ def _crash(env_value):
                           text=True, timeout=120)
 
 
+@pytest.mark.heavy
 def test_a_fatal_signal_prints_the_native_and_python_stacks():
     # A server that segfaults in a kernel says where, then still dies of the signal.
     proc = _crash(None)
@@ -102,6 +103,7 @@ def test_a_fatal_signal_prints_the_native_and_python_stacks():
     assert "in string_at" in err, err
 
 
+@pytest.mark.heavy
 def test_crash_trace_can_be_turned_off_and_rejects_bad_values():
     proc = _crash("0")
     assert proc.returncode == -signal.SIGSEGV, proc
@@ -118,6 +120,7 @@ def _load_in_a_process(env):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.heavy
 def test_the_cores_boolean_settings_take_the_registry_spellings():
     # The C++ core reads TFPSX_TABLE_HUGE_PAGES itself (env_bool.cc: the same spellings,
     # natively tested); the loader names a bad value before the library loads.

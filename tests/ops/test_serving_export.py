@@ -131,6 +131,7 @@ def as_tensors(x):
     return {k: tf.constant(v) for k, v in x.items()}
 
 
+@pytest.mark.heavy
 def test_a_trained_keras_model_serves_without_tfpsx(tmp_path):
     model = ctr_model()
     x = ctr_data(0, 512)
@@ -152,6 +153,7 @@ def test_a_trained_keras_model_serves_without_tfpsx(tmp_path):
     assert tfpsx.export_serving(model, base) == str(base / "2")
 
 
+@pytest.mark.heavy
 def test_the_rows_are_in_the_checkpoint_not_in_the_graph(tmp_path):
     emb = tfpsx.keras.DynamicEmbedding(32, table_name=name(), optimizer=None)
     ids = keras.Input((1,), dtype="int64", name="ids")
@@ -186,6 +188,7 @@ class TwoTower(keras.Model):
                              axis=-1, keepdims=True)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("combiner", [pytest.param("sum", marks=pytest.mark.slow), "mean",
                                       pytest.param("sqrtn", marks=pytest.mark.slow)])
 def test_a_subclassed_model_with_ragged_and_sparse_ids_serves(tmp_path, combiner):
@@ -206,6 +209,7 @@ def test_a_subclassed_model_with_ragged_and_sparse_ids_serves(tmp_path, combiner
     assert_served(served(path, query, tmp_path), "output_0", want)
 
 
+@pytest.mark.heavy
 def test_a_model_without_tables_exports_as_it_is(tmp_path):
     x = keras.Input((3,), name="x")
     model = keras.Model(x, keras.layers.Dense(2, name="out")(x))
@@ -270,6 +274,7 @@ def graph_model():
     return ids, x, y, pred, train
 
 
+@pytest.mark.heavy
 def test_a_trained_tf1_graph_serves_without_tfpsx(tmp_path):
     rng = np.random.default_rng(0)
     with tf.Graph().as_default() as graph:
@@ -291,6 +296,7 @@ def test_a_trained_tf1_graph_serves_without_tfpsx(tmp_path):
     assert_served(served(path, query, tmp_path), "pred", want)
 
 
+@pytest.mark.heavy
 def test_a_graph_with_a_sparse_placeholder_serves_its_components(tmp_path):
     with tf.Graph().as_default():
         ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 4], name="ids")

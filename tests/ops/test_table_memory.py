@@ -69,6 +69,7 @@ print("STATS", s["size"], s["bytes_used"], s["bytes_reserved"])
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_million_wide_rows_fit_a_6gb_address_space(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -221,6 +221,7 @@ def constant_gradient_run(workers, size, steps, vocab, batch, flush_steps, lr=0.
     return global_rows(g), want, caches
 
 
+@pytest.mark.heavy
 def test_eviction_writes_back_every_update():
     got, want, caches = constant_gradient_run(workers=2, size=10, steps=40, vocab=50,
                                               batch=8, flush_steps=3)
@@ -232,6 +233,7 @@ def test_eviction_writes_back_every_update():
         assert stats["size"] <= 10 + 8
 
 
+@pytest.mark.heavy
 def test_admission_keeps_the_tail_on_the_ps_and_loses_nothing():
     """cache_admit_after=2: a missed row enters at its second recent sighting; the rest
     train on the PS directly. Two async workers over a Zipf stream: the PS still ends at
@@ -288,6 +290,7 @@ def test_a_cache_smaller_than_one_batch_serves_it_whole():
     assert int(cache.stats()["size"]) <= 4 + 60
 
 
+@pytest.mark.heavy
 def test_zipf_stream_hit_rate():
     """Zipf(1.1) ids over a vocabulary of 1M, a cache of 5% of it (LFU): at least 85% of
     4M looked-up ids hit the cache (its steady state is ~89%; the first sightings miss)."""
@@ -427,6 +430,7 @@ def test_stats_without_cluster_and_float_ids_error():
     assert tfpsx.embedding.DynamicTable is E.DynamicTable
 
 
+@pytest.mark.heavy
 def test_keras_layer_with_a_cache_trains_like_without():
     """The Keras layer with cache_size, fit without a cluster: the cache (8 rows over 30
     ids, evicting) trains the rows as the table alone would (SGD, one worker), and the

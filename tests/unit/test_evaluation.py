@@ -151,6 +151,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.heavy
 def test_a_chief_killed_with_sigkill_ends_the_wait_with_a_named_error(tmp_path):
     """The chief (a real process) saves once and is killed before it marks the end: the
     evaluator evaluates that checkpoint, then gives up within its bound, naming it."""
