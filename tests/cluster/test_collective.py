@@ -183,8 +183,15 @@ def test_ranks_that_disagree_on_the_world_size_fail_naming_it(make_cluster, tmp_
 @pytest.mark.timeout(300)
 def test_max_restarts_restarts_the_whole_job_from_rank_0s_checkpoint(tmp_path):
     """tfpsx-run --server_num 0 --max_restarts 1: rank 1 SIGKILLs itself after epoch 2,
-    rank 0 fails naming it, the launcher starts every rank again, rank 0 restores epoch
-    2's checkpoint, the others take its weights, and the job ends 0 with equal ranks."""
+    the launcher names it and starts every rank again at once, rank 0 restores epoch 2's
+    checkpoint, the others take its weights, and the job ends 0 with equal ranks.
+
+    Under the launcher the survivors are stopped as soon as the loss is seen (a restart
+    does not wait for them to notice: up to TFPSX_HEARTBEAT_TIMEOUT + TFPSX_LOST_GRACE),
+    so rank 0 may end before it names the lost rank itself (it did on a loaded machine:
+    its log then ended in TF's "Socket closed"); what names the loss in every log is the
+    launcher's restart line. A rank naming a lost peer by itself:
+    test_a_killed_rank_makes_the_other_exit_within_the_bound_naming_it."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
     ckpt.mkdir()
@@ -203,7 +210,11 @@ def test_max_restarts_restarts_the_whole_job_from_rank_0s_checkpoint(tmp_path):
     assert (tmp_path / "died").exists()
     assert "restarting the job (1 of 1)" in proc.stderr, proc.stderr[-3000:]
     assert "rank 0 resumes at epoch 2" in logs[0] and "rank 1 resumes at epoch 2" in logs[1]
-    assert re.search(r"worker 0 lost worker 1 at 127\.0\.0\.1:\d+", logs[0]), logs[0][-3000:]
+    assert re.search(r"worker 1 exited with code -9 \(killed by SIGKILL; see .*workerlog\.1\); "
+                     r"restarting the job \(1 of 1\)", proc.stderr), proc.stderr[-3000:]
+    for r in range(2):  # every rank's log says why it was stopped
+        assert "===== tfpsx-run: restart 1 of 1 after worker 1 exited with code -9 =====" in \
+            logs[r], logs[r][-3000:]
     steps = np.load(out / "steps.1.npy")
     assert steps.shape[0] == 2 * 16  # epochs 3 and 4 after the restart
     np.testing.assert_array_equal(np.load(out / "final.0.npy"), np.load(out / "final.1.npy"))

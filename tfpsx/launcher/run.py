@@ -12,9 +12,7 @@ the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's t
 The launcher watches every process it started. A server or the chief (worker 0) that
 fails ends the job: every process is stopped and the summary names the one that failed
 and its log. With ``--max_restarts N`` such a failure restarts the whole job instead (new
-ports, a fresh scheduler; the chief resumes from its last checkpoint; the workers that
-watch the lost process first get TFPSX_HEARTBEAT_TIMEOUT + TFPSX_LOST_GRACE to end by
-themselves, naming it in their logs), and a non-chief
+ports, a fresh scheduler; the chief resumes from its last checkpoint), and a non-chief
 worker that fails is started again in place (same rank and address: it registers again,
 waits for the chief's session and trains on; in sync it takes the lost worker's part of
 each step); N restarts in all. A
@@ -191,25 +189,6 @@ def _how(code: int) -> str:
     return "failed"
 
 
-def _let_survivors_report(job: LocalCluster, failed, workers, interrupted) -> None:
-    """Before a restart stops everyone: the workers that watch the failed task (every
-    worker watches its servers; a collective rank watches the other ranks) end by
-    themselves within TFPSX_HEARTBEAT_TIMEOUT + TFPSX_LOST_GRACE of the loss, naming it in
-    their logs. Killing them at once would leave logs that end in TF's raw error (a
-    closed socket) or nothing at all, and a user reading them after the restart could not
-    tell what the job saw. So the launcher waits for them, that long at most; what still
-    runs then is stopped by the restart. (Nothing watches a lost chief of a PS job: the
-    restart follows at once.) A signal to the launcher ends the wait (``interrupted``)."""
-    if failed[0] != _cluster.SERVER and job.server_num != 0:
-        return
-    watching = [t for t in workers if t != failed and job.procs[t].poll() is None]
-    deadline = time.monotonic() + (settings.get("TFPSX_HEARTBEAT_TIMEOUT")
-                                   + settings.get("TFPSX_LOST_GRACE"))
-    while (any(job.procs[t].poll() is None for t in watching) and not interrupted
-           and time.monotonic() < deadline):
-        time.sleep(0.1)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -269,9 +248,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"({_how(code)}; see {job.log_path(role, index)}); restarting the job "
                       f"({job_restarts} of {max_restarts}): every process starts again and "
                       "the chief resumes from its last checkpoint", file=sys.stderr, flush=True)
-                _let_survivors_report(job, (role, index), workers, interrupted)
-                if interrupted:
-                    break
                 job.restart(f"restart {job_restarts} of {max_restarts} after {_name((role, index))} "
                             f"exited with code {code}")
                 failed, lost_workers, scheduler_restarts = None, [], 0
