@@ -124,13 +124,12 @@ $(CUDA_BENCH): $(CUDA_OBJ)/custom_ops/cuda/gpu_table_bench.o $(CUDA_CORE_OBJS)
 # Compiles every CUDA source with nvcc, no GPU needed: the op library's *.cu.cc exactly
 # as a TFPSX_WITH_CUDA=1 build does (the installed TF's flags and the include shim:
 # setup.py cuda_check), and the core's CUDA tests (compiled and linked, not run).
-cuda-check: setup
+cuda-check: setup cuda-core-check
 ifeq ($(NVCC),)
 	@echo "cuda-check: skipped: no nvcc on PATH or at /usr/local/cuda/bin/nvcc" \
 	    "(install the CUDA toolkit or set NVCC=/path/to/nvcc to check the CUDA sources)"
 else
 	NVCC=$(NVCC) $(PY) setup.py -q cuda_check
-	$(MAKE) --no-print-directory -j$(JOBS) $(CUDA_NATIVE_TESTS) $(CUDA_BENCH) NVCC=$(NVCC)
 endif
 
 # make test's part of it: the TF-free CUDA core, its native tests and the benchmark

@@ -10,12 +10,16 @@ import pytest
 _TIERS = ("unit", "ops", "cluster", "examples")
 
 
-# The time guard (docs/testing.md): a test of `make test` (not marked slow) whose own run
-# takes longer than this fails, so that the suite CI runs cannot creep back past its 20
+# The time guard (docs/testing.md): a test of `make test` (not marked slow) whose call
+# (not a module-scoped scenario's set-up) takes longer than this fails, so that the suite CI runs cannot creep back past its 20
 # minutes one test at a time. An end-to-end test that needs longer says so and why with
 # @pytest.mark.budget(seconds, why=...); a variant or a soak is marked slow (`make
 # test-all`). TFPSX_TEST_TIME_LIMIT=0 turns the guard off (a debugger, a loaded machine).
-TIME_LIMIT = float(os.environ.get("TFPSX_TEST_TIME_LIMIT", "20"))
+try:
+    TIME_LIMIT = float(os.environ.get("TFPSX_TEST_TIME_LIMIT", "20"))
+except ValueError:
+    raise pytest.UsageError("TFPSX_TEST_TIME_LIMIT: expected seconds (0: no time guard), got "
+                            f"{os.environ['TFPSX_TEST_TIME_LIMIT']!r}") from None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,11 +51,12 @@ def pytest_runtest_makereport(item, call):
     limit = _limit(item)
     if call.when != "call" or limit is None or not report.passed or call.duration <= limit:
         return
+    whose = ("@pytest.mark.budget" if item.get_closest_marker("budget")
+             else "the limit of an unmarked test")
     report.outcome = "failed"
     report.longrepr = (
-        f"{item.nodeid} passed, but took {call.duration:.1f} s, over its {limit:g} s "
-        f"({'@pytest.mark.budget' if item.get_closest_marker('budget') else 'the limit of an unmarked test'}"
-        "; docs/testing.md): make it stop on the event it needs, share a scenario's cluster, "
+        f"{item.nodeid} passed, but took {call.duration:.1f} s, over its {limit:g} s ({whose}; "
+        "docs/testing.md): make it stop on the event it needs, share a scenario's cluster, "
         "or mark it slow (make test-all) or with a budget that says why")
 
 
