@@ -93,6 +93,10 @@ def op_sources(cuda: bool):
 OP_SOURCES = op_sources(cuda=False)
 BUILD_INFO = os.path.join("custom_ops", "cc", "build_info.cc")
 CUDA_SOURCES = op_sources(cuda=True)
+# Preloaded into a local job's tasks: their wildcard binds go to loopback (issue: TF's
+# servers listen on every interface). Not a Python module: tfpsx.launcher.loopback finds it.
+LOOPBACK_EXT = "tfpsx._loopback_bind"
+LOOPBACK_SOURCE = os.path.join("custom_ops", "loopback", "loopback_bind.cc")
 
 
 def cuda_wanted() -> bool:
@@ -180,6 +184,8 @@ class TfOpBuildExt(build_ext):
     """Compiles each op source to an object in parallel, links them into one library."""
 
     def build_extension(self, ext):
+        if ext.name == LOOPBACK_EXT:
+            return self.build_loopback(ext)
         tf = query_tensorflow()
         with_cuda = cuda_wanted()
         out_path = self.get_ext_fullpath(ext.name)
@@ -211,6 +217,17 @@ class TfOpBuildExt(build_ext):
         print(f"tfpsx: built {out_path} for TensorFlow {tf['tf_version']} "
               f"({'with' if with_cuda else 'without'} CUDA) in {time.time() - start:.1f} s",
               flush=True)
+
+
+    def build_loopback(self, ext):
+        """The bind shim a local job's tasks preload (no TensorFlow: the C++ compiler and
+        libdl alone; see its source)."""
+        out_path = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        cmd = [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", "-Wall",
+               *[os.path.join(HERE, s) for s in ext.sources], "-o", out_path, "-ldl"]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
 
 
 class CudaCheck(Command):
@@ -255,7 +272,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["tfpsx", "tfpsx.*"]),
-    ext_modules=[Extension("tfpsx._tfpsx_ops", sources=OP_SOURCES)],
+    ext_modules=[Extension("tfpsx._tfpsx_ops", sources=OP_SOURCES),
+                 Extension(LOOPBACK_EXT, sources=[LOOPBACK_SOURCE])],
     cmdclass={"build_ext": TfOpBuildExt, "cuda_check": CudaCheck},
     # TensorFlow itself is not a dependency on purpose: tfpsx builds against whichever TF
     # (2.16 .. 2.21, CPU or GPU package) the user already has, and must never pull the

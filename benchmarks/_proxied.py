@@ -32,6 +32,8 @@ import portpicker
 
 from netem import DelayProxy
 
+from tfpsx.launcher import loopback
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,6 +76,9 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
         base = dict(os.environ, TFPSX_METRICS_DIR=logs, TF_CPP_MIN_LOG_LEVEL="2",
                     PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         base.update(env or {})
+        shim = loopback.shim_path()
+        if shim is not None:  # the job's TF servers on loopback, as tfpsx-run's (the
+            loopback.confine(base, shim)  # proxies dial 127.0.0.1: docs/security.md)
         envs = []
         for i in range(n):
             # Every process lists the proxies (its own too: the address the others dial)

@@ -166,7 +166,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "scheduler"),
     # scheduler registration
     Setting("TFPSX_TOKEN", "str", None,
-            "shared secret; a registration without it is refused", "scheduler"),
+            "shared secret; a registration without it is refused; required when the "
+            "scheduler listens beyond loopback (docs/security.md)", "scheduler"),
     Setting("TFPSX_HOST", "str", None,
             "the address this node serves on (default: the local IP that routes to the "
             "scheduler)", "scheduler"),

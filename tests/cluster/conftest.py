@@ -44,11 +44,32 @@ def scenario(tmp_path_factory, name, server_num=1, worker_num=2, **kwargs):
     (by PID) when the module's tests are done."""
     c = cluster(tmp_path_factory.mktemp(name), server_num, worker_num, **kwargs)
     try:
-        codes = c.start().wait()
+        c.start()
+        c.listeners = watch_listeners(c)
+        codes = c.wait()
         assert all(code == 0 for code in codes.values()), f"{name}: {codes}\n{c.logs()}"
         yield c
     finally:
         c.stop()
+
+
+def watch_listeners(c, timeout=60.0):
+    """While ``c`` runs: every address seen listening on its TensorFlow servers' ports
+    (read from /proc/net/tcp*), until each port listens, a task exits or ``timeout``
+    passes. ``{port: {address, ...}}``."""
+    import time
+
+    from tfpsx.launcher import loopback
+
+    ports, seen = c.tf_ports(), {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for port, addresses in loopback.listening(ports).items():
+            seen.setdefault(port, set()).update(addresses)
+        if len(seen) == len(ports) or any(p.poll() is not None for p in c.procs.values()):
+            break
+        time.sleep(0.2)
+    return seen
 
 
 def wait_for_log(c, role, index, text, timeout=60.0):

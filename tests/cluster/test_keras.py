@@ -14,6 +14,7 @@ from test_training import geo_reference, served_outputs
 import training_job as linear
 
 import tfpsx
+from tfpsx.launcher import loopback
 
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
 # A model that did not learn predicts the base rate: log loss ~0.69 on the planted clicks.
@@ -113,6 +114,15 @@ def two_servers(tmp_path_factory):
                   args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
                         "--save", str(out / "saved"), "--export", str(out / "export")]) as c:
         yield c, out
+
+
+def test_the_jobs_tensorflow_servers_listen_on_loopback_only(two_servers):
+    # TF binds 0.0.0.0 on its own; every server and worker of a local job (its own port
+    # each) listened, and on loopback only, read from /proc/net/tcp* while it ran.
+    c, _ = two_servers
+    assert sorted(c.listeners) == sorted(c.tf_ports()), (c.listeners, c.tf_ports())
+    assert loopback.exposed({p: list(a) for p, a in c.listeners.items()}) == {}, c.listeners
+    assert all(a in ("127.0.0.1", "::ffff:127.0.0.1") for s in c.listeners.values() for a in s)
 
 
 @pytest.mark.timeout(400)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tfpsx import cluster
-from tfpsx.control import watchdog
+from tfpsx.control import scheduler, watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy", "kubeflow")
@@ -99,7 +99,7 @@ def test_manifests_name_the_image_command_and_ports(manifest):
     claims = {d["metadata"]["name"] for d in load("pvc.yaml")}
     seen = 0
     for doc in load(manifest):
-        if doc["kind"] == "Service":
+        if doc["kind"] not in ("Job", "TFJob"):
             continue
         for name, _, pod in _containers(doc):
             (c,) = pod["containers"]
@@ -164,7 +164,9 @@ def test_the_scheduler_variant_resolves_through_the_scheduler_path():
             env = {}
             for var in c["env"]:
                 value = var.get("value")
-                if value is None:  # the downward API: the completion index, the pod IP
+                if "secretKeyRef" in var.get("valueFrom", {}):
+                    value = "s3cret"  # TFPSX_TOKEN, from the job's Secret
+                elif value is None:  # the downward API: the completion index, the pod IP
                     field = var["valueFrom"]["fieldRef"]["fieldPath"]
                     value = str(rank) if "job-completion-index" in field else "10.0.0.7"
                 env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
@@ -174,7 +176,93 @@ def test_the_scheduler_variant_resolves_through_the_scheduler_path():
             assert (config.scheduler.server_num, config.scheduler.worker_num) == (2, 3)
             assert env["TFPSX_NODE_ID"] == f"{role}-{rank}"
     sched = docs["tfpsx-criteo-scheduler"]["spec"]["template"]["spec"]["containers"][0]
-    env = {v["name"]: v["value"] for v in sched["env"]}
-    assert cluster.resolve(env).role == "scheduler"
+    env = {v["name"]: v.get("value", "s3cret") for v in sched["env"]}
+    config = cluster.resolve(env)
+    assert config.role == "scheduler" and config.scheduler.token == "s3cret"
+    # It listens on every interface of its pod: without the Secret's token it would not
+    # start (tfpsx-scheduler exits 2 naming TFPSX_TOKEN).
+    scheduler.check_listen_address(config.scheduler.address, config.scheduler.token)
+    with pytest.raises(ValueError, match="no TFPSX_TOKEN is set"):
+        scheduler.check_listen_address(config.scheduler.address, None)
     evaluator = docs["tfpsx-criteo-evaluator"]["spec"]["template"]["spec"]["containers"][0]
     assert cluster.resolve({v["name"]: v["value"] for v in evaluator["env"]}).role == "evaluator"
+
+
+# --------------------------------------------------------------------- network policies
+
+def _selects(selector, labels):
+    """Kubernetes' label selector semantics: matchLabels and matchExpressions, ANDed."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for e in selector.get("matchExpressions") or ():
+        op, key, values = e["operator"], e["key"], e.get("values", ())
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def _pods(manifest):
+    """(labels, container ports) of every pod a manifest makes: its template's labels and
+    those Kubernetes' Job controller (batch.kubernetes.io/job-name, job-name) or Kubeflow's
+    training operator (training.kubeflow.org/*) put on them."""
+    pods = []
+    for doc in load(manifest):
+        if doc["kind"] == "Job":
+            name = doc["metadata"]["name"]
+            template = doc["spec"]["template"]
+            given = {"batch.kubernetes.io/job-name": name, "job-name": name,
+                     "controller-uid": "1234"}
+            templates = [(template, given)]
+        elif doc["kind"] == "TFJob":
+            name = doc["metadata"]["name"]
+            templates = [(r["template"], {"training.kubeflow.org/job-name": name,
+                                          "training.kubeflow.org/operator-name": "tfjob-controller",
+                                          "training.kubeflow.org/replica-type": rtype.lower(),
+                                          "training.kubeflow.org/replica-index": "0"})
+                         for rtype, r in doc["spec"]["tfReplicaSpecs"].items()]
+        else:
+            continue
+        for template, given in templates:
+            labels = dict((template.get("metadata") or {}).get("labels") or {}, **given)
+            ports = {p["containerPort"] for c in template["spec"]["containers"]
+                     for p in c.get("ports", ())}
+            pods.append((labels, ports))
+    return pods
+
+
+# Pods of another job in the same namespace, as each controller labels them.
+_STRANGERS = [{"batch.kubernetes.io/job-name": "other-job", "job-name": "other-job"},
+              {"training.kubeflow.org/job-name": "other-tfjob",
+               "training.kubeflow.org/replica-type": "worker"},
+              {"app": "tfpsx-scheduler-impostor"}, {}]
+
+
+@pytest.mark.parametrize("manifest", ["tfjob-criteo.yaml", "scheduler-criteo.yaml"])
+def test_a_network_policy_admits_only_the_jobs_own_pods_to_its_ports(manifest):
+    pods = _pods(manifest)
+    policies = [p for p in load("networkpolicy.yaml")
+                if all(_selects(p["spec"]["podSelector"], labels) for labels, _ in pods)]
+    assert len(policies) == 1, f"one policy selects every pod of {manifest}"
+    (policy,) = policies
+    spec = policy["spec"]
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    assert "Ingress" in spec["policyTypes"]  # a selected pod takes only what a rule admits
+    for stranger in _STRANGERS:
+        assert not _selects(spec["podSelector"], stranger), stranger
+    listened = set().union(*(ports for _, ports in pods))
+    for rule in spec["ingress"]:
+        # from the job's pods only: no namespace-wide or address-block source
+        assert all(set(source) == {"podSelector"} for source in rule["from"]), rule
+        for source in rule["from"]:
+            assert all(_selects(source["podSelector"], labels) for labels, _ in pods)
+            assert not any(_selects(source["podSelector"], s) for s in _STRANGERS)
+        assert {(p["protocol"], p["port"]) for p in rule["ports"]} == \
+            {("TCP", port) for port in listened}, (rule, listened)
+    assert listened == ({2222} if manifest == "tfjob-criteo.yaml" else {2222, 7000})

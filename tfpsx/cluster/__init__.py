@@ -14,15 +14,16 @@ from tfpsx.cluster.config import (CHIEF, CLUSTER_ENV_VARS, ENV_RANK, ENV_ROLE, E
                                   ENV_SERVER_ENDPOINTS, ENV_SERVER_NUM, ENV_TOKEN,
                                   ENV_WORKER_ENDPOINTS, ENV_WORKER_NUM, EVALUATOR, ROLES,
                                   SCHEDULER, SERVER, TF_CONFIG_JOBS, WORKER, ClusterConfig,
-                                  SchedulerInfo, parse_endpoint, parse_endpoint_list)
+                                  SchedulerInfo, is_loopback, parse_endpoint,
+                                  parse_endpoint_list)
 from tfpsx.cluster.role_maker import (AutoRoleMaker, EnvRoleMaker, FlagsRoleMaker, RoleMaker,
                                       TFConfigRoleMaker, UserDefinedRoleMaker)
 from tfpsx.cluster.sources import from_env, from_flags, from_tf_config, from_user, resolve
 
 __all__ = [
     "ClusterConfig", "SchedulerInfo", "resolve", "from_env", "from_flags", "from_tf_config",
-    "from_user", "parse_endpoint", "parse_endpoint_list", "RoleMaker", "AutoRoleMaker",
-    "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker", "FlagsRoleMaker",
+    "from_user", "is_loopback", "parse_endpoint", "parse_endpoint_list", "RoleMaker",
+    "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker", "FlagsRoleMaker",
     "SERVER", "WORKER", "SCHEDULER", "EVALUATOR", "CHIEF", "ROLES", "TF_CONFIG_JOBS",
     "ENV_ROLE", "ENV_RANK", "ENV_SERVER_ENDPOINTS", "ENV_WORKER_ENDPOINTS", "ENV_SCHED_ADDR",
     "ENV_SERVER_NUM", "ENV_WORKER_NUM", "ENV_TOKEN", "CLUSTER_ENV_VARS",

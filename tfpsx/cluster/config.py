@@ -197,6 +197,18 @@ def parse_endpoint(value: Any, what: str) -> str:
     return text
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this
+    machine's loopback: only processes on this machine reach what listens there."""
+    host = host.strip().strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_endpoint_list(value: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
     """Parses a comma-separated string or a list of endpoints; rejects duplicates."""
     if isinstance(value, str):

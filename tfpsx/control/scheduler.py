@@ -366,6 +366,27 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             self._cv.notify_all()
 
 
+def check_listen_address(address: str, token: Optional[str]) -> None:
+    """Refuses to serve beyond this machine without a token.
+
+    On any address but loopback, whoever reaches the scheduler could register as a node,
+    take a rank and end the job; TFPSX_TOKEN (the same on every node) makes it refuse
+    them. TLS (TFPSX_TLS_*) encrypts the channel but does not ask clients for
+    certificates, so it is no substitute.
+
+    Raises:
+      ValueError: a non-loopback ``address`` and no token; nothing was started.
+    """
+    host = address.strip().rsplit(":", 1)[0]
+    if not token and not _cluster.is_loopback(host):
+        raise ValueError(
+            f"scheduler: listen address {address!r} ({_cluster.ENV_SCHED_ADDR}) is reachable "
+            f"from other machines and no {_cluster.ENV_TOKEN} is set: anyone who reaches it "
+            f"could register as a node or end the job. Set {_cluster.ENV_TOKEN} to a secret "
+            "shared by every node of the job (docs/security.md), or listen on 127.0.0.1 for "
+            "a job on one machine")
+
+
 def serve(address: str, server_num: int, worker_num: int, token: Optional[str] = None,
           register_timeout: float = 600.0, heartbeat_timeout: float = 60.0,
           tls: Optional[TlsConfig] = None, server_grace: Optional[float] = None,
@@ -385,6 +406,7 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
     the job is kept ``restart_wait`` seconds more for them to be started again (they
     register again and are alive: the job goes on).
     """
+    check_listen_address(address, token)
     journal = (Journal(state_file, server_num, worker_num, token) if state_file else None)
     service = SchedulerService(server_num, worker_num, token, heartbeat_timeout, journal,
                                restart_wait=restart_wait, max_worker_num=max_worker_num)
@@ -459,6 +481,11 @@ def main() -> int:
     if config.role != _cluster.SCHEDULER:
         print(f"tfpsx-scheduler: TFPSX_ROLE is {config.role!r}; expected 'scheduler'",
               file=sys.stderr)
+        return 2
+    try:
+        check_listen_address(config.scheduler.address, config.scheduler.token)
+    except ValueError as e:
+        print(f"tfpsx-scheduler: {e}", file=sys.stderr)
         return 2
     return run_scheduler(config)
 

@@ -6,6 +6,8 @@ children die with it), death with the process that started it (no orphans when a
 launcher is killed with SIGKILL), a log file, a metrics file (``TFPSX_METRICS_DIR`` is the log
 folder), and a deadline; :meth:`LocalCluster.stop` kills by
 PID whatever is still running, and the context manager calls it even when a test fails.
+Its TensorFlow servers listen on 127.0.0.1 only (each task preloads the bind shim of
+:mod:`tfpsx.launcher.loopback`), unless ``loopback_only=False``.
 
 Example:
   >>> with LocalCluster("train.py", server_num=1, worker_num=2, timeout=120) as c:
@@ -29,6 +31,7 @@ import portpicker
 from tfpsx import cluster as _cluster
 from tfpsx import metrics, settings
 from tfpsx.errors import ClusterTimeoutError
+from tfpsx.launcher import loopback
 
 Task = Tuple[str, int]  # (role, index)
 
@@ -88,6 +91,11 @@ class LocalCluster:
         "scheduler" adds a scheduler process (``python -m tfpsx.control.scheduler``) that every
         server and worker registers with (each asks for the rank of its log's number).
       host: the address every task binds; 127.0.0.1 by default.
+      loopback_only: keep TF's servers off every address but loopback (TF binds 0.0.0.0
+        whatever ``host`` says): each task preloads :mod:`tfpsx.launcher.loopback`'s bind
+        shim; where it was not built, :meth:`start` warns on stderr, naming the ports.
+        False (``tfpsx-run --expose``) keeps TF's own binding, for a job other machines
+        must reach.
       token: the scheduler's TFPSX_TOKEN, in "scheduler" mode.
       chief: add a ``chief`` task (TF_CONFIG type ``chief``, as Kubeflow writes it): it is
         the training cluster's worker rank 0 (``chieflog.0``), and the ``worker_num``
@@ -102,7 +110,12 @@ class LocalCluster:
                  args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 120.0, log_dir: Optional[str] = None,
                  config_mode: str = "env", host: str = "127.0.0.1", token: Optional[str] = None,
-                 chief: bool = False, evaluator: bool = False):
+                 chief: bool = False, evaluator: bool = False, loopback_only: bool = True):
+        if loopback_only and not _cluster.is_loopback(host):
+            raise ValueError(f"LocalCluster: host {host!r} is not a loopback address, but "
+                             "loopback_only=True keeps the job's servers on loopback; give "
+                             "host='127.0.0.1', or loopback_only=False (tfpsx-run --expose) "
+                             "to expose the job")
         if config_mode not in ("env", "tf_config", "scheduler"):
             raise ValueError("config_mode: expected 'env', 'tf_config' or 'scheduler', got "
                              f"{config_mode!r}")
@@ -121,6 +134,9 @@ class LocalCluster:
         self.config_mode = config_mode
         self.token = token
         self.host = host
+        self.loopback_only = bool(loopback_only)
+        self.shim = loopback.shim_path() if self.loopback_only else None
+        self._warned_exposed = False
         self._pick_addresses()
         # The scheduler's journal: a scheduler restarted with it takes this job back. A
         # new job starts without one.
@@ -209,7 +225,22 @@ class LocalCluster:
             if self.servers:
                 env[_cluster.ENV_SERVER_ENDPOINTS] = ",".join(self.servers)
         env.update(self.env)
+        if self.shim is not None:
+            loopback.confine(env, self.shim)
         return env
+
+    def tf_ports(self) -> List[int]:
+        """The ports of the job's TensorFlow servers (servers, chief, workers)."""
+        addresses = self.servers + self.workers + ([self.chief_address] if self.chief else [])
+        return [int(a.rsplit(":", 1)[1]) for a in addresses]
+
+    def _warn_if_exposed(self) -> None:
+        if self.loopback_only and self.shim is None and not self._warned_exposed:
+            self._warned_exposed = True
+            print(loopback.exposure_warning(
+                self.tf_ports(), "the loopback bind shim (tfpsx/_loopback_bind*.so) was not "
+                "built; reinstall tfpsx (pip install .) with a C++ compiler to build it"),
+                file=sys.stderr, flush=True)
 
     def log_path(self, role: str, index: int) -> str:
         if role == _cluster.SCHEDULER:
@@ -263,6 +294,7 @@ class LocalCluster:
 
     def start(self, tasks: Optional[Iterable[Task]] = None) -> "LocalCluster":
         """Starts the given tasks (all by default)."""
+        self._warn_if_exposed()
         for role, index in (self.tasks() if tasks is None else tasks):
             self.start_task(role, index)
         return self

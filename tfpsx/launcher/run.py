@@ -3,12 +3,14 @@
 Usage::
 
   tfpsx-run --server_num 2 --worker_num 2 [--log_dir logs] [--no_scheduler]
-            [--max_restarts N] train.py [args]
+            [--max_restarts N] [--expose] train.py [args]
 
 A scheduler (``log_dir/scheduler.log``) assigns ranks; every server and worker is a
 separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` and
 ``log_dir/workerlog.N``; the chief's output also streams to
-the console, prefixed with its role. TFPSX_TOKEN, when set, is the scheduler's token.
+the console, prefixed with its role. TensorFlow's servers bind every interface on their
+own; the job's listen on loopback only (:mod:`tfpsx.launcher.loopback`), unless
+``--expose`` says the job is meant to be reached from other machines. TFPSX_TOKEN, when set, is the scheduler's token.
 The launcher watches every process it started. A server or the chief (worker 0) that
 fails ends the job: every process is stopped and the summary names the one that failed
 and its log. With ``--max_restarts N`` such a failure restarts the whole job instead (new
@@ -52,6 +54,7 @@ from typing import List, Optional
 
 from tfpsx import cluster as _cluster
 from tfpsx import settings
+from tfpsx.launcher import loopback
 from tfpsx.launcher.local import LocalCluster
 
 
@@ -81,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="restarts in all: a server or the chief that fails restarts the whole "
                         "job (the chief resumes from its last checkpoint); a non-chief worker "
                         "that fails is started again in place (same rank and address)")
+    p.add_argument("--expose", action="store_true",
+                   help="let TensorFlow's servers listen on every interface, as TF does on "
+                        "its own (default: loopback only; docs/security.md)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -211,7 +217,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                        log_dir=args.log_dir,
                        config_mode=args.config if args.no_scheduler else "scheduler",
                        token=settings.raw(_cluster.ENV_TOKEN), chief=args.chief,
-                       evaluator=args.evaluator)
+                       evaluator=args.evaluator, loopback_only=not args.expose)
+    if args.expose:
+        print(loopback.exposure_warning(job.tf_ports(), "--expose asked for it"),
+              file=sys.stderr, flush=True)
     # Our own logs start fresh for this run.
     for role, index in job.tasks():
         open(job.log_path(role, index), "w").close()
