@@ -486,6 +486,47 @@ void TestCacheFindAndVictims() {
   CHECK(t.Size() == 4);                 // choosing removes nothing
 }
 
+// GEO's shared optimizer state: rows read and pushed with their slots.
+void TestRowsWithSlots() {
+  auto o = Opts(2, 1);
+  o.slot_init = {0.1f};
+  tfpsx::HashTable t(o);
+  CHECK(t.row_width() == 4);
+  const int64_t keys[2] = {7, 8};
+  float init7[2], init8[2];
+  t.InitialRow(7, init7);
+  t.InitialRow(8, init8);
+  // Missing: the initial value and slot_init; nothing inserted.
+  float rows[8];
+  bool found[2];
+  t.FindWithSlots(keys, 2, rows, found);
+  CHECK(!found[0] && !found[1] && t.Size() == 0);
+  CHECK(rows[0] == init7[0] && rows[1] == init7[1] && rows[2] == 0.1f && rows[3] == 0.1f);
+  CHECK(rows[4] == init8[0] && rows[7] == 0.1f);
+  // Adagrad on key 7, then a push of [value | accumulator] deltas to both keys.
+  const float g[2] = {0.5f, -1.f};
+  const float hparams[] = {0.1f, 0.f};
+  tfpsx::FindOptimizer("adagrad")->apply(t, keys, 1, g, hparams, 1);
+  t.FindWithSlots(keys, 1, rows, found);
+  CHECK(found[0] && std::fabs(rows[2] - 0.35f) < 1e-6 && std::fabs(rows[3] - 1.1f) < 1e-6);
+  t.TakeChanged(3);  // a reader that watches the pushes
+  const float d[8] = {1.f, 2.f, 0.25f, 0.5f, -1.f, 0.f, 0.5f, 0.f};
+  float before[4];
+  std::copy(rows, rows + 4, before);
+  t.AccumulateWithSlots(keys, 2, d, 5, /*skip_reader=*/-1);
+  t.FindWithSlots(keys, 2, rows, found);
+  for (int j = 0; j < 4; ++j) CHECK(std::fabs(rows[j] - (before[j] + d[j])) < 1e-6);
+  CHECK(found[1] && std::fabs(rows[4] - (init8[0] - 1.f)) < 1e-6 && rows[5] == init8[1]);
+  CHECK(std::fabs(rows[6] - 0.6f) < 1e-6 && rows[7] == 0.1f);
+  auto changed = t.TakeChanged(3);
+  std::sort(changed.begin(), changed.end());
+  CHECK(changed == std::vector<int64_t>({7, 8}));
+  // The value part alone, as Find reads it.
+  float values[4];
+  t.Find(keys, 2, values, nullptr);
+  CHECK(values[0] == rows[0] && values[1] == rows[1] && values[2] == rows[4]);
+}
+
 int main() {
   TestRandomOpsAgainstReference();
   TestDeterministicInitializer();
@@ -500,6 +541,7 @@ int main() {
   TestMemoryFollowsRows();
   TestCheckpointDeltas();
   TestCacheFindAndVictims();
+  TestRowsWithSlots();
   if (failures) {
     std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
     return 1;

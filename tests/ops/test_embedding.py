@@ -116,6 +116,37 @@ def test_parallel_pushes_of_a_row_combine_on_every_shard():
     np.testing.assert_allclose(t.lookup([4]).numpy(), [rows[0]], rtol=1e-6)
 
 
+def test_rows_travel_with_their_optimizer_slots_on_every_shard():
+    """GEO with shared optimizer state: find(with_slots) reads [value | slots] (a missing
+    key: its initial row and slot_init), accumulate(with_slots) adds deltas to both; a
+    delta of the wrong width or a combined push is refused before any shard changes."""
+    t = table(dim=2, shards=3, initializer=E.constant(1.0),
+              optimizer=E.Adagrad(0.1, initial_accumulator_value=0.1))
+    assert t.row_width == 4
+    keys = tf.constant([4, 5, 6], tf.int64)
+    t.apply(keys[:1], [[0.5, -1.0]])
+
+    def full():
+        return t.stitched(lambda i, s, k: s.find(k, with_slots=True)[0], keys).numpy()
+
+    acc = [0.35, 1.1]
+    value = [1 - 0.1 * 0.5 / np.sqrt(0.35), 1 + 0.1 / np.sqrt(1.1)]
+    np.testing.assert_allclose(full(), [value + acc, [1, 1, 0.1, 0.1], [1, 1, 0.1, 0.1]],
+                               rtol=1e-5)
+    deltas = [[1, 2, 0.25, 0.5], [0, -1, 1, 0], [0, 0, 0, 0]]
+    t.accumulate(keys, deltas, with_slots=True)
+    np.testing.assert_allclose(full(), np.array([value + acc, [1, 1, 0.1, 0.1],
+                                                 [1, 1, 0.1, 0.1]]) + deltas, rtol=1e-5)
+    np.testing.assert_allclose(t.lookup(keys).numpy(), full()[:, :2], rtol=1e-6)
+    before = full()
+    with pytest.raises(ValueError, match=r"deltas.*\[dim=4\]"):
+        t.accumulate(keys, [[1, 2]] * 3, with_slots=True)
+    with pytest.raises(ValueError, match=r"with_slots adds every delta whole; "
+                                         r"combine='scaled' is not supported"):
+        t.accumulate(keys, deltas, skip_reader=1, combine="scaled", with_slots=True)
+    np.testing.assert_array_equal(full(), before)
+
+
 def _dense_reference(tf_optimizer, init, grads_per_step):
     """The same update by TF's own optimizer on a dense variable."""
     with tf.Graph().as_default():

@@ -72,11 +72,31 @@ class GeoTable:
     cached: bool = False   # local holds a bounded set of rows (a worker cache)
     wire: Optional[tf.DType] = None  # rows travel in this dtype (None: float32)
     combine: str = "sum"  # how the PS adds parallel pushes of a row (module doc)
+    # The rows travel with their optimizer slots ([value | slots], summed on the PS;
+    # ``old`` then holds row_width floats a row): the workers share the optimizer state.
+    share_slots: bool = False
+
+    @property
+    def width(self) -> int:
+        """Floats of a row as it travels."""
+        return self.global_.row_width if self.share_slots else self.global_.dim
 
 
-def local_rows(table: ShardedTable, keys):
-    """Rows of a one-shard worker table (missing keys: their initial rows)."""
-    return table.shards[0].find(keys)[0]
+def local_rows(table: ShardedTable, keys, with_slots: bool = False):
+    """Rows of a one-shard worker table (missing keys: their initial rows); with_slots:
+    with their optimizer slots."""
+    return table.shards[0].find(keys, with_slots=with_slots)[0]
+
+
+def set_rows(t: GeoTable, table: ShardedTable, keys, rows):
+    """The rows of ``keys`` in a worker table (``t.local`` or ``t.old``) become ``rows``
+    (as they travel: with the slots when ``t.share_slots``). Not marked for the table's
+    own reader 0: a row set so is not trained."""
+    zero = tf.constant(0, tf.int64)
+    if not t.share_slots:
+        return table.shards[0].insert(keys, rows, zero)
+    return table.shards[0].accumulate(keys, rows - local_rows(table, keys, True), zero,
+                                      skip_reader=0, with_slots=True)
 
 
 def nonzero_rows(keys, deltas):
@@ -97,7 +117,8 @@ def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
     Returns (op, rows pushed)."""
     zero = tf.constant(0, tf.int64)
     with tf.compat.v1.device(t.device):
-        delta = local_rows(t.local, keys) - local_rows(t.old, keys)
+        delta = local_rows(t.local, keys, t.share_slots) - local_rows(t.old, keys,
+                                                                       t.share_slots)
         if n != 1:
             delta = delta / n
         keys, delta = nonzero_rows(keys, delta)
@@ -105,15 +126,18 @@ def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
             # What the PS will add, rounded to the wire's precision: old follows it, so
             # the rounding stays in local - old and travels with the next push.
             delta = tf.cast(tf.cast(delta, t.wire), tf.float32)
-        bump_old = t.old.shards[0].accumulate(keys, delta, zero) if keep_old else None
+        bump_old = (t.old.shards[0].accumulate(keys, delta, zero, with_slots=t.share_slots)
+                    if keep_old else None)
     # With n = 1 the copy holds nothing unpushed after the push (old = local): its next
     # pull need not bring this push back (the shards mark it for the others only).
     if n != 1:
         skip, combine = -1, "sum"
     else:  # an eviction (not keep_old) sums: see the module doc
         skip, combine = t.reader, (t.combine if keep_old else "sum")
+    if t.share_slots:
+        combine = "sum"
     pushed = t.global_.accumulate(keys, delta, step, skip_reader=skip, wire_dtype=t.wire,
-                                  combine=combine)
+                                  combine=combine, with_slots=t.share_slots)
     return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)
 
 
@@ -139,16 +163,20 @@ def table_pull(t: GeoTable, after=()):
             with tf.compat.v1.device(t.device):
                 changed = tf.boolean_mask(changed, t.local.shards[0].find(changed)[1])
         got_keys.append(changed)
-        found = shard.find(changed)[0]
+        found = shard.find(changed, with_slots=t.share_slots)[0]
         got_rows.append(found if t.wire is None else tf.cast(found, t.wire))
 
     with tf.control_dependencies(list(after)):
         t.global_.on_shards(changed_rows)
     with tf.compat.v1.device(t.device):
         keys, rows = tf.concat(got_keys, 0), tf.cast(tf.concat(got_rows, 0), tf.float32)
-        moved = t.local.shards[0].accumulate(keys, rows - local_rows(t.old, keys), zero)
+        # Not marked for the local copy's own reader (0): a pulled row is not trained, and
+        # its next push carries only what this worker trained since (local - old).
+        moved = t.local.shards[0].accumulate(
+            keys, rows - local_rows(t.old, keys, t.share_slots), zero, skip_reader=0,
+            with_slots=t.share_slots)
         with tf.control_dependencies([moved]):
-            pull = t.old.shards[0].insert(keys, rows, zero)
+            pull = set_rows(t, t.old, keys, rows)
     return pull, tf.size(keys)
 
 
@@ -167,30 +195,38 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     GEO job's bytes (measured: benchmarks/time_to_auc.py's Criteo job). A cache holds a
     bounded set of rows: those, read fresh."""
     zero, me = tf.constant(0, tf.int64), tf.constant(t.reader, tf.int64)
+
+    def fresh(keys):
+        if not t.share_slots:
+            return t.global_.rows(keys, train=False)
+        return t.global_.stitched(lambda i, s, k: s.find(k, with_slots=True)[0], keys)
+
     if t.cached:
         with tf.device(t.device):
             keys = t.local.export()["keys"]
-        rows = t.global_.rows(keys, train=False)
+        rows = fresh(keys)
     elif refresh_all:
         changed = t.global_.on_shards(lambda i, shard: shard.take_changed(me))
         with tf.device(t.device):
             keys = tf.unique(tf.concat([t.old.export()["keys"]] + changed, 0))[0]
-        rows = t.global_.rows(keys, train=False)
+        rows = fresh(keys)
     else:
         def changed_rows(i, shard):
             keys = shard.take_changed(me)
-            return keys, shard.find(keys)[0]
+            return keys, shard.find(keys, with_slots=t.share_slots)[0]
 
         parts = t.global_.on_shards(changed_rows)
         with tf.device(t.device):
             keys = tf.concat([k for k, _ in parts], 0)
             rows = tf.concat([r for _, r in parts], 0)
     with tf.device(t.device):
-        t.old.shards[0].insert(keys, rows, zero)
+        set_rows(t, t.old, keys, rows)
         if not (t.cached or refresh_all):
             snapshot = t.old.export()
             keys, rows = snapshot["keys"], snapshot["values"]
-        t.local.shards[0].insert(keys, rows, zero)
+            if t.share_slots:
+                rows = local_rows(t.old, keys, True)
+        set_rows(t, t.local, keys, rows)  # with share_slots the slots too
 
 
 def table_readers(t: GeoTable) -> list:

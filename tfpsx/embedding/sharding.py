@@ -89,6 +89,11 @@ class ShardedTable:
             for i, device in enumerate(devices)]
 
     @property
+    def row_width(self) -> int:
+        """Floats of a row with its optimizer slots: ``dim * (1 + slots)``."""
+        return self.dim * (1 + self.num_slots)
+
+    @property
     def num_shards(self) -> int:
         return len(self.shards)
 
@@ -208,9 +213,10 @@ class ShardedTable:
         keys = self._keys(keys)
         return keys if keys.shape.rank == 1 else tf.reshape(keys, [-1])
 
-    def _keys_and_rows(self, op: str, name: str, keys, rows):
+    def _keys_and_rows(self, op: str, name: str, keys, rows, width: Optional[int] = None):
         keys = self._keys(keys)
-        rows = _checks.rows_like_keys(f"{self._what}: {op}", name, self.dim, keys, rows)
+        rows = _checks.rows_like_keys(f"{self._what}: {op}", name, width or self.dim, keys,
+                                      rows)
         return tf.reshape(keys, [-1]), rows
 
     def insert(self, keys, values, step=None):
@@ -220,14 +226,15 @@ class ShardedTable:
         return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step), keys, [values]))
 
     def accumulate(self, keys, deltas, step=None, skip_reader: int = -1, wire_dtype=None,
-                   combine: str = "sum"):
+                   combine: str = "sum", with_slots: bool = False):
         """row += delta for ``keys`` (any shape; deltas: keys' shape + [dim]); the keys
         count as changed for every changed-key reader but ``skip_reader`` (a worker's
         own push, when its pull need not bring it back). ``wire_dtype``: the deltas
         travel to the shards in it (bfloat16, float16) and are added as float32.
         ``combine``: how pushes of several workers to one row add up (``skip_reader``
         is the pusher; :data:`tfpsx.embedding.storage.COMBINE`; the keys of a combined
-        push must be unique, as a GEO push's are)."""
+        push must be unique, as a GEO push's are). ``with_slots``: deltas of ``[value |
+        optimizer slots]`` (:attr:`row_width` floats), every one whole (``"sum"``)."""
         if combine not in COMBINE:
             raise ValueError(f"{self._what}: accumulate: combine={combine!r}; expected one "
                              f"of {', '.join(COMBINE)}")
@@ -235,14 +242,19 @@ class ShardedTable:
             raise ValueError(f"{self._what}: accumulate: combine={combine!r} counts the "
                              f"other pushes since the pusher's last pull, so it needs the "
                              f"pusher's reader as skip_reader (>= 0), got {skip_reader}")
+        if with_slots and combine != "sum":
+            raise ValueError(f"{self._what}: accumulate: with_slots adds every delta whole; "
+                             f"combine={combine!r} is not supported with it (expected 'sum')")
         step = as_step(step)
-        keys, deltas = self._keys_and_rows("accumulate", "deltas", keys, deltas)
+        keys, deltas = self._keys_and_rows("accumulate", "deltas", keys, deltas,
+                                           self.row_width if with_slots else self.dim)
         if wire_dtype is not None:
             deltas = tf.cast(deltas, wire_dtype)
 
         def add(i, shard, shard_keys, shard_deltas):
             return shard.accumulate(shard_keys, tf.cast(shard_deltas, tf.float32), step,
-                                    skip_reader=skip_reader, combine=combine)
+                                    skip_reader=skip_reader, combine=combine,
+                                    with_slots=with_slots)
 
         return self._group(self.on_shards(add, keys, [deltas]))
 

@@ -57,8 +57,10 @@ class TableStorage(abc.ABC):
         self.spec, self.device = spec, device
 
     @abc.abstractmethod
-    def find(self, keys) -> Tuple[tf.Tensor, tf.Tensor]:
-        """(rows, found): a missing key gets its initial row, nothing is stored."""
+    def find(self, keys, with_slots: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(rows, found): a missing key gets its initial row, nothing is stored.
+        ``with_slots``: rows of ``[value | optimizer slots]`` (``dim * (1 + slots)``
+        floats; a missing key's slots at their initial values)."""
 
     @abc.abstractmethod
     def find_or_insert(self, keys, step) -> tf.Tensor:
@@ -69,10 +71,12 @@ class TableStorage(abc.ABC):
         """Sets the rows of ``keys``."""
 
     @abc.abstractmethod
-    def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum"):
+    def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum",
+                   with_slots: bool = False):
         """row += delta; a missing key starts from its initial row; marked changed for
         every changed-key reader but ``skip_reader``. ``combine`` (one of
-        :data:`COMBINE`): how the pushes of several workers to one row add up."""
+        :data:`COMBINE`): how the pushes of several workers to one row add up.
+        ``with_slots``: deltas of ``[value | optimizer slots]``, summed."""
 
     @abc.abstractmethod
     def apply(self, optimizer, keys, grads, step):
@@ -168,8 +172,8 @@ class HashTableStorage(TableStorage):
         with on_device(self.device):
             return op(handle, *args, **kwargs)
 
-    def find(self, keys):
-        return self._run(bindings.table_find, keys)
+    def find(self, keys, with_slots: bool = False):
+        return self._run(bindings.table_find, keys, with_slots=with_slots)
 
     def find_or_insert(self, keys, step):
         return self._run(bindings.table_find_or_insert, keys, step)
@@ -177,9 +181,10 @@ class HashTableStorage(TableStorage):
     def insert(self, keys, values, step):
         return self._run(bindings.table_insert, keys, values, step)
 
-    def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum"):
+    def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum",
+                   with_slots: bool = False):
         return self._run(bindings.table_accumulate, keys, deltas, step,
-                         skip_reader=skip_reader, combine=combine)
+                         skip_reader=skip_reader, combine=combine, with_slots=with_slots)
 
     def apply(self, optimizer, keys, grads, step):
         return self._run(bindings.table_apply, optimizer.name, keys, grads,

@@ -52,9 +52,10 @@ def table_handle(shared_name: str, dim: int, slot_init: Sequence[float], initial
         min_frequency=min_frequency, capacity=capacity)
 
 
-def table_find(handle, keys):
-    """(rows, found): a missing key gets its initial row and found=False."""
-    return load_ops().tfpsx_hash_table_find(handle, keys)
+def table_find(handle, keys, with_slots: bool = False):
+    """(rows, found): a missing key gets its initial row and found=False; with_slots:
+    rows of [value | optimizer slots]."""
+    return load_ops().tfpsx_hash_table_find(handle, keys, with_slots=with_slots)
 
 
 def table_cache_find(handle, keys, step):
@@ -76,9 +77,11 @@ def table_insert(handle, keys, values, step):
     return load_ops().tfpsx_hash_table_insert(handle, keys, values, step)
 
 
-def table_accumulate(handle, keys, deltas, step, skip_reader: int = -1, combine: str = "sum"):
+def table_accumulate(handle, keys, deltas, step, skip_reader: int = -1, combine: str = "sum",
+                     with_slots: bool = False):
     return load_ops().tfpsx_hash_table_accumulate(handle, keys, deltas, step,
-                                                  skip_reader=skip_reader, combine=combine)
+                                                  skip_reader=skip_reader, combine=combine,
+                                                  with_slots=with_slots)
 
 
 def optimizer_registry():

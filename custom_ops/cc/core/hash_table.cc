@@ -61,6 +61,22 @@ void HashTable::Find(const int64_t* keys, int64_t n, float* out, bool* found,
   });
 }
 
+void HashTable::FindWithSlots(const int64_t* keys, int64_t n, float* out, bool* found) const {
+  const int64_t dim = options_.dim, width = row_width_;
+  store_.ForEachByStripe<false>(keys, n, nullptr, 0, [&](const Stripe& s, int64_t i, uint64_t h) {
+    const int64_t r = s.FindRow(keys[i], h);
+    float* row = out + i * width;
+    if (r >= 0) {
+      std::memcpy(row, s.rows.row(r), width * sizeof(float));
+    } else {
+      InitialRow(keys[i], row);
+      for (int k = 0; k < options_.num_slots; ++k)
+        std::fill(row + (k + 1) * dim, row + (k + 2) * dim, options_.slot_init[k]);
+    }
+    if (found) found[i] = r >= 0;
+  });
+}
+
 int64_t HashTable::NewRow(Stripe& s, int64_t key, uint64_t h, uint64_t empty, bool init_value,
                           uint32_t freq) {
   const int64_t dim = options_.dim;
@@ -201,6 +217,18 @@ void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, 
   }
   // A mean push records its increments: the next pusher's "others' move".
   add(increments.data(), mean ? increments.data() : nullptr);
+}
+
+void HashTable::AccumulateWithSlots(const int64_t* keys, int64_t n, const float* deltas,
+                                    int64_t step, int64_t skip_reader) {
+  const int64_t width = row_width_;
+  UpdateRows(keys, n, nullptr, step, /*init_value=*/true, [&](float* row, int64_t i) {
+    if (row != nullptr) {
+      const float* d = deltas + i * width;
+      for (int64_t j = 0; j < width; ++j) row[j] += d[j];
+    }
+    return true;
+  }, skip_reader);
 }
 
 int64_t HashTable::Remove(const int64_t* keys, int64_t n) {

@@ -101,6 +101,10 @@ class HashTable {
   void Find(const int64_t* keys, int64_t n, float* out, bool* found,
             bool use_initializer = true) const;
 
+  // Like Find, with each row's optimizer slots: out[n*row_width()] holds [value | slots]
+  // per key; a missing key gets its initial row and slot_init. GEO reads the PS's rows
+  // so, when the workers share their optimizer state (see AccumulateWithSlots).
+  void FindWithSlots(const int64_t* keys, int64_t n, float* out, bool* found) const;
   // Worker cache lookup: like Find (found[n] required), and a present key is touched: its
   // frequency counted and its step set to `step` (LFU / LRU bookkeeping for CacheVictims).
   // Nothing is inserted, and touching is not a change (TakeChanged does not see it).
@@ -142,6 +146,13 @@ class HashTable {
   void Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
                   int64_t skip_reader = -1, Combine combine = Combine::kSum);
 
+  // [value | slots] += deltas[n*row_width()] for keys[n], every delta whole (Combine::kSum);
+  // a missing key starts from its initial row and slot_init. GEO's push when its workers
+  // share their optimizer state: a slot that sums over the gradients (Adagrad's
+  // accumulator) then holds every worker's, as in async, and each worker's steps stay
+  // async's size (with local accumulators a worker's steps are ~sqrt(N) of async's).
+  void AccumulateWithSlots(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
+                           int64_t skip_reader = -1);
   // Training: update(row, grad) on the row of every key of keys[n] (expected unique),
   // `row` being [value | slots] (row_width() floats) and `grad` grads + i * dim. A missing
   // key starts from its initial row and slot_init; with admission on (min_frequency > 1)

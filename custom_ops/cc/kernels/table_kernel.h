@@ -48,13 +48,17 @@ inline TensorShape RowsShape(const TensorShape& keys, int64_t dim) {
 }
 
 inline absl::Status CheckRows(const TableResource& table, const Tensor& keys, const Tensor& rows,
-                              const char* what) {
-  const int64_t dim = table.table().dim();
+                              const char* what, bool with_slots = false) {
+  const HashTable& t = table.table();
+  const int64_t dim = with_slots ? t.row_width() : t.dim();
   const TensorShape want = RowsShape(keys.shape(), dim);
   if (rows.shape() != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tfpsx table '", table.name(), "': ", what, " must have shape ", want.DebugString(),
-        " (keys' shape + [dim=", dim, "]), got ", rows.shape().DebugString()));
+        with_slots ? absl::StrCat(" (keys' shape + [dim * (1 + num_slots) = ", t.dim(),
+                                  " * ", 1 + t.options().num_slots, "]), got ")
+                   : absl::StrCat(" (keys' shape + [dim=", dim, "]), got "),
+        rows.shape().DebugString()));
   }
   return absl::OkStatus();
 }

@@ -13,30 +13,37 @@ namespace {
 template <bool kTouch>
 class FindOp : public TableOpKernel {
  public:
-  using TableOpKernel::TableOpKernel;
+  explicit FindOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
+    if (!kTouch) OP_REQUIRES_OK(ctx, ctx->GetAttr("with_slots", &with_slots_));
+  }
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
     int64_t step = 0;
     if (kTouch) OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "step", &step));
     HashTable& t = table.table();
+    const int64_t dim = with_slots_ ? t.row_width() : t.dim();
     Tensor* values = nullptr;
     Tensor* found = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), t.dim()), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(keys.shape(), dim), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, keys.shape(), &found));
     const int64_t* k = keys.flat<int64_t>().data();
     float* v = values->flat<float>().data();
     bool* f = found->flat<bool>().data();
-    const int64_t dim = t.dim();
     OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(),
                                        (kTouch ? 30 : 20) + 2 * dim,
                                        [&](int64_t b, int64_t e) {
       if (kTouch) {
         t.CacheFind(k + b, e - b, step, v + b * dim, f + b);
+      } else if (with_slots_) {
+        t.FindWithSlots(k + b, e - b, v + b * dim, f + b);
       } else {
         t.Find(k + b, e - b, v + b * dim, f + b);
       }
     }));
   }
+
+ private:
+  bool with_slots_ = false;
 };
 
 class FindOrInsertOp : public TableOpKernel {
@@ -75,20 +82,28 @@ class WriteOp : public TableOpKernel {
                     "TfpsxHashTableAccumulate: combine='", combine, "' counts the other "
                     "pushes since the pusher's last take_changed, so it needs the pusher's "
                     "reader as skip_reader (>= 0), got ", skip_reader_)));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_slots", &with_slots_));
+    OP_REQUIRES(ctx, !with_slots_ || combine_ == HashTable::Combine::kSum,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "TfpsxHashTableAccumulate: with_slots adds every delta whole; combine='",
+                    combine, "' is not supported with it (expected 'sum')")));
   }
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
     const Tensor& rows = ctx->input(2);
-    OP_REQUIRES_OK(ctx, CheckRows(table, keys, rows, kAccumulate ? "deltas" : "values"));
+    OP_REQUIRES_OK(ctx, CheckRows(table, keys, rows, kAccumulate ? "deltas" : "values",
+                                  with_slots_));
     int64_t step = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "step", &step));
     HashTable& t = table.table();
     const int64_t* k = keys.flat<int64_t>().data();
     const float* r = rows.flat<float>().data();
-    const int64_t dim = t.dim();
+    const int64_t dim = with_slots_ ? t.row_width() : t.dim();
     OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
                                        [&](int64_t b, int64_t e) {
-      if (kAccumulate) {
+      if (kAccumulate && with_slots_) {
+        t.AccumulateWithSlots(k + b, e - b, r + b * dim, step, skip_reader_);
+      } else if (kAccumulate) {
         t.Accumulate(k + b, e - b, r + b * dim, step, skip_reader_, combine_);
       } else {
         t.Insert(k + b, e - b, r + b * dim, step);
@@ -99,6 +114,7 @@ class WriteOp : public TableOpKernel {
  private:
   int64_t skip_reader_ = -1;
   HashTable::Combine combine_ = HashTable::Combine::kSum;
+  bool with_slots_ = false;
 };
 
 class RemoveOp : public TableOpKernel {

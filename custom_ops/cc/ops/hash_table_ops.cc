@@ -47,8 +47,11 @@ REGISTER_OP("TfpsxHashTableFind")
     .Input("keys: int64")
     .Output("values: float")
     .Output("found: bool")
+    .Attr("with_slots: bool = false")
     .SetShapeFn(RowsAndFound)
-    .Doc("Rows of `keys`; a missing key gets its initial row and found=false.");
+    .Doc("Rows of `keys`; a missing key gets its initial row and found=false. with_slots: "
+         "each row with its optimizer slots, [value | slots] (dim * (1 + num_slots) "
+         "floats; a missing key's slots at slot_init).");
 
 REGISTER_OP("TfpsxHashTableCacheFind")
     .SetIsStateful()
@@ -105,6 +108,7 @@ REGISTER_OP("TfpsxHashTableAccumulate")
     .Input("step: int64")
     .Attr("skip_reader: int = -1")
     .Attr("combine: {'sum', 'mean', 'scaled'} = 'sum'")
+    .Attr("with_slots: bool = false")
     .SetShapeFn(NoOutputs)
     .Doc("row += delta for `keys`; a missing key starts from its initial row. The keys are "
          "marked changed for every changed-key reader but `skip_reader` (-1: none): a "
@@ -112,7 +116,8 @@ REGISTER_OP("TfpsxHashTableAccumulate")
          "pushes of several workers to one row add up (skip_reader is the pusher; the "
          "others: the c pushes of the row since the pusher's last take_changed): 'sum' "
          "whole; 'mean' the row moves to the mean of the pushes (exact when they started "
-         "from one value); 'scaled' delta / (1 + c).");
+         "from one value); 'scaled' delta / (1 + c). with_slots: deltas of [value | "
+         "slots] (dim * (1 + num_slots) floats), every one whole (combine 'sum' only).");
 
 REGISTER_OP("TfpsxHashTableRemove")
     .SetIsStateful()
