@@ -184,6 +184,7 @@ bench: setup
 	geo100_bf16,async_cache,async_cache_ceiling,geo100_cache,local
 	$(PY) benchmarks/time_to_auc.py --job word2vec --networks 1ms
 	$(PY) benchmarks/cluster_ready.py
+	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 2,10 --rules shared,mean,scaled
 	$(PY) benchmarks/embedding_ops.py
 	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/geo_vs_async.py

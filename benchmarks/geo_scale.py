@@ -1,0 +1,332 @@
+"""GEO's model quality at N workers, against async at the same N: many logical workers in
+one process (issue 40).
+
+Each logical worker is what a GEO worker holds: a local copy of the table (a
+``ShardedTable`` with the table's own optimizer, trained by the core's ``apply``) and its
+snapshot ``old``, dense copies (``GeoVariable``), and rounds run by the mode core's own
+phases (``tfpsx.modes.geo.push_ops`` / ``pull_ops``: the table rule of
+``tfpsx.embedding.geo_rule`` with the PS's combine, the dense rule ``/ N``). The "PS" is
+the same op library's tables and variables in this process. What is not the job's own
+code: the model's step (a Wide&Deep written with TF ops, the Criteo example's shape:
+one table of dim+1 rows, field-aware ids, Adagrad on the table, Adam on the dense part)
+and the schedule (workers step in lock-step, one after another).
+
+Schedules:
+
+* ``async``: every step, the N workers' gradients are computed on one snapshot of the
+  global model and applied one after another by the PS's optimizers (each gradient is up
+  to N-1 updates old, as N async workers' are);
+* ``geo``, deterministic rounds (``--latency 0``): every K local steps every worker
+  pushes, then every worker pulls (the rounds of ``geo_sync_in_train_thread``);
+* ``geo``, background rounds (``--latency L``): every worker pushes after its K-th step
+  and its pull lands L steps later, while it trains on (the communicator's round trip).
+
+Data: the Criteo-format planted model of ``examples/criteo/make_data.py`` (the same
+fields, Zipf vocabularies and interactions), ids hashed to ``--buckets`` per field (so
+that 32 copies of the table fit in memory). Deterministic: the same seed gives the same
+numbers. Prints one line per run and, with ``--json``, writes them.
+
+  python benchmarks/geo_scale.py --workers 1,2,4,8,16,32 --k 10,100 --rules scaled,sum
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Dict, List
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "criteo"))
+import make_data  # noqa: E402  (the planted Criteo-format model)
+
+import tensorflow as tf  # noqa: E402
+
+from tfpsx import embedding  # noqa: E402
+from tfpsx.embedding import geo_rule  # noqa: E402
+from tfpsx.embedding.geo_rule import GeoTable, table_readers  # noqa: E402
+from tfpsx.embedding.sharding import ShardedTable  # noqa: E402
+from tfpsx.modes import geo  # noqa: E402
+
+DEVICE = "/cpu:0"
+FIELDS, INTS = make_data.CAT_FIELDS, make_data.INT_FIELDS
+BATCH = [tf.TensorSpec([None, FIELDS], tf.int64), tf.TensorSpec([None, INTS], tf.float32),
+         tf.TensorSpec([None], tf.float32)]
+# How a round adds the N workers' dense deltas: the divisor of each.
+DENSE_RULES = {"mean": lambda n: float(n), "sqrt": lambda n: float(np.sqrt(n)),
+               "sum": lambda n: 1.0}
+
+
+# ----------------------------------------------------------------------------- data
+
+def criteo_data(rows: int, eval_rows: int, buckets: int, seed: int):
+    """(train, eval): dicts of ``keys`` [n, 26] int64 (field << 32 | value bucket), ``x``
+    [n, 13] float32 (log1p of the counts, missing 0), ``y`` [n] float32; eval also has
+    the planted probabilities ``p``."""
+    rng = np.random.default_rng(seed)
+    planted = make_data.Planted()
+
+    def part(n):
+        ids, ints, missing = make_data.draw(rng, n)
+        p = make_data._sigmoid(planted.logit(ids, ints, missing))
+        y = (rng.random(n) < p).astype(np.float32)
+        keys = (np.arange(FIELDS, dtype=np.int64)[None, :] << 32) | (ids % buckets)
+        x = np.where(missing, 0.0, np.log1p(np.maximum(ints, 0))).astype(np.float32)
+        return {"keys": keys, "x": x / 4.0, "y": y, "p": p}
+
+    return part(rows), part(eval_rows)
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Dense:
+    """The Wide&Deep's dense weights: a deep MLP over the embeddings and counts, and the
+    counts' wide weights."""
+
+    SHAPES = None
+
+    def __init__(self, name: str, dim: int, hidden, init=None):
+        sizes = [FIELDS * dim + INTS] + list(hidden) + [1]
+        shapes = []
+        for i in range(len(sizes) - 1):
+            shapes += [(f"w{i}", (sizes[i], sizes[i + 1])), (f"b{i}", (sizes[i + 1],))]
+        shapes.append(("count", (INTS, 1)))
+        rng = np.random.default_rng(1)
+        self.vars = []
+        with tf.device(DEVICE):
+            for j, (n, shape) in enumerate(shapes):
+                value = (init[j] if init is not None else
+                         (rng.normal(0, np.sqrt(2.0 / shape[0]), shape) if n[0] == "w"
+                          else np.zeros(shape)).astype(np.float32))
+                self.vars.append(tf.Variable(value, name=f"{name}_{n}"))
+
+    def values(self):
+        return [v.numpy() for v in self.vars]
+
+    def logits(self, rows, x):
+        emb, wide = rows[..., :-1], tf.reduce_sum(rows[..., -1], axis=1)
+        h = tf.concat([tf.reshape(emb, [tf.shape(emb)[0], -1]), x], 1)
+        layers = (len(self.vars) - 1) // 2
+        for i in range(layers):
+            h = tf.matmul(h, self.vars[2 * i]) + self.vars[2 * i + 1]
+            if i < layers - 1:
+                h = tf.nn.relu(h)
+        return tf.squeeze(h, 1) + wide + tf.squeeze(tf.matmul(x, self.vars[-1]), 1)
+
+
+def gradients(table: ShardedTable, dense: Dense, keys, x, y):
+    """(unique keys, their row gradients, dense gradients, loss) of one batch, reading
+    ``table``'s rows (a missing key: its initial row, as the optimizer will start it)."""
+    flat = tf.reshape(keys, [-1])
+    unique, index = tf.unique(flat)
+    rows = table.shards[0].find(unique)[0]
+    with tf.GradientTape() as tape:
+        tape.watch(rows)
+        batch_rows = tf.reshape(tf.gather(rows, index), [tf.shape(keys)[0], FIELDS, -1])
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=y, logits=dense.logits(batch_rows, x)))
+    grads = tape.gradient(loss, [rows] + dense.vars)
+    return unique, grads[0], grads[1:], loss
+
+
+# ----------------------------------------------------------------------------- runs
+
+class Run:
+    """One (schedule, N, K, rule) run over the same data."""
+
+    runs = 0
+
+    def __init__(self, args, data, n: int, tag: str):
+        # Tables are process-wide resources by name: every run gets its own.
+        Run.runs += 1
+        tag = f"run{Run.runs}_{tag}"
+        self.args, self.data, self.n, self.tag = args, data, n, tag
+        self.dim = args.dim + 1
+        self.hidden = [int(h) for h in args.hidden.split(",") if h]
+        init = embedding.normal(stddev=0.01)
+        self.make_table = lambda name, optimizer: ShardedTable(
+            f"{tag}/{name}", self.dim, devices=[DEVICE], initializer=init,
+            optimizer=optimizer, seed=3)
+        self.global_table = self.make_table("global", embedding.Adagrad(args.table_lr))
+        self.global_dense = Dense(f"{tag}_global", args.dim, self.hidden)
+        self.step = tf.Variable(0, dtype=tf.int64)
+
+    def batches(self):
+        """Worker w's batches: the training rows dealt out round-robin, one epoch."""
+        d, b = self.data, self.args.batch
+        steps = len(d["y"]) // (b * self.n)
+        for s in range(steps):
+            yield s, [(d["keys"][(s * self.n + w) * b:(s * self.n + w + 1) * b],
+                       d["x"][(s * self.n + w) * b:(s * self.n + w + 1) * b],
+                       d["y"][(s * self.n + w) * b:(s * self.n + w + 1) * b])
+                      for w in range(self.n)]
+
+    def evaluate(self, table: ShardedTable, dense: Dense) -> Dict[str, float]:
+        e = self.data_eval
+        probs = []
+        for i in range(0, len(e["y"]), 8192):
+            keys = tf.constant(e["keys"][i:i + 8192])
+            rows = tf.reshape(table.shards[0].find(tf.reshape(keys, [-1]))[0],
+                              [keys.shape[0], FIELDS, -1])
+            probs.append(tf.sigmoid(dense.logits(rows, tf.constant(e["x"][i:i + 8192]))).numpy())
+        p = np.concatenate(probs)
+        return {"auc": make_data.auc(e["y"], p), "logloss": make_data.logloss(e["y"], p)}
+
+
+def run_async(args, data, data_eval, n: int) -> Dict[str, float]:
+    r = Run(args, data, n, f"async_n{n}")
+    r.data_eval = data_eval
+    import keras
+    adam = keras.optimizers.Adam(args.lr)
+
+    @tf.function(input_signature=BATCH)
+    def grads_of(keys, x, y):
+        return gradients(r.global_table, r.global_dense, keys, x, y)
+
+    @tf.function(reduce_retracing=True)
+    def apply(unique, row_grads, dense_grads):
+        r.global_table.apply(unique, row_grads, r.step)
+        adam.apply(dense_grads, r.global_dense.vars)
+        r.step.assign_add(1)
+
+    for _, batches in r.batches():
+        got = [grads_of(*b) for b in batches]  # one snapshot
+        for unique, row_grads, dense_grads, _ in got:
+            apply(unique, row_grads, dense_grads)
+    return r.evaluate(r.global_table, r.global_dense)
+
+
+def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
+            dense_rule: str) -> Dict[str, float]:
+    import keras
+    r = Run(args, data, n, f"geo_{rule}_n{n}_k{k}_l{latency}")
+    r.data_eval = data_eval
+    optimizer = embedding.Adagrad(args.table_lr)
+    tables, denses, steps = [], [], []
+    workers = []
+    start = r.global_dense.values()
+    shared = rule == "shared"  # sum, with the optimizer's slots shared
+    for w in range(n):
+        local = r.make_table(f"local{w}", optimizer)
+        old = r.make_table(f"old{w}", optimizer if shared else None)
+        t = GeoTable(r.global_table, local, old, DEVICE, reader=w,
+                     combine="sum" if shared else rule, share_slots=shared)
+        local_dense = Dense(f"{r.tag}_local{w}", args.dim, r.hidden, init=start)
+        old_dense = Dense(f"{r.tag}_old{w}", args.dim, r.hidden, init=start)
+        pairs = [geo.GeoVariable(l, o, g) for l, o, g in
+                 zip(local_dense.vars, old_dense.vars, r.global_dense.vars)]
+        workers.append((t, local_dense, pairs, keras.optimizers.Adam(args.lr)))
+    for t, *_ in workers:
+        table_readers(t)
+
+    def make_step(t, dense, adam):
+        @tf.function(input_signature=BATCH)
+        def step(keys, x, y):
+            unique, row_grads, dense_grads, loss = gradients(t.local, dense, keys, x, y)
+            t.local.apply(unique, row_grads, r.step)
+            adam.apply(dense_grads, dense.vars)
+            return loss
+        return step
+
+    step_fns = [make_step(t, d, a) for t, d, _, a in workers]
+    # Rows of the fields with at most --hot_vocab values (trained by every worker at
+    # every step: dense weights in all but name) sync every step, the rest every k.
+    hot_fields = [f for f in range(FIELDS)
+                  if min(make_data.VOCAB[f], args.buckets) <= args.hot_vocab]
+    pending = {}  # worker -> local step at which its pull lands
+    local_steps = 0
+    for s, batches in r.batches():
+        for w, b in enumerate(batches):
+            step_fns[w](*b)
+        local_steps = s + 1
+        if hot_fields and local_steps % k:
+            for w, (t, _, _, _) in enumerate(workers):
+                hot = np.unique(batches[w][0][:, hot_fields])
+                geo_rule.push_rows(t, tf.constant(hot), 1.0, r.step)
+            for t, _, _, _ in workers:
+                geo_rule.table_pull(t)
+        dense_k = args.dense_k or k
+        tables_due, dense_due = local_steps % k == 0, local_steps % dense_k == 0
+        if tables_due or dense_due:
+            def parts(t, pairs):
+                return (pairs if dense_due else []), ([t] if tables_due else [])
+
+            for w, (t, _, pairs, _) in enumerate(workers):
+                geo.push_ops(*parts(t, pairs), DENSE_RULES[dense_rule](n), r.step)
+                if latency:
+                    pending[w] = local_steps + latency
+            if not latency:
+                for t, _, pairs, _ in workers:
+                    geo.pull_ops(*parts(t, pairs))
+        for w, due in list(pending.items()):
+            if local_steps >= due:
+                t, _, pairs, _ = workers[w]
+                geo.pull_ops(pairs, [t])
+                del pending[w]
+        r.step.assign_add(1)
+    # The final round: every worker's unpushed steps.
+    for t, _, pairs, _ in workers:
+        geo.push_ops(pairs, [t], DENSE_RULES[dense_rule](n), r.step)
+    return r.evaluate(r.global_table, r.global_dense)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", default="1,2,4,8,16,32")
+    p.add_argument("--k", default="10,100", help="GEO's k_steps values")
+    p.add_argument("--rules", default="scaled,sum", help="the PS's combine of a row's pushes")
+    p.add_argument("--dense", default="mean", help="how a round adds the dense deltas: "
+                   f"{', '.join(DENSE_RULES)}")
+    p.add_argument("--dense_k", type=int, default=0,
+                   help="the dense part's rounds every this many steps (0: k's)")
+    p.add_argument("--hot_vocab", type=int, default=0,
+                   help="rows of fields with at most this many values sync every step")
+    p.add_argument("--latency", type=int, default=0,
+                   help="background rounds: a pull lands this many steps after the push "
+                        "(0: deterministic rounds)")
+    p.add_argument("--rows", type=int, default=131072)
+    p.add_argument("--eval_rows", type=int, default=32768)
+    p.add_argument("--buckets", type=int, default=8192, help="values per field (hashed)")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--hidden", default="64,32")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's, for the dense part")
+    p.add_argument("--table_lr", type=float, default=0.05, help="Adagrad's, for the table")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no_async", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    tf.random.set_seed(args.seed)
+    data, data_eval = criteo_data(args.rows, args.eval_rows, args.buckets, args.seed)
+    results: List[dict] = []
+
+    def report(**row):
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    for n in [int(v) for v in args.workers.split(",")]:
+        if not args.no_async:
+            t0 = time.time()
+            report(mode="async", n=n, **run_async(args, data, data_eval, n),
+                   seconds=round(time.time() - t0, 1))
+        for k in [int(v) for v in args.k.split(",")]:
+            for rule in args.rules.split(","):
+                for dense_rule in args.dense.split(","):
+                    t0 = time.time()
+                    report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule,
+                           latency=args.latency, rounds=(args.rows // (args.batch * n)) // k,
+                           **run_geo(args, data, data_eval, n, k, rule, args.latency,
+                                     dense_rule),
+                           seconds=round(time.time() - t0, 1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
