@@ -42,8 +42,10 @@ def finish(c, timeout=200):
     # (async: make test's Keras async job is the two-server scenario below)
     pytest.param("async", [], marks=pytest.mark.slow), ("sync", []),
     # GEO's communicator traces its sync while fit starts (0.7 s, more on a loaded
-    # machine): steps of 20 ms leave it time to sync during fit, as a real fit does.
-    ("geo", ["--k_steps", "8", "--step_delay", "0.02"]),
+    # machine): steps of 20 ms leave it time to sync during fit, as a real fit does. Its
+    # tables sum the rows with their optimizer slots shared (the default rule, the
+    # average, is make test's in graph mode, the Criteo demo and word2vec).
+    ("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_table_rule", "shared_slots"]),
     ("staleness", ["--max_staleness", "2"])])
 def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
@@ -66,6 +68,9 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         assert all(r["iterations"] == r["local_steps"] for r in got.values()), got
     if mode == "geo":
         assert chief["kernel_device"].startswith("/job:worker/")  # trains a local copy
+        # The PS's Adagrad accumulators hold the workers' squared gradients, pushed with
+        # the rows (under the average they would stay at their initial 0.1).
+        assert all(m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()), chief
         # The communicator syncs during fit (not only the final sync), at most once per
         # K local steps: a round that lags behind training merges the wake-ups it missed.
         assert all(2 <= r["pushes"] <= r["local_steps"] // 8 + 1 for r in got.values()), \

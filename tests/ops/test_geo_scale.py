@@ -5,7 +5,7 @@ so what it measures is tfpsx's own GEO.
 
 * One worker: GEO with any rule is async exactly (the same model to the last bit), so
   the harness compares like with like.
-* Four workers (make test-all): summing the rows' deltas with their optimizer slots
+* Four workers: summing the rows' deltas with their optimizer slots
   shared (``share_slots``) keeps what async learns, while today's deterministic rule (the
   mean of a row's pushes) loses it, as the harness measured at full size (docs/modes.md).
 """
@@ -20,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import geo_scale  # noqa: E402
 
-pytestmark = pytest.mark.heavy
+# A benchmark's checks: make test-all runs them (make test drives the rule itself through
+# tests/ops/test_embedding.py and the Keras GEO job of tests/cluster/test_keras.py).
+pytestmark = [pytest.mark.heavy, pytest.mark.slow]
 
 
 def _runs(tmp_path, *argv):
@@ -42,7 +44,6 @@ def test_one_geo_worker_is_async_exactly_whatever_the_rule(tmp_path):
         assert r["rounds"] == 2048 // 128 // 3
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_at_four_workers_shared_slots_keep_asyncs_quality_and_the_mean_does_not(tmp_path):
     runs = _runs(tmp_path, "--workers", "4", "--k", "2", "--rows", "16384", "--eval_rows",

@@ -29,6 +29,10 @@ def test_strategy_modes():
     assert hybrid.hybrid and hybrid.mode == "geo" and "dense='allreduce'" in repr(hybrid)
     assert not tfpsx.DistributedStrategy().hybrid
     assert hybrid.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
+    shared = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10,
+                                                       "geo_table_rule": "shared_slots"})
+    assert shared.geo_table_rule == "shared_slots" and "shared_slots" in repr(shared)
+    assert shared.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -48,6 +52,10 @@ def test_strategy_modes():
      ["hybrid", "max_staleness=2"]),
     ({"a_sync_configs": {"k_steps": 5, "geo_sync_in_train_thread": 1}},
      ["geo_sync_in_train_thread", "True or False"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_table_rule": "sum"}},
+     ["geo_table_rule", "'average', 'shared_slots'", "'sum'"]),
+    ({"a_sync_configs": {"geo_table_rule": "shared_slots"}},
+     ["geo_table_rule", "applies to GEO", "k_steps=0"]),
 ])
 def test_bad_strategy_is_a_clear_error(kwargs, words):
     with pytest.raises(ValueError) as e:

@@ -147,6 +147,12 @@ def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
                      [r * (8 + size * dim) for r, dim, size in counts]))
 
 
+def shares_slots(options) -> bool:
+    """Whether GEO's tables travel with their optimizer slots, summed on the PS (a
+    ``DistributedStrategy``'s ``geo_table_rule="shared_slots"``)."""
+    return getattr(options, "geo_table_rule", "average") == "shared_slots"
+
+
 def wire_dtype(options) -> Optional[tf.DType]:
     """The dtype GEO's table rows travel in (None: float32), from a
     ``DistributedStrategy``'s ``geo_wire_dtype``."""
@@ -342,6 +348,7 @@ class GeoState(Protocol):
     tables: List[GeoTable]
     wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
     in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
+    share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
 
     def local_train_op(self, op) -> None:
         """A table's local training op was built (graph mode counts local steps by it)."""
@@ -363,6 +370,12 @@ class GeoTableUpdater(TableUpdater):
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
         options = getattr(table, "cache_options", None)
+        share = mode.share_slots
+        if options is not None and share:
+            raise ValueError(f"table {table.name!r}: a worker cache (cache_size) syncs its "
+                             "rows without their optimizer slots; "
+                             "a_sync_configs['geo_table_rule']='shared_slots' does not apply "
+                             "to it (use 'average', or no cache)")
         if options is not None:
             self.cache = WorkerCache(table, options, mode.worker_device, me,
                                      scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
@@ -374,9 +387,12 @@ class GeoTableUpdater(TableUpdater):
                     devices=[mode.worker_device])
         local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,
                              optimizer=table.optimizer, min_frequency=table.min_frequency, **copy)
-        old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim, **copy)
+        # With shared slots, old keeps the slots a row had at the last pull too.
+        old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim,
+                           optimizer=table.optimizer if share else None, **copy)
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
-                             combine=combine_for(mode.in_train_thread))
+                             combine="sum" if share else combine_for(mode.in_train_thread),
+                             share_slots=share)
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):

@@ -16,8 +16,12 @@ _CONFIG_KEYS = {
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
     "geo_wire_dtype": "GEO: the dtype table rows travel in ('float32', 'bfloat16', "
                       "'float16'); values stay float32 on both sides",
+    "geo_table_rule": "GEO: how the PS adds the workers' pushes of a table row: 'average' "
+                      "(the default) or 'shared_slots' (summed, the optimizer's slots "
+                      "shared; docs/modes.md)",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
+_GEO_TABLE_RULES = ("average", "shared_slots")
 _DENSE = ("ps", "allreduce")
 
 
@@ -28,8 +32,12 @@ class DistributedStrategy:
       a_sync: False for sync training, True for async / GEO / bounded staleness.
       a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO), ``max_staleness``
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
-        rows travel as "float32", "bfloat16" or "float16"), ``replicas_to_aggregate``
-        (sync only).
+        rows travel as "float32", "bfloat16" or "float16"), ``geo_table_rule`` (GEO:
+        "average", the default: the PS averages the pushes of a row several workers
+        trained; "shared_slots": it sums them, and each row travels with its optimizer
+        slots, so every worker's Adagrad accumulator holds every worker's gradients, as
+        in async: closer to async where K x N is small, see docs/modes.md),
+        ``replicas_to_aggregate`` (sync only).
       collective: True for collective mode (a job of workers only,
         ``tfpsx.init(is_collective=True)``): every weight on every worker, gradients
         averaged by all-reduce each step (Fleet's ``fleet.init(is_collective=True)``);
@@ -89,6 +97,14 @@ class DistributedStrategy:
         if self.geo_wire_dtype not in _WIRE_DTYPES:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_wire_dtype'] must be one "
                              f"of {list(_WIRE_DTYPES)}, got {self.geo_wire_dtype!r}")
+        self.geo_table_rule = configs.get("geo_table_rule", "average")
+        if self.geo_table_rule not in _GEO_TABLE_RULES:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_table_rule'] must be one "
+                             f"of {list(_GEO_TABLE_RULES)}, got {self.geo_table_rule!r}")
+        if self.geo_table_rule != "average" and not self.k_steps:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_table_rule'] applies "
+                             "to GEO (k_steps > 0); got "
+                             f"geo_table_rule={self.geo_table_rule!r} with k_steps=0")
         if not a_sync and (self.k_steps or self.max_staleness):
             raise ValueError("DistributedStrategy: k_steps and max_staleness need a_sync=True "
                              f"(got a_sync=False with {configs})")
@@ -120,7 +136,8 @@ class DistributedStrategy:
     def key(self) -> Tuple:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
-                self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense)
+                self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense,
+                self.geo_table_rule)
 
     def __repr__(self):
         if self.collective:
@@ -130,6 +147,8 @@ class DistributedStrategy:
             extra = ", geo_sync_in_train_thread=True"
         if self.mode == "geo" and self.geo_wire_dtype != "float32":
             extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
+        if self.mode == "geo" and self.geo_table_rule != "average":
+            extra += f", geo_table_rule={self.geo_table_rule!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
         if self.hybrid:

@@ -100,7 +100,8 @@ def export_serving(model, folder: str) -> None:
 def strategy_for(args):
     configs = {}
     if args.mode == "geo":
-        configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic}
+        configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic,
+                   "geo_table_rule": args.geo_table_rule}
     if args.mode == "staleness":
         configs = {"max_staleness": args.max_staleness}
     partitioner = "auto"
@@ -142,6 +143,7 @@ def main(argv):
     p.add_argument("--mode", choices=["async", "sync", "geo", "staleness"], default="async")
     p.add_argument("--model", choices=["wide_deep", "linear"], default="wide_deep")
     p.add_argument("--k_steps", type=int, default=10)
+    p.add_argument("--geo_table_rule", default="average")
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--syncs", type=int, default=4)
@@ -246,6 +248,11 @@ def main(argv):
         report["kernel_device"] = [l for l in model.layers if isinstance(
             l, keras.layers.Dense)][0].kernel.value.device
         tfpsx.barrier_worker()  # every worker's last push is in before the chief reads
+        # The PS tables' optimizer slots (their mean, by table): in GEO they move only
+        # when the rows travel with them (geo_table_rule="shared_slots").
+        report["ps_slot_means"] = {
+            layer.name: float(tf.reduce_mean(layer.table.export()["slots"]))
+            for layer in model.layers if getattr(layer, "table", None) is not None}
     iterations = model.optimizer.iterations
     if strategy is not None and strategy.mode == "geo":  # the global step, not this copy's
         iterations = strategy._mode.step_pairs[0].global_

@@ -25,7 +25,7 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, caches_locked, count_round, dense_size, pull_ops,
-                             push_ops, wire_dtype)
+                             push_ops, shares_slots, wire_dtype)
 
 
 class KerasGeo(KerasMode):
@@ -36,6 +36,7 @@ class KerasGeo(KerasMode):
         self.k_steps = options.k_steps
         self.in_train_thread = options.geo_sync_in_train_thread
         self.wire_dtype = wire_dtype(options)
+        self.share_slots = shares_slots(options)
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater
@@ -194,7 +195,9 @@ class KerasGeo(KerasMode):
             rows = t.global_.export()
             if int(tf.size(rows["keys"])):
                 t.local.import_rows(rows, clear=True)
-                t.old.import_rows(dict(rows, slots=tf.zeros([0], tf.float32)), clear=True)
+                # old keeps the PS's slots too when the rows travel with them.
+                t.old.import_rows(rows if t.share_slots else
+                                  dict(rows, slots=tf.zeros([0], tf.float32)), clear=True)
                 with tf.device(t.device):  # the import is not this worker's change
                     t.local.shards[0].take_changed(tf.constant(0, tf.int64))
             self._evicted[t.global_.name] = self._ps_evictions(t)

@@ -20,7 +20,7 @@ from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, caches_locked, count_round, dense_size, pull_ops,
-                             push_ops, wire_dtype)
+                             push_ops, shares_slots, wire_dtype)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -44,6 +44,7 @@ class GeoMode(Mode):
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
         self.wire_dtype = wire_dtype(strategy)
+        self.share_slots = shares_slots(strategy)
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
         self.train_ops = []
