@@ -61,6 +61,7 @@ def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="async")
     p.add_argument("--k_steps", type=int, default=0)
+    p.add_argument("--geo_table_rule", default="average")
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--replicas", type=int, default=None, help="sync: replicas_to_aggregate")
     p.add_argument("--deterministic", action="store_true")
@@ -89,6 +90,8 @@ def main(argv):
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     configs = {"k_steps": args.k_steps}
+    if args.geo_table_rule != "average":
+        configs["geo_table_rule"] = args.geo_table_rule
     if args.deterministic:
         configs["geo_sync_in_train_thread"] = True
     if args.mode == "staleness":
