@@ -43,11 +43,23 @@ afterwards trains on top of it (a sequential delta, not a parallel one). An asyn
 cache's syncs sum too: async applies every update whole, and a cache delivers the same
 updates, later.
 
+**Shared slots** (``GeoTable(share_slots=True)``, a strategy's ``geo_table_rule=
+"shared_slots"``): a row travels as ``[value | optimizer slots]`` both ways, the PS sums
+every push whole, and ``old`` keeps the slots of the last pull too. The PS's slots then
+hold every worker's share (Adagrad's accumulator: every worker's squared gradients, as in
+async), each pull brings them back, and a worker's local steps keep async's size; with
+local slots a worker's accumulator sees ~1/N of a hot row's gradients and its steps are
+~sqrt(N) times async's, which the average then scales back by N. Measured with
+``benchmarks/geo_scale.py`` (docs/modes.md): the better rule while K x N is small, worse
+than the average at K=10 from 8 workers.
+
 GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
 changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
-it holds (the others are fetched fresh on their next miss). The push skips rows whose
-delta is zero: a pull writes the rows it brings (so they count as changed), but a row
-this worker never trained has nothing to send. The functions build ops in graph
+it holds (the others are fetched fresh on their next miss). A pull's writes are not
+marked for the copy's own reader (0), so a push takes only the rows this worker trained
+since the last one (before, a pulled row came along, and one whose float32 residue
+``(local + (global - old)) - global`` was not exactly zero was pushed back); it still
+skips a row whose delta is zero. The functions build ops in graph
 mode and run in eager mode or ``tf.function``.
 """
 
@@ -75,11 +87,6 @@ class GeoTable:
     # The rows travel with their optimizer slots ([value | slots], summed on the PS;
     # ``old`` then holds row_width floats a row): the workers share the optimizer state.
     share_slots: bool = False
-
-    @property
-    def width(self) -> int:
-        """Floats of a row as it travels."""
-        return self.global_.row_width if self.share_slots else self.global_.dim
 
 
 def local_rows(table: ShardedTable, keys, with_slots: bool = False):
@@ -194,7 +201,7 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     whole PS table with its slots on every worker instead was about three quarters of a
     GEO job's bytes (measured: benchmarks/time_to_auc.py's Criteo job). A cache holds a
     bounded set of rows: those, read fresh."""
-    zero, me = tf.constant(0, tf.int64), tf.constant(t.reader, tf.int64)
+    me = tf.constant(t.reader, tf.int64)
 
     def fresh(keys):
         if not t.share_slots:
