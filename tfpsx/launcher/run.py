@@ -54,6 +54,7 @@ from typing import List, Optional
 
 from tfpsx import cluster as _cluster
 from tfpsx import settings
+from tfpsx.control.watchdog import EXIT_PEER_LOST
 from tfpsx.launcher import loopback
 from tfpsx.launcher.local import LocalCluster
 
@@ -188,7 +189,7 @@ def _how(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    if code == 138:  # watchdog.EXIT_PEER_LOST: restart me
+    if code == EXIT_PEER_LOST:  # restart me
         return "it lost a peer and asks for a restart"
     if code == 124:
         return "timed out"
@@ -291,8 +292,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                           f"({_how(code)}) while workers were running; stopping the job",
                           file=sys.stderr)
                     break
-            for task in workers:
-                code = job.procs[task].poll()
+            # A worker that exited because it lost a peer (EXIT_PEER_LOST) is a consequence:
+            # one that failed by itself, seen in the same pass, is the cause the job names
+            # (a killed rank's survivor exits 138 within moments, often before this pass).
+            codes = [(task, job.procs[task].poll()) for task in workers]
+            for task, code in sorted(codes, key=lambda tc: tc[1] == EXIT_PEER_LOST):
                 if failed or code in (None, 0) or task in dict(lost_workers):
                     continue
                 if task == primary or job.server_num == 0:
