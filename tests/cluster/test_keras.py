@@ -68,6 +68,9 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         assert all(r["iterations"] == r["local_steps"] for r in got.values()), got
     if mode == "geo":
         assert chief["kernel_device"].startswith("/job:worker/")  # trains a local copy
+        # 32 local steps an epoch, K = 8: 4 rounds, and fit says they are too few.
+        assert "GEO: k_steps=8 leaves 4 round(s) in an epoch of 32 local steps" in c.log(
+            "worker", 0)
         # The PS's Adagrad accumulators hold the workers' squared gradients, pushed with
         # the rows (under the average they would stay at their initial 0.1).
         assert all(m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()), chief
@@ -169,6 +172,25 @@ def test_deterministic_geo_equals_graph_mode_geo(make_cluster, workers, servers)
         np.testing.assert_allclose(r["global_w"], want_w.ravel(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(r["global_b"], want_b, rtol=1e-5, atol=1e-6)
         assert r["iterations"] == workers * k * syncs  # the job's global step
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_keras_geo_rounds_on_the_cores_schedule_across_fits(make_cluster):
+    """The core's schedule decides Keras's in-step rounds: after a fit that ends off a
+    multiple of K (its final round pushes the rest), the next round comes K steps on.
+    K = 5, two fits of 8 steps: rounds at 5, 8 (final), 13, 16 (final); a round at every
+    multiple of K would add one (5, 8, 10, 15, 16)."""
+    c = make_cluster(1, 1, script="keras_job.py", env=FAST, timeout=200,
+                     args=["--model", "linear", "--mode", "geo", "--k_steps", "5",
+                           "--fit_steps", "8,8", "--deterministic"]).start()
+    finish(c)
+    (r,) = reports(c, 1).values()
+    assert r["pushes"] == 4, r
+    assert r["iterations"] == 16, r
+    want_w, want_b = geo_reference(1, 16, 1)  # one worker: GEO is SGD, whatever the rounds
+    np.testing.assert_allclose(r["global_w"], want_w.ravel(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r["global_b"], want_b, rtol=1e-5, atol=1e-6)
 
 
 def sync_reference(workers: int, steps: int):

@@ -10,6 +10,7 @@ import pytest
 from tfpsx import errors
 from tfpsx.testing import wait_until
 from tfpsx.modes import BARRIER, DONE, PULL, PUSH, GeoSchedule, round_phases, wait_for_slowest
+from tfpsx.modes.geo import MIN_ROUNDS_PER_EPOCH
 
 
 def test_a_round_is_push_then_pull_and_deterministic_rounds_meet_between():
@@ -75,16 +76,53 @@ def test_no_final_round_when_every_step_was_pushed():
 
 def test_a_front_end_that_rounds_in_its_step_reports_them_and_gets_the_final_round():
     rec = Recorder(cached=True)
-    s = rec.make(4, deterministic=True, inline_rounds=False)
+    s = rec.make(4, deterministic=True, rounds_in_step=True)
     s.start(0)
+    in_step = []
     for step in range(1, 10):
         s.step_done(step)
-        if step % 4 == 0:
+        if s.due(step, s.pushed):  # what the front-end's step decides by
             assert s.phases() == (BARRIER, PUSH, BARRIER, PULL, BARRIER)
-            s.pushed_in_step(step)
-    assert rec.rounds == []  # the step ran them
+            s.ran_in_step(step)
+            in_step.append(step)
+    assert in_step == [4, 8] and rec.rounds == []  # the step ran them
     s.end(9)
     assert rec.rounds == [(9, (PUSH, PULL))]
+
+
+def test_a_k_that_leaves_too_few_rounds_per_epoch_is_warned_of_once(caplog):
+    rec = Recorder()
+    s = rec.make(100, deterministic=True)
+    assert MIN_ROUNDS_PER_EPOCH == 8
+    with caplog.at_level("WARNING", logger="tfpsx"):
+        assert s.check_epoch(None) is None  # unknown length: nothing said
+        assert s.check_epoch(800) is None  # 8 rounds
+        warning = s.check_epoch(250)
+        assert s.check_epoch(250) == warning
+    assert warning == ("GEO: k_steps=100 leaves 2 round(s) in an epoch of 250 local steps on "
+                       "this worker; with fewer than 8 rounds per epoch GEO loses model "
+                       "quality against async (docs/modes.md, 'GEO at N workers'): "
+                       "k_steps <= 31 keeps 8")
+    assert [r.getMessage() for r in caplog.records] == [warning]  # once
+
+
+@pytest.mark.parametrize("in_step", [False, True])
+def test_a_second_training_after_one_that_ended_off_k_rounds_k_steps_on(in_step):
+    """One schedule for both front-ends: after a final round at a step that is no
+    multiple of K, the next round comes K steps after it (not at the next multiple)."""
+    rec = Recorder()
+    s = rec.make(5, deterministic=True, rounds_in_step=in_step)
+    rounds = []
+    for start, stop in [(0, 8), (8, 16)]:
+        s.start(start)
+        for step in range(start + 1, stop + 1):
+            s.step_done(step)
+            if in_step and s.due(step, s.pushed):
+                s.ran_in_step(step)
+                rounds.append(step)
+        s.end(stop)
+    rounds += [pushed for pushed, _ in rec.rounds]
+    assert sorted(rounds) == [5, 8, 13, 16]
 
 
 def test_the_background_communicator_is_woken_once_k_steps_are_unpushed():

@@ -61,7 +61,8 @@ class StrategyCallback(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ Keras's hooks
     def on_train_begin(self, logs=None):
-        self._strategy.begin_fit(self.model)
+        epoch_steps = self.params.get("steps") if self.params else None
+        self._strategy.begin_fit(self.model, epoch_steps)
         self._active = True
         self._wrap("train_function")
 

@@ -270,9 +270,11 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
             raise ValueError(_NOT_JOINED)
         return tf.debugging.assert_equal(self._fit_flag.read_value(), 1, message=_NOT_JOINED)
 
-    def begin_fit(self, model) -> None:
-        """``fit`` starts (the callback's ``on_train_begin``)."""
+    def begin_fit(self, model, epoch_steps: Optional[int] = None) -> None:
+        """``fit`` starts (the callback's ``on_train_begin``); ``epoch_steps``: the local
+        steps in one of its epochs (None: unknown)."""
         self.check_model(model)
+        self._mode.fit_length(epoch_steps)
         self._mode.begin_fit(model)
         self._feeder.begin(model)
         self._fitting = True

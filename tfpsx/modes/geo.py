@@ -23,9 +23,15 @@ pull, every worker meets again (with a worker cache, which reads the PS on a mis
 meet first too). A front-end interprets the phases: a TF1 session runs them one
 ``session.run`` each; Keras chains them inside its compiled step.
 
-The **schedule** (:class:`GeoSchedule`) says when a round runs: every K local steps
-(woken in the background, or inline), a final round when training ends with local
-steps not yet pushed, and the communicator's bounded stop.
+The **schedule** (:class:`GeoSchedule`) says when a round runs, for both front-ends: a
+round starts once K local steps were trained since the last one started
+(:meth:`GeoSchedule.due`; training starts with every step pushed), a final round runs
+when training ends with local steps not yet pushed, and the communicator stops in a
+bound. A front-end only says how a step and a round run: graph mode runs a deterministic
+round between two ``session.run`` of the step; Keras chains it inside its compiled step
+(``steps_per_execution`` steps may run in one call), deciding by the same
+:meth:`GeoSchedule.due` on its step counters and reporting the round
+(:meth:`GeoSchedule.ran_in_step`).
 
 A background round starts only when at least K + L local steps are left to train, L
 being the steps trained while the last round ran (K before any round), when the
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from typing import Callable, List, Optional, Protocol, Tuple
 
@@ -60,6 +67,11 @@ from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
 
 PUSH, PULL, BARRIER = "push", "pull", "barrier"
+# GEO's quality holds only with at least this many rounds in an epoch (docs/modes.md,
+# "GEO at N workers": with fewer, no table rule kept async's AUC at 4 workers or more).
+MIN_ROUNDS_PER_EPOCH = 8
+
+logger = logging.getLogger("tfpsx")
 
 
 class GeoCounters(metrics.Counters):
@@ -204,6 +216,19 @@ def count_round(counters: GeoCounters, start: float, dense: Tuple[int, int],
 
 # ----------------------------------------------------------------------------- the schedule
 
+def few_rounds(k_steps: int, epoch_steps: Optional[int]) -> Optional[str]:
+    """The warning for a K that leaves fewer than :data:`MIN_ROUNDS_PER_EPOCH` rounds in
+    an epoch of ``epoch_steps`` local steps (None if it does not, or the length is
+    unknown)."""
+    if not epoch_steps or epoch_steps // k_steps >= MIN_ROUNDS_PER_EPOCH:
+        return None
+    return (f"GEO: k_steps={k_steps} leaves {epoch_steps // k_steps} round(s) in an epoch of "
+            f"{epoch_steps} local steps on this worker; with fewer than "
+            f"{MIN_ROUNDS_PER_EPOCH} rounds per epoch GEO loses model quality against async "
+            f"(docs/modes.md, 'GEO at N workers'): k_steps <= "
+            f"{max(1, epoch_steps // MIN_ROUNDS_PER_EPOCH)} keeps {MIN_ROUNDS_PER_EPOCH}")
+
+
 class GeoSchedule:
     """When this worker syncs, for either front-end.
 
@@ -216,25 +241,27 @@ class GeoSchedule:
       barrier: all workers meet (``RUNTIME.barrier_worker``).
       first_round: the background communicator's first wake-up runs this instead of a
         round (Keras traces its sync function there, off ``fit``'s path).
-      inline_rounds: deterministic rounds run from :meth:`step_done`; False when the
-        front-end runs them inside its step (Keras) and reports them by
-        :meth:`pushed_in_step`; ``run_round`` then runs the final round only.
+      rounds_in_step: the front-end runs deterministic rounds inside its step (Keras:
+        several steps may run in one call), when :meth:`due` says, and reports each by
+        :meth:`ran_in_step`; ``run_round`` then runs the final round only. False: they
+        run from :meth:`step_done`.
     """
 
     def __init__(self, k_steps: int, deterministic: bool,
                  run_round: Callable[[Tuple[str, ...]], None],
                  cached: Callable[[], bool], barrier: Callable[[], None],
                  first_round: Optional[Callable[[], None]] = None,
-                 inline_rounds: bool = True):
+                 rounds_in_step: bool = False):
         self.k_steps, self.deterministic = k_steps, deterministic
         self._run_round, self._cached, self._barrier = run_round, cached, barrier
-        self._first_round, self._inline = first_round, inline_rounds
+        self._first_round, self._inline = first_round, not rounds_in_step
         self.pushed = 0  # local steps counted at the start of the last round
         self._steps = 0  # local steps reported by step_done
         self._loop: Optional[BackgroundLoop] = None
         # Local steps trained while the last background round ran (before any: K).
         self.lag = k_steps
         self._steps_left: Optional[int] = None  # as the front-end last said
+        self._warned = set()  # the epoch lengths check_epoch warned of
 
     @property
     def running(self) -> bool:
@@ -257,6 +284,22 @@ class GeoSchedule:
             if self._first_round is not None:
                 self._loop.wake()
 
+    def due(self, steps, pushed):
+        """The rule of when a round starts, in both front-ends: K local steps trained since
+        the last round started (``pushed``). Python ints, or tensors (a round decided
+        inside a compiled step)."""
+        return steps - pushed >= self.k_steps
+
+    def check_epoch(self, epoch_steps: Optional[int]) -> Optional[str]:
+        """Warns (the ``tfpsx`` logger, once per epoch length) when K leaves fewer than
+        :data:`MIN_ROUNDS_PER_EPOCH` rounds in an epoch of ``epoch_steps`` local steps
+        (None: unknown, nothing said). Returns the warning."""
+        message = few_rounds(self.k_steps, epoch_steps)
+        if message and epoch_steps not in self._warned:
+            self._warned.add(epoch_steps)
+            logger.warning(message)
+        return message
+
     def step_done(self, steps: int, steps_left: Optional[int] = None) -> None:
         """``steps`` local steps have run (after a step, or an execution of several);
         ``steps_left``: how many training will still run, when the front-end knows (a
@@ -265,9 +308,9 @@ class GeoSchedule:
         self._steps, self._steps_left = steps, steps_left
         if self._loop is not None:
             self._loop.check()
-            if steps - self.pushed >= self.k_steps and self._time_left():
+            if self.due(steps, self.pushed) and self._time_left():
                 self._loop.wake()
-        elif self.deterministic and self._inline and steps - self.pushed >= self.k_steps:
+        elif self.deterministic and self._inline and self.due(steps, self.pushed):
             self.round(steps, self.phases())
 
     def round(self, steps: int, phases: Tuple[str, ...]) -> None:
@@ -304,8 +347,9 @@ class GeoSchedule:
                 f"{timeout:g} s")
         return loop
 
-    def pushed_in_step(self, steps: int) -> None:
-        """A round ran inside the step (the front-end's own deterministic round)."""
+    def ran_in_step(self, steps: int) -> None:
+        """A deterministic round started inside the step after ``steps`` local steps
+        (``rounds_in_step``)."""
         self.pushed = steps
 
     def _background(self) -> None:

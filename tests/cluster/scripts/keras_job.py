@@ -147,6 +147,8 @@ def main(argv):
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--syncs", type=int, default=4)
+    p.add_argument("--fit_steps", default="",
+                   help="linear model: consecutive fits of these many steps (e.g. 8,8)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--examples", type=int, default=4096)
@@ -206,9 +208,15 @@ def main(argv):
     start = time.time()
     if args.model == "linear":
         steps = args.k_steps * args.syncs if args.mode == "geo" else args.steps
+        fits = [int(f) for f in args.fit_steps.split(",")] if args.fit_steps else [steps]
+        steps = sum(fits)
         x, y = linear_data(me, steps)
-        history = model.fit(x, y, batch_size=linear.BATCH, epochs=1, shuffle=False, verbose=0,
-                            callbacks=callbacks)
+        at = 0
+        for n in fits:  # consecutive fits over the steps, in order
+            rows = slice(at * linear.BATCH, (at + n) * linear.BATCH)
+            history = model.fit(x[rows], y[rows], batch_size=linear.BATCH, epochs=1,
+                                shuffle=False, verbose=0, callbacks=callbacks)
+            at += n
         local_steps = steps
     else:
         features, label = click_data(1, args.examples)

@@ -116,6 +116,9 @@ class KerasMode:
         else:
             self.wait_until_ready()
 
+    def fit_length(self, epoch_steps: Optional[int]) -> None:
+        """``fit`` starts with epochs of ``epoch_steps`` local steps (None: unknown)."""
+
     def publish(self, model) -> None:
         """The chief, before it marks the model ready (a restore to publish)."""
 

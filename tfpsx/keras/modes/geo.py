@@ -42,15 +42,19 @@ class KerasGeo(KerasMode):
         self.tables = []          # GeoTable, appended by GeoTableUpdater
         self.counters = GeoCounters()
         self._steps: Optional[tf.Variable] = None    # local steps run
+        # The local steps counted when the last round started (the schedule's ``pushed``,
+        # where the compiled step reads it).
+        self._pushed: Optional[tf.Variable] = None
         self._sync_fn = None
-        # Deterministic rounds run inside the step (after_step); the schedule runs the
-        # background and final ones. The communicator's first wake-up traces the sync
+        # Deterministic rounds run inside the step (after_step) when the schedule's rule
+        # says; the schedule runs the background and final ones. The communicator's first wake-up traces the sync
         # function (0.7 s on the examples/keras_ctr model: off fit's path, long before the
         # first K steps ran).
         self.schedule = GeoSchedule(
             self.k_steps, self.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
-            first_round=lambda: self.sync_fn().get_concrete_function(), inline_rounds=False)
+            first_round=lambda: self.sync_fn().get_concrete_function(),
+            rounds_in_step=self.in_train_thread)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
@@ -88,6 +92,8 @@ class KerasGeo(KerasMode):
             with tf.device(self.worker_device):
                 self._steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                           name="geo_local_steps")
+                self._pushed = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="geo_pushed_steps")
         return self._steps
 
     # ------------------------------------------------------------------ the rule
@@ -130,14 +136,16 @@ class KerasGeo(KerasMode):
         count = steps.assign_add(1, read_value=False)
         if not self.in_train_thread:
             return [count]
-        # Deterministic: every K local steps, inside the step: push, all workers meet,
-        # pull, meet again (graph mode's geo_sync_in_train_thread).
+        # Deterministic: when the schedule's rule says (K local steps since the last round
+        # started, as in graph mode), inside the step: push, all workers meet, pull, meet
+        # again (graph mode's geo_sync_in_train_thread).
         with tf.control_dependencies([count]):
             now = steps.read_value()
 
         def sync_in_step():
             # The deterministic round's phases, chained in the step.
-            begun = tf.py_function(time.monotonic, [], tf.float64)
+            with tf.control_dependencies([self._pushed.assign(now)]):
+                begun = tf.py_function(time.monotonic, [], tf.float64)
             nothing = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
             last, sent, received = [begun], nothing, nothing
             for phase in self.schedule.phases():
@@ -153,7 +161,7 @@ class KerasGeo(KerasMode):
                                          [begun, now] + list(sent) + list(received), tf.bool)
             return counted
 
-        return [tf.cond(tf.equal(now % self.k_steps, 0), sync_in_step,
+        return [tf.cond(self.schedule.due(now, self._pushed.read_value()), sync_in_step,
                         lambda: tf.constant(False))]
 
     def _barrier(self) -> bool:
@@ -162,7 +170,7 @@ class KerasGeo(KerasMode):
 
     def _count_in_step(self, start, steps, *rows_and_bytes) -> bool:
         self._count(float(start), *rows_and_bytes)
-        self.schedule.pushed_in_step(int(steps))
+        self.schedule.ran_in_step(int(steps))
         return True
 
     # ------------------------------------------------------------------ fit
@@ -232,6 +240,12 @@ class KerasGeo(KerasMode):
         self._fits += 1
         self._in_fit = True
         self.schedule.start(int(self.steps().read_value()))
+        # Every step is pushed when fit starts: the next round comes K steps on (also
+        # after a fit that ended off a multiple of K, whose final round pushed its rest).
+        self._pushed.assign(self.schedule.pushed)
+
+    def fit_length(self, epoch_steps: Optional[int]) -> None:
+        self.schedule.check_epoch(epoch_steps)  # too few rounds in an epoch: a warning
 
     def begin_eval(self, model) -> None:
         # Outside fit, evaluate / predict see the global model as it is now (the other
