@@ -223,16 +223,39 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     for t, *_ in workers:
         table_readers(t)
 
+    # --async_part: one part trained as async trains it (every worker's gradient computed
+    # on one snapshot of the global part, applied by the PS's optimizer one after
+    # another), the other by GEO: which part loses what GEO loses.
+    async_dense, async_tables = args.async_part == "dense", args.async_part == "tables"
+    global_adam = keras.optimizers.Adam(args.lr)
+
     def make_step(t, dense, adam):
+        table = r.global_table if async_tables else t.local
+        dense = r.global_dense if async_dense else dense
+
         @tf.function(input_signature=BATCH)
         def step(keys, x, y):
-            unique, row_grads, dense_grads, loss = gradients(t.local, dense, keys, x, y)
-            t.local.apply(unique, row_grads, r.step)
-            adam.apply(dense_grads, dense.vars)
-            return loss
+            unique, row_grads, dense_grads, loss = gradients(table, dense, keys, x, y)
+            if not async_tables:
+                t.local.apply(unique, row_grads, r.step)
+            if not async_dense:
+                adam.apply(dense_grads, dense.vars)
+            return unique, row_grads, dense_grads
         return step
 
+    @tf.function(reduce_retracing=True)
+    def apply_global(unique, row_grads, dense_grads):
+        if async_tables:
+            r.global_table.apply(unique, row_grads, r.step)
+        if async_dense:
+            global_adam.apply(dense_grads, r.global_dense.vars)
+
     step_fns = [make_step(t, d, a) for t, d, _, a in workers]
+    if async_dense:
+        for _, _, pairs, _ in workers:
+            pairs.clear()
+    if async_tables:
+        workers = [(None,) + tuple(w[1:]) for w in workers]
     # Rows of the fields with at most --hot_vocab values (trained by every worker at
     # every step: dense weights in all but name) sync every step, the rest every k.
     hot_fields = [f for f in range(FIELDS)
@@ -240,10 +263,12 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     pending = {}  # worker -> local step at which its pull lands
     local_steps = 0
     for s, batches in r.batches():
-        for w, b in enumerate(batches):
-            step_fns[w](*b)
+        got = [step_fns[w](*b) for w, b in enumerate(batches)]
+        if args.async_part:
+            for g in got:
+                apply_global(*g)
         local_steps = s + 1
-        if hot_fields and local_steps % k:
+        if hot_fields and not async_tables and local_steps % k:
             for w, (t, _, _, _) in enumerate(workers):
                 hot = np.unique(batches[w][0][:, hot_fields])
                 geo_rule.push_rows(t, tf.constant(hot), 1.0, r.step)
@@ -253,7 +278,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         tables_due, dense_due = local_steps % k == 0, local_steps % dense_k == 0
         if tables_due or dense_due:
             def parts(t, pairs):
-                return (pairs if dense_due else []), ([t] if tables_due else [])
+                return (pairs if dense_due else []), ([t] if tables_due and t else [])
 
             for w, (t, _, pairs, _) in enumerate(workers):
                 geo.push_ops(*parts(t, pairs), DENSE_RULES[dense_rule](n), r.step)
@@ -265,12 +290,12 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         for w, due in list(pending.items()):
             if local_steps >= due:
                 t, _, pairs, _ = workers[w]
-                geo.pull_ops(pairs, [t])
+                geo.pull_ops(pairs, [t] if t else [])
                 del pending[w]
         r.step.assign_add(1)
     # The final round: every worker's unpushed steps.
     for t, _, pairs, _ in workers:
-        geo.push_ops(pairs, [t], DENSE_RULES[dense_rule](n), r.step)
+        geo.push_ops(pairs, [t] if t else [], DENSE_RULES[dense_rule](n), r.step)
     return r.evaluate(r.global_table, r.global_dense)
 
 
@@ -298,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--table_lr", type=float, default=0.05, help="Adagrad's, for the table")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no_async", action="store_true")
+    p.add_argument("--async_part", default="", choices=["", "dense", "tables"],
+                   help="train this part as async does, the other by GEO (what loses what)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tf.random.set_seed(args.seed)
@@ -317,7 +344,8 @@ def main(argv=None) -> int:
             for rule in args.rules.split(","):
                 for dense_rule in args.dense.split(","):
                     t0 = time.time()
-                    report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule,
+                    part = {"async_part": args.async_part} if args.async_part else {}
+                    report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
                            latency=args.latency, rounds=(args.rows // (args.batch * n)) // k,
                            **run_geo(args, data, data_eval, n, k, rule, args.latency,
                                      dense_rule),
