@@ -118,18 +118,26 @@ class Dense:
         return tf.squeeze(h, 1) + wide + tf.squeeze(tf.matmul(x, self.vars[-1]), 1)
 
 
-def gradients(table: ShardedTable, dense: Dense, keys, x, y):
+def gradients(table, dense: Dense, keys, x, y, step=None):
     """(unique keys, their row gradients, dense gradients, loss) of one batch, reading
-    ``table``'s rows (a missing key: its initial row, as the optimizer will start it)."""
-    flat = tf.reshape(keys, [-1])
-    unique, index = tf.unique(flat)
-    rows = table.shards[0].find(unique)[0]
+    ``table``'s rows (a missing key: its initial row, as the optimizer will start it);
+    ``table`` a ``geo_rule.HotRows``: the product's split (hot ids on the PS)."""
+    hot = None
+    if isinstance(table, geo_rule.HotRows):
+        looked = table.lookup_unique(keys, train=True, step=step)
+        unique, index, rows, hot = (looked.unique_keys, looked.indices, looked.unique_rows,
+                                    looked.hot)
+    else:
+        unique, index = tf.unique(tf.reshape(keys, [-1]))
+        rows = table.shards[0].find(unique)[0]
     with tf.GradientTape() as tape:
         tape.watch(rows)
         batch_rows = tf.reshape(tf.gather(rows, index), [tf.shape(keys)[0], FIELDS, -1])
         loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
             labels=y, logits=dense.logits(batch_rows, x)))
     grads = tape.gradient(loss, [rows] + dense.vars)
+    if hot is not None:
+        return unique, grads[0], grads[1:], loss, hot
     return unique, grads[0], grads[1:], loss
 
 
@@ -200,6 +208,15 @@ def run_async(args, data, data_eval, n: int) -> Dict[str, float]:
     return r.evaluate(r.global_table, r.global_dense)
 
 
+def hot_keys(keys: np.ndarray, hot_fields, hot_count: int) -> np.ndarray:
+    """A step's hot rows: those of the ``hot_fields`` (``--hot_vocab``), or the keys that
+    occur at least ``hot_count`` times in the batch (``--hot_count``)."""
+    if hot_fields:
+        return np.unique(keys[:, hot_fields])
+    unique, counts = np.unique(keys, return_counts=True)
+    return unique[counts >= hot_count]
+
+
 def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             dense_rule: str) -> Dict[str, float]:
     import keras
@@ -229,18 +246,27 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     async_dense, async_tables = args.async_part == "dense", args.async_part == "tables"
     global_adam = keras.optimizers.Adam(args.lr)
 
+    # --hot_count with --hot_rule ps: the product's split (geo_rule.HotRows, a strategy's
+    # geo_hot_count): a batch's hot ids read and trained on the PS, applied after every
+    # worker's step read the same snapshot (as the async peer's); --hot_rule sync: they
+    # train in the copy, pushed and pulled after every step.
+    hot_on_ps = bool(args.hot_count) and args.hot_rule == "ps" and not async_tables
+
     def make_step(t, dense, adam):
-        table = r.global_table if async_tables else t.local
+        table = (r.global_table if async_tables else
+                 geo_rule.HotRows(t, args.hot_count) if hot_on_ps else t.local)
         dense = r.global_dense if async_dense else dense
 
         @tf.function(input_signature=BATCH)
         def step(keys, x, y):
-            unique, row_grads, dense_grads, loss = gradients(table, dense, keys, x, y)
-            if not async_tables:
+            out = gradients(table, dense, keys, x, y, r.step)
+            unique, row_grads, dense_grads = out[:3]
+            hot = out[4] if len(out) > 4 else None
+            if not async_tables and not hot_on_ps:
                 t.local.apply(unique, row_grads, r.step)
             if not async_dense:
                 adam.apply(dense_grads, dense.vars)
-            return unique, row_grads, dense_grads
+            return unique, row_grads, dense_grads, hot
         return step
 
     @tf.function(reduce_retracing=True)
@@ -250,7 +276,12 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         if async_dense:
             global_adam.apply(dense_grads, r.global_dense.vars)
 
+    @tf.function(reduce_retracing=True)
+    def apply_split(split, unique, row_grads, hot):
+        split.apply(unique, row_grads, hot, r.step)
+
     step_fns = [make_step(t, d, a) for t, d, _, a in workers]
+    splits = {id(t): geo_rule.HotRows(t, args.hot_count) for t, *_ in workers}
     if async_dense:
         for _, _, pairs, _ in workers:
             pairs.clear()
@@ -261,16 +292,26 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     hot_fields = [f for f in range(FIELDS)
                   if min(make_data.VOCAB[f], args.buckets) <= args.hot_vocab]
     pending = {}  # worker -> local step at which its pull lands
+    # Rows pushed every step (hot) and the distinct rows the workers' steps trained.
+    moved = {"hot_rows": 0, "step_rows": 0}
     local_steps = 0
     for s, batches in r.batches():
         got = [step_fns[w](*b) for w, b in enumerate(batches)]
         if args.async_part:
             for g in got:
-                apply_global(*g)
+                apply_global(*g[:3])
+        if hot_on_ps:
+            for (t, _, _, _), (unique, row_grads, _, hot) in zip(workers, got):
+                apply_split(splits[id(t)], unique, row_grads, hot)
+                moved["hot_rows"] += int(tf.reduce_sum(tf.cast(hot, tf.int32)))
+                moved["step_rows"] += int(tf.size(unique))
         local_steps = s + 1
-        if hot_fields and not async_tables and local_steps % k:
+        if (hot_fields or args.hot_count) and not hot_on_ps and not async_tables \
+                and local_steps % k:
             for w, (t, _, _, _) in enumerate(workers):
-                hot = np.unique(batches[w][0][:, hot_fields])
+                hot = hot_keys(batches[w][0], hot_fields, args.hot_count)
+                moved["hot_rows"] += len(hot)
+                moved["step_rows"] += len(np.unique(batches[w][0]))
                 geo_rule.push_rows(t, tf.constant(hot), 1.0, r.step)
             for t, _, _, _ in workers:
                 geo_rule.table_pull(t)
@@ -296,7 +337,10 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     # The final round: every worker's unpushed steps.
     for t, _, pairs, _ in workers:
         geo.push_ops(pairs, [t] if t else [], DENSE_RULES[dense_rule](n), r.step)
-    return r.evaluate(r.global_table, r.global_dense)
+    out = r.evaluate(r.global_table, r.global_dense)
+    if moved["step_rows"]:
+        out["hot_share"] = round(moved["hot_rows"] / moved["step_rows"], 4)
+    return out
 
 
 def main(argv=None) -> int:
@@ -310,6 +354,11 @@ def main(argv=None) -> int:
                    help="the dense part's rounds every this many steps (0: k's)")
     p.add_argument("--hot_vocab", type=int, default=0,
                    help="rows of fields with at most this many values sync every step")
+    p.add_argument("--hot_count", type=int, default=0,
+                   help="rows seen at least this often in a worker's batch sync every step")
+    p.add_argument("--hot_rule", default="ps", choices=["ps", "sync"],
+                   help="hot rows: read and trained on the PS (the product's geo_hot_count) "
+                        "or trained in the copy and synced every step")
     p.add_argument("--latency", type=int, default=0,
                    help="background rounds: a pull lands this many steps after the push "
                         "(0: deterministic rounds)")

@@ -46,6 +46,11 @@ def finish(c, timeout=200):
     # tables sum the rows with their optimizer slots shared (the default rule, the
     # average, is make test's in graph mode, the Criteo demo and word2vec).
     ("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_table_rule", "shared_slots"]),
+    # GEO's rule at many workers: tables by shared slots, the dense weights async on the
+    # PS, the ids seen 3+ times in a batch (tags of 100 values) read and trained there.
+    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_table_rule",
+                         "shared_slots", "--geo_dense", "async", "--geo_hot_count", "3"],
+                 id="geo-async-dense-hot-rows"),
     ("staleness", ["--max_staleness", "2"])])
 def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
@@ -67,7 +72,9 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         assert got[0]["local_steps"] == got[1]["local_steps"]
         assert all(r["iterations"] == r["local_steps"] for r in got.values()), got
     if mode == "geo":
-        assert chief["kernel_device"].startswith("/job:worker/")  # trains a local copy
+        # trains a local copy of the dense weights, or (geo_dense="async") the PS's
+        where = "/job:ps/" if "--geo_dense" in extra else "/job:worker/"
+        assert chief["kernel_device"].startswith(where), chief["kernel_device"]
         # 32 local steps an epoch, K = 8: 4 rounds, and fit says they are too few.
         assert "GEO: k_steps=8 leaves 4 round(s) in an epoch of 32 local steps" in c.log(
             "worker", 0)

@@ -349,6 +349,57 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
             np.testing.assert_allclose(got[int(u)], row, rtol=1e-5, atol=1e-6)
 
 
+def hot_geo_reference(k: int, syncs: int, hot_count: int):
+    """One GEO worker with hot rows and an async dense bias, in numpy: an id seen
+    ``hot_count``+ times in a batch is read from and trained on the PS, the others in
+    the copy (pushed whole every k steps; the pull brings the PS's moves); the bias
+    trains on the PS every step. Returns (the PS's rows, the bias)."""
+    zero = np.zeros(sparse.DIM, np.float32)
+    lr, scale = np.float32(sparse.LR), np.float32(sparse.BATCH * sparse.DIM)
+    glob, local, old = {}, {}, {}
+    bias = zero.copy()
+    steps = list(sparse.batches(0, k * syncs))
+    for s, ids in enumerate(steps, 1):
+        uniq, inv, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        hot = counts >= hot_count
+        rows = np.stack([(glob if h else local).get(u, zero) for u, h in zip(uniq, hot)])
+        err = 2 * (rows[inv] + bias - sparse.targets(ids)) / scale
+        grad = np.zeros_like(rows)
+        np.add.at(grad, inv, err)
+        for j, u in enumerate(uniq):
+            (glob if hot[j] else local)[u] = (rows[j] - lr * grad[j]).astype(np.float32)
+        bias = (bias - lr * err.sum(0)).astype(np.float32)
+        if s % k == 0:  # push the copy's deltas, then pull every row
+            for u in list(local):
+                glob[u] = glob.get(u, zero) + (local[u] - old.get(u, zero))
+                old[u] = local[u].copy()
+            for u in list(glob):
+                local[u] = local.get(u, zero) + (glob[u] - old.get(u, zero))
+                old[u] = glob[u].copy()
+    return glob, bias
+
+
+@pytest.mark.timeout(240)
+def test_graph_geo_trains_hot_rows_and_dense_weights_on_the_ps(make_cluster):
+    """GEO's rule at many workers in graph mode, one worker (deterministic): ids seen
+    twice or more in a batch are read and trained on the PS (geo_hot_count=2), the rest
+    in the copy, and a dense bias trains async on the PS (geo_dense="async"): the PS's
+    rows and bias equal the numpy replay of that rule."""
+    k, syncs = 3, 4
+    c = make_cluster(2, 1, script="sparse_job.py", env=FAST,
+                     args=["--k_steps", str(k), "--syncs", str(syncs), "--geo_hot_count", "2",
+                           "--dense_bias"]).start()
+    finish(c)
+    want, want_bias = hot_geo_reference(k, syncs, 2)
+    (r,) = reports(c, 1, "sparse").values()
+    assert r["bias_device"].startswith("/job:ps/"), r["bias_device"]
+    np.testing.assert_allclose(r["bias"], want_bias, rtol=1e-5, atol=1e-6)
+    got = {int(key): np.array(v, np.float32) for key, v in r["rows"].items()}
+    assert sorted(got) == sorted(int(u) for u in want)
+    for u, row in want.items():
+        np.testing.assert_allclose(got[int(u)], row, rtol=1e-5, atol=1e-6, err_msg=str(u))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_async_worker_cache_trains_flushes_and_reports(make_cluster):

@@ -53,6 +53,16 @@ local slots a worker's accumulator sees ~1/N of a hot row's gradients and its st
 ``benchmarks/geo_scale.py`` (docs/modes.md): the better rule while K x N is small, worse
 than the average at K=10 from 8 workers.
 
+**Hot rows** (:class:`HotRows`, a strategy's ``geo_hot_count``): an id seen at least
+``hot_count`` times in a worker's batch is read from the PS and trained there by the
+PS's optimizer (async), not in the copy; the rest of the batch trains the copy (GEO).
+Such a row is trained by every worker at nearly every step: a round would add N x K
+steps computed from one stale value, which no combine gets right (the sum overshoots,
+the mean undershoots), while async's per-step traffic for a few hot rows is small. The
+PS marks the async update changed for every reader, this worker's too: its next pull
+brings it (``local += global - old`` then holds the global value plus the copy's own
+unpushed delta, as for any row).
+
 GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
 changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
 it holds (the others are fetched fresh on their next miss). A pull's writes are not
@@ -70,7 +80,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfpsx.embedding.sharding import ShardedTable
+from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 
 
 @dataclasses.dataclass
@@ -87,6 +97,52 @@ class GeoTable:
     # The rows travel with their optimizer slots ([value | slots], summed on the PS;
     # ``old`` then holds row_width floats a row): the workers share the optimizer state.
     share_slots: bool = False
+
+
+class HotRows:
+    """The rows a GEO worker's training step looks up and trains: an id seen at least
+    ``hot_count`` times in the batch on the PS (async), the others in the copy (see the
+    module doc). The table's ``lookup_source`` in GEO with ``geo_hot_count``."""
+
+    def __init__(self, t: GeoTable, hot_count: int):
+        self.geo, self.hot_count = t, hot_count
+
+    def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
+        if not train:  # evaluation reads the copy, as GEO's lookups do
+            return self.geo.local.lookup_unique(ids, train=False, step=step, tape=tape)
+        local, global_ = self.geo.local, self.geo.global_
+        keys = tf.reshape(local._keys(ids), [-1])
+        unique, index, counts = tf.unique_with_counts(keys)
+        hot = counts >= self.hot_count
+        at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
+        at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
+        hot_rows = ShardedTable.rows(global_, tf.gather(unique, at_hot), True, step)
+        tail_rows = ShardedTable.rows(local, tf.gather(unique, at_tail), True, step)
+        unique_rows = tf.reshape(tf.dynamic_stitch([at_hot, at_tail], [hot_rows, tail_rows]),
+                                 [-1, local.dim])
+        if tape is not None:
+            tape.watch(unique_rows)
+        ids_shape = tf.shape(local._keys(ids))
+        embeddings = tf.reshape(tf.gather(unique_rows, index),
+                                tf.concat([ids_shape, [local.dim]], axis=0))
+        return EmbeddingLookup(unique, unique_rows, index, embeddings, hot=hot)
+
+    def lookup(self, ids, train: bool = False, step=None, dedup=None) -> tf.Tensor:
+        if train:
+            return self.lookup_unique(ids, train=True, step=step).embeddings
+        return self.geo.local.lookup(ids, train=False, step=step, dedup=dedup)
+
+    def apply(self, keys, grads, hot, step):
+        """Trains the hot rows of ``keys`` on the PS, the others in the copy; returns the
+        op (None in eager mode)."""
+        grads = tf.convert_to_tensor(grads)
+        tail = tf.logical_not(hot)
+        ops = [ShardedTable.apply(self.geo.global_, tf.boolean_mask(keys, hot),
+                                  tf.boolean_mask(grads, hot), step),
+               self.geo.local.apply(tf.boolean_mask(keys, tail), tf.boolean_mask(grads, tail),
+                                    step)]
+        ops = [op for op in ops if op is not None]
+        return tf.group(ops) if ops else None
 
 
 def local_rows(table: ShardedTable, keys, with_slots: bool = False):

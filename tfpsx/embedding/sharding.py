@@ -33,6 +33,9 @@ class EmbeddingLookup:
     unique_rows: tf.Tensor    # [u, dim]: differentiate the loss with respect to this
     indices: tf.Tensor        # [n] position of each id in unique_keys
     embeddings: tf.Tensor     # ids' shape + [dim]
+    # [u] bool: the rows read from (and trained on) the PS rather than a GEO worker's
+    # copy (GEO's hot rows, tfpsx.embedding.geo_rule.HotRows); None: no such split.
+    hot: Optional[tf.Tensor] = None
 
 
 def as_step(step) -> tf.Tensor:

@@ -209,6 +209,9 @@ class DynamicTable(ShardedTable, compat.Trackable):
             raise ValueError(f"DynamicTable {self.name!r} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
         grads = self._row_gradients(looked.unique_keys, grads)
+        if looked.hot is not None:  # GEO's hot rows train on the PS
+            return self.updater.apply_gradients(self, looked.unique_keys, grads, step,
+                                                hot=looked.hot)
         return self.updater.apply_gradients(self, looked.unique_keys, grads, step)
 
     def minimize(self, loss, lookups: Sequence[EmbeddingLookup], step=None):

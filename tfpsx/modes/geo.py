@@ -62,7 +62,7 @@ import tensorflow as tf
 from tfpsx import errors, metrics, settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.embedding.cache import WorkerCache
-from tfpsx.embedding.geo_rule import GeoTable, combine_for, table_pull, table_push
+from tfpsx.embedding.geo_rule import GeoTable, HotRows, combine_for, table_pull, table_push
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
 
@@ -163,6 +163,18 @@ def shares_slots(options) -> bool:
     """Whether GEO's tables travel with their optimizer slots, summed on the PS (a
     ``DistributedStrategy``'s ``geo_table_rule="shared_slots"``)."""
     return getattr(options, "geo_table_rule", "average") == "shared_slots"
+
+
+def dense_async(options) -> bool:
+    """Whether GEO's dense weights train async on the PS (a ``DistributedStrategy``'s
+    ``geo_dense="async"``) rather than as worker copies synced every K steps."""
+    return getattr(options, "geo_dense", "copies") == "async"
+
+
+def hot_count(options) -> int:
+    """How often an id must occur in a worker's batch for GEO to train its row on the PS
+    (a ``DistributedStrategy``'s ``geo_hot_count``; 0: never)."""
+    return int(getattr(options, "geo_hot_count", 0) or 0)
 
 
 def wire_dtype(options) -> Optional[tf.DType]:
@@ -393,6 +405,7 @@ class GeoState(Protocol):
     wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
     in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
     share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
+    hot_count: int  # ids seen this often in a batch train on the PS (0: none)
 
     def local_train_op(self, op) -> None:
         """A table's local training op was built (graph mode counts local steps by it)."""
@@ -420,6 +433,11 @@ class GeoTableUpdater(TableUpdater):
                              "rows without their optimizer slots; "
                              "a_sync_configs['geo_table_rule']='shared_slots' does not apply "
                              "to it (use 'average', or no cache)")
+        if options is not None and mode.hot_count:
+            raise ValueError(f"table {table.name!r}: a worker cache (cache_size) reads its "
+                             "rows through the cache; a_sync_configs['geo_hot_count']="
+                             f"{mode.hot_count} (hot rows trained on the PS) does not apply "
+                             "to it (use geo_hot_count=0, or no cache)")
         if options is not None:
             self.cache = WorkerCache(table, options, mode.worker_device, me,
                                      scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
@@ -440,9 +458,14 @@ class GeoTableUpdater(TableUpdater):
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
+        if self._mode.hot_count and not self._geo.cached:
+            return HotRows(self._geo, self._mode.hot_count)
         return self._geo.local
 
-    def apply_gradients(self, table, keys, grads, step):
-        op = self._geo.local.apply(keys, grads, step)
+    def apply_gradients(self, table, keys, grads, step, hot=None):
+        if hot is not None:  # the hot rows on the PS, the rest in the copy
+            op = HotRows(self._geo, self._mode.hot_count).apply(keys, grads, hot, step)
+        else:
+            op = self._geo.local.apply(keys, grads, step)
         self._mode.local_train_op(op)
         return op

@@ -19,9 +19,14 @@ _CONFIG_KEYS = {
     "geo_table_rule": "GEO: how the PS adds the workers' pushes of a table row: 'average' "
                       "(the default) or 'shared_slots' (summed, the optimizer's slots "
                       "shared; docs/modes.md)",
+    "geo_dense": "GEO: how the dense weights train: 'copies' (the default: each worker's "
+                 "copy, synced every k_steps) or 'async' (on the parameter servers, async)",
+    "geo_hot_count": "GEO: an id seen at least this many times in a worker's batch trains "
+                     "its row on the parameter servers, async (0, the default: never)",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 _GEO_TABLE_RULES = ("average", "shared_slots")
+_GEO_DENSE = ("copies", "async")
 _DENSE = ("ps", "allreduce")
 
 
@@ -37,6 +42,11 @@ class DistributedStrategy:
         trained; "shared_slots": it sums them, and each row travels with its optimizer
         slots, so every worker's Adagrad accumulator holds every worker's gradients, as
         in async: closer to async where K x N is small, see docs/modes.md),
+        ``geo_dense`` (GEO: "copies", the default: each worker trains a copy of the dense
+        weights, averaged every K steps; "async": they train on the parameter servers,
+        async, and only the tables run GEO's rounds), ``geo_hot_count`` (GEO: an id seen
+        at least this many times in a worker's batch is read and trained on the
+        parameter servers, async, not in the worker's copy; 0, the default: never),
         ``replicas_to_aggregate`` (sync only).
       collective: True for collective mode (a job of workers only,
         ``tfpsx.init(is_collective=True)``): every weight on every worker, gradients
@@ -101,10 +111,21 @@ class DistributedStrategy:
         if self.geo_table_rule not in _GEO_TABLE_RULES:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_table_rule'] must be one "
                              f"of {list(_GEO_TABLE_RULES)}, got {self.geo_table_rule!r}")
-        if self.geo_table_rule != "average" and not self.k_steps:
-            raise ValueError("DistributedStrategy: a_sync_configs['geo_table_rule'] applies "
-                             "to GEO (k_steps > 0); got "
-                             f"geo_table_rule={self.geo_table_rule!r} with k_steps=0")
+        self.geo_dense = configs.get("geo_dense", "copies")
+        if self.geo_dense not in _GEO_DENSE:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_dense'] must be one "
+                             f"of {list(_GEO_DENSE)}, got {self.geo_dense!r}")
+        self.geo_hot_count = _int_config(configs, "geo_hot_count", 0)
+        for key, value, default in [("geo_table_rule", self.geo_table_rule, "average"),
+                                    ("geo_dense", self.geo_dense, "copies"),
+                                    ("geo_hot_count", self.geo_hot_count, 0)]:
+            if value != default and not self.k_steps:
+                raise ValueError(f"DistributedStrategy: a_sync_configs['{key}'] applies to "
+                                 f"GEO (k_steps > 0); got {key}={value!r} with k_steps=0")
+        if self.geo_dense != "copies" and dense == "allreduce":
+            raise ValueError("DistributedStrategy: dense='allreduce' (the hybrid mode) "
+                             "all-reduces the dense weights every step; "
+                             f"a_sync_configs['geo_dense']={self.geo_dense!r} does not apply")
         if not a_sync and (self.k_steps or self.max_staleness):
             raise ValueError("DistributedStrategy: k_steps and max_staleness need a_sync=True "
                              f"(got a_sync=False with {configs})")
@@ -137,7 +158,7 @@ class DistributedStrategy:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
                 self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense,
-                self.geo_table_rule)
+                self.geo_table_rule, self.geo_dense, self.geo_hot_count)
 
     def __repr__(self):
         if self.collective:
@@ -149,6 +170,10 @@ class DistributedStrategy:
             extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
         if self.mode == "geo" and self.geo_table_rule != "average":
             extra += f", geo_table_rule={self.geo_table_rule!r}"
+        if self.mode == "geo" and self.geo_dense != "copies":
+            extra += f", geo_dense={self.geo_dense!r}"
+        if self.mode == "geo" and self.geo_hot_count:
+            extra += f", geo_hot_count={self.geo_hot_count}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
         if self.hybrid:

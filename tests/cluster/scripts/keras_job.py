@@ -101,7 +101,8 @@ def strategy_for(args):
     configs = {}
     if args.mode == "geo":
         configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic,
-                   "geo_table_rule": args.geo_table_rule}
+                   "geo_table_rule": args.geo_table_rule, "geo_dense": args.geo_dense,
+                   "geo_hot_count": args.geo_hot_count}
     if args.mode == "staleness":
         configs = {"max_staleness": args.max_staleness}
     partitioner = "auto"
@@ -144,6 +145,8 @@ def main(argv):
     p.add_argument("--model", choices=["wide_deep", "linear"], default="wide_deep")
     p.add_argument("--k_steps", type=int, default=10)
     p.add_argument("--geo_table_rule", default="average")
+    p.add_argument("--geo_dense", default="copies")
+    p.add_argument("--geo_hot_count", type=int, default=0)
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--syncs", type=int, default=4)
@@ -263,7 +266,8 @@ def main(argv):
             for layer in model.layers if getattr(layer, "table", None) is not None}
     iterations = model.optimizer.iterations
     if strategy is not None and strategy.mode == "geo":  # the global step, not this copy's
-        iterations = strategy._mode.step_pairs[0].global_
+        mode = strategy._mode
+        iterations = mode.step_pairs[0].global_ if mode.step_pairs else mode.global_step()
     report["iterations"] = int(iterations.numpy())
     if args.model == "linear":
         w, b = model.layers[-1].get_weights()

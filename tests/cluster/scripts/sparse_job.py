@@ -4,6 +4,8 @@ the global rows.
   sparse_job.py --mode geo --k_steps K --syncs T [--cache_size N]
       k-step GEO (SGD), syncing in the training thread (deterministic); with a worker
       cache of N rows instead of the whole worker copy.
+      [--geo_hot_count H] [--dense_bias]: ids seen H+ times in a batch train on the
+      PS; a dense bias beside the table, async on the PS.
   sparse_job.py --mode async --syncs T --cache_size N [--flush_steps F]
       async (SGD) for T steps per worker, through a worker cache of N rows.
   sparse_job.py --mode sync --syncs T
@@ -41,6 +43,9 @@ def main(argv):
     p.add_argument("--syncs", type=int, default=4)
     p.add_argument("--cache_size", type=int, default=0)
     p.add_argument("--flush_steps", type=int, default=100)
+    p.add_argument("--geo_hot_count", type=int, default=0)
+    p.add_argument("--dense_bias", action="store_true",
+                   help="a dense bias beside the table, GEO: geo_dense='async'")
     args = p.parse_args(argv)
     tfpsx.init()
     if tfpsx.is_server():
@@ -49,8 +54,12 @@ def main(argv):
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     geo, sgd = args.mode == "geo", args.mode != "sync"
-    strategy = tfpsx.DistributedStrategy(a_sync=sgd, a_sync_configs={
-        "k_steps": args.k_steps, "geo_sync_in_train_thread": True} if geo else {})
+    configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": True}
+    if args.geo_hot_count:
+        configs["geo_hot_count"] = args.geo_hot_count
+    if args.dense_bias:
+        configs["geo_dense"] = "async"
+    strategy = tfpsx.DistributedStrategy(a_sync=sgd, a_sync_configs=configs if geo else {})
     with tf.Graph().as_default():
         with tfpsx.model_scope(strategy):
             step = tf.compat.v1.train.get_or_create_global_step()
@@ -61,9 +70,20 @@ def main(argv):
             ids = tf.compat.v1.placeholder(tf.int64, [None])
             want = tf.compat.v1.placeholder(tf.float32, [None, DIM])
             looked = emb.lookup_unique(ids)
-            loss = tf.reduce_mean(tf.square(looked.embeddings - want))
-            train_op = tf.group(emb.minimize(loss, [looked]), name="user_group")
+            pred = looked.embeddings
+            if args.dense_bias:  # a dense weight beside the table (GEO: async on the PS)
+                bias = tf.compat.v1.get_variable("bias", [DIM], tf.float32,
+                                                 tf.compat.v1.zeros_initializer())
+                pred = pred + bias
+            loss = tf.reduce_mean(tf.square(pred - want))
+            ops = [emb.minimize(loss, [looked])]
+            if args.dense_bias:
+                opt = tfpsx.distributed_optimizer(
+                    tf.compat.v1.train.GradientDescentOptimizer(LR))
+                ops.append(opt.minimize(loss, var_list=[bias]))
+            train_op = tf.group(*ops, name="user_group")
             exported_rows = emb.export()  # the PS shards' rows, read at the end
+            dense_values = {"bias": bias} if args.dense_bias else {}
         runs = 0
         counters = None
         if sgd:
@@ -84,9 +104,11 @@ def main(argv):
         tfpsx.barrier_worker()
         exported = {}
         with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
-            rows, global_step = s.run([exported_rows, step])
+            rows, global_step, dense = s.run([exported_rows, step, dense_values])
             exported = {int(k): v.tolist() for k, v in zip(rows["keys"], rows["values"])}
     report = {"worker": me, "rows": exported, "global_step": int(global_step), "runs": runs}
+    if args.dense_bias:
+        report.update(bias=dense["bias"].tolist(), bias_device=bias.device)
     if counters is not None:
         report.update(pushes=counters["pushes"], rows_sent=counters["rows_sent"],
                       rows_received=counters["rows_received"], bytes_sent=counters["bytes_sent"])

@@ -5,7 +5,7 @@ from typing import Dict, Type
 
 from tfpsx.keras.modes.async_ import KerasAsync
 from tfpsx.keras.modes.base import KerasMode
-from tfpsx.keras.modes.geo import KerasGeo
+from tfpsx.keras.modes.geo import KerasGeo, geo_class
 from tfpsx.keras.modes.hybrid import hybrid_class
 from tfpsx.keras.modes.staleness import KerasStaleness
 from tfpsx.keras.modes.sync import KerasSync
@@ -21,6 +21,8 @@ def mode_class(options) -> Type[KerasMode]:
                          "collective=True) trains without parameter servers; use "
                          "tfpsx.keras.CollectiveStrategy() (after "
                          "tfpsx.init(is_collective=True))")
+    if options.mode == "geo" and not options.hybrid:
+        return geo_class(options)
     return hybrid_class(options) or REGISTRY[options.mode]
 
 

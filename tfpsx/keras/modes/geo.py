@@ -22,10 +22,11 @@ import tensorflow as tf
 
 from tfpsx.embedding.geo_rule import table_readers, take_global
 from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, caches_locked, count_round, dense_size, pull_ops,
-                             push_ops, shares_slots, wire_dtype)
+                             GeoVariable, caches_locked, count_round, dense_async, dense_size,
+                             hot_count, pull_ops, push_ops, shares_slots, wire_dtype)
 
 
 class KerasGeo(KerasMode):
@@ -37,6 +38,7 @@ class KerasGeo(KerasMode):
         self.in_train_thread = options.geo_sync_in_train_thread
         self.wire_dtype = wire_dtype(options)
         self.share_slots = shares_slots(options)
+        self.hot_count = hot_count(options)
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater
@@ -274,3 +276,29 @@ class KerasGeo(KerasMode):
                 # round combines by them (a mean over pushes its copy never held).
                 self._barrier()
             self._take_global(refresh_rounded=self.is_chief)
+
+
+class KerasGeoAsyncDense(KerasGeo, KerasAsync):
+    """GEO's tables (each worker's copy, synced every K steps) with the dense weights
+    async on the parameter servers (``geo_dense="async"``): model weights, their
+    optimizer slots and ``optimizer.iterations`` as :class:`KerasAsync` keeps them (the
+    optimizer's update runs beside each weight; iterations counts every worker's steps),
+    and GEO's rounds move table rows only."""
+
+    def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
+        return OnServers.create_variable(self, extended, next_creator, kwargs, ctx)
+
+    def after_step(self) -> list:
+        return KerasAsync.after_step(self) + KerasGeo.after_step(self)
+
+    def publish(self, model) -> None:
+        OnServers.publish(self, model)
+
+    def end_fit(self, model) -> None:
+        KerasGeo.end_fit(self, model)
+        OnServers.end_fit(self, model)  # the model holds the global dense values
+
+
+def geo_class(options) -> type:
+    """GEO's Keras class for ``options``."""
+    return KerasGeoAsyncDense if dense_async(options) else KerasGeo

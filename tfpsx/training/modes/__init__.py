@@ -25,7 +25,11 @@ REGISTRY: Dict[str, Type[Mode]] = {
 
 def mode_class(strategy) -> Type[Mode]:
     """The implementation of ``strategy.mode`` (the hybrid mode's, for its tables' mode)."""
-    return hybrid.mode_class(strategy) if strategy.hybrid else REGISTRY[strategy.mode]
+    if strategy.hybrid:
+        return hybrid.mode_class(strategy)
+    if strategy.mode == "geo":
+        return geo.mode_class(strategy)
+    return REGISTRY[strategy.mode]
 
 
 def mode_for(strategy, config, graph=None) -> Mode:

@@ -19,8 +19,8 @@ from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, caches_locked, count_round, dense_size, pull_ops,
-                             push_ops, shares_slots, wire_dtype)
+                             GeoVariable, caches_locked, count_round, dense_async, dense_size,
+                             hot_count, pull_ops, push_ops, shares_slots, wire_dtype)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -45,6 +45,7 @@ class GeoMode(Mode):
         self.worker_device = worker_device_of(config)
         self.wire_dtype = wire_dtype(strategy)
         self.share_slots = shares_slots(strategy)
+        self.hot_count = hot_count(strategy)
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
         self.train_ops = []
@@ -95,6 +96,21 @@ class GeoMode(Mode):
         self.train_ops.append(op)
 
 
+class GeoAsyncDenseMode(GeoMode):
+    """GEO's tables (each worker's copy, synced every K steps) with the dense weights
+    async on the parameter servers (``geo_dense="async"``): ``model_scope`` places them
+    as async does, the wrapped optimizer's update runs beside each (its slots there too),
+    and GEO's rounds move table rows only."""
+
+    def variable_creator(self):
+        return None
+
+
+def mode_class(strategy) -> type:
+    """GEO's graph-mode class for ``strategy``."""
+    return GeoAsyncDenseMode if dense_async(strategy) else GeoMode
+
+
 class GeoOptimizer(WrappedOptimizer):
     """GEO k-step SGD around any ``tf.compat.v1.train`` optimizer (see the module doc).
 
@@ -118,8 +134,15 @@ class GeoOptimizer(WrappedOptimizer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         graph = tf.compat.v1.get_default_graph()
         grads_and_vars = list(grads_and_vars)
-        mode = GeoMode.for_graph(self._strategy, self._config, graph) \
+        mode = mode_class(self._strategy).for_graph(self._strategy, self._config, graph) \
             if RUNTIME.config is not None else None
+        if isinstance(mode, GeoAsyncDenseMode):
+            # As async: the update runs beside each variable, on the parameter servers.
+            train = tf.group(self._opt.apply_gradients(grads_and_vars, name=name),
+                             name="geo_train")
+            self._mode = mode
+            mode.train_ops.append(train)
+            return train
         pairs = {id(p.local) for p in mode.dense} if mode else set()
         stray = [v.name for g, v in grads_and_vars if g is not None and id(v) not in pairs]
         if stray:
