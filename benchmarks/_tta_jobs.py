@@ -28,6 +28,7 @@ from _proxied import ROOT, run_job
 
 
 # Both examples take these flags: the modes every job runs.
+GEO_AT_N = ["--geo_table_rule", "shared_slots", "--geo_dense", "async", "--geo_hot_count", "4"]
 COMMON_MODES = {
     "sync": ["--mode", "sync"],
     "async": ["--mode", "async"],
@@ -58,6 +59,15 @@ class CriteoJob:
         "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
         # (criteo: the dense weights stay async on the PS)
         "async_cache_ceiling": CEILING,
+        # GEO's rule at many workers (docs/modes.md, "GEO at N workers"): tables by shared
+        # slots, the dense weights async on the PS, ids seen 4+ times a batch on the PS.
+        "geo10_n": ["--mode", "geo", "--k_steps", "10"] + GEO_AT_N,
+        "geo100_n": ["--mode", "geo", "--k_steps", "100"] + GEO_AT_N,
+        # Its parts alone (what each costs a step, what each buys).
+        "geo10_dense_async": ["--mode", "geo", "--k_steps", "10", "--geo_table_rule",
+                              "shared_slots", "--geo_dense", "async"],
+        "geo10_hot": ["--mode", "geo", "--k_steps", "10", "--geo_table_rule", "shared_slots",
+                      "--geo_hot_count", "4"],
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_fp16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "float16"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],

@@ -21,12 +21,18 @@ Schedules:
 * ``geo``, background rounds (``--latency L``): every worker pushes after its K-th step
   and its pull lands L steps later, while it trains on (the communicator's round trip).
 
+GEO's rule for many workers (docs/modes.md, "GEO at N workers") is ``--rules shared
+--async_part dense --hot_count 4``: tables by shared slots, the dense part trained as
+async trains it (``geo_dense="async"``), the ids seen 4+ times in a worker's batch read
+and trained on the PS through the product's ``geo_rule.HotRows`` (``geo_hot_count``).
+
 Data: the Criteo-format planted model of ``examples/criteo/make_data.py`` (the same
 fields, Zipf vocabularies and interactions), ids hashed to ``--buckets`` per field (so
 that 32 copies of the table fit in memory). Deterministic: the same seed gives the same
 numbers. Prints one line per run and, with ``--json``, writes them.
 
-  python benchmarks/geo_scale.py --workers 1,2,4,8,16,32 --k 10,100 --rules scaled,sum
+  python benchmarks/geo_scale.py --workers 2,4,8,16,32 --k 10 --rules shared \
+      --async_part dense --hot_count 4
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "criteo"))
 import make_data  # noqa: E402  (the planted Criteo-format model)
 
+import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfpsx import embedding  # noqa: E402
@@ -57,8 +64,11 @@ FIELDS, INTS = make_data.CAT_FIELDS, make_data.INT_FIELDS
 BATCH = [tf.TensorSpec([None, FIELDS], tf.int64), tf.TensorSpec([None, INTS], tf.float32),
          tf.TensorSpec([None], tf.float32)]
 # How a round adds the N workers' dense deltas: the divisor of each.
+# "moments": the values' deltas summed, Adam's moments shared (their deltas averaged,
+# pulled back: every worker's Adam steps by the mean of the workers' moments) and its step
+# count summed (the bias correction of every worker's steps).
 DENSE_RULES = {"mean": lambda n: float(n), "sqrt": lambda n: float(np.sqrt(n)),
-               "sum": lambda n: 1.0}
+               "sum": lambda n: 1.0, "moments": lambda n: 1.0}
 
 
 # ----------------------------------------------------------------------------- data
@@ -86,8 +96,6 @@ def criteo_data(rows: int, eval_rows: int, buckets: int, seed: int):
 class Dense:
     """The Wide&Deep's dense weights: a deep MLP over the embeddings and counts, and the
     counts' wide weights."""
-
-    SHAPES = None
 
     def __init__(self, name: str, dim: int, hidden, init=None):
         sizes = [FIELDS * dim + INTS] + list(hidden) + [1]
@@ -188,7 +196,6 @@ class Run:
 def run_async(args, data, data_eval, n: int) -> Dict[str, float]:
     r = Run(args, data, n, f"async_n{n}")
     r.data_eval = data_eval
-    import keras
     adam = keras.optimizers.Adam(args.lr)
 
     @tf.function(input_signature=BATCH)
@@ -219,12 +226,13 @@ def hot_keys(keys: np.ndarray, hot_fields, hot_count: int) -> np.ndarray:
 
 def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             dense_rule: str) -> Dict[str, float]:
-    import keras
     r = Run(args, data, n, f"geo_{rule}_n{n}_k{k}_l{latency}")
     r.data_eval = data_eval
     optimizer = embedding.Adagrad(args.table_lr)
     tables, denses, steps = [], [], []
     workers = []
+    shared_moments: List[tf.Variable] = []  # the "PS" values of Adam's moments, step count
+    moment_pairs: Dict[int, list] = {}  # worker -> its moments' pairs (--dense moments)
     start = r.global_dense.values()
     shared = rule == "shared"  # sum, with the optimizer's slots shared
     for w in range(n):
@@ -236,7 +244,22 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         old_dense = Dense(f"{r.tag}_old{w}", args.dim, r.hidden, init=start)
         pairs = [geo.GeoVariable(l, o, g) for l, o, g in
                  zip(local_dense.vars, old_dense.vars, r.global_dense.vars)]
-        workers.append((t, local_dense, pairs, keras.optimizers.Adam(args.lr)))
+        adam = keras.optimizers.Adam(args.lr)
+        if dense_rule == "moments":
+            adam.build(local_dense.vars)
+            state = [v.value for v in adam._momentums + adam._velocities]
+            if not shared_moments:
+                with tf.device(DEVICE):
+                    shared_moments.extend(tf.Variable(tf.zeros_like(v)) for v in state)
+                    shared_moments.append(tf.Variable(tf.constant(0, tf.int64)))
+            with tf.device(DEVICE):
+                olds = [tf.Variable(tf.zeros_like(v)) for v in state]
+                old_it = tf.Variable(tf.constant(0, tf.int64))
+            moment_pairs[w] = [geo.GeoVariable(l, o, g) for l, o, g in
+                               zip(state, olds, shared_moments[:-1])]
+            # (the step count: summed, with the values)
+            pairs = pairs + [geo.GeoVariable(adam.iterations.value, old_it, shared_moments[-1])]
+        workers.append((t, local_dense, pairs, adam))
     for t, *_ in workers:
         table_readers(t)
 
@@ -276,12 +299,16 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         if async_dense:
             global_adam.apply(dense_grads, r.global_dense.vars)
 
-    @tf.function(reduce_retracing=True)
-    def apply_split(split, unique, row_grads, hot):
-        split.apply(unique, row_grads, hot, r.step)
+    def make_apply(t):
+        split = geo_rule.HotRows(t, args.hot_count)
+
+        @tf.function(reduce_retracing=True)
+        def apply_split(unique, row_grads, hot):
+            split.apply(unique, row_grads, hot, r.step)
+        return apply_split
 
     step_fns = [make_step(t, d, a) for t, d, _, a in workers]
-    splits = {id(t): geo_rule.HotRows(t, args.hot_count) for t, *_ in workers}
+    apply_fns = {id(t): make_apply(t) for t, *_ in workers} if hot_on_ps else {}
     if async_dense:
         for _, _, pairs, _ in workers:
             pairs.clear()
@@ -302,7 +329,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                 apply_global(*g[:3])
         if hot_on_ps:
             for (t, _, _, _), (unique, row_grads, _, hot) in zip(workers, got):
-                apply_split(splits[id(t)], unique, row_grads, hot)
+                apply_fns[id(t)](unique, row_grads, hot)
                 moved["hot_rows"] += int(tf.reduce_sum(tf.cast(hot, tf.int32)))
                 moved["step_rows"] += int(tf.size(unique))
         local_steps = s + 1
@@ -323,15 +350,18 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
 
             for w, (t, _, pairs, _) in enumerate(workers):
                 geo.push_ops(*parts(t, pairs), DENSE_RULES[dense_rule](n), r.step)
+                if moment_pairs and dense_due:  # the moments: averaged
+                    geo.push_ops(moment_pairs[w], [], float(n), r.step)
                 if latency:
                     pending[w] = local_steps + latency
             if not latency:
-                for t, _, pairs, _ in workers:
-                    geo.pull_ops(*parts(t, pairs))
+                for w, (t, _, pairs, _) in enumerate(workers):
+                    dense, tabs = parts(t, pairs)
+                    geo.pull_ops(dense + (moment_pairs.get(w, []) if dense_due else []), tabs)
         for w, due in list(pending.items()):
             if local_steps >= due:
                 t, _, pairs, _ = workers[w]
-                geo.pull_ops(pairs, [t] if t else [])
+                geo.pull_ops(pairs + moment_pairs.get(w, []), [t] if t else [])
                 del pending[w]
         r.step.assign_add(1)
     # The final round: every worker's unpushed steps.

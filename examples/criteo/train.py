@@ -53,6 +53,13 @@ flags.DEFINE_integer("k_steps", 50, "geo: local steps between syncs")
 flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
 flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
                   "geo: the dtype table rows travel in")
+flags.DEFINE_enum("geo_table_rule", "average", ["average", "shared_slots"],
+                  "geo: how the PS adds the workers' pushes of a row (docs/modes.md)")
+flags.DEFINE_enum("geo_dense", "copies", ["copies", "async"],
+                  "geo: the dense weights as worker copies synced every k_steps, or async "
+                  "on the PS")
+flags.DEFINE_integer("geo_hot_count", 0, "geo: ids seen this often in a batch train on the "
+                     "PS (0: none)")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
 flags.DEFINE_integer("cache_flush_steps", 100, "async / staleness: steps between the worker "
                      "cache's syncs with the PS")
@@ -79,7 +86,10 @@ PROGRESS = "progress.json"
 
 
 def strategy_for(mode: str):
-    configs = {"geo": {"k_steps": FLAGS.k_steps, "geo_wire_dtype": FLAGS.geo_wire_dtype},
+    configs = {"geo": {"k_steps": FLAGS.k_steps, "geo_wire_dtype": FLAGS.geo_wire_dtype,
+                       "geo_table_rule": FLAGS.geo_table_rule,
+                       "geo_hot_count": FLAGS.geo_hot_count,
+                       **({"geo_dense": FLAGS.geo_dense} if FLAGS.dense == "ps" else {})},
                "staleness": {"max_staleness": FLAGS.max_staleness}}.get(mode, {})
     return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
         a_sync=mode != "sync", a_sync_configs=configs, dense=FLAGS.dense))

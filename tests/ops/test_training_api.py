@@ -56,6 +56,14 @@ def test_strategy_modes():
      ["geo_table_rule", "'average', 'shared_slots'", "'sum'"]),
     ({"a_sync_configs": {"geo_table_rule": "shared_slots"}},
      ["geo_table_rule", "applies to GEO", "k_steps=0"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_dense": "ps"}},
+     ["geo_dense", "'copies', 'async'", "'ps'"]),
+    ({"a_sync_configs": {"geo_dense": "async"}}, ["geo_dense", "applies to GEO", "k_steps=0"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_dense": "async"}, "dense": "allreduce"},
+     ["dense='allreduce'", "geo_dense']='async'", "does not apply"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_hot_count": 2.5}},
+     ["geo_hot_count", "int >= 0", "2.5"]),
+    ({"a_sync_configs": {"geo_hot_count": 4}}, ["geo_hot_count", "applies to GEO"]),
 ])
 def test_bad_strategy_is_a_clear_error(kwargs, words):
     with pytest.raises(ValueError) as e:

@@ -14,8 +14,9 @@ class RecordingStrategy:
     def __init__(self):
         self.calls = []
 
-    def begin_fit(self, model):
+    def begin_fit(self, model, epoch_steps=None):
         self.calls.append("begin")
+        self.epoch_steps = epoch_steps
 
     def batch_end(self, model, steps_left=None):
         self.calls.append(steps_left)
@@ -43,6 +44,7 @@ def test_the_strategy_learns_the_steps_fit_has_left_after_each_execution(
     model.fit(x, y, batch_size=2, epochs=3, initial_epoch=initial_epoch, verbose=0,
               callbacks=[StrategyCallback(strategy)])
     assert strategy.calls == ["begin"] + expected + ["end"]
+    assert strategy.epoch_steps == 5  # (GEO warns when K leaves too few rounds in one)
 
 
 def test_an_epoch_of_unknown_length_leaves_the_count_unknown():
@@ -56,3 +58,4 @@ def test_an_epoch_of_unknown_length_leaves_the_count_unknown():
         lambda x, y: True)  # (a filter: no cardinality)
     model.fit(data, epochs=2, verbose=0, shuffle=False, callbacks=[StrategyCallback(strategy)])
     assert strategy.calls == ["begin"] + [None] * 6 + ["end"]
+    assert strategy.epoch_steps is None
