@@ -377,6 +377,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", default="1,2,4,8,16,32")
     p.add_argument("--k", default="10,100", help="GEO's k_steps values")
+    p.add_argument("--min_rounds", type=int, default=0,
+                   help="a smaller K where the epoch would hold fewer rounds (0: never)")
     p.add_argument("--rules", default="scaled,sum", help="the PS's combine of a row's pushes")
     p.add_argument("--dense", default="mean", help="how a round adds the dense deltas: "
                    f"{', '.join(DENSE_RULES)}")
@@ -419,11 +421,16 @@ def main(argv=None) -> int:
             t0 = time.time()
             report(mode="async", n=n, **run_async(args, data, data_eval, n),
                    seconds=round(time.time() - t0, 1))
-        for k in [int(v) for v in args.k.split(",")]:
+        for k_max in [int(v) for v in args.k.split(",")]:
+            # --min_rounds R: K shrinks until the epoch holds R rounds (GEO's advice)
+            steps = args.rows // (args.batch * n)
+            k = min(k_max, max(1, steps // args.min_rounds)) if args.min_rounds else k_max
             for rule in args.rules.split(","):
                 for dense_rule in args.dense.split(","):
                     t0 = time.time()
                     part = {"async_part": args.async_part} if args.async_part else {}
+                    if args.min_rounds:
+                        part.update(k_max=k_max, min_rounds=args.min_rounds)
                     report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
                            latency=args.latency, rounds=(args.rows // (args.batch * n)) // k,
                            **run_geo(args, data, data_eval, n, k, rule, args.latency,
