@@ -58,8 +58,8 @@ def test_at_four_workers_shared_slots_keep_asyncs_quality_and_the_mean_does_not(
     assert got["shared"] > got["async"] - 0.015, got
 
 
-@pytest.mark.budget(45, why="eight logical workers' steps traced one by one (~15 s a run), "
-                            "two GEO runs and async's")
+@pytest.mark.budget(90, why="eight logical workers' steps traced one by one (~15 s a run), "
+                            "two GEO runs and async's: 34 s in CI, 46 s alone on a cold cache")
 @pytest.mark.timeout(180)
 def test_at_eight_workers_geos_rule_for_many_workers_keeps_asyncs_quality(tmp_path):
     """Eight workers, 8 rounds an epoch (K=2): GEO's rule for many workers (tables by
