@@ -187,7 +187,8 @@ def test_keras_geo_rounds_on_the_cores_schedule_across_fits(make_cluster):
     """The core's schedule decides Keras's in-step rounds: after a fit that ends off a
     multiple of K (its final round pushes the rest), the next round comes K steps on.
     K = 5, two fits of 8 steps: rounds at 5, 8 (final), 13, 16 (final); a round at every
-    multiple of K would add one (5, 8, 10, 15, 16)."""
+    multiple of K would add one (5, 8, 10, 15, 16). Its own cluster (slow): no scenario
+    runs two deterministic fits."""
     c = make_cluster(1, 1, script="keras_job.py", env=FAST, timeout=200,
                      args=["--model", "linear", "--mode", "geo", "--k_steps", "5",
                            "--fit_steps", "8,8", "--deterministic"]).start()

@@ -384,7 +384,8 @@ def test_graph_geo_trains_hot_rows_and_dense_weights_on_the_ps(make_cluster):
     """GEO's rule at many workers in graph mode, one worker (deterministic): ids seen
     twice or more in a batch are read and trained on the PS (geo_hot_count=2), the rest
     in the copy, and a dense bias trains async on the PS (geo_dense="async"): the PS's
-    rows and bias equal the numpy replay of that rule."""
+    rows and bias equal the numpy replay of that rule. Its own cluster: the rule is a
+    strategy of its own (no scenario trains with it), one worker so the replay is exact."""
     k, syncs = 3, 4
     c = make_cluster(2, 1, script="sparse_job.py", env=FAST,
                      args=["--k_steps", str(k), "--syncs", str(syncs), "--geo_hot_count", "2",

@@ -111,8 +111,8 @@ class HotRows:
         if not train:  # evaluation reads the copy, as GEO's lookups do
             return self.geo.local.lookup_unique(ids, train=False, step=step, tape=tape)
         local, global_ = self.geo.local, self.geo.global_
-        keys = tf.reshape(local._keys(ids), [-1])
-        unique, index, counts = tf.unique_with_counts(keys)
+        keys = local._keys(ids)
+        unique, index, counts = tf.unique_with_counts(tf.reshape(keys, [-1]))
         hot = counts >= self.hot_count
         at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
         at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
@@ -122,9 +122,8 @@ class HotRows:
                                  [-1, local.dim])
         if tape is not None:
             tape.watch(unique_rows)
-        ids_shape = tf.shape(local._keys(ids))
         embeddings = tf.reshape(tf.gather(unique_rows, index),
-                                tf.concat([ids_shape, [local.dim]], axis=0))
+                                tf.concat([tf.shape(keys), [local.dim]], axis=0))
         return EmbeddingLookup(unique, unique_rows, index, embeddings, hot=hot)
 
     def lookup(self, ids, train: bool = False, step=None, dedup=None) -> tf.Tensor:

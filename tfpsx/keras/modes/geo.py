@@ -49,9 +49,9 @@ class KerasGeo(KerasMode):
         self._pushed: Optional[tf.Variable] = None
         self._sync_fn = None
         # Deterministic rounds run inside the step (after_step) when the schedule's rule
-        # says; the schedule runs the background and final ones. The communicator's first wake-up traces the sync
-        # function (0.7 s on the examples/keras_ctr model: off fit's path, long before the
-        # first K steps ran).
+        # says; the schedule runs the background and final ones. The communicator's first
+        # wake-up traces the sync function (0.7 s on the examples/keras_ctr model: off
+        # fit's path, long before the first K steps ran).
         self.schedule = GeoSchedule(
             self.k_steps, self.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
