@@ -210,6 +210,28 @@ void Launched(const char* what) { Check(cudaGetLastError(), what); }
 
 // Device scratch memory in stream order: allocated and freed on the stream, so a batch
 // needs no synchronization (and batches on several streams get their own).
+// held[s] = 1 where slot s holds a key (Export's compaction).
+__global__ void HeldKernel(const int64_t* keys, int64_t slots, int64_t* held) {
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s >= slots) return;
+  const int64_t k = LoadKey(keys, s);
+  held[s] = k != kEmptyKey && k != kRemovedKey;
+}
+
+// One thread per float of the slot array: a held slot's key and row go to their place
+// in the compacted output (position: the inclusive sum of held).
+__global__ void CompactKernel(const int64_t* keys, const float* values, int64_t dim,
+                              int64_t slots, const int64_t* held, const int64_t* position,
+                              int64_t* out_keys, float* out_rows) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= slots * dim) return;
+  const int64_t s = e / dim, j = e % dim;
+  if (!held[s]) return;
+  const int64_t at = position[s] - 1;
+  if (j == 0) out_keys[at] = keys[s];
+  out_rows[at * dim + j] = values[e];
+}
+
 struct Buffer {
   void* ptr = nullptr;
   cudaStream_t stream;
@@ -308,21 +330,41 @@ int64_t GpuHashTable::Size(Stream stream) const {
 }
 
 int64_t GpuHashTable::Export(int64_t* keys, float* values, Stream stream) const {
-  std::vector<int64_t> all(capacity_);
-  std::vector<float> rows(capacity_ * dim_);
-  Check(cudaMemcpyAsync(all.data(), keys_, capacity_ * sizeof(int64_t), cudaMemcpyDeviceToHost,
-                        S(stream)), "Export keys");
-  Check(cudaMemcpyAsync(rows.data(), values_, capacity_ * dim_ * sizeof(float),
-                        cudaMemcpyDeviceToHost, S(stream)), "Export values");
-  Check(cudaStreamSynchronize(S(stream)), "Export");
-  int64_t out = 0;
-  for (int64_t s = 0; s < capacity_; ++s) {
-    if (all[s] == kEmptyKey || all[s] == kRemovedKey) continue;
-    keys[out] = all[s];
-    std::copy(rows.begin() + s * dim_, rows.begin() + (s + 1) * dim_, values + out * dim_);
-    ++out;
+  // Compacted on the device (held slots in slot order), so that only the stored rows
+  // cross to the host: a copy of the whole slot array would move the unused slots'
+  // never-written rows too (compute-sanitizer's initcheck flags them), about half the
+  // bytes at the table's load factor.
+  cudaStream_t s = S(stream);
+  const int64_t slots = capacity_;
+  Buffer held(slots * sizeof(int64_t), s), position(slots * sizeof(int64_t), s);
+  HeldKernel<<<Blocks(slots), kBlock, 0, s>>>(keys_, slots, held.as<int64_t>());
+  Launched("Export held");
+  size_t scan_bytes = 0;
+  Check(cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, held.as<int64_t>(),
+                                      position.as<int64_t>(), static_cast<int>(slots), s),
+        "Export scan size");
+  {
+    Buffer temp(scan_bytes, s);
+    Check(cub::DeviceScan::InclusiveSum(temp.ptr, scan_bytes, held.as<int64_t>(),
+                                        position.as<int64_t>(), static_cast<int>(slots), s),
+          "Export scan");
   }
-  return out;
+  int64_t count = 0;
+  Check(cudaMemcpyAsync(&count, position.as<int64_t>() + slots - 1, sizeof(count),
+                        cudaMemcpyDeviceToHost, s), "Export count");
+  Check(cudaStreamSynchronize(s), "Export count");
+  if (count == 0) return 0;
+  Buffer out_keys(count * sizeof(int64_t), s), out_rows(count * dim_ * sizeof(float), s);
+  CompactKernel<<<Blocks(slots * dim_), kBlock, 0, s>>>(
+      keys_, values_, dim_, slots, held.as<int64_t>(), position.as<int64_t>(),
+      out_keys.as<int64_t>(), out_rows.as<float>());
+  Launched("Export compact");
+  Check(cudaMemcpyAsync(keys, out_keys.ptr, count * sizeof(int64_t), cudaMemcpyDeviceToHost, s),
+        "Export keys");
+  Check(cudaMemcpyAsync(values, out_rows.ptr, count * dim_ * sizeof(float),
+                        cudaMemcpyDeviceToHost, s), "Export values");
+  Check(cudaStreamSynchronize(s), "Export");
+  return count;
 }
 
 int64_t UniqueKeys(const int64_t* keys, int64_t n, int64_t* unique, int64_t* inverse,
