@@ -181,7 +181,7 @@ demo: setup
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/time_to_auc.py --networks 1ms --modes sync,async,geo10,geo100,geo400,\
-	geo10_n,geo100_n,geo100_bf16,async_cache,async_cache_ceiling,geo100_cache,local
+	geo10_earlier,geo100_earlier,geo100_bf16,async_cache,async_cache_ceiling,geo100_cache,local
 	$(PY) benchmarks/time_to_auc.py --job word2vec --networks 1ms
 	$(PY) benchmarks/cluster_ready.py
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules mean

@@ -28,7 +28,9 @@ from _proxied import ROOT, run_job
 
 
 # Both examples take these flags: the modes every job runs.
-GEO_AT_N = ["--geo_table_rule", "shared_slots", "--geo_dense", "async", "--geo_hot_count", "4"]
+# GEO's earlier rule, named key by key (geo10 / geo100 name none: tfpsx chooses by the
+# worker count, the rule for many workers from 3; docs/modes.md "GEO at N workers").
+EARLIER_GEO = ["--geo_table_rule", "average", "--geo_dense", "copies", "--geo_hot_count", "0"]
 COMMON_MODES = {
     "sync": ["--mode", "sync"],
     "async": ["--mode", "async"],
@@ -59,15 +61,14 @@ class CriteoJob:
         "async_cache": ["--mode", "async", "--cache_size", "CACHE"],
         # (criteo: the dense weights stay async on the PS)
         "async_cache_ceiling": CEILING,
-        # GEO's rule at many workers (docs/modes.md, "GEO at N workers"): tables by shared
-        # slots, the dense weights async on the PS, ids seen 4+ times a batch on the PS.
-        "geo10_n": ["--mode", "geo", "--k_steps", "10"] + GEO_AT_N,
-        "geo100_n": ["--mode", "geo", "--k_steps", "100"] + GEO_AT_N,
-        # Its parts alone (what each costs a step, what each buys).
+        # GEO's earlier rule (averaged rows, dense copies), beside the default's geo10 / geo100.
+        "geo10_earlier": ["--mode", "geo", "--k_steps", "10"] + EARLIER_GEO,
+        "geo100_earlier": ["--mode", "geo", "--k_steps", "100"] + EARLIER_GEO,
+        # The rule's parts alone (what each costs a step, what each buys).
         "geo10_dense_async": ["--mode", "geo", "--k_steps", "10", "--geo_table_rule",
-                              "shared_slots", "--geo_dense", "async"],
+                              "shared_slots", "--geo_dense", "async", "--geo_hot_count", "0"],
         "geo10_hot": ["--mode", "geo", "--k_steps", "10", "--geo_table_rule", "shared_slots",
-                      "--geo_hot_count", "4"],
+                      "--geo_dense", "copies", "--geo_hot_count", "4"],
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_fp16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "float16"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],

@@ -53,13 +53,14 @@ flags.DEFINE_integer("k_steps", 50, "geo: local steps between syncs")
 flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
 flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
                   "geo: the dtype table rows travel in")
-flags.DEFINE_enum("geo_table_rule", "average", ["average", "shared_slots"],
-                  "geo: how the PS adds the workers' pushes of a row (docs/modes.md)")
-flags.DEFINE_enum("geo_dense", "copies", ["copies", "async"],
-                  "geo: the dense weights as worker copies synced every k_steps, or async "
-                  "on the PS")
-flags.DEFINE_integer("geo_hot_count", 0, "geo: ids seen this often in a batch train on the "
-                     "PS (0: none)")
+flags.DEFINE_enum("geo_table_rule", None, ["average", "shared_slots"],
+                  "geo: how the PS adds the workers' pushes of a row (default: tfpsx's "
+                  "choice by the worker count; docs/modes.md)")
+flags.DEFINE_enum("geo_dense", None, ["copies", "async"],
+                  "geo: the dense weights async on the PS or as worker copies synced every "
+                  "k_steps (default: tfpsx's choice by the worker count)")
+flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch train on "
+                     "the PS (0: none; default: tfpsx's choice by the worker count)")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
 flags.DEFINE_integer("cache_flush_steps", 100, "async / staleness: steps between the worker "
                      "cache's syncs with the PS")
@@ -86,10 +87,10 @@ PROGRESS = "progress.json"
 
 
 def strategy_for(mode: str):
+    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_dense", "geo_hot_count")
+            if getattr(FLAGS, key) is not None}  # unnamed: tfpsx's defaults
     configs = {"geo": {"k_steps": FLAGS.k_steps, "geo_wire_dtype": FLAGS.geo_wire_dtype,
-                       "geo_table_rule": FLAGS.geo_table_rule,
-                       "geo_hot_count": FLAGS.geo_hot_count,
-                       **({"geo_dense": FLAGS.geo_dense} if FLAGS.dense == "ps" else {})},
+                       **rule},
                "staleness": {"max_staleness": FLAGS.max_staleness}}.get(mode, {})
     return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
         a_sync=mode != "sync", a_sync_configs=configs, dense=FLAGS.dense))

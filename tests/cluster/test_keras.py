@@ -42,15 +42,16 @@ def finish(c, timeout=200):
     # (async: make test's Keras async job is the two-server scenario below)
     pytest.param("async", [], marks=pytest.mark.slow), ("sync", []),
     # GEO's communicator traces its sync while fit starts (0.7 s, more on a loaded
-    # machine): steps of 20 ms leave it time to sync during fit, as a real fit does. Its
-    # tables sum the rows with their optimizer slots shared (the default rule, the
-    # average, is make test's in graph mode, the Criteo demo and word2vec).
-    ("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_table_rule", "shared_slots"]),
-    # GEO's rule at many workers: tables by shared slots, the dense weights async on the
-    # PS, the ids seen 3+ times in a batch (tags of 100 values) read and trained there.
-    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_table_rule",
-                         "shared_slots", "--geo_dense", "async", "--geo_hot_count", "3"],
-                 id="geo-async-dense-hot-rows"),
+    # machine): steps of 20 ms leave it time to sync during fit, as a real fit does.
+    # GEO's rule for many workers, named: tables by shared slots, the dense weights async
+    # on the PS, the ids seen 4+ times in a batch (tags of 100 values) read and trained
+    # there.
+    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "many"],
+                 id="geo-rule-for-many"),
+    # Nothing named: at 2 workers tfpsx chooses the earlier rule (averaged rows, worker
+    # copies of the dense weights) and says so.
+    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "default"],
+                 id="geo"),
     ("staleness", ["--max_staleness", "2"])])
 def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
@@ -72,15 +73,21 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         assert got[0]["local_steps"] == got[1]["local_steps"]
         assert all(r["iterations"] == r["local_steps"] for r in got.values()), got
     if mode == "geo":
-        # trains a local copy of the dense weights, or (geo_dense="async") the PS's
-        where = "/job:ps/" if "--geo_dense" in extra else "/job:worker/"
+        # the PS's dense weights (the rule for many workers), or a local copy (the earlier
+        # rule, chosen at 2 workers when nothing is named)
+        many = "many" in extra
+        where = "/job:ps/" if many else "/job:worker/"
+        if not many:
+            assert "GEO at 2 worker(s): geo_table_rule='average', geo_dense='copies', " \
+                   "geo_hot_count=0 (by the worker count" in c.log("worker", 0)
         assert chief["kernel_device"].startswith(where), chief["kernel_device"]
         # 32 local steps an epoch, K = 8: 4 rounds, and fit says they are too few.
         assert "GEO: k_steps=8 leaves 4 round(s) in an epoch of 32 local steps" in c.log(
             "worker", 0)
         # The PS's Adagrad accumulators hold the workers' squared gradients, pushed with
-        # the rows (under the average they would stay at their initial 0.1).
-        assert all(m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()), chief
+        # the rows; under the average they stay at their initial 0.1.
+        grown = [m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()]
+        assert all(grown) if many else not any(grown), chief
         # The communicator syncs during fit (not only the final sync), at most once per
         # K local steps: a round that lags behind training merges the wake-ups it missed.
         assert all(2 <= r["pushes"] <= r["local_steps"] // 8 + 1 for r in got.values()), \

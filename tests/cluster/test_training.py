@@ -389,7 +389,7 @@ def test_graph_geo_trains_hot_rows_and_dense_weights_on_the_ps(make_cluster):
     k, syncs = 3, 4
     c = make_cluster(2, 1, script="sparse_job.py", env=FAST,
                      args=["--k_steps", str(k), "--syncs", str(syncs), "--geo_hot_count", "2",
-                           "--dense_bias"]).start()
+                           "--dense_bias", "--geo_dense", "async"]).start()
     finish(c)
     want, want_bias = hot_geo_reference(k, syncs, 2)
     (r,) = reports(c, 1, "sparse").values()

@@ -83,14 +83,23 @@ def test_two_workers_hot_rows_meet_on_the_ps_at_every_step():
     np.testing.assert_allclose(hot_b.lookup(ids).numpy()[2], rows_of(b.local, [6])[0])
 
 
-def test_hot_rows_with_a_worker_cache_is_a_clear_error(monkeypatch):
+def test_hot_rows_with_a_worker_cache_named_is_a_clear_error_and_by_default_give_way(caplog):
     from tfpsx.modes.geo import GeoTableUpdater
 
     class Mode:
-        worker_index, worker_num, worker_device = 0, 2, None
-        tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, False, 4
+        worker_index, worker_num, worker_device = 0, 2, "/job:localhost/replica:0/task:0"
+        tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 4
+        named = frozenset({"geo_hot_count"})
 
     table = E.DynamicTable("hot_cached", DIM, optimizer=E.SGD(0.1), cache_size=16)
     with pytest.raises(ValueError, match=r"'hot_cached'.*geo_hot_count'\]=4"):
         GeoTableUpdater(Mode()).attach(table)
     assert Mode.tables == []
+    # The defaults (nothing named): the cached table keeps the earlier rule, and says so.
+    Mode.named = frozenset()
+    updater = GeoTableUpdater(Mode())
+    with caplog.at_level("INFO", logger="tfpsx"):
+        updater.attach(table)
+    assert len(Mode.tables) == 1 and Mode.tables[0].cached and not Mode.tables[0].share_slots
+    assert not isinstance(updater.lookup_source(table), geo_rule.HotRows)
+    assert "'hot_cached' has a worker cache" in caplog.text

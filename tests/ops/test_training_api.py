@@ -29,11 +29,20 @@ def test_strategy_modes():
     assert hybrid.hybrid and hybrid.mode == "geo" and "dense='allreduce'" in repr(hybrid)
     assert not tfpsx.DistributedStrategy().hybrid
     assert hybrid.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
-    shared = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10,
-                                                       "geo_table_rule": "shared_slots"})
-    assert shared.geo_table_rule == "shared_slots" and "shared_slots" in repr(shared)
-    assert shared.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
-
+    # GEO's rule comes by the worker count unless named: the rule for many workers from
+    # 3 workers, the earlier one below; a named key keeps its value and shows in the repr.
+    from tfpsx.modes.geo import rule_for
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
+    assert (geo.geo_table_rule, geo.geo_dense, geo.geo_hot_count) == (None, None, None)
+    assert repr(geo) == "DistributedStrategy(mode='geo', k_steps=10, max_staleness=0)"
+    many = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4}
+    earlier = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0}
+    assert rule_for(geo, 2) == earlier and rule_for(geo, 3) == rule_for(geo, 32) == many
+    assert rule_for(hybrid, 8) == dict(many, geo_dense="copies")  # dense all-reduced
+    named = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_hot_count": 0})
+    assert rule_for(named, 8) == dict(many, geo_hot_count=0) and rule_for(named, 2) == earlier
+    assert named.geo_explicit == {"geo_hot_count"} and "geo_hot_count=0" in repr(named)
+    assert named.key() != geo.key()
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"a_sync_configs": {"k_steps": -1}}, ["k_steps", "-1", ">= 0"]),
@@ -120,7 +129,7 @@ def test_geo_needs_an_optimizer_with_a_local_form(worker):
 
 
 def test_geo_rejects_variables_made_outside_model_scope(worker):
-    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_dense": "copies"})
     with tf.Graph().as_default():
         stray = tf.compat.v1.get_variable("stray", [3], initializer=tf.zeros_initializer())
         loss = tf.reduce_sum(tf.square(stray))
@@ -130,7 +139,7 @@ def test_geo_rejects_variables_made_outside_model_scope(worker):
 
 
 def test_placement_balances_bytes_and_geo_copies_stay_local(worker):
-    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_dense": "copies"})
     with tf.Graph().as_default():
         with tfpsx.model_scope(geo):
             big = tf.compat.v1.get_variable("big", [1000, 8])

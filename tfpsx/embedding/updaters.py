@@ -45,6 +45,12 @@ class TableUpdater:
         """The :class:`~tfpsx.embedding.sharding.ShardedTable` lookups of ``table`` read."""
         return getattr(self, "cache", None) or table  # (a subclass may skip __init__)
 
+    def rows_source(self, table):
+        """The :class:`~tfpsx.embedding.sharding.ShardedTable` whose rows this worker's
+        model reads whole (a serving export): what lookups read, unless a mode splits them
+        (GEO's hot rows)."""
+        return self.lookup_source(table)
+
     def apply_gradients(self, table, keys, grads, step):
         """Applies row gradients ``grads`` ``[n, dim]`` of unique ``keys``; returns the op
         (None in eager mode)."""

@@ -202,7 +202,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
                                                         config.server_num)
         _connect(config)
         refuse_a_late_join(options.mode, config)
-        mode = mode_class(options)(self, options, config)
+        mode = mode_class(options, config)(self, options, config)
         distribute_lib.Strategy.__init__(self, _Extended(self, mode.worker_device, mode))
         self.options, self._mode = options, mode
         self._pending: Optional[BaseException] = None

@@ -55,7 +55,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import tensorflow as tf
 
@@ -159,22 +159,67 @@ def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
                      [r * (8 + size * dim) for r, dim, size in counts]))
 
 
-def shares_slots(options) -> bool:
-    """Whether GEO's tables travel with their optimizer slots, summed on the PS (a
-    ``DistributedStrategy``'s ``geo_table_rule="shared_slots"``)."""
-    return getattr(options, "geo_table_rule", "average") == "shared_slots"
+# GEO's rule for many workers (docs/modes.md, "GEO at N workers"): its keys' values. A
+# key left unnamed is chosen by the job's worker count: this rule from GEO_MANY_WORKERS
+# workers on, the earlier rule (GEO_EARLIER) below, where it kept async's quality and is
+# faster. A table with a worker cache, and the hybrid mode's all-reduced dense weights,
+# keep their own unless the key is named (then a combination that does not apply is an
+# error).
+GEO_MANY_WORKERS = 3
+GEO_FOR_MANY = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4}
+GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0}
 
 
-def dense_async(options) -> bool:
-    """Whether GEO's dense weights train async on the PS (a ``DistributedStrategy``'s
-    ``geo_dense="async"``) rather than as worker copies synced every K steps."""
-    return getattr(options, "geo_dense", "copies") == "async"
+def rule_for(options, worker_num: int) -> Dict[str, object]:
+    """GEO's rule for a job of ``worker_num`` workers: ``geo_table_rule``, ``geo_dense``,
+    ``geo_hot_count``. A key the user named keeps its value; the others come from the
+    rule for many workers at ``GEO_MANY_WORKERS`` workers or more, else from the
+    earlier rule (docs/modes.md, "GEO at N workers"). The hybrid mode's dense weights
+    are all-reduced: its ``geo_dense`` is "copies" (unused)."""
+    base = GEO_FOR_MANY if worker_num >= GEO_MANY_WORKERS else GEO_EARLIER
+    rule = {key: getattr(options, key, None) for key in base}
+    rule = {key: base[key] if value is None else value for key, value in rule.items()}
+    if getattr(options, "dense", "ps") == "allreduce":
+        rule["geo_dense"] = "copies"
+    return rule
 
 
-def hot_count(options) -> int:
+def shares_slots(options, worker_num: int) -> bool:
+    """Whether GEO's tables travel with their optimizer slots, summed on the PS
+    (``geo_table_rule="shared_slots"``; :func:`rule_for`)."""
+    return rule_for(options, worker_num)["geo_table_rule"] == "shared_slots"
+
+
+def dense_async(options, worker_num: int) -> bool:
+    """Whether GEO's dense weights train async on the PS (``geo_dense="async"``) rather
+    than as worker copies synced every K steps (:func:`rule_for`)."""
+    return rule_for(options, worker_num)["geo_dense"] == "async"
+
+
+def hot_count(options, worker_num: int) -> int:
     """How often an id must occur in a worker's batch for GEO to train its row on the PS
-    (a ``DistributedStrategy``'s ``geo_hot_count``; 0: never)."""
-    return int(getattr(options, "geo_hot_count", 0) or 0)
+    (``geo_hot_count``, 0: never; :func:`rule_for`)."""
+    return int(rule_for(options, worker_num)["geo_hot_count"] or 0)
+
+
+def named_rule_keys(options) -> frozenset:
+    """The GEO rule's keys the user named (a default gives way where it does not apply)."""
+    return getattr(options, "geo_explicit", frozenset())
+
+
+def log_rule(options, worker_num: int) -> None:
+    """Says which GEO rule the job runs, and why (once per process and rule)."""
+    rule = rule_for(options, worker_num)
+    line = ", ".join(f"{key}={value!r}" for key, value in rule.items())
+    if line not in _LOGGED_RULES:
+        _LOGGED_RULES.add(line)
+        named = sorted(named_rule_keys(options))
+        logger.info("GEO at %d worker(s): %s (%s)", worker_num, line,
+                    f"named: {', '.join(named)}; the others by the worker count" if named else
+                    "by the worker count: the rule for many workers from 3, docs/modes.md")
+
+
+_LOGGED_RULES: set = set()
 
 
 def wire_dtype(options) -> Optional[tf.DType]:
@@ -406,6 +451,7 @@ class GeoState(Protocol):
     in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
     share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
     hot_count: int  # ids seen this often in a batch train on the PS (0: none)
+    named: frozenset  # the rule's keys the user named (named_rule_keys)
 
     def local_train_op(self, op) -> None:
         """A table's local training op was built (graph mode counts local steps by it)."""
@@ -423,21 +469,31 @@ class GeoTableUpdater(TableUpdater):
         super().__init__()
         self._mode = mode
         self._geo: Optional[GeoTable] = None
+        self._hot = 0  # this table's hot count (none with a worker cache)
 
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
         options = getattr(table, "cache_options", None)
-        share = mode.share_slots
-        if options is not None and share:
-            raise ValueError(f"table {table.name!r}: a worker cache (cache_size) syncs its "
-                             "rows without their optimizer slots; "
-                             "a_sync_configs['geo_table_rule']='shared_slots' does not apply "
-                             "to it (use 'average', or no cache)")
-        if options is not None and mode.hot_count:
-            raise ValueError(f"table {table.name!r}: a worker cache (cache_size) reads its "
-                             "rows through the cache; a_sync_configs['geo_hot_count']="
-                             f"{mode.hot_count} (hot rows trained on the PS) does not apply "
-                             "to it (use geo_hot_count=0, or no cache)")
+        share, hot = mode.share_slots, mode.hot_count
+        if options is not None:
+            # A worker cache syncs rows without their slots and reads them through the
+            # cache: a named rule that cannot apply is an error, a default gives way.
+            if share and "geo_table_rule" in mode.named:
+                raise ValueError(f"table {table.name!r}: a worker cache (cache_size) syncs "
+                                 "its rows without their optimizer slots; a_sync_configs"
+                                 "['geo_table_rule']='shared_slots' does not apply to it "
+                                 "(use 'average', or no cache)")
+            if hot and "geo_hot_count" in mode.named:
+                raise ValueError(f"table {table.name!r}: a worker cache (cache_size) reads "
+                                 "its rows through the cache; a_sync_configs"
+                                 f"['geo_hot_count']={hot} (hot rows trained on the PS) "
+                                 "does not apply to it (use geo_hot_count=0, or no cache)")
+            if share or hot:
+                logger.info("GEO: table %r has a worker cache: its rows are averaged and "
+                            "none trains on the PS (the rule for many workers applies to "
+                            "tables without a cache)", table.name)
+            share = hot = False
+        self._hot = hot
         if options is not None:
             self.cache = WorkerCache(table, options, mode.worker_device, me,
                                      scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
@@ -458,13 +514,18 @@ class GeoTableUpdater(TableUpdater):
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
-        if self._mode.hot_count and not self._geo.cached:
-            return HotRows(self._geo, self._mode.hot_count)
+        if self._hot:
+            return HotRows(self._geo, self._hot)
+        return self._geo.local
+
+    def rows_source(self, table):
+        # The copy, whole: the hot rows' PS moves reach it at every pull (the last one in
+        # the final sync), as an evaluation reads it (HotRows.lookup).
         return self._geo.local
 
     def apply_gradients(self, table, keys, grads, step, hot=None):
         if hot is not None:  # the hot rows on the PS, the rest in the copy
-            op = HotRows(self._geo, self._mode.hot_count).apply(keys, grads, hot, step)
+            op = HotRows(self._geo, self._hot).apply(keys, grads, hot, step)
         else:
             op = self._geo.local.apply(keys, grads, step)
         self._mode.local_train_op(op)

@@ -115,7 +115,7 @@ def build_module(model, inputs=None):
             raise ValueError(f"export_serving: DynamicEmbedding layer {layer.name!r} is not "
                              "built; call the model on data first")
         table = layer.table
-        served = from_trained(table, table.updater.lookup_source(table))
+        served = from_trained(table, table.updater.rows_source(table))
         tables.append(served)
         sources[layer] = served.lookup
         internal.update(id(v) for v in layer.variables)  # the step, the gradient trigger

@@ -35,4 +35,4 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
         raise ValueError("distributed_optimizer: optimizer must be a tf.compat.v1.train "
                          f"optimizer (e.g. AdagradOptimizer), got {type(optimizer).__name__}")
     refuse_a_late_join(strategy.mode, config)
-    return modes.mode_class(strategy).wrap_optimizer(optimizer, strategy, config)
+    return modes.mode_class(strategy, config).wrap_optimizer(optimizer, strategy, config)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
+from tfpsx.modes.geo import GEO_FOR_MANY
+
 _CONFIG_KEYS = {
     "k_steps": "GEO: local steps between syncs (0: plain async)",
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
@@ -16,13 +18,15 @@ _CONFIG_KEYS = {
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
     "geo_wire_dtype": "GEO: the dtype table rows travel in ('float32', 'bfloat16', "
                       "'float16'); values stay float32 on both sides",
-    "geo_table_rule": "GEO: how the PS adds the workers' pushes of a table row: 'average' "
-                      "(the default) or 'shared_slots' (summed, the optimizer's slots "
-                      "shared; docs/modes.md)",
-    "geo_dense": "GEO: how the dense weights train: 'copies' (the default: each worker's "
-                 "copy, synced every k_steps) or 'async' (on the parameter servers, async)",
+    "geo_table_rule": "GEO: how the PS adds the workers' pushes of a table row: "
+                      "'shared_slots' (summed, the optimizer's slots shared) or 'average'; "
+                      "default: by the worker count (docs/modes.md, GEO at N workers)",
+    "geo_dense": "GEO: how the dense weights train: 'async' (on the parameter servers) or "
+                 "'copies' (each worker's copy, synced every k_steps); default: by the "
+                 "worker count",
     "geo_hot_count": "GEO: an id seen at least this many times in a worker's batch trains "
-                     "its row on the parameter servers, async (0, the default: never)",
+                     "its row on the parameter servers, async (0: never); default: by the "
+                     "worker count",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 _GEO_TABLE_RULES = ("average", "shared_slots")
@@ -38,15 +42,20 @@ class DistributedStrategy:
       a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO), ``max_staleness``
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``geo_table_rule`` (GEO:
-        "average", the default: the PS averages the pushes of a row several workers
-        trained; "shared_slots": it sums them, and each row travels with its optimizer
-        slots, so every worker's Adagrad accumulator holds every worker's gradients, as
-        in async: closer to async where K x N is small, see docs/modes.md),
-        ``geo_dense`` (GEO: "copies", the default: each worker trains a copy of the dense
-        weights, averaged every K steps; "async": they train on the parameter servers,
-        async, and only the tables run GEO's rounds), ``geo_hot_count`` (GEO: an id seen
-        at least this many times in a worker's batch is read and trained on the
-        parameter servers, async, not in the worker's copy; 0, the default: never),
+        "shared_slots": the PS sums the workers' pushes of a row, and each row travels
+        with its optimizer slots, so every worker's Adagrad accumulator holds every
+        worker's gradients, as in async; "average": the PS averages the pushes of a row
+        several workers trained), ``geo_dense`` (GEO: "async": the dense weights train
+        on the parameter servers, async, and only the tables run GEO's rounds;
+        "copies": each worker trains a copy, averaged every K steps), ``geo_hot_count``
+        (GEO: an id seen at least this many times in a worker's batch is read and
+        trained on the parameter servers, async, not in the worker's copy; 0: never).
+        A key left unnamed is chosen by the job's worker count: from 3 workers GEO's
+        rule for many workers ("shared_slots", "async", 4), which keeps async's quality
+        at any N; at 1-2 workers the earlier rule ("average", "copies", 0), as good
+        there and faster (docs/modes.md, "GEO at N workers"). A table with a worker
+        cache keeps the earlier rule and the hybrid mode all-reduces its dense weights,
+        unless the key is named (then the combination is an error),
         ``replicas_to_aggregate`` (sync only).
       collective: True for collective mode (a job of workers only,
         ``tfpsx.init(is_collective=True)``): every weight on every worker, gradients
@@ -107,22 +116,24 @@ class DistributedStrategy:
         if self.geo_wire_dtype not in _WIRE_DTYPES:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_wire_dtype'] must be one "
                              f"of {list(_WIRE_DTYPES)}, got {self.geo_wire_dtype!r}")
-        self.geo_table_rule = configs.get("geo_table_rule", "average")
-        if self.geo_table_rule not in _GEO_TABLE_RULES:
+        # The GEO rule's keys the user named; an unnamed one is None here, chosen by the
+        # worker count when the job runs (tfpsx.modes.geo.rule_for).
+        self.geo_explicit = frozenset(k for k in GEO_FOR_MANY if k in configs)
+        self.geo_table_rule = configs.get("geo_table_rule")
+        if "geo_table_rule" in configs and self.geo_table_rule not in _GEO_TABLE_RULES:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_table_rule'] must be one "
                              f"of {list(_GEO_TABLE_RULES)}, got {self.geo_table_rule!r}")
-        self.geo_dense = configs.get("geo_dense", "copies")
-        if self.geo_dense not in _GEO_DENSE:
+        self.geo_dense = configs.get("geo_dense")
+        if "geo_dense" in configs and self.geo_dense not in _GEO_DENSE:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_dense'] must be one "
                              f"of {list(_GEO_DENSE)}, got {self.geo_dense!r}")
-        self.geo_hot_count = _int_config(configs, "geo_hot_count", 0)
-        for key, value, default in [("geo_table_rule", self.geo_table_rule, "average"),
-                                    ("geo_dense", self.geo_dense, "copies"),
-                                    ("geo_hot_count", self.geo_hot_count, 0)]:
-            if value != default and not self.k_steps:
+        self.geo_hot_count = (_int_config(configs, "geo_hot_count", 0)
+                              if "geo_hot_count" in configs else None)
+        for key in sorted(self.geo_explicit):
+            if not self.k_steps:
                 raise ValueError(f"DistributedStrategy: a_sync_configs['{key}'] applies to "
-                                 f"GEO (k_steps > 0); got {key}={value!r} with k_steps=0")
-        if self.geo_dense != "copies" and dense == "allreduce":
+                                 f"GEO (k_steps > 0); got {key}={configs[key]!r} with k_steps=0")
+        if self.geo_dense == "async" and dense == "allreduce":
             raise ValueError("DistributedStrategy: dense='allreduce' (the hybrid mode) "
                              "all-reduces the dense weights every step; "
                              f"a_sync_configs['geo_dense']={self.geo_dense!r} does not apply")
@@ -168,12 +179,10 @@ class DistributedStrategy:
             extra = ", geo_sync_in_train_thread=True"
         if self.mode == "geo" and self.geo_wire_dtype != "float32":
             extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
-        if self.mode == "geo" and self.geo_table_rule != "average":
-            extra += f", geo_table_rule={self.geo_table_rule!r}"
-        if self.mode == "geo" and self.geo_dense != "copies":
-            extra += f", geo_dense={self.geo_dense!r}"
-        if self.mode == "geo" and self.geo_hot_count:
-            extra += f", geo_hot_count={self.geo_hot_count}"
+        if self.mode == "geo":
+            for key in ("geo_table_rule", "geo_dense", "geo_hot_count"):
+                if key in self.geo_explicit:
+                    extra += f", {key}={getattr(self, key)!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
         if self.hybrid:

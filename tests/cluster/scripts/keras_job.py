@@ -101,8 +101,7 @@ def strategy_for(args):
     configs = {}
     if args.mode == "geo":
         configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic,
-                   "geo_table_rule": args.geo_table_rule, "geo_dense": args.geo_dense,
-                   "geo_hot_count": args.geo_hot_count}
+                   **linear.geo_rule_configs(args)}
     if args.mode == "staleness":
         configs = {"max_staleness": args.max_staleness}
     partitioner = "auto"
@@ -144,9 +143,7 @@ def main(argv):
     p.add_argument("--mode", choices=["async", "sync", "geo", "staleness"], default="async")
     p.add_argument("--model", choices=["wide_deep", "linear"], default="wide_deep")
     p.add_argument("--k_steps", type=int, default=10)
-    p.add_argument("--geo_table_rule", default="average")
-    p.add_argument("--geo_dense", default="copies")
-    p.add_argument("--geo_hot_count", type=int, default=0)
+    linear.add_geo_rule_flags(p)
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--syncs", type=int, default=4)

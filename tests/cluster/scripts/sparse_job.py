@@ -4,8 +4,9 @@ the global rows.
   sparse_job.py --mode geo --k_steps K --syncs T [--cache_size N]
       k-step GEO (SGD), syncing in the training thread (deterministic); with a worker
       cache of N rows instead of the whole worker copy.
-      [--geo_hot_count H] [--dense_bias]: ids seen H+ times in a batch train on the
-      PS; a dense bias beside the table, async on the PS.
+      The earlier GEO rule unless --geo_rule default (training_job.geo_rule_configs);
+      [--geo_hot_count H] [--dense_bias --geo_dense async]: ids seen H+ times in a batch
+      train on the PS; a dense bias beside the table, async on the PS.
   sparse_job.py --mode async --syncs T --cache_size N [--flush_steps F]
       async (SGD) for T steps per worker, through a worker cache of N rows.
   sparse_job.py --mode sync --syncs T
@@ -20,6 +21,7 @@ import tensorflow as tf
 
 import tfpsx
 from tfpsx import embedding as E
+from training_job import add_geo_rule_flags, geo_rule_configs
 
 VOCAB, BATCH, DIM, LR = 40, 6, 2, 0.1
 
@@ -43,9 +45,9 @@ def main(argv):
     p.add_argument("--syncs", type=int, default=4)
     p.add_argument("--cache_size", type=int, default=0)
     p.add_argument("--flush_steps", type=int, default=100)
-    p.add_argument("--geo_hot_count", type=int, default=0)
+    add_geo_rule_flags(p)
     p.add_argument("--dense_bias", action="store_true",
-                   help="a dense bias beside the table, GEO: geo_dense='async'")
+                   help="a dense bias beside the table (GEO: with --geo_dense)")
     args = p.parse_args(argv)
     tfpsx.init()
     if tfpsx.is_server():
@@ -54,11 +56,8 @@ def main(argv):
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     geo, sgd = args.mode == "geo", args.mode != "sync"
-    configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": True}
-    if args.geo_hot_count:
-        configs["geo_hot_count"] = args.geo_hot_count
-    if args.dense_bias:
-        configs["geo_dense"] = "async"
+    configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": True,
+               **geo_rule_configs(args)}
     strategy = tfpsx.DistributedStrategy(a_sync=sgd, a_sync_configs=configs if geo else {})
     with tf.Graph().as_default():
         with tfpsx.model_scope(strategy):

@@ -25,6 +25,23 @@ import tensorflow as tf
 
 import tfpsx
 
+# GEO's rule, key by key: "earlier" (the default here: the numpy references of these
+# tests model it) and "many" (the rule for many workers) name its three keys; "default"
+# names none (tfpsx chooses by the worker count). A key's own flag overrides either.
+def add_geo_rule_flags(p):
+    p.add_argument("--geo_rule", choices=["earlier", "many", "default"], default="earlier")
+    p.add_argument("--geo_table_rule", default=None)
+    p.add_argument("--geo_dense", default=None)
+    p.add_argument("--geo_hot_count", type=int, default=None)
+
+
+def geo_rule_configs(args) -> dict:
+    from tfpsx.modes.geo import GEO_EARLIER, GEO_FOR_MANY
+    configs = dict({"earlier": GEO_EARLIER, "many": GEO_FOR_MANY}.get(args.geo_rule, {}))
+    configs.update({k: getattr(args, k) for k in GEO_EARLIER if getattr(args, k) is not None})
+    return configs
+
+
 DIM, BATCH, LR = 6, 16, 0.05
 W_TRUE = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
 
@@ -61,7 +78,7 @@ def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="async")
     p.add_argument("--k_steps", type=int, default=0)
-    p.add_argument("--geo_table_rule", default="average")
+    add_geo_rule_flags(p)
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--replicas", type=int, default=None, help="sync: replicas_to_aggregate")
     p.add_argument("--deterministic", action="store_true")
@@ -89,9 +106,7 @@ def main(argv):
         return 0
     tfpsx.init_worker()
     me = tfpsx.worker_index()
-    configs = {"k_steps": args.k_steps}
-    if args.geo_table_rule != "average":
-        configs["geo_table_rule"] = args.geo_table_rule
+    configs = {"k_steps": args.k_steps, **(geo_rule_configs(args) if args.k_steps else {})}
     if args.deterministic:
         configs["geo_sync_in_train_thread"] = True
     if args.mode == "staleness":

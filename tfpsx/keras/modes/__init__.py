@@ -14,15 +14,15 @@ REGISTRY: Dict[str, Type[KerasMode]] = {
     cls.NAME: cls for cls in (KerasAsync, KerasSync, KerasStaleness, KerasGeo)}
 
 
-def mode_class(options) -> Type[KerasMode]:
-    """The Keras implementation of ``options.mode``."""
+def mode_class(options, config) -> Type[KerasMode]:
+    """The Keras implementation of ``options.mode`` in the job of ``config``."""
     if options.mode == "collective":
         raise ValueError("tfpsx.keras.ParameterServerStrategy: DistributedStrategy("
                          "collective=True) trains without parameter servers; use "
                          "tfpsx.keras.CollectiveStrategy() (after "
                          "tfpsx.init(is_collective=True))")
     if options.mode == "geo" and not options.hybrid:
-        return geo_class(options)
+        return geo_class(options, config)
     return hybrid_class(options) or REGISTRY[options.mode]
 
 

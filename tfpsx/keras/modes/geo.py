@@ -26,7 +26,8 @@ from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, caches_locked, count_round, dense_async, dense_size,
-                             hot_count, pull_ops, push_ops, shares_slots, wire_dtype)
+                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops, shares_slots,
+                             wire_dtype)
 
 
 class KerasGeo(KerasMode):
@@ -37,8 +38,10 @@ class KerasGeo(KerasMode):
         self.k_steps = options.k_steps
         self.in_train_thread = options.geo_sync_in_train_thread
         self.wire_dtype = wire_dtype(options)
-        self.share_slots = shares_slots(options)
-        self.hot_count = hot_count(options)
+        self.share_slots = shares_slots(options, config.worker_num)
+        self.hot_count = hot_count(options, config.worker_num)
+        log_rule(options, config.worker_num)
+        self.named = named_rule_keys(options)
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater
@@ -299,6 +302,6 @@ class KerasGeoAsyncDense(KerasGeo, KerasAsync):
         OnServers.end_fit(self, model)  # the model holds the global dense values
 
 
-def geo_class(options) -> type:
-    """GEO's Keras class for ``options``."""
-    return KerasGeoAsyncDense if dense_async(options) else KerasGeo
+def geo_class(options, config) -> type:
+    """GEO's Keras class for ``options`` in the job of ``config``."""
+    return KerasGeoAsyncDense if dense_async(options, config.worker_num) else KerasGeo

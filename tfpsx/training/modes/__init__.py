@@ -23,19 +23,20 @@ REGISTRY: Dict[str, Type[Mode]] = {
                               geo.GeoMode, collective.CollectiveMode)}
 
 
-def mode_class(strategy) -> Type[Mode]:
-    """The implementation of ``strategy.mode`` (the hybrid mode's, for its tables' mode)."""
+def mode_class(strategy, config) -> Type[Mode]:
+    """The implementation of ``strategy.mode`` in the job of ``config`` (the hybrid
+    mode's, for its tables' mode)."""
     if strategy.hybrid:
         return hybrid.mode_class(strategy)
     if strategy.mode == "geo":
-        return geo.mode_class(strategy)
+        return geo.mode_class(strategy, config)
     return REGISTRY[strategy.mode]
 
 
 def mode_for(strategy, config, graph=None) -> Mode:
     """The mode object of ``graph`` (default: the current one) for ``strategy``."""
     refuse_a_late_join(strategy.mode, config)
-    return mode_class(strategy).for_graph(strategy, config, graph)
+    return mode_class(strategy, config).for_graph(strategy, config, graph)
 
 
 __all__ = ["Mode", "WrappedOptimizer", "REGISTRY", "mode_class", "mode_for", "mode_of"]

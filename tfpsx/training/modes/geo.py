@@ -20,7 +20,8 @@ from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, caches_locked, count_round, dense_async, dense_size,
-                             hot_count, pull_ops, push_ops, shares_slots, wire_dtype)
+                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops, shares_slots,
+                             wire_dtype)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -44,8 +45,10 @@ class GeoMode(Mode):
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
         self.wire_dtype = wire_dtype(strategy)
-        self.share_slots = shares_slots(strategy)
-        self.hot_count = hot_count(strategy)
+        self.share_slots = shares_slots(strategy, config.worker_num)
+        self.hot_count = hot_count(strategy, config.worker_num)
+        log_rule(strategy, config.worker_num)
+        self.named = named_rule_keys(strategy)
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
         self.train_ops = []
@@ -106,9 +109,9 @@ class GeoAsyncDenseMode(GeoMode):
         return None
 
 
-def mode_class(strategy) -> type:
-    """GEO's graph-mode class for ``strategy``."""
-    return GeoAsyncDenseMode if dense_async(strategy) else GeoMode
+def mode_class(strategy, config) -> type:
+    """GEO's graph-mode class for ``strategy`` in the job of ``config``."""
+    return GeoAsyncDenseMode if dense_async(strategy, config.worker_num) else GeoMode
 
 
 class GeoOptimizer(WrappedOptimizer):
@@ -134,8 +137,9 @@ class GeoOptimizer(WrappedOptimizer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         graph = tf.compat.v1.get_default_graph()
         grads_and_vars = list(grads_and_vars)
-        mode = mode_class(self._strategy).for_graph(self._strategy, self._config, graph) \
-            if RUNTIME.config is not None else None
+        mode = (mode_class(self._strategy, self._config)
+                .for_graph(self._strategy, self._config, graph)
+                if RUNTIME.config is not None else None)
         if isinstance(mode, GeoAsyncDenseMode):
             # As async: the update runs beside each variable, on the parameter servers.
             train = tf.group(self._opt.apply_gradients(grads_and_vars, name=name),
