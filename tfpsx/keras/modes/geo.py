@@ -26,8 +26,8 @@ from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, caches_locked, count_round, dense_async, dense_size,
-                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops, shares_slots,
-                             wire_dtype)
+                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops,
+                             shares_slots, wire_dtype)
 
 
 class KerasGeo(KerasMode):

@@ -20,8 +20,8 @@ from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, caches_locked, count_round, dense_async, dense_size,
-                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops, shares_slots,
-                             wire_dtype)
+                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops,
+                             shares_slots, wire_dtype)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
