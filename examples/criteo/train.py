@@ -49,7 +49,18 @@ flags.DEFINE_enum("dense", "ps", ["ps", "allreduce"],
                   "where the dense weights train: on the parameter servers in --mode, or "
                   "all-reduced among the workers every step (the hybrid mode: the tables "
                   "stay on the servers, --mode async or geo)")
-flags.DEFINE_integer("k_steps", 50, "geo: local steps between syncs")
+flags.DEFINE_string("k_steps", "50", "geo: local steps between syncs, or 'auto' (8 rounds "
+                    "an epoch)")
+
+
+def k_steps():
+    """--k_steps as the strategy takes it: an int, or "auto"."""
+    if FLAGS.k_steps == "auto":
+        return "auto"
+    try:
+        return int(FLAGS.k_steps)
+    except ValueError:
+        raise app.UsageError(f"--k_steps: an int >= 1 or 'auto', got {FLAGS.k_steps!r}")
 flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
 flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
                   "geo: the dtype table rows travel in")
@@ -89,7 +100,7 @@ PROGRESS = "progress.json"
 def strategy_for(mode: str):
     rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_dense", "geo_hot_count")
             if getattr(FLAGS, key) is not None}  # unnamed: tfpsx's defaults
-    configs = {"geo": {"k_steps": FLAGS.k_steps, "geo_wire_dtype": FLAGS.geo_wire_dtype,
+    configs = {"geo": {"k_steps": k_steps(), "geo_wire_dtype": FLAGS.geo_wire_dtype,
                        **rule},
                "staleness": {"max_staleness": FLAGS.max_staleness}}.get(mode, {})
     return tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
@@ -273,7 +284,7 @@ def main(argv):
     if strategy is not None:
         tfpsx.barrier_worker()  # every worker's last update is in: the global model
     report = {"worker": me, "mode": FLAGS.mode, "dense": FLAGS.dense, "model": FLAGS.model,
-              "k_steps": FLAGS.k_steps,
+              "k_steps": k_steps(),
               "cache_size": FLAGS.cache_size, "seconds": seconds, "examples_per_sec": rate,
               "steps_per_epoch": steps}
     if strategy is not None and strategy.counters is not None:

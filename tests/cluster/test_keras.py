@@ -48,10 +48,10 @@ def finish(c, timeout=200):
     # there.
     pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "many"],
                  id="geo-rule-for-many"),
-    # Nothing named: at 2 workers tfpsx chooses the earlier rule (averaged rows, worker
-    # copies of the dense weights) and says so.
-    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "default"],
-                 id="geo"),
+    # Nothing named, k_steps="auto": at 2 workers tfpsx chooses the earlier rule (averaged
+    # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
+    pytest.param("geo", ["--k_steps", "auto", "--step_delay", "0.02", "--geo_rule",
+                         "default"], id="geo"),
     ("staleness", ["--max_staleness", "2"])])
 def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
     c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
@@ -81,16 +81,23 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
             assert "GEO at 2 worker(s): geo_table_rule='average', geo_dense='copies', " \
                    "geo_hot_count=0 (by the worker count" in c.log("worker", 0)
         assert chief["kernel_device"].startswith(where), chief["kernel_device"]
-        # 32 local steps an epoch, K = 8: 4 rounds, and fit says they are too few.
-        assert "GEO: k_steps=8 leaves 4 round(s) in an epoch of 32 local steps" in c.log(
-            "worker", 0)
+        # 32 local steps an epoch. K = 8: 4 rounds, and fit says they are too few; "auto":
+        # K = 4, 8 rounds.
+        k = 8 if many else 4
+        if many:
+            assert "GEO: k_steps=8 leaves 4 round(s) in an epoch of 32 local steps" in c.log(
+                "worker", 0)
+        else:
+            assert "GEO: k_steps='auto' is 4 (8 rounds in an epoch of 32 local steps" in \
+                c.log("worker", 0)
+            assert "round(s) in an epoch" not in c.log("worker", 0)
         # The PS's Adagrad accumulators hold the workers' squared gradients, pushed with
         # the rows; under the average they stay at their initial 0.1.
         grown = [m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()]
         assert all(grown) if many else not any(grown), chief
         # The communicator syncs during fit (not only the final sync), at most once per
         # K local steps: a round that lags behind training merges the wake-ups it missed.
-        assert all(2 <= r["pushes"] <= r["local_steps"] // 8 + 1 for r in got.values()), \
+        assert all(2 <= r["pushes"] <= r["local_steps"] // k + 1 for r in got.values()), \
             [(r["pushes"], r["local_steps"]) for r in got.values()]
         # every worker's local steps, as pushed; the last worker's final sync saw them all
         assert max(r["iterations"] for r in got.values()) == steps, \

@@ -43,10 +43,14 @@ def test_strategy_modes():
     assert rule_for(named, 8) == dict(many, geo_hot_count=0) and rule_for(named, 2) == earlier
     assert named.geo_explicit == {"geo_hot_count"} and "geo_hot_count=0" in repr(named)
     assert named.key() != geo.key()
+    auto = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": "auto"})
+    assert auto.mode == "geo" and auto.k_auto and auto.k_steps == 10
+    assert "k_steps='auto'" in repr(auto) and auto.key() != geo.key()
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"a_sync_configs": {"k_steps": -1}}, ["k_steps", "-1", ">= 0"]),
     ({"a_sync_configs": {"k_steps": 2.5}}, ["k_steps", "2.5"]),
+    ({"a_sync_configs": {"k_steps": "fast"}}, ["k_steps", "'fast'", "'auto'"]),
     ({"a_sync_configs": {"k_step": 10}}, ["unknown", "'k_step'", "k_steps"]),
     ({"a_sync_configs": {"max_staleness": True}}, ["max_staleness", "True"]),
     ({"a_sync": "yes"}, ["a_sync", "'yes'"]),

@@ -106,6 +106,29 @@ def test_a_k_that_leaves_too_few_rounds_per_epoch_is_warned_of_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [warning]  # once
 
 
+def test_k_steps_auto_takes_eight_rounds_of_the_first_fits_epoch_and_keeps_it(caplog):
+    from tfpsx.modes.geo import GEO_AUTO_K_MAX, auto_k_steps
+    assert (auto_k_steps(32), auto_k_steps(250), auto_k_steps(5), auto_k_steps(None)) == \
+        (4, 31, 1, 10)
+    assert auto_k_steps(100_000) == GEO_AUTO_K_MAX == 100
+    rec = Recorder()
+    s = rec.make(10, deterministic=True, auto=True)
+    with caplog.at_level("INFO", logger="tfpsx"):
+        s.fit_length(250)
+        s.fit_length(40)  # a later fit: K stays (a compiled step holds it); 1 round: warned
+    assert s.k_steps == 31 and s.lag == 31
+    assert "GEO: k_steps='auto' is 31 (8 rounds in an epoch of 250 local steps, at most " \
+           "100)" in caplog.text
+    assert "k_steps=31 leaves 1 round(s) in an epoch of 40" in caplog.text
+    s.start(0)
+    for step in range(1, 63):
+        s.step_done(step)
+    assert [pushed for pushed, _ in rec.rounds] == [31, 62]
+    fixed = Recorder().make(10, deterministic=True)
+    fixed.fit_length(250)
+    assert fixed.k_steps == 10  # a given K is kept
+
+
 @pytest.mark.parametrize("in_step", [False, True])
 def test_a_second_training_after_one_that_ended_off_k_rounds_k_steps_on(in_step):
     """One schedule for both front-ends: after a final round at a step that is no

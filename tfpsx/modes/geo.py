@@ -70,6 +70,11 @@ PUSH, PULL, BARRIER = "push", "pull", "barrier"
 # GEO's quality holds only with at least this many rounds in an epoch (docs/modes.md,
 # "GEO at N workers": with fewer, no table rule kept async's AUC at 4 workers or more).
 MIN_ROUNDS_PER_EPOCH = 8
+# k_steps="auto": K = the epoch's local steps // MIN_ROUNDS_PER_EPOCH, at most this (a
+# measured K: 100 kept async's quality with 8+ rounds an epoch, docs/modes.md); where no
+# epoch length is known (graph mode, an epoch of unknown length), GEO_K_WITHOUT_EPOCH.
+GEO_AUTO_K_MAX = 100
+GEO_K_WITHOUT_EPOCH = 10
 
 logger = logging.getLogger("tfpsx")
 
@@ -273,6 +278,14 @@ def count_round(counters: GeoCounters, start: float, dense: Tuple[int, int],
 
 # ----------------------------------------------------------------------------- the schedule
 
+def auto_k_steps(epoch_steps: Optional[int]) -> int:
+    """``k_steps="auto"``'s K for an epoch of ``epoch_steps`` local steps (None: unknown):
+    :data:`MIN_ROUNDS_PER_EPOCH` rounds an epoch, K at most :data:`GEO_AUTO_K_MAX`."""
+    if not epoch_steps:
+        return GEO_K_WITHOUT_EPOCH
+    return max(1, min(GEO_AUTO_K_MAX, epoch_steps // MIN_ROUNDS_PER_EPOCH))
+
+
 def few_rounds(k_steps: int, epoch_steps: Optional[int]) -> Optional[str]:
     """The warning for a K that leaves fewer than :data:`MIN_ROUNDS_PER_EPOCH` rounds in
     an epoch of ``epoch_steps`` local steps (None if it does not, or the length is
@@ -308,8 +321,9 @@ class GeoSchedule:
                  run_round: Callable[[Tuple[str, ...]], None],
                  cached: Callable[[], bool], barrier: Callable[[], None],
                  first_round: Optional[Callable[[], None]] = None,
-                 rounds_in_step: bool = False):
+                 rounds_in_step: bool = False, auto: bool = False):
         self.k_steps, self.deterministic = k_steps, deterministic
+        self._auto = auto  # k_steps="auto": K chosen by the first fit_length
         self._run_round, self._cached, self._barrier = run_round, cached, barrier
         self._first_round, self._inline = first_round, not rounds_in_step
         self.pushed = 0  # local steps counted at the start of the last round
@@ -346,6 +360,19 @@ class GeoSchedule:
         the last round started (``pushed``). Python ints, or tensors (a round decided
         inside a compiled step)."""
         return steps - pushed >= self.k_steps
+
+    def fit_length(self, epoch_steps: Optional[int]) -> None:
+        """A ``fit`` starts whose epochs hold ``epoch_steps`` local steps (None: unknown):
+        with ``k_steps="auto"`` the first one chooses K (kept after: a compiled step holds
+        it), then :meth:`check_epoch`."""
+        if self._auto:
+            self._auto = False
+            self.k_steps = self.lag = auto_k_steps(epoch_steps)
+            logger.info("GEO: k_steps='auto' is %d (%s)", self.k_steps,
+                        f"{MIN_ROUNDS_PER_EPOCH} rounds in an epoch of {epoch_steps} local "
+                        f"steps, at most {GEO_AUTO_K_MAX}" if epoch_steps else
+                        "the epoch's length is unknown")
+        self.check_epoch(epoch_steps)
 
     def check_epoch(self, epoch_steps: Optional[int]) -> Optional[str]:
         """Warns (the ``tfpsx`` logger, once per epoch length) when K leaves fewer than

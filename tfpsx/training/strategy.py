@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from tfpsx.modes.geo import GEO_FOR_MANY
+from tfpsx.modes.geo import GEO_FOR_MANY, GEO_K_WITHOUT_EPOCH
 
 _CONFIG_KEYS = {
-    "k_steps": "GEO: local steps between syncs (0: plain async)",
+    "k_steps": "GEO: local steps between syncs (0: plain async; 'auto': from Keras fit's "
+               "epoch length, 8 rounds an epoch)",
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
     "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
@@ -39,7 +40,9 @@ class DistributedStrategy:
 
     Args:
       a_sync: False for sync training, True for async / GEO / bounded staleness.
-      a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO), ``max_staleness``
+      a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO; "auto" selects GEO with
+        K from Keras ``fit``'s epoch length, 8 rounds an epoch, at most 100; 10 in graph
+        mode, which knows no epoch), ``max_staleness``
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``geo_table_rule`` (GEO:
         "shared_slots": the PS sums the workers' pushes of a row, and each row travels
@@ -105,7 +108,11 @@ class DistributedStrategy:
             raise ValueError(f"DistributedStrategy: unknown a_sync_configs key(s) {unknown}; "
                              f"expected some of {sorted(_CONFIG_KEYS)}")
         self.a_sync = a_sync
-        self.k_steps = _int_config(configs, "k_steps", 0)
+        # k_steps="auto": K from the first fit's epoch length (tfpsx.modes.geo.auto_k_steps);
+        # until then, and in graph mode (no epoch), GEO_K_WITHOUT_EPOCH.
+        self.k_auto = configs.get("k_steps") == "auto"
+        self.k_steps = (GEO_K_WITHOUT_EPOCH if self.k_auto
+                        else _int_config(configs, "k_steps", 0))
         self.max_staleness = _int_config(configs, "max_staleness", 0)
         self.geo_sync_in_train_thread = configs.get("geo_sync_in_train_thread", False)
         if not isinstance(self.geo_sync_in_train_thread, bool):
@@ -167,7 +174,8 @@ class DistributedStrategy:
 
     def key(self) -> Tuple:
         """Every option: two strategies with the same key train the same way."""
-        return (self.a_sync, self.k_steps, self.max_staleness, self.geo_sync_in_train_thread,
+        return (self.a_sync, self.k_steps, self.k_auto, self.max_staleness,
+                self.geo_sync_in_train_thread,
                 self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense,
                 self.geo_table_rule, self.geo_dense, self.geo_hot_count)
 
@@ -187,7 +195,8 @@ class DistributedStrategy:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
         if self.hybrid:
             extra += ", dense='allreduce'"
-        return (f"DistributedStrategy(mode={self.mode!r}, k_steps={self.k_steps}, "
+        k_steps = "'auto'" if self.k_auto else self.k_steps
+        return (f"DistributedStrategy(mode={self.mode!r}, k_steps={k_steps}, "
                 f"max_staleness={self.max_staleness}{extra})")
 
 

@@ -142,7 +142,7 @@ def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["async", "sync", "geo", "staleness"], default="async")
     p.add_argument("--model", choices=["wide_deep", "linear"], default="wide_deep")
-    p.add_argument("--k_steps", type=int, default=10)
+    p.add_argument("--k_steps", type=lambda v: v if v == "auto" else int(v), default=10)
     linear.add_geo_rule_flags(p)
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--deterministic", action="store_true")

@@ -59,7 +59,7 @@ class KerasGeo(KerasMode):
             self.k_steps, self.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
             first_round=lambda: self.sync_fn().get_concrete_function(),
-            rounds_in_step=self.in_train_thread)
+            rounds_in_step=self.in_train_thread, auto=options.k_auto)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
@@ -250,7 +250,8 @@ class KerasGeo(KerasMode):
         self._pushed.assign(self.schedule.pushed)
 
     def fit_length(self, epoch_steps: Optional[int]) -> None:
-        self.schedule.check_epoch(epoch_steps)  # too few rounds in an epoch: a warning
+        # k_steps="auto" chooses K here; then too few rounds in an epoch: a warning.
+        self.schedule.fit_length(epoch_steps)
 
     def begin_eval(self, model) -> None:
         # Outside fit, evaluate / predict see the global model as it is now (the other

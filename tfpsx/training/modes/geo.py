@@ -18,8 +18,9 @@ import tensorflow as tf
 from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
-from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, caches_locked, count_round, dense_async, dense_size,
+from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
+                             GeoSchedule, GeoTableUpdater, GeoVariable, caches_locked,
+                             count_round, dense_async, dense_size,
                              hot_count, log_rule, named_rule_keys, pull_ops, push_ops,
                              shares_slots, wire_dtype)
 from tfpsx.runtime import RUNTIME
@@ -41,6 +42,10 @@ class GeoMode(Mode):
     def __init__(self, strategy, config, graph):
         super().__init__(strategy, config, graph)
         self.k_steps = strategy.k_steps
+        if strategy.k_auto:
+            logger.info("GEO: k_steps='auto' is %d in graph mode (it knows no epoch length; "
+                        "give k_steps <= the local steps an epoch // %d for %d rounds an "
+                        "epoch)", self.k_steps, MIN_ROUNDS_PER_EPOCH, MIN_ROUNDS_PER_EPOCH)
         self.in_train_thread = strategy.geo_sync_in_train_thread
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
