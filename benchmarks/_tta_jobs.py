@@ -62,6 +62,8 @@ class CriteoJob:
         # (criteo: the dense weights stay async on the PS)
         "async_cache_ceiling": CEILING,
         # GEO's earlier rule (averaged rows, dense copies), beside the default's geo10 / geo100.
+        # k_steps="auto": 8 rounds an epoch (at most 100).
+        "geo_auto": ["--mode", "geo", "--k_steps", "auto"],
         "geo10_earlier": ["--mode", "geo", "--k_steps", "10"] + EARLIER_GEO,
         "geo100_earlier": ["--mode", "geo", "--k_steps", "100"] + EARLIER_GEO,
         # The rule's parts alone (what each costs a step, what each buys).

@@ -26,6 +26,10 @@ GEO's rule for many workers (docs/modes.md, "GEO at N workers") is ``--rules sha
 async trains it (``geo_dense="async"``), the ids seen 4+ times in a worker's batch read
 and trained on the PS through the product's ``geo_rule.HotRows`` (``geo_hot_count``).
 
+Jobs (``--job``): ``criteo`` (below) and ``word2vec`` (skip-gram with negative sampling
+over the word2vec example's planted-topic corpus, one table of input and output vectors,
+no dense part, held-out loss: ``_geo_scale_word2vec.py``).
+
 Data: the Criteo-format planted model of ``examples/criteo/make_data.py`` (the same
 fields, Zipf vocabularies and interactions), ids hashed to ``--buckets`` per field (so
 that 32 copies of the table fit in memory). Deterministic: the same seed gives the same
@@ -49,6 +53,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "criteo"))
 import make_data  # noqa: E402  (the planted Criteo-format model)
+sys.path.insert(0, HERE)
+import _geo_scale_word2vec as word2vec  # noqa: E402
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -60,9 +66,33 @@ from tfpsx.embedding.sharding import ShardedTable  # noqa: E402
 from tfpsx.modes import geo  # noqa: E402
 
 DEVICE = "/cpu:0"
+# The job (--job): criteo (the Wide&Deep) or word2vec (_geo_scale_word2vec); use_job
+# sets these.
+JOB = "criteo"
 FIELDS, INTS = make_data.CAT_FIELDS, make_data.INT_FIELDS
-BATCH = [tf.TensorSpec([None, FIELDS], tf.int64), tf.TensorSpec([None, INTS], tf.float32),
-         tf.TensorSpec([None], tf.float32)]
+
+
+def batch_spec():
+    return [tf.TensorSpec([None, FIELDS], tf.int64), tf.TensorSpec([None, INTS], tf.float32),
+            tf.TensorSpec([None], tf.float32)]
+
+
+def use_job(name: str) -> None:
+    global JOB, FIELDS, INTS
+    JOB = name
+    FIELDS, INTS = ((word2vec.FIELDS, word2vec.INTS) if name == "word2vec" else
+                    (make_data.CAT_FIELDS, make_data.INT_FIELDS))
+
+
+def make_dense(name: str, dim: int, hidden, init=None):
+    return (word2vec.NoDense() if JOB == "word2vec" else Dense(name, dim, hidden, init))
+
+
+def apply_dense(adam, grads, variables) -> None:
+    if variables:  # (word2vec has none)
+        adam.apply(grads, variables)
+
+
 # How a round adds the N workers' dense deltas: the divisor of each.
 # "moments": the values' deltas summed, Adam's moments shared (their deltas averaged,
 # pulled back: every worker's Adam steps by the mean of the workers' moments) and its step
@@ -141,8 +171,9 @@ def gradients(table, dense: Dense, keys, x, y, step=None):
     with tf.GradientTape() as tape:
         tape.watch(rows)
         batch_rows = tf.reshape(tf.gather(rows, index), [tf.shape(keys)[0], FIELDS, -1])
-        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
-            labels=y, logits=dense.logits(batch_rows, x)))
+        loss = (word2vec.objective(batch_rows) if JOB == "word2vec" else
+                tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                    labels=y, logits=dense.logits(batch_rows, x))))
     grads = tape.gradient(loss, [rows] + dense.vars)
     if hot is not None:
         return unique, grads[0], grads[1:], loss, hot
@@ -161,14 +192,14 @@ class Run:
         Run.runs += 1
         tag = f"run{Run.runs}_{tag}"
         self.args, self.data, self.n, self.tag = args, data, n, tag
-        self.dim = args.dim + 1
+        self.dim = args.dim + (JOB == "criteo")  # (criteo: the wide weight)
         self.hidden = [int(h) for h in args.hidden.split(",") if h]
-        init = embedding.normal(stddev=0.01)
+        init = embedding.normal(stddev=word2vec.INIT_STDDEV if JOB == "word2vec" else 0.01)
         self.make_table = lambda name, optimizer: ShardedTable(
             f"{tag}/{name}", self.dim, devices=[DEVICE], initializer=init,
             optimizer=optimizer, seed=3)
         self.global_table = self.make_table("global", embedding.Adagrad(args.table_lr))
-        self.global_dense = Dense(f"{tag}_global", args.dim, self.hidden)
+        self.global_dense = make_dense(f"{tag}_global", args.dim, self.hidden)
         self.step = tf.Variable(0, dtype=tf.int64)
 
     def batches(self):
@@ -183,6 +214,9 @@ class Run:
 
     def evaluate(self, table: ShardedTable, dense: Dense) -> Dict[str, float]:
         e = self.data_eval
+        if JOB == "word2vec":
+            return word2vec.metrics(lambda keys: tf.reshape(
+                table.shards[0].find(tf.reshape(keys, [-1]))[0], [keys.shape[0], FIELDS, -1]), e)
         probs = []
         for i in range(0, len(e["y"]), 8192):
             keys = tf.constant(e["keys"][i:i + 8192])
@@ -198,14 +232,14 @@ def run_async(args, data, data_eval, n: int) -> Dict[str, float]:
     r.data_eval = data_eval
     adam = keras.optimizers.Adam(args.lr)
 
-    @tf.function(input_signature=BATCH)
+    @tf.function(input_signature=batch_spec())
     def grads_of(keys, x, y):
         return gradients(r.global_table, r.global_dense, keys, x, y)
 
     @tf.function(reduce_retracing=True)
     def apply(unique, row_grads, dense_grads):
         r.global_table.apply(unique, row_grads, r.step)
-        adam.apply(dense_grads, r.global_dense.vars)
+        apply_dense(adam, dense_grads, r.global_dense.vars)
         r.step.assign_add(1)
 
     for _, batches in r.batches():
@@ -240,8 +274,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         old = r.make_table(f"old{w}", optimizer if shared else None)
         t = GeoTable(r.global_table, local, old, DEVICE, reader=w,
                      combine="sum" if shared else rule, share_slots=shared)
-        local_dense = Dense(f"{r.tag}_local{w}", args.dim, r.hidden, init=start)
-        old_dense = Dense(f"{r.tag}_old{w}", args.dim, r.hidden, init=start)
+        local_dense = make_dense(f"{r.tag}_local{w}", args.dim, r.hidden, init=start)
+        old_dense = make_dense(f"{r.tag}_old{w}", args.dim, r.hidden, init=start)
         pairs = [geo.GeoVariable(l, o, g) for l, o, g in
                  zip(local_dense.vars, old_dense.vars, r.global_dense.vars)]
         adam = keras.optimizers.Adam(args.lr)
@@ -280,7 +314,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                  geo_rule.HotRows(t, args.hot_count) if hot_on_ps else t.local)
         dense = r.global_dense if async_dense else dense
 
-        @tf.function(input_signature=BATCH)
+        @tf.function(input_signature=batch_spec())
         def step(keys, x, y):
             out = gradients(table, dense, keys, x, y, r.step)
             unique, row_grads, dense_grads = out[:3]
@@ -288,7 +322,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             if not async_tables and not hot_on_ps:
                 t.local.apply(unique, row_grads, r.step)
             if not async_dense:
-                adam.apply(dense_grads, dense.vars)
+                apply_dense(adam, dense_grads, dense.vars)
             return unique, row_grads, dense_grads, hot
         return step
 
@@ -297,7 +331,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         if async_tables:
             r.global_table.apply(unique, row_grads, r.step)
         if async_dense:
-            global_adam.apply(dense_grads, r.global_dense.vars)
+            apply_dense(global_adam, dense_grads, r.global_dense.vars)
 
     def make_apply(t):
         split = geo_rule.HotRows(t, args.hot_count)
@@ -316,8 +350,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         workers = [(None,) + tuple(w[1:]) for w in workers]
     # Rows of the fields with at most --hot_vocab values (trained by every worker at
     # every step: dense weights in all but name) sync every step, the rest every k.
-    hot_fields = [f for f in range(FIELDS)
-                  if min(make_data.VOCAB[f], args.buckets) <= args.hot_vocab]
+    hot_fields = [f for f in range(FIELDS) if JOB == "criteo" and
+                  min(make_data.VOCAB[f], args.buckets) <= args.hot_vocab]
     pending = {}  # worker -> local step at which its pull lands
     # Rows pushed every step (hot) and the distinct rows the workers' steps trained.
     moved = {"hot_rows": 0, "step_rows": 0}
@@ -375,6 +409,9 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--job", default="criteo", choices=["criteo", "word2vec"],
+                   help="criteo: the Wide&Deep (AUC); word2vec: skip-gram over the planted-"
+                        "topic corpus (held-out loss)")
     p.add_argument("--workers", default="1,2,4,8,16,32")
     p.add_argument("--k", default="10,100", help="GEO's k_steps values")
     p.add_argument("--min_rounds", type=int, default=0,
@@ -409,7 +446,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tf.random.set_seed(args.seed)
-    data, data_eval = criteo_data(args.rows, args.eval_rows, args.buckets, args.seed)
+    use_job(args.job)
+    data, data_eval = (word2vec.data(args.rows, args.eval_rows, args.seed)
+                       if args.job == "word2vec" else
+                       criteo_data(args.rows, args.eval_rows, args.buckets, args.seed))
     results: List[dict] = []
 
     def report(**row):

@@ -70,10 +70,11 @@ PUSH, PULL, BARRIER = "push", "pull", "barrier"
 # GEO's quality holds only with at least this many rounds in an epoch (docs/modes.md,
 # "GEO at N workers": with fewer, no table rule kept async's AUC at 4 workers or more).
 MIN_ROUNDS_PER_EPOCH = 8
-# k_steps="auto": K = the epoch's local steps // MIN_ROUNDS_PER_EPOCH, at most this (a
-# measured K: 100 kept async's quality with 8+ rounds an epoch, docs/modes.md); where no
-# epoch length is known (graph mode, an epoch of unknown length), GEO_K_WITHOUT_EPOCH.
-GEO_AUTO_K_MAX = 100
+# k_steps="auto" (docs/modes.md, "GEO at N workers"): K = the epoch's local steps //
+# MIN_ROUNDS_PER_EPOCH, and K x N at most GEO_AUTO_KN (word2vec in the harness: within 1%
+# of async's loss up to K x N = 40, 2% over at 80; the Criteo job held further); where no
+# epoch length is known (graph mode), GEO_K_WITHOUT_EPOCH within the same bound.
+GEO_AUTO_KN = 40
 GEO_K_WITHOUT_EPOCH = 10
 
 logger = logging.getLogger("tfpsx")
@@ -278,12 +279,13 @@ def count_round(counters: GeoCounters, start: float, dense: Tuple[int, int],
 
 # ----------------------------------------------------------------------------- the schedule
 
-def auto_k_steps(epoch_steps: Optional[int]) -> int:
-    """``k_steps="auto"``'s K for an epoch of ``epoch_steps`` local steps (None: unknown):
-    :data:`MIN_ROUNDS_PER_EPOCH` rounds an epoch, K at most :data:`GEO_AUTO_K_MAX`."""
-    if not epoch_steps:
-        return GEO_K_WITHOUT_EPOCH
-    return max(1, min(GEO_AUTO_K_MAX, epoch_steps // MIN_ROUNDS_PER_EPOCH))
+def auto_k_steps(epoch_steps: Optional[int], worker_num: int) -> int:
+    """``k_steps="auto"``'s K for an epoch of ``epoch_steps`` local steps (None: unknown)
+    at ``worker_num`` workers: :data:`MIN_ROUNDS_PER_EPOCH` rounds an epoch, K x N at
+    most :data:`GEO_AUTO_KN`."""
+    k = GEO_AUTO_KN // max(1, worker_num)
+    k = min(k, epoch_steps // MIN_ROUNDS_PER_EPOCH if epoch_steps else GEO_K_WITHOUT_EPOCH)
+    return max(1, k)
 
 
 def few_rounds(k_steps: int, epoch_steps: Optional[int]) -> Optional[str]:
@@ -321,9 +323,10 @@ class GeoSchedule:
                  run_round: Callable[[Tuple[str, ...]], None],
                  cached: Callable[[], bool], barrier: Callable[[], None],
                  first_round: Optional[Callable[[], None]] = None,
-                 rounds_in_step: bool = False, auto: bool = False):
+                 rounds_in_step: bool = False, auto_workers: int = 0):
         self.k_steps, self.deterministic = k_steps, deterministic
-        self._auto = auto  # k_steps="auto": K chosen by the first fit_length
+        # k_steps="auto" in a job of this many workers: K chosen by the first fit_length
+        self._auto_workers = auto_workers
         self._run_round, self._cached, self._barrier = run_round, cached, barrier
         self._first_round, self._inline = first_round, not rounds_in_step
         self.pushed = 0  # local steps counted at the start of the last round
@@ -365,13 +368,14 @@ class GeoSchedule:
         """A ``fit`` starts whose epochs hold ``epoch_steps`` local steps (None: unknown):
         with ``k_steps="auto"`` the first one chooses K (kept after: a compiled step holds
         it), then :meth:`check_epoch`."""
-        if self._auto:
-            self._auto = False
-            self.k_steps = self.lag = auto_k_steps(epoch_steps)
-            logger.info("GEO: k_steps='auto' is %d (%s)", self.k_steps,
+        if self._auto_workers:
+            n, self._auto_workers = self._auto_workers, 0
+            self.k_steps = self.lag = auto_k_steps(epoch_steps, n)
+            logger.info("GEO: k_steps='auto' is %d (%s; K x %d workers at most %d)",
+                        self.k_steps,
                         f"{MIN_ROUNDS_PER_EPOCH} rounds in an epoch of {epoch_steps} local "
-                        f"steps, at most {GEO_AUTO_K_MAX}" if epoch_steps else
-                        "the epoch's length is unknown")
+                        "steps" if epoch_steps else "the epoch's length is unknown",
+                        n, GEO_AUTO_KN)
         self.check_epoch(epoch_steps)
 
     def check_epoch(self, epoch_steps: Optional[int]) -> Optional[str]:

@@ -12,8 +12,8 @@ from typing import Dict, Optional, Tuple
 from tfpsx.modes.geo import GEO_FOR_MANY, GEO_K_WITHOUT_EPOCH
 
 _CONFIG_KEYS = {
-    "k_steps": "GEO: local steps between syncs (0: plain async; 'auto': from Keras fit's "
-               "epoch length, 8 rounds an epoch)",
+    "k_steps": "GEO: local steps between syncs (0: plain async; 'auto': 8 rounds in Keras "
+               "fit's epoch and K x workers <= 40)",
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
     "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
@@ -41,8 +41,9 @@ class DistributedStrategy:
     Args:
       a_sync: False for sync training, True for async / GEO / bounded staleness.
       a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO; "auto" selects GEO with
-        K from Keras ``fit``'s epoch length, 8 rounds an epoch, at most 100; 10 in graph
-        mode, which knows no epoch), ``max_staleness``
+        K = the first Keras ``fit``'s epoch steps // 8 (8 rounds an epoch), with K x the
+        worker count at most 40; graph mode knows no epoch: 10 within the same bound),
+        ``max_staleness``
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``geo_table_rule`` (GEO:
         "shared_slots": the PS sums the workers' pushes of a row, and each row travels
@@ -108,8 +109,8 @@ class DistributedStrategy:
             raise ValueError(f"DistributedStrategy: unknown a_sync_configs key(s) {unknown}; "
                              f"expected some of {sorted(_CONFIG_KEYS)}")
         self.a_sync = a_sync
-        # k_steps="auto": K from the first fit's epoch length (tfpsx.modes.geo.auto_k_steps);
-        # until then, and in graph mode (no epoch), GEO_K_WITHOUT_EPOCH.
+        # k_steps="auto": K from the first fit's epoch length and the worker count
+        # (tfpsx.modes.geo.auto_k_steps); until the modes choose it, GEO_K_WITHOUT_EPOCH.
         self.k_auto = configs.get("k_steps") == "auto"
         self.k_steps = (GEO_K_WITHOUT_EPOCH if self.k_auto
                         else _int_config(configs, "k_steps", 0))

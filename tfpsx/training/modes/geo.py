@@ -20,7 +20,7 @@ from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
                              GeoSchedule, GeoTableUpdater, GeoVariable, caches_locked,
-                             count_round, dense_async, dense_size,
+                             auto_k_steps, count_round, dense_async, dense_size,
                              hot_count, log_rule, named_rule_keys, pull_ops, push_ops,
                              shares_slots, wire_dtype)
 from tfpsx.runtime import RUNTIME
@@ -43,9 +43,11 @@ class GeoMode(Mode):
         super().__init__(strategy, config, graph)
         self.k_steps = strategy.k_steps
         if strategy.k_auto:
-            logger.info("GEO: k_steps='auto' is %d in graph mode (it knows no epoch length; "
-                        "give k_steps <= the local steps an epoch // %d for %d rounds an "
-                        "epoch)", self.k_steps, MIN_ROUNDS_PER_EPOCH, MIN_ROUNDS_PER_EPOCH)
+            self.k_steps = auto_k_steps(None, config.worker_num)
+            logger.info("GEO: k_steps='auto' is %d in graph mode at %d workers (it knows no "
+                        "epoch length; give k_steps <= the local steps an epoch // %d for "
+                        "%d rounds an epoch)", self.k_steps, config.worker_num,
+                        MIN_ROUNDS_PER_EPOCH, MIN_ROUNDS_PER_EPOCH)
         self.in_train_thread = strategy.geo_sync_in_train_thread
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
