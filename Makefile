@@ -187,6 +187,8 @@ bench: setup
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules mean
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules shared --async_part dense \
 	    --hot_count 4 --no_async
+	$(PY) benchmarks/geo_scale.py --job word2vec --workers 1,4,8 --k 5 --dim 16 \
+	    --table_lr 0.1 --rules mean,shared --hot_count 4
 	$(PY) benchmarks/embedding_ops.py
 	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/geo_vs_async.py
