@@ -135,6 +135,9 @@ class Word2vecJob:
         "async_cache_ceiling": CEILING + ["--stage_batches", "STAGE"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE",
                          "--stage_batches", "STAGE"],
+        # GEO's earlier rule, named (word2vec has no dense part).
+        "geo100_earlier": ["--mode", "geo", "--k_steps", "100", "--geo_table_rule", "average",
+                           "--geo_hot_count", "0"],
         # One batch per run of the stager.
         "async_cache_stage1": ["--mode", "async", "--cache_size", "CACHE"],
         "local": ["--mode", "local"],

@@ -43,6 +43,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "geo", ["sync", "async", "geo", "local"],
                   "how workers share the tables")
 flags.DEFINE_integer("k_steps", 100, "geo: local steps between syncs")
+flags.DEFINE_enum("geo_table_rule", None, ["average", "shared_slots"],
+                  "geo: how the PS adds the workers' pushes of a row (default: tfpsx's "
+                  "choice by the worker count; docs/modes.md)")
+flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch train on "
+                     "the PS (0: none; default: tfpsx's choice by the worker count)")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
 flags.DEFINE_integer("steps", 1000, "local steps per worker (sync: global steps)")
 flags.DEFINE_integer("batch_size", 512, "(center, context) pairs per step")
@@ -181,8 +186,10 @@ def main(argv):
     corpus = Corpus(FLAGS.corpus, FLAGS.window)
     rng = np.random.default_rng(FLAGS.seed + me)
     k_steps = FLAGS.k_steps if FLAGS.mode == "geo" else 0
+    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_hot_count")
+            if k_steps and getattr(FLAGS, key) is not None}  # unnamed: tfpsx's choice
     strategy = tfpsx.DistributedStrategy(a_sync=FLAGS.mode != "sync",
-                                         a_sync_configs={"k_steps": k_steps})
+                                         a_sync_configs={"k_steps": k_steps, **rule})
     local_device = [f"/job:{tfpsx.cluster_config().job_name}/task:{me}"]
 
     with tf.Graph().as_default():
