@@ -35,7 +35,6 @@ class KerasGeo(KerasMode):
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
-        self.k_steps = options.k_steps
         self.in_train_thread = options.geo_sync_in_train_thread
         self.wire_dtype = wire_dtype(options)
         self.share_slots = shares_slots(options, config.worker_num)
@@ -56,7 +55,7 @@ class KerasGeo(KerasMode):
         # wake-up traces the sync function (0.7 s on the examples/keras_ctr model: off
         # fit's path, long before the first K steps ran).
         self.schedule = GeoSchedule(
-            self.k_steps, self.in_train_thread, self._run_round,
+            options.k_steps, self.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
             first_round=lambda: self.sync_fn().get_concrete_function(),
             rounds_in_step=self.in_train_thread,
