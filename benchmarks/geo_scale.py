@@ -383,6 +383,12 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                 return (pairs if dense_due else []), ([t] if tables_due and t else [])
 
             for w, (t, _, pairs, _) in enumerate(workers):
+                if w in pending:
+                    # One communicator runs one round at a time: the round in flight
+                    # ends (its pull lands) before the next starts (a product worker
+                    # waits for it: tfpsx.modes.geo.GeoSchedule).
+                    geo.pull_ops(pairs + moment_pairs.get(w, []), [t] if t else [])
+                    del pending[w]
                 geo.push_ops(*parts(t, pairs), DENSE_RULES[dense_rule](n), r.step)
                 if moment_pairs and dense_due:  # the moments: averaged
                     geo.push_ops(moment_pairs[w], [], float(n), r.step)

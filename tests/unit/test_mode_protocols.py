@@ -214,18 +214,18 @@ def test_no_background_round_starts_without_k_steps_left_after_its_pull():
     time.sleep(0.05)
     assert s.end(40) and [pushed for pushed, _ in rec.rounds] == [10, 20, 40]
 
-    # A wake-up during a round that runs long is checked again when its round would start.
+    # A round asked for while the communicator is busy is checked again when it would
+    # start: here its first wake-up (Keras's tracing) runs long.
     rec = Recorder()
-    rec.slow = True
-    s = schedule(rec, 10)
-    for step in range(1, 10):
-        s.step_done(step, steps_left=100)
-    blocked_round(10, 100)
-    s.step_done(20, steps_left=50)  # wakes the communicator again (it is busy)
-    s.step_done(28, steps_left=2)   # but when that round would start, 2 are left
-    rec.block.set()
+    tracing = threading.Event()
+    s = rec.make(10, deterministic=False, first_round=lambda: tracing.wait(10))
+    s.start(0)
+    for step in range(1, 11):
+        s.step_done(step, steps_left=100)  # asks for a round at 10 (the loop is busy)
+    s.step_done(18, steps_left=2)  # when that round can start, 2 are left
+    tracing.set()
     time.sleep(0.1)
-    assert s.end(30) and [pushed for pushed, _ in rec.rounds] == [10, 30]
+    assert s.end(20) and [pushed for pushed, _ in rec.rounds] == [20]
 
     rec = Recorder()
     s = schedule(rec, 10)
@@ -235,6 +235,54 @@ def test_no_background_round_starts_without_k_steps_left_after_its_pull():
             wait_until(lambda: len(rec.rounds) == step // 10)
     assert s.end(45)
     assert [pushed for pushed, _ in rec.rounds] == [10, 20, 30, 40, 45]
+
+
+def test_a_round_longer_than_k_steps_holds_the_step_that_is_due_next_until_it_ends(caplog):
+    """Rounds stay K steps apart: a worker trains at most K steps beside a round in
+    flight (its pull lands within K steps), then waits for it, says so once and counts it."""
+    from tfpsx.modes.geo import GeoCounters
+    rec = Recorder()
+    rec.slow = True
+    counters = GeoCounters()
+    s = rec.make(5, deterministic=False, counters=counters)
+    s.start(0)
+    for step in range(1, 6):
+        s.step_done(step)
+    wait_until(lambda: rec.entered)  # the round of step 5 runs until the test ends it
+    for step in range(6, 10):  # fewer than K steps beside it: no wait
+        s.step_done(step)
+    assert counters.round_waits == 0
+    threading.Timer(0.3, rec.block.set).start()
+    began = time.monotonic()
+    with caplog.at_level("INFO", logger="tfpsx"):
+        s.step_done(10)  # K steps beside it: waits until it ends, then asks for the next
+    assert time.monotonic() - began >= 0.2 and rec.rounds[0][0] == 5
+    assert counters.round_waits == 1 and counters.round_wait_seconds >= 0.2
+    assert "GEO: the round started at local step 5 still ran 5 steps later (k_steps=5): " \
+           "this worker waits for a round in flight" in caplog.text
+    wait_until(lambda: len(rec.rounds) == 2)
+    for step in range(11, 15):
+        s.step_done(step)
+    assert s.end(14) and [pushed for pushed, _ in rec.rounds] == [5, 10, 14]
+
+
+def test_a_round_stuck_beside_k_steps_fails_the_step_within_the_rpc_timeout(monkeypatch):
+    monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "0.3")
+    rec = Recorder()
+    rec.slow = True
+    s = rec.make(2, deterministic=False)
+    s.start(0)
+    s.step_done(2)
+    wait_until(lambda: rec.entered)
+    s.step_done(3)
+    began = time.monotonic()
+    with pytest.raises(errors.ClusterTimeoutError,
+                       match=r"the round started at local step 2 still ran at local step 4 "
+                             r"after TFPSX_RPC_TIMEOUT=0.3 s"):
+        s.step_done(4)
+    assert time.monotonic() - began < 3
+    rec.block.set()
+    assert s.end(4)
 
 
 def test_a_failed_communicator_fails_the_next_step_and_sends_nothing_more():

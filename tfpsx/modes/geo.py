@@ -37,6 +37,12 @@ A background round starts only when at least K + L local steps are left to train
 being the steps trained while the last round ran (K before any round), when the
 front-end knows how many are left (Keras ``fit`` does; graph mode does not): else the
 final round pushes them (checked at the wake-up and again when the round would start).
+A round still in flight when the next is due (it took longer than K local steps) holds
+the training thread until it ends (bounded by TFPSX_RPC_TIMEOUT; logged once, counted
+in ``round_waits`` / ``round_wait_seconds``): rounds stay K steps apart and a pull lands
+within K steps of its push. Left to run on, a slow round made the rounds as far apart as
+it was long: word2vec over 100k words at 4 workers, K=10, rounds of ~2.4 s, pushed
+every ~40-75 steps and ended far from async's loss (docs/modes.md, "GEO at N workers").
 A background pull lands L steps after its round started, while the copy trains on; after
 it the copy holds the global model plus its own unpushed delta, and the steps after the
 pull are what bring it back from overshooting (the others' moves and its own delta both
@@ -54,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
@@ -83,8 +90,10 @@ logger = logging.getLogger("tfpsx")
 class GeoCounters(metrics.Counters):
     """What the GEO communicator did on this worker (``metrics.snapshot()["geo"]``)."""
     GROUP = "geo"
+    # sync_seconds: total time spent in push + pull; round_waits / round_wait_seconds:
+    # the training thread waited for a background round in flight (GeoSchedule)
     FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
-              "sync_seconds")  # sync_seconds: total time spent in push + pull
+              "sync_seconds", "round_waits", "round_wait_seconds")
 
     @property
     def mean_sync_seconds(self) -> float:
@@ -323,7 +332,8 @@ class GeoSchedule:
                  run_round: Callable[[Tuple[str, ...]], None],
                  cached: Callable[[], bool], barrier: Callable[[], None],
                  first_round: Optional[Callable[[], None]] = None,
-                 rounds_in_step: bool = False, auto_workers: int = 0):
+                 rounds_in_step: bool = False, auto_workers: int = 0,
+                 counters: Optional[GeoCounters] = None):
         self.k_steps, self.deterministic = k_steps, deterministic
         # k_steps="auto" in a job of this many workers: K chosen by the first fit_length
         self._auto_workers = auto_workers
@@ -334,8 +344,16 @@ class GeoSchedule:
         self._loop: Optional[BackgroundLoop] = None
         # Local steps trained while the last background round ran (before any: K).
         self.lag = k_steps
+        # The background round: asked for and not started yet (_requested); none in
+        # flight (_idle). A worker waits for the round in flight before the next is due
+        # (its pull lands within K local steps of its start: see the module doc).
+        self._requested = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._counters = counters
         self._steps_left: Optional[int] = None  # as the front-end last said
         self._warned = set()  # the epoch lengths check_epoch warned of
+        self._told_wait = False  # the first wait for a round in flight was logged
 
     @property
     def running(self) -> bool:
@@ -354,6 +372,8 @@ class GeoSchedule:
             # and registered its table readers.
             self._barrier()
         elif self._loop is None:
+            self._requested = False
+            self._idle.set()
             self._loop = BackgroundLoop("GEO communicator", self._background).start()
             if self._first_round is not None:
                 self._loop.wake()
@@ -396,7 +416,10 @@ class GeoSchedule:
         self._steps, self._steps_left = steps, steps_left
         if self._loop is not None:
             self._loop.check()
-            if self.due(steps, self.pushed) and self._time_left():
+            if not self._requested and self.due(steps, self.pushed) and self._time_left():
+                self._wait_for_round(steps)
+                self._requested = True
+                self._idle.clear()
                 self._loop.wake()
         elif self.deterministic and self._inline and self.due(steps, self.pushed):
             self.round(steps, self.phases())
@@ -440,17 +463,52 @@ class GeoSchedule:
         (``rounds_in_step``)."""
         self.pushed = steps
 
+    def _wait_for_round(self, steps: int) -> None:
+        """Waits for the background round in flight, started K or more local steps ago
+        (its pull then lands within K steps of its start, as the rule's quality needs:
+        docs/modes.md, "GEO at N workers"), bounded by TFPSX_RPC_TIMEOUT. A failed round
+        raises its error (BackgroundTaskError)."""
+        if self._idle.is_set():
+            return
+        timeout = settings.get("TFPSX_RPC_TIMEOUT")
+        began = time.monotonic()
+        while not self._idle.wait(0.05):
+            self._loop.check()
+            if time.monotonic() - began > timeout:
+                raise errors.ClusterTimeoutError(
+                    f"GEO communicator: the round started at local step {self.pushed} still "
+                    f"ran at local step {steps} after TFPSX_RPC_TIMEOUT={timeout:g} s of "
+                    f"waiting (a worker trains at most k_steps={self.k_steps} steps beside "
+                    "a round); is a parameter server alive?")
+        self._loop.check()
+        waited = time.monotonic() - began
+        if self._counters is not None:
+            self._counters.add(round_waits=1, round_wait_seconds=waited)
+        if not self._told_wait:
+            self._told_wait = True
+            logger.info("GEO: the round started at local step %d still ran %d steps later "
+                        "(k_steps=%d): this worker waits for a round in flight before the "
+                        "next (%.2f s this time; metrics 'geo' round_wait_seconds). A "
+                        "round takes longer than K steps: a larger k_steps (K x N at most "
+                        "%d, docs/modes.md) or async trains on instead",
+                        self.pushed, steps - self.pushed, self.k_steps, waited, GEO_AUTO_KN)
+
     def _background(self) -> None:
         if self._first_round is not None:
             first, self._first_round = self._first_round, None
             first()
             return
-        if not self._time_left():
-            # A wake-up during a round that ran long: the steps left now are too few.
-            return
-        started = self._steps
-        self.round(started, self.phases())
-        self.lag = self._steps - started
+        try:
+            if not self._time_left():
+                # A wake-up during a round that ran long: the steps left now are too few.
+                self._requested = False
+                return
+            started = self.pushed = self._steps
+            self._requested = False  # (after pushed: step_done asks for the next K on)
+            self._run_round(self.phases())
+            self.lag = self._steps - started
+        finally:
+            self._idle.set()
 
     def end(self, steps: int, raise_failure: bool = True) -> bool:
         """Training ended after ``steps`` local steps: the communicator stops (bounded by

@@ -59,7 +59,8 @@ class KerasGeo(KerasMode):
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
             first_round=lambda: self.sync_fn().get_concrete_function(),
             rounds_in_step=self.in_train_thread,
-            auto_workers=config.worker_num if options.k_auto else 0)
+            auto_workers=config.worker_num if options.k_auto else 0,
+            counters=self.counters)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0

@@ -192,7 +192,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._schedule = GeoSchedule(
             mode.k_steps, mode.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in mode.tables),
-            barrier=RUNTIME.barrier_worker)
+            barrier=RUNTIME.barrier_worker, counters=mode.counters)
 
     # -------------------------------------------------------------- graph
     def begin(self):
