@@ -150,7 +150,9 @@ def evaluate(rows_in, rows_out, corpus: Corpus, dim: int):
     vout = np.stack([[table_out.get(int(o), zero) for o in row] for row in out_ids])
     loss = pair_loss(vin, vout)
     # Planted structure: words named t<topic>w<rank> belong to their topic.
-    words = [w for w in corpus.words if corpus.ids[w] in table_in][:400]
+    # 400 words spread over the vocabulary (its first 400 may all be of one topic)
+    words = [w for w in corpus.words if corpus.ids[w] in table_in]
+    words = words[::max(1, len(words) // 400)][:400]
     if len(words) < 2:
         return float(loss), 0.0
     vectors = np.stack([table_in[corpus.ids[w]] for w in words])
@@ -296,7 +298,9 @@ def main(argv):
     if FLAGS.mode == "geo":
         c = tfpsx.metrics.snapshot()["geo"]  # the GEO communicator's counters
         report.update(pushes=c["pushes"], rows_sent=c["rows_sent"], mb_sent=c["bytes_sent"] / 1e6,
-                      ms_per_sync=1000 * c["sync_seconds"] / max(1, c["pushes"]))
+                      rows_received=c["rows_received"], mb_received=c["bytes_received"] / 1e6,
+                      ms_per_sync=1000 * c["sync_seconds"] / max(1, c["pushes"]),
+                      round_wait_seconds=c["round_wait_seconds"])
     print(f"worker {me}: {FLAGS.mode} {report['examples_per_sec']:.0f} examples/s, "
           f"eval loss {eval_loss:.4f}, within-topic minus across-topic similarity {gap:.3f}",
           flush=True)

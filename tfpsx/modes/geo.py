@@ -40,9 +40,8 @@ final round pushes them (checked at the wake-up and again when the round would s
 A round still in flight when the next is due (it took longer than K local steps) holds
 the training thread until it ends (bounded by TFPSX_RPC_TIMEOUT; logged once, counted
 in ``round_waits`` / ``round_wait_seconds``): rounds stay K steps apart and a pull lands
-within K steps of its push. Left to run on, a slow round made the rounds as far apart as
-it was long: word2vec over 100k words at 4 workers, K=10, rounds of ~2.4 s, pushed
-every ~40-75 steps and ended far from async's loss (docs/modes.md, "GEO at N workers").
+within K steps of its push (left to run on, a slow round made the rounds as far apart
+as it was long, K x N past what the rule holds at: docs/modes.md, "GEO at N workers").
 A background pull lands L steps after its round started, while the copy trains on; after
 it the copy holds the global model plus its own unpushed delta, and the steps after the
 pull are what bring it back from overshooting (the others' moves and its own delta both
