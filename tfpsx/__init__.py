@@ -50,7 +50,7 @@ _LAZY = {
     "keras": "tfpsx.keras",
     "serving": "tfpsx.serving",
     "data": "tfpsx.data",
-    "DistributedStrategy": "tfpsx.training",
+    "DistributedStrategy": "tfpsx.modes.strategy",
     "distributed_optimizer": "tfpsx.training",
     "model_scope": "tfpsx.training",
     "replica_device_setter": "tfpsx.training",

@@ -50,7 +50,7 @@ from tfpsx.modes.group import refuse_a_late_join
 from tfpsx.keras.modes.base import CreationContext
 from tfpsx.keras.partitioned import resolve_partitioner
 from tfpsx.runtime import RUNTIME
-from tfpsx.training.strategy import DistributedStrategy
+from tfpsx.modes.strategy import DistributedStrategy
 
 logger = logging.getLogger("tfpsx")
 

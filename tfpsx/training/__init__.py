@@ -30,11 +30,12 @@ from tfpsx.training.modes.geo import GeoOptimizer
 from tfpsx.training.modes.staleness import StalenessOptimizer
 from tfpsx.training.modes.sync import SyncOptimizer
 from tfpsx.training.optimizer import distributed_optimizer
-from tfpsx.training.placement import GreedyByBytes, replica_device_setter, variable_partitioner
+from tfpsx.cluster.placement import GreedyByBytes
+from tfpsx.training.placement import replica_device_setter, variable_partitioner
 from tfpsx.training.scope import model_scope
 from tfpsx.training.session import MonitoredTrainingSession
 from tfpsx.training.staging import RowStager
-from tfpsx.training.strategy import DistributedStrategy
+from tfpsx.modes.strategy import DistributedStrategy
 
 __all__ = [
     "DistributedStrategy", "model_scope", "distributed_optimizer", "MonitoredTrainingSession",

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tfpsx.modes.group import refuse_a_late_join
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.strategy import DistributedStrategy
+from tfpsx.modes.strategy import DistributedStrategy
 
 
 def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = None):

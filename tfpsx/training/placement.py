@@ -11,6 +11,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpsx.cluster.placement import GreedyByBytes
 from tfpsx.runtime import RUNTIME
 
 
@@ -36,35 +37,6 @@ def replica_device_setter(ps_strategy=None, worker_device: Optional[str] = None)
     return tf.compat.v1.train.replica_device_setter(
         cluster=config.cluster_spec(), worker_device=worker_device or worker_device_of(config),
         ps_strategy=ps_strategy)
-
-
-class GreedyByBytes:
-    """A ps strategy: each variable goes to the server with the fewest bytes so far
-    (TF 1.x contrib's GreedyLoadBalancingStrategy, which TF 2 no longer ships)."""
-
-    def __init__(self, num_tasks: int):
-        self.loads = [0] * num_tasks
-
-    def __call__(self, op) -> int:
-        return self.place(_variable_bytes(op))
-
-    def place(self, nbytes: int) -> int:
-        """The task for a variable of ``nbytes`` (now counted on it)."""
-        task = min(range(len(self.loads)), key=self.loads.__getitem__)
-        self.loads[task] += nbytes
-        return task
-
-
-def _variable_bytes(op) -> int:
-    try:
-        shape = tf.TensorShape(op.get_attr("shape"))
-        dtype = tf.as_dtype(op.get_attr("dtype"))
-    except ValueError:  # an op without shape / dtype attrs: count it as small
-        return 1
-    elements = 1
-    for dim in shape.as_list() if shape.rank is not None else []:
-        elements *= dim if dim is not None and dim > 0 else 1
-    return max(1, elements * dtype.size)
 
 
 def variable_partitioner(min_slice_bytes: int = 256 << 10, max_partitions: Optional[int] = None):

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.strategy import DistributedStrategy
+from tfpsx.modes.strategy import DistributedStrategy
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.partitioned import PartitionedVariable, partitions, slice_rows
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.runtime import RUNTIME
-from tfpsx.training.placement import GreedyByBytes
+from tfpsx.cluster.placement import GreedyByBytes
 
 SHARED_PREFIX = "tfpsx/keras/"
 TRIGGER = "tfpsx_gradient_trigger"  # the name of a DynamicEmbedding layer's trigger weight

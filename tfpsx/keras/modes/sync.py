@@ -31,7 +31,7 @@ from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
 from tfpsx.runtime import RUNTIME
-from tfpsx.training.placement import GreedyByBytes
+from tfpsx.cluster.placement import GreedyByBytes
 
 
 class KerasSync(OnServers):

@@ -1,8 +1,9 @@
 """``DistributedStrategy``: how workers share their updates (Paddle Fleet's shape).
 
-The strategy only holds and validates the user's options; :attr:`DistributedStrategy.mode`
-is the one place that turns them into a mode name, which
-:func:`tfpsx.training.modes.mode_for` resolves to the mode's implementation.
+The strategy is the modes' options, for both front-ends: it only holds and validates
+them; :attr:`DistributedStrategy.mode` is the one place that turns them into a mode
+name, which each front-end resolves to its implementation of the mode (graph mode's
+:func:`tfpsx.training.modes.mode_for`, Keras's ``tfpsx.keras.modes``).
 """
 
 from __future__ import annotations
