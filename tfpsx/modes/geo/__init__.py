@@ -1,0 +1,39 @@
+"""GEO (k-step geometric SGD), once for both front-ends: the rule, the round, the
+schedule, the tables.
+
+Each worker trains a local copy; every K local steps it syncs with the parameter servers.
+Dense variables and tables, one rule (:mod:`.rule`):
+
+* push: ``delta = (local - old) / N``; ``old += delta``; the PS value ``+= delta`` (a
+  table pushes only the rows changed in the worker's copy since its last push, whole:
+  n = 1, and the PS combines the pushes of a row that several workers trained from the
+  same value, see :mod:`tfpsx.embedding.geo_rule`);
+* pull: ``local += global - old``; ``old = global`` (a table pulls the rows any worker
+  changed on the PS since this worker's last pull: the PS keeps a changed-key set per
+  worker).
+
+Which table and dense rule a job runs is chosen by its worker count unless named
+(:func:`rule_for`). A **round** (:mod:`.round`) is a sequence of phases, which a front-end
+interprets: a TF1 session runs them one ``session.run`` each; Keras chains them inside
+its compiled step. The **schedule** (:mod:`.schedule`) says when a round runs, for both
+front-ends. A table joins GEO through :class:`GeoTableUpdater` (:mod:`.tables`).
+"""
+
+from tfpsx.modes.geo.round import (BARRIER, PULL, PUSH, GeoCounters, caches_locked,
+                                   count_round, dense_size, round_phases)
+from tfpsx.modes.geo.rule import (GEO_EARLIER, GEO_FOR_MANY, GEO_MANY_WORKERS, GeoVariable,
+                                  dense_async, dense_pull, dense_push, hot_count, log_rule,
+                                  named_rule_keys, pull_ops, push_ops, rows_and_bytes,
+                                  rule_for, shares_slots, wire_dtype)
+from tfpsx.modes.geo.schedule import (GEO_AUTO_KN, GEO_K_WITHOUT_EPOCH, MIN_ROUNDS_PER_EPOCH,
+                                      GeoSchedule, auto_k_steps, few_rounds)
+from tfpsx.modes.geo.tables import GeoState, GeoTableUpdater
+
+__all__ = [
+    "BARRIER", "PULL", "PUSH", "GeoCounters", "caches_locked", "count_round", "dense_size",
+    "round_phases", "GEO_EARLIER", "GEO_FOR_MANY", "GEO_MANY_WORKERS", "GeoVariable",
+    "dense_async", "dense_pull", "dense_push", "hot_count", "log_rule", "named_rule_keys",
+    "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "shares_slots", "wire_dtype",
+    "GEO_AUTO_KN", "GEO_K_WITHOUT_EPOCH", "MIN_ROUNDS_PER_EPOCH", "GeoSchedule",
+    "auto_k_steps", "few_rounds", "GeoState", "GeoTableUpdater",
+]

@@ -1,0 +1,73 @@
+"""GEO's round: its phases, the caches' locks around them, and what a round moved.
+
+A **round** is a sequence of phases (:func:`round_phases`): in the background
+communicator (Paddle's GeoCommunicator) a push and the pull right after it; in the
+deterministic schedule (``geo_sync_in_train_thread=True``) push, every worker meets,
+pull, every worker meets again (with a worker cache, which reads the PS on a miss, they
+meet first too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import List, Tuple
+
+from tfpsx import metrics
+from tfpsx.embedding.geo_rule import GeoTable
+from tfpsx.modes.geo.rule import GeoVariable
+
+PUSH, PULL, BARRIER = "push", "pull", "barrier"
+
+
+class GeoCounters(metrics.Counters):
+    """What the GEO communicator did on this worker (``metrics.snapshot()["geo"]``)."""
+    GROUP = "geo"
+    # sync_seconds: total time spent in push + pull; round_waits / round_wait_seconds:
+    # the training thread waited for a background round in flight (GeoSchedule)
+    FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
+              "sync_seconds", "round_waits", "round_wait_seconds")
+
+    @property
+    def mean_sync_seconds(self) -> float:
+        return self.sync_seconds / self.pushes if self.pushes else 0.0
+
+
+def round_phases(deterministic: bool, cached: bool) -> Tuple[str, ...]:
+    """One sync round's phases, in order.
+
+    Background: push, then pull (one round trip less: the pull may follow in the same
+    step). Deterministic: push, every worker meets (every push is in), pull, they meet
+    again (nobody pushes before everyone pulled); with a worker cache they also meet
+    first (a cache reads the PS on a miss: no push may land while another worker still
+    runs its local steps)."""
+    if not deterministic:
+        return (PUSH, PULL)
+    return ((BARRIER,) if cached else ()) + (PUSH, BARRIER, PULL, BARRIER)
+
+
+@contextlib.contextmanager
+def caches_locked(tables: List[GeoTable]):
+    """Holds the sync locks of the worker caches among ``tables`` (a round's push must
+    not run beside a stager's eviction push of the same rows)."""
+    with contextlib.ExitStack() as stack:
+        for t in tables:
+            if t.cached:
+                stack.enter_context(t.local.sync_lock)
+        yield
+
+
+def dense_size(dense: List[GeoVariable]) -> Tuple[int, int]:
+    """(rows, bytes) a round moves for the dense copies, each way (float32)."""
+    rows = sum(int(v.local.shape[0]) if v.local.shape.rank else 1 for v in dense)
+    return rows, sum(4 * int(v.local.shape.num_elements()) for v in dense)
+
+
+def count_round(counters: GeoCounters, start: float, dense: Tuple[int, int],
+                sent: Tuple[int, int], received: Tuple[int, int]) -> None:
+    """Adds one round to ``counters``: ``sent`` / ``received`` are the tables' (rows,
+    bytes); ``dense`` the dense copies' (:func:`dense_size`), moved each way."""
+    counters.add(pushes=1, rows_sent=dense[0] + int(sent[0]), bytes_sent=dense[1] + int(sent[1]),
+                 rows_received=dense[0] + int(received[0]),
+                 bytes_received=dense[1] + int(received[1]),
+                 sync_seconds=time.monotonic() - start)

@@ -1,0 +1,159 @@
+"""GEO's rule for dense variables (the table rule lives with the tables:
+:mod:`tfpsx.embedding.geo_rule`, a worker cache flushes by it too), the push and pull
+phases of dense variables and tables together, and which rule a job runs by its worker
+count (:func:`rule_for`). The functions build ops in graph mode and run in eager mode or
+``tf.function``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import tensorflow as tf
+
+from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push
+
+logger = logging.getLogger("tfpsx")
+
+
+@dataclasses.dataclass
+class GeoVariable:
+    """A dense variable in GEO: the PS value, this worker's copy and its snapshot."""
+    local: tf.Variable     # trained by this worker
+    old: tf.Variable       # the global value at the last pull (plus this worker's pushes)
+    global_: tf.Variable   # on the parameter server
+
+
+def dense_push(v: GeoVariable, n: float):
+    """delta = (local - old) / n; old += delta; global += delta (n = 1: a counter, e.g.
+    the step count, whose global value is the sum of every worker's)."""
+    with tf.compat.v1.device(v.local.device):
+        delta = v.local.read_value() - v.old.read_value()
+        if n != 1:
+            delta = delta / n
+        bump_old = v.old.assign_add(delta)
+    with tf.compat.v1.device(v.global_.device):
+        push = v.global_.assign_add(delta)
+    return tf.group(bump_old, push)
+
+
+def dense_pull(v: GeoVariable, after=()):
+    """After the ops ``after``: local += global - old; old = global."""
+    with tf.control_dependencies(list(after)):
+        with tf.compat.v1.device(v.global_.device):
+            g = v.global_.read_value()
+    with tf.compat.v1.device(v.local.device):
+        g = tf.identity(g)  # one transfer, used twice
+        with tf.control_dependencies([v.local.assign_add(g - v.old.read_value())]):
+            return v.old.assign(g)
+
+
+def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=None,
+             counters: List[GeoVariable] = ()):
+    """The push phase: every dense pair (``delta / n``), every counter pair (n = 1: the
+    job's step count) and every table's changed rows (whole deltas, n = 1: a row is
+    rarely trained by every worker between two syncs). Returns (ops, (rows, bytes) the
+    tables sent)."""
+    ops = [dense_push(v, n) for v in dense] + [dense_push(v, 1) for v in counters]
+    rows = []
+    for t in tables:
+        op, count = table_push(t, 1.0, step)
+        ops.append(op)
+        rows.append((count, t.global_.dim, _value_bytes(t)))
+    return ops, rows_and_bytes(rows)
+
+
+def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=()):
+    """The pull phase, after the ops ``after``: every pair and the rows any worker
+    changed on the PS. Returns (ops, (rows, bytes) the tables received)."""
+    ops = [dense_pull(v, after) for v in variables]
+    rows = []
+    for t in tables:
+        op, count = table_pull(t, after)
+        ops.append(op)
+        rows.append((count, t.global_.dim, _value_bytes(t)))
+    return ops, rows_and_bytes(rows)
+
+
+def _value_bytes(t: GeoTable) -> int:
+    return 4 if t.wire is None else t.wire.size
+
+
+def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(rows, bytes) as int64 tensors of ``(count, dim, value_bytes)`` entries: a row
+    moves its key and ``dim`` values."""
+    counts = [(tf.cast(r, tf.int64), dim, size) for r, dim, size in rows]
+    return (tf.add_n([tf.constant(0, tf.int64)] + [r for r, _, _ in counts]),
+            tf.add_n([tf.constant(0, tf.int64)] +
+                     [r * (8 + size * dim) for r, dim, size in counts]))
+
+
+# GEO's rule for many workers (docs/modes.md, "GEO at N workers"): its keys' values. A
+# key left unnamed is chosen by the job's worker count: this rule from GEO_MANY_WORKERS
+# workers on, the earlier rule (GEO_EARLIER) below, where it kept async's quality and is
+# faster. A table with a worker cache, and the hybrid mode's all-reduced dense weights,
+# keep their own unless the key is named (then a combination that does not apply is an
+# error).
+GEO_MANY_WORKERS = 3
+GEO_FOR_MANY = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4}
+GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0}
+
+
+def rule_for(options, worker_num: int) -> Dict[str, object]:
+    """GEO's rule for a job of ``worker_num`` workers: ``geo_table_rule``, ``geo_dense``,
+    ``geo_hot_count``. A key the user named keeps its value; the others come from the
+    rule for many workers at ``GEO_MANY_WORKERS`` workers or more, else from the
+    earlier rule (docs/modes.md, "GEO at N workers"). The hybrid mode's dense weights
+    are all-reduced: its ``geo_dense`` is "copies" (unused)."""
+    base = GEO_FOR_MANY if worker_num >= GEO_MANY_WORKERS else GEO_EARLIER
+    rule = {key: getattr(options, key, None) for key in base}
+    rule = {key: base[key] if value is None else value for key, value in rule.items()}
+    if getattr(options, "dense", "ps") == "allreduce":
+        rule["geo_dense"] = "copies"
+    return rule
+
+
+def shares_slots(options, worker_num: int) -> bool:
+    """Whether GEO's tables travel with their optimizer slots, summed on the PS
+    (``geo_table_rule="shared_slots"``; :func:`rule_for`)."""
+    return rule_for(options, worker_num)["geo_table_rule"] == "shared_slots"
+
+
+def dense_async(options, worker_num: int) -> bool:
+    """Whether GEO's dense weights train async on the PS (``geo_dense="async"``) rather
+    than as worker copies synced every K steps (:func:`rule_for`)."""
+    return rule_for(options, worker_num)["geo_dense"] == "async"
+
+
+def hot_count(options, worker_num: int) -> int:
+    """How often an id must occur in a worker's batch for GEO to train its row on the PS
+    (``geo_hot_count``, 0: never; :func:`rule_for`)."""
+    return int(rule_for(options, worker_num)["geo_hot_count"] or 0)
+
+
+def named_rule_keys(options) -> frozenset:
+    """The GEO rule's keys the user named (a default gives way where it does not apply)."""
+    return getattr(options, "geo_explicit", frozenset())
+
+
+def log_rule(options, worker_num: int) -> None:
+    """Says which GEO rule the job runs, and why (once per process and rule)."""
+    rule = rule_for(options, worker_num)
+    line = ", ".join(f"{key}={value!r}" for key, value in rule.items())
+    if line not in _LOGGED_RULES:
+        _LOGGED_RULES.add(line)
+        named = sorted(named_rule_keys(options))
+        logger.info("GEO at %d worker(s): %s (%s)", worker_num, line,
+                    f"named: {', '.join(named)}; the others by the worker count" if named else
+                    "by the worker count: the rule for many workers from 3, docs/modes.md")
+
+
+_LOGGED_RULES: set = set()
+
+
+def wire_dtype(options) -> Optional[tf.DType]:
+    """The dtype GEO's table rows travel in (None: float32), from a
+    ``DistributedStrategy``'s ``geo_wire_dtype``."""
+    name = getattr(options, "geo_wire_dtype", "float32")
+    return None if name == "float32" else tf.as_dtype(name)

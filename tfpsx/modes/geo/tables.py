@@ -1,0 +1,107 @@
+"""How a table joins GEO: lookups read this worker's copy, gradients train it
+(:class:`GeoTableUpdater`), under the rule the job runs (:mod:`.rule`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Protocol
+
+import tensorflow as tf
+
+from tfpsx.embedding.cache import WorkerCache
+from tfpsx.embedding.geo_rule import GeoTable, HotRows, combine_for
+from tfpsx.embedding.sharding import ShardedTable
+from tfpsx.embedding.updaters import TableUpdater
+
+logger = logging.getLogger("tfpsx")
+
+
+class GeoState(Protocol):
+    """What a table joins in GEO (graph mode's ``GeoMode``, Keras's ``KerasGeo``)."""
+    worker_index: int
+    worker_num: int
+    worker_device: str
+    tables: List[GeoTable]
+    wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
+    in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
+    share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
+    hot_count: int  # ids seen this often in a batch train on the PS (0: none)
+    named: frozenset  # the rule's keys the user named (named_rule_keys)
+
+    def local_train_op(self, op) -> None:
+        """A table's local training op was built (graph mode counts local steps by it)."""
+
+
+class GeoTableUpdater(TableUpdater):
+    """Lookups read this worker's copy; gradients train it (its optimizer, locally).
+
+    A table with ``cache_size`` keeps a bounded copy: a worker cache
+    (:mod:`tfpsx.embedding.cache`) whose sync is the mode's every K steps (n = 1, as
+    every table row in GEO).
+    """
+
+    def __init__(self, mode: GeoState):
+        super().__init__()
+        self._mode = mode
+        self._geo: Optional[GeoTable] = None
+        self._hot = 0  # this table's hot count (none with a worker cache)
+
+    def attach(self, table) -> None:
+        mode, me = self._mode, self._mode.worker_index
+        options = getattr(table, "cache_options", None)
+        share, hot = mode.share_slots, mode.hot_count
+        if options is not None:
+            # A worker cache syncs rows without their slots and reads them through the
+            # cache: a named rule that cannot apply is an error, a default gives way.
+            if share and "geo_table_rule" in mode.named:
+                raise ValueError(f"table {table.name!r}: a worker cache (cache_size) syncs "
+                                 "its rows without their optimizer slots; a_sync_configs"
+                                 "['geo_table_rule']='shared_slots' does not apply to it "
+                                 "(use 'average', or no cache)")
+            if hot and "geo_hot_count" in mode.named:
+                raise ValueError(f"table {table.name!r}: a worker cache (cache_size) reads "
+                                 "its rows through the cache; a_sync_configs"
+                                 f"['geo_hot_count']={hot} (hot rows trained on the PS) "
+                                 "does not apply to it (use geo_hot_count=0, or no cache)")
+            if share or hot:
+                logger.info("GEO: table %r has a worker cache: its rows are averaged and "
+                            "none trains on the PS (the rule for many workers applies to "
+                            "tables without a cache)", table.name)
+            share = hot = False
+        self._hot = hot
+        if options is not None:
+            self.cache = WorkerCache(table, options, mode.worker_device, me,
+                                     scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
+                                     combine=combine_for(mode.in_train_thread))
+            self._geo = self.cache.geo
+            mode.tables.append(self._geo)
+            return
+        copy = dict(initializer=table.initializer, seed=table.seed,
+                    devices=[mode.worker_device])
+        local = ShardedTable(f"{table.name}/geo_local_w{me}", table.dim,
+                             optimizer=table.optimizer, min_frequency=table.min_frequency, **copy)
+        # With shared slots, old keeps the slots a row had at the last pull too.
+        old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim,
+                           optimizer=table.optimizer if share else None, **copy)
+        self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
+                             combine="sum" if share else combine_for(mode.in_train_thread),
+                             share_slots=share)
+        mode.tables.append(self._geo)
+
+    def lookup_source(self, table):
+        if self._hot:
+            return HotRows(self._geo, self._hot)
+        return self._geo.local
+
+    def rows_source(self, table):
+        # The copy, whole: the hot rows' PS moves reach it at every pull (the last one in
+        # the final sync), as an evaluation reads it (HotRows.lookup).
+        return self._geo.local
+
+    def apply_gradients(self, table, keys, grads, step, hot=None):
+        if hot is not None:  # the hot rows on the PS, the rest in the copy
+            op = HotRows(self._geo, self._hot).apply(keys, grads, hot, step)
+        else:
+            op = self._geo.local.apply(keys, grads, step)
+        self._mode.local_train_op(op)
+        return op
