@@ -55,3 +55,24 @@ def test_an_error_the_translator_leaves_ends_the_process_as_python_does():
     assert "ServerUnavailableError" not in done.stderr
     assert "ATEXIT RAN" in done.stdout  # the interpreter's own teardown ran
 
+
+
+@pytest.mark.timeout(60)
+def test_runtime_reset_leaves_the_excepthook_and_translators_as_before_any_strategy():
+    """A strategy chains a translator of uncaught errors into sys.excepthook (as the Keras
+    strategy and the hybrid mode do); RUNTIME.reset() undoes it, the exit-on-uncaught
+    too, and a later strategy installs it afresh."""
+    from tfpsx.runtime import RUNTIME
+
+    before = sys.excepthook
+    translate = lambda error: None  # noqa: E731
+    watchdog.translate_uncaught(translate)
+    watchdog.exit_if_uncaught()
+    assert sys.excepthook is not before and watchdog._translators == [translate]
+    RUNTIME.reset()
+    assert sys.excepthook is before
+    assert watchdog._translators == [] and watchdog._exit_on_uncaught is False
+    watchdog.translate_uncaught(translate)  # installed again, once
+    assert sys.excepthook is not before and watchdog._translators == [translate]
+    RUNTIME.reset()
+    assert sys.excepthook is before

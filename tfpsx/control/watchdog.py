@@ -177,16 +177,18 @@ _exit_armed = False
 _hook_installed = False
 _exit_on_uncaught = False
 _translators: List[Callable[[BaseException], Optional[BaseException]]] = []
+_hook = None           # ours, once installed
+_previous_hook = None  # the sys.excepthook ours chains to
 
 
 def _install_hook() -> None:
     """Chains this module's ``sys.excepthook`` in front of the current one (once;
     the caller holds ``_exit_lock``)."""
-    global _hook_installed
+    global _hook_installed, _hook, _previous_hook
     if _hook_installed:
         return
     _hook_installed = True
-    previous = sys.excepthook
+    previous = _previous_hook = sys.excepthook
 
     def hook(kind, value, tb):
         translated = False
@@ -211,7 +213,20 @@ def _install_hook() -> None:
                 finally:
                     os._exit(EXIT_PEER_LOST if isinstance(value, RETRYABLE) else 1)
 
-    sys.excepthook = hook
+    sys.excepthook = _hook = hook
+
+
+def reset_uncaught() -> None:
+    """Undoes :func:`exit_if_uncaught` and :func:`translate_uncaught` (``RUNTIME.reset()``):
+    no translator, a normal exit, and ``sys.excepthook`` as it was before ours (if nothing
+    chained in front of ours since; else ours stays, passing every exception on)."""
+    global _hook_installed, _exit_on_uncaught
+    with _exit_lock:
+        _translators.clear()
+        _exit_on_uncaught = False
+        if _hook_installed and sys.excepthook is _hook:
+            sys.excepthook = _previous_hook
+            _hook_installed = False
 
 
 def exit_if_uncaught() -> None:
