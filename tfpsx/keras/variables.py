@@ -12,13 +12,13 @@ first to come does it); the other workers wait, bounded, until it is there.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import tensorflow as tf
 
 from tfpsx import compat, errors
 from tfpsx.compat import gen_resource_variable_ops as gen_rv
+from tfpsx.waits import bounded_wait
 
 
 class SharedVariable(compat.BaseResourceVariable):
@@ -64,11 +64,7 @@ def initialize(var: SharedVariable, initial_value, is_chief: bool, timeout: floa
                 value = initial_value() if callable(initial_value) else initial_value
                 var.assign(tf.convert_to_tensor(value, var.dtype))
             return
-        deadline = time.monotonic() + timeout
-        while not var.initialized():
-            if time.monotonic() > deadline:
-                raise errors.ClusterTimeoutError(
-                    f"waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to "
-                    f"initialize {var.shared_name!r} on {var.device}; is it running and "
-                    "building the same model?")
-            time.sleep(poll)
+        bounded_wait(var.initialized, timeout, lambda _: errors.ClusterTimeoutError(
+            f"waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to "
+            f"initialize {var.shared_name!r} on {var.device}; is it running and building "
+            "the same model?"), poll)

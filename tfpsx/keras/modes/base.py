@@ -20,17 +20,17 @@ same GEO rule and rounds, sync step protocol and staleness clocks.
 
 from __future__ import annotations
 
-import time
 from typing import List, Optional
 
 import tensorflow as tf
 
 from tfpsx import errors, settings
+from tfpsx.cluster.placement import GreedyByBytes
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.partitioned import PartitionedVariable, partitions, slice_rows
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.runtime import RUNTIME
-from tfpsx.cluster.placement import GreedyByBytes
+from tfpsx.waits import bounded_wait
 
 SHARED_PREFIX = "tfpsx/keras/"
 TRIGGER = "tfpsx_gradient_trigger"  # the name of a DynamicEmbedding layer's trigger weight
@@ -228,14 +228,11 @@ class KerasMode:
         bounded by TFPSX_SESSION_TIMEOUT."""
         flag = self.ready_flag()
         timeout = settings.get("TFPSX_SESSION_TIMEOUT")
-        deadline = time.monotonic() + timeout
-        while int(flag.read_value()) < 1:
-            if time.monotonic() > deadline:
-                raise errors.ClusterTimeoutError(
-                    f"worker {self.worker_index} waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) "
-                    "for the chief (worker 0) to start fit(), i.e. to initialize or restore "
-                    "the model; is it running?")
-            time.sleep(0.05)
+        bounded_wait(lambda: int(flag.read_value()) >= 1, timeout,
+                     lambda _: errors.ClusterTimeoutError(
+                         f"worker {self.worker_index} waited {timeout:g} s "
+                         "(TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to start fit(), "
+                         "i.e. to initialize or restore the model; is it running?"))
 
     def barrier(self) -> None:
         RUNTIME.barrier_worker()

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable, Optional, Tuple
 
 from tfpsx import errors, settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.modes.geo.round import GeoCounters, round_phases
+from tfpsx.waits import bounded_wait
 
 # GEO's quality holds only with at least this many rounds in an epoch (docs/modes.md,
 # "GEO at N workers": with fewer, no table rule kept async's AUC at 4 workers or more).
@@ -235,17 +235,13 @@ class GeoSchedule:
         if self._idle.is_set():
             return
         timeout = settings.get("TFPSX_RPC_TIMEOUT")
-        began = time.monotonic()
-        while not self._idle.wait(0.05):
-            self._loop.check()
-            if time.monotonic() - began > timeout:
-                raise errors.ClusterTimeoutError(
-                    f"GEO communicator: the round started at local step {self.pushed} still "
-                    f"ran at local step {steps} after TFPSX_RPC_TIMEOUT={timeout:g} s of "
-                    f"waiting (a worker trains at most k_steps={self.k_steps} steps beside "
-                    "a round); is a parameter server alive?")
+        waited = bounded_wait(
+            self._idle.is_set, timeout, lambda _: errors.ClusterTimeoutError(
+                f"GEO communicator: the round started at local step {self.pushed} still "
+                f"ran at local step {steps} after TFPSX_RPC_TIMEOUT={timeout:g} s of "
+                f"waiting (a worker trains at most k_steps={self.k_steps} steps beside "
+                "a round); is a parameter server alive?"), poll=0.01, check=self._loop.check)
         self._loop.check()
-        waited = time.monotonic() - began
         if self._counters is not None:
             self._counters.add(round_waits=1, round_wait_seconds=waited)
         if not self._told_wait:

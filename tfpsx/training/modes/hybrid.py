@@ -20,13 +20,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx import errors, settings
-from tfpsx.modes import hybrid
 from tfpsx.control.watchdog import translate_uncaught
+from tfpsx.modes import hybrid
 from tfpsx.modes.collective import REDUCIBLE, lost_peer_error
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 from tfpsx.training.modes.geo import GeoMode
 from tfpsx.training.placement import worker_device_of
+from tfpsx.waits import bounded_wait
 
 PORTS = "tfpsx/graph/hybrid/dense_ports"
 
@@ -177,14 +178,11 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
             if not session.run(self._initialized):
                 session.run(self._init)
             return
-        deadline = time.monotonic() + timeout
-        while not session.run(self._initialized):
-            if time.monotonic() > deadline:
-                raise errors.ClusterTimeoutError(
-                    f"hybrid mode: worker {config.index} waited {timeout:g} s "
-                    "(TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to start its session; "
-                    "is it running?")
-            time.sleep(0.05)
+        bounded_wait(lambda: session.run(self._initialized), timeout,
+                     lambda _: errors.ClusterTimeoutError(
+                         f"hybrid mode: worker {config.index} waited {timeout:g} s "
+                         "(TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to start its "
+                         "session; is it running?"))
 
     def end(self, session):
         bridge = self._mode.bridge
