@@ -42,3 +42,26 @@ def test_a_worker_that_never_comes_is_named_within_the_bound():
                     timeout=0.05, poll=0.01)
     with pytest.raises(ValueError, match="hold 3 workers' ports, this worker counts 2"):
         hybrid.meet(0, 2, 4000, lambda r, p: None, lambda: [1, 2, 3], timeout=1)
+
+
+@pytest.mark.parametrize("tables", ["async", "geo"])
+def test_a_worker_joining_a_running_hybrid_job_is_refused_at_once_naming_why(tables):
+    """The hybrid mode's dense all-reduce is a group of the workers the job started with:
+    a joiner is refused when its strategy is made (it passed before: the check looked at
+    the tables' mode only), while async or GEO with dense weights on the PS admit it."""
+    from types import SimpleNamespace
+
+    from tfpsx.modes.group import refuse_a_late_join
+    from tfpsx.modes.strategy import DistributedStrategy
+
+    configs = {"k_steps": 10} if tables == "geo" else {}
+    joiner = SimpleNamespace(joined=True, index=2, initial_worker_num=2)
+    with pytest.raises(ValueError, match=r"hybrid \(dense='allreduce'\): worker 2 joined a "
+                       r"running job of 2 workers, but the hybrid mode all-reduces"):
+        refuse_a_late_join(DistributedStrategy(a_sync_configs=configs, dense="allreduce"),
+                           joiner)
+    refuse_a_late_join(DistributedStrategy(a_sync_configs=configs), joiner)  # dense on the PS
+    refuse_a_late_join(DistributedStrategy(a_sync_configs=configs, dense="allreduce"),
+                       SimpleNamespace(joined=False, index=1, initial_worker_num=2))
+    with pytest.raises(ValueError, match="sync: worker 2 joined a running job of 2"):
+        refuse_a_late_join(DistributedStrategy(a_sync=False), joiner)

@@ -201,7 +201,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         self.variable_partitioner = resolve_partitioner(variable_partitioner,
                                                         config.server_num)
         _connect(config)
-        refuse_a_late_join(options.mode, config)
+        refuse_a_late_join(options, config)
         mode = mode_class(options, config)(self, options, config)
         distribute_lib.Strategy.__init__(self, _Extended(self, mode.worker_device, mode))
         self.options, self._mode = options, mode

@@ -40,14 +40,26 @@ def leave(vector, index: int):
 _FIXED_GROUP_MODES = ("sync", "staleness", "collective")
 
 
-def refuse_a_late_join(mode: str, config) -> None:
+def refuse_a_late_join(options, config) -> None:
     """A worker that joined a running job (``config.joined``) trains in async and GEO; sync
-    and bounded staleness wait on a fixed group, so they refuse it, naming why.
+    and bounded staleness wait on a fixed group, and the hybrid mode all-reduces its dense
+    weights in one, so they refuse it at once, naming why. ``options``: the job's
+    ``DistributedStrategy`` (its ``mode``, and ``hybrid``: dense weights all-reduced).
 
     Raises:
-      ValueError: ``mode`` is sync or staleness and this worker joined late.
+      ValueError: the mode needs a fixed group and this worker joined late.
     """
-    if mode in _FIXED_GROUP_MODES and config.joined:
+    if not config.joined:
+        return
+    if getattr(options, "hybrid", False):
+        raise ValueError(
+            f"hybrid (dense='allreduce'): worker {config.index} joined a running job of "
+            f"{config.initial_worker_num} workers, but the hybrid mode all-reduces the dense "
+            "weights among the workers the job started with (a collective group of fixed "
+            "size); a joining worker can train in async or GEO with dense='ps' only. Start "
+            "it with the job (TFPSX_WORKER_NUM) instead.")
+    mode = options.mode
+    if mode in _FIXED_GROUP_MODES:
         raise ValueError(
             f"{mode}: worker {config.index} joined a running job of "
             f"{config.initial_worker_num} workers, but {mode} training waits on the workers "

@@ -34,5 +34,5 @@ def distributed_optimizer(optimizer, strategy: Optional[DistributedStrategy] = N
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise ValueError("distributed_optimizer: optimizer must be a tf.compat.v1.train "
                          f"optimizer (e.g. AdagradOptimizer), got {type(optimizer).__name__}")
-    refuse_a_late_join(strategy.mode, config)
+    refuse_a_late_join(strategy, config)
     return modes.mode_class(strategy, config).wrap_optimizer(optimizer, strategy, config)

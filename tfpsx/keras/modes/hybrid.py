@@ -137,9 +137,8 @@ class KerasHybridGeo(_AllReducedDense, KerasGeo):
 
 
 def hybrid_class(options) -> Optional[type]:
-    """The hybrid mode's class for ``options`` (None when not hybrid)."""
+    """The hybrid mode's class for ``options`` (None when not hybrid; the strategy
+    admits the hybrid with async or GEO tables only)."""
     if not options.hybrid:
         return None
-    if options.mode not in ("async", "geo"):
-        raise ValueError(f"hybrid mode: tables train async or GEO, not {options.mode}")
     return KerasHybridGeo if options.mode == "geo" else KerasHybridAsync

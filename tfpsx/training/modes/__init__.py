@@ -35,7 +35,7 @@ def mode_class(strategy, config) -> Type[Mode]:
 
 def mode_for(strategy, config, graph=None) -> Mode:
     """The mode object of ``graph`` (default: the current one) for ``strategy``."""
-    refuse_a_late_join(strategy.mode, config)
+    refuse_a_late_join(strategy, config)
     return mode_class(strategy, config).for_graph(strategy, config, graph)
 
 
