@@ -10,8 +10,11 @@ from tfpsx.control import eager_anchor
 from tfpsx.launcher.local import pick_ports
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server():
+    """A server of the test's own (in this process, started in ~10 ms): the anchor one
+    test adds must not reach another, whatever their order (a module's shared server made
+    the unanchored test fail after the anchoring one)."""
     port, = pick_ports(1)
     address = f"127.0.0.1:{port}"
     server = tf.distribute.Server(tf.train.ClusterSpec({"ps": [address]}), job_name="ps",
