@@ -266,14 +266,21 @@ def test_a_round_longer_than_k_steps_holds_the_step_that_is_due_next_until_it_en
     assert s.end(14) and [pushed for pushed, _ in rec.rounds] == [5, 10, 14]
 
 
-def test_a_round_stuck_beside_k_steps_fails_the_step_within_the_rpc_timeout(monkeypatch):
+def _stuck_round(monkeypatch, k):
+    """A background schedule of K=k whose round of step k runs until the test ends it
+    (rec.block), under TFPSX_RPC_TIMEOUT=0.3 s."""
     monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "0.3")
     rec = Recorder()
     rec.slow = True
-    s = rec.make(2, deterministic=False)
+    s = rec.make(k, deterministic=False)
     s.start(0)
-    s.step_done(2)
+    s.step_done(k)
     wait_until(lambda: rec.entered)
+    return rec, s
+
+
+def test_a_round_stuck_beside_k_steps_fails_the_step_within_the_rpc_timeout(monkeypatch):
+    rec, s = _stuck_round(monkeypatch, 2)
     s.step_done(3)
     began = time.monotonic()
     with pytest.raises(errors.ClusterTimeoutError,
@@ -317,13 +324,7 @@ def test_a_session_created_again_restarts_the_communicator_without_the_old_failu
 
 
 def test_a_stuck_round_ends_training_within_the_rpc_timeout(monkeypatch):
-    monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "0.3")
-    rec = Recorder()
-    rec.slow = True
-    s = rec.make(1, deterministic=False)
-    s.start(0)
-    s.step_done(1)
-    time.sleep(0.05)
+    rec, s = _stuck_round(monkeypatch, 1)
     start = time.monotonic()
     with pytest.raises(errors.ClusterTimeoutError, match="TFPSX_RPC_TIMEOUT=0.3 s"):
         s.end(2)
