@@ -34,6 +34,18 @@ symbol has existed unchanged in that range.
   weights, optimizer variables, metrics, seed generators), and a variable's ``path`` is
   the open scopes' path plus its name (``keras.src.backend.common``; Keras 3.x, checked
   on 3.15 with TF 2.16 and 2.21).
+* :func:`flatten_layers` — every layer of a Keras model, nested and subclassed models'
+  included (``Layer._flatten_layers``: Keras has no public walk; Keras 3.x).
+* :func:`unfinalize` — opens a finalized TF1 graph for a few read ops a running session
+  extends to (``Graph._unsafe_unfinalize``: no public way; TF 2.16-2.21).
+* :func:`sync_replicas_parts` — the replica count and the wrapped optimizer of a
+  ``tf.compat.v1.train.SyncReplicasOptimizer`` (``_total_num_replicas``, ``_opt``: TF
+  keeps both private; TF 2.16-2.21).
+
+A private *attribute* of a TF or Keras object is read here too: a test walks every other
+module's attribute reads (``tests/unit/test_architecture.py``). A subclass's own
+``self._x`` (TF's session creators, Keras layers, the strategy's extended object) is its
+own business.
 """
 
 from __future__ import annotations
@@ -174,8 +186,24 @@ def keras_current_path() -> str:
     return current_path()
 
 
+def flatten_layers(model, include_self: bool = True, recursive: bool = True) -> list:
+    """Every layer of ``model`` (nested layers and subclassed models' included)."""
+    return model._flatten_layers(include_self=include_self, recursive=recursive)
+
+
+def unfinalize(graph) -> None:
+    """Opens the finalized ``graph`` for new ops (finalize it again after)."""
+    graph._unsafe_unfinalize()
+
+
+def sync_replicas_parts(optimizer):
+    """(total_num_replicas, the optimizer it wraps) of a ``SyncReplicasOptimizer``."""
+    return optimizer._total_num_replicas, optimizer._opt
+
+
 __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "BaseResourceVariable", "gen_resource_variable_ops", "set_handle_shapes_and_types",
            "ensure_eager_context_initialized", "async_wait", "Trackable",
            "enable_collectives", "abort_collectives", "collective_barrier",
-           "keras_name_scopes", "keras_current_path"]
+           "keras_name_scopes", "keras_current_path", "flatten_layers", "unfinalize",
+           "sync_replicas_parts"]

@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpsx import settings
+from tfpsx import compat, settings
 from tfpsx.checkpoint import evaluation, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.checkpoint.parts import STATE, latest_state
@@ -36,7 +36,7 @@ BASE = "ckpt"
 
 
 def _tables(model) -> Dict[str, object]:
-    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001 — Keras's own walk
+    layers = [layer for layer in compat.flatten_layers(model)
               if isinstance(layer, DynamicEmbedding)]
     unbuilt = [layer.name for layer in layers if layer.table is None]
     if unbuilt:

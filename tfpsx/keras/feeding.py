@@ -38,7 +38,7 @@ from typing import Dict, List, Optional
 import keras
 import tensorflow as tf
 
-from tfpsx import errors, settings
+from tfpsx import compat, errors, settings
 from tfpsx.embedding import DynamicTable
 from tfpsx.embedding.cache.staging import Stager
 from tfpsx.keras.row_sources import reading_rows_from
@@ -49,7 +49,7 @@ logger = logging.getLogger("tfpsx")
 def fed_layers(model) -> Dict[object, list]:
     """The model's ``DynamicEmbedding`` layers (those over a ``DynamicTable``) whose worker cache can be fed, by cache."""
     out: Dict[object, list] = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in compat.flatten_layers(model, include_self=False):
         table = getattr(layer, "table", None)
         cache = table.cache if isinstance(table, DynamicTable) else None
         if cache is not None and cache.options.admit_after == 1:

@@ -30,7 +30,7 @@ from typing import Dict
 import keras
 import tensorflow as tf
 
-from tfpsx import metrics, settings
+from tfpsx import compat, metrics, settings
 from tfpsx.keras.layers import DynamicEmbedding
 
 
@@ -122,7 +122,7 @@ class TrainingSummaries(keras.callbacks.Callback):
 
     def _tables(self) -> Dict[str, float]:
         out = {}
-        for layer in self.model._flatten_layers():  # noqa: SLF001 — Keras's own walk
+        for layer in compat.flatten_layers(self.model):
             if not isinstance(layer, DynamicEmbedding) or layer.table is None:
                 continue
             stats = layer.table.stats()

@@ -27,6 +27,7 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+from tfpsx import compat
 from tfpsx.compat import gen_resource_variable_ops
 
 from tfpsx.embedding.initializers import Initializer
@@ -86,7 +87,7 @@ def _extending(graph: tf.Graph):
     (a running session extends to them; the graph is finalized again after)."""
     finalized = graph.finalized
     if finalized:
-        graph._unsafe_unfinalize()  # noqa: SLF001 — no public way to add an op after finalize
+        compat.unfinalize(graph)  # no public way to add an op after finalize
     try:
         with graph.as_default():
             yield

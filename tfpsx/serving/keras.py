@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpsx import compat
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.row_sources import reading_rows_from
 from tfpsx.keras.strategy import ParameterServerStrategy
@@ -43,7 +44,7 @@ class KerasServingModule(tf.Module):
 
 def _embedding_layers(model) -> List[DynamicEmbedding]:
     # Keras has no public walk over nested layers (a subclassed model's included).
-    layers = model._flatten_layers(include_self=True, recursive=True)  # noqa: SLF001
+    layers = compat.flatten_layers(model)
     return [layer for layer in layers if isinstance(layer, DynamicEmbedding)]
 
 

@@ -32,7 +32,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfpsx import settings
+from tfpsx import compat, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
@@ -67,12 +67,13 @@ class SyncMode(Mode):
     def wrap_optimizer(cls, optimizer, strategy, config):
         n = config.worker_num
         if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
-            if optimizer._total_num_replicas != n:  # noqa: SLF001 — TF keeps it private
+            replicas, inner = compat.sync_replicas_parts(optimizer)
+            if replicas != n:
                 raise ValueError(
                     f"distributed_optimizer: the SyncReplicasOptimizer was built for "
-                    f"total_num_replicas={optimizer._total_num_replicas}, but the cluster has "
+                    f"total_num_replicas={replicas}, but the cluster has "
                     f"{n} workers; pass the plain optimizer and let tfpsx wrap it")
-            optimizer = optimizer._opt  # noqa: SLF001
+            optimizer = inner
         replicas_to_aggregate(strategy, n, "distributed_optimizer")
         return SyncOptimizer(optimizer, strategy, config)
 
