@@ -25,9 +25,8 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, caches_locked, count_round, dense_async, dense_size,
-                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops,
-                             shares_slots, wire_dtype)
+                             GeoVariable, adopt_rule, caches_locked, count_round, dense_async,
+                             dense_size, pull_ops, push_ops)
 
 
 class KerasGeo(KerasMode):
@@ -35,12 +34,7 @@ class KerasGeo(KerasMode):
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
-        self.in_train_thread = options.geo_sync_in_train_thread
-        self.wire_dtype = wire_dtype(options)
-        self.share_slots = shares_slots(options, config.worker_num)
-        self.hot_count = hot_count(options, config.worker_num)
-        log_rule(options, config.worker_num)
-        self.named = named_rule_keys(options)
+        adopt_rule(self, options, config.worker_num)
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater

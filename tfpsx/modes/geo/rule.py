@@ -152,6 +152,18 @@ def log_rule(options, worker_num: int) -> None:
 _LOGGED_RULES: set = set()
 
 
+def adopt_rule(state, options, worker_num: int) -> None:
+    """A front-end's GEO state (``GeoState``) takes the job's rule from ``options``: how
+    rounds run (``in_train_thread``), the wire dtype, the table rule (``share_slots``,
+    ``hot_count``) and the keys the user named; the rule is logged (once)."""
+    state.in_train_thread = options.geo_sync_in_train_thread
+    state.wire_dtype = wire_dtype(options)
+    state.share_slots = shares_slots(options, worker_num)
+    state.hot_count = hot_count(options, worker_num)
+    state.named = named_rule_keys(options)
+    log_rule(options, worker_num)
+
+
 def wire_dtype(options) -> Optional[tf.DType]:
     """The dtype GEO's table rows travel in (None: float32), from a
     ``DistributedStrategy``'s ``geo_wire_dtype``."""

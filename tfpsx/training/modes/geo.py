@@ -19,10 +19,9 @@ from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
-                             GeoSchedule, GeoTableUpdater, GeoVariable, caches_locked,
-                             auto_k_steps, count_round, dense_async, dense_size,
-                             hot_count, log_rule, named_rule_keys, pull_ops, push_ops,
-                             shares_slots, wire_dtype)
+                             GeoSchedule, GeoTableUpdater, GeoVariable, adopt_rule,
+                             auto_k_steps, caches_locked, count_round, dense_async, dense_size,
+                             pull_ops, push_ops)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -48,14 +47,9 @@ class GeoMode(Mode):
                         "epoch length; give k_steps <= the local steps an epoch // %d for "
                         "%d rounds an epoch)", self.k_steps, config.worker_num,
                         MIN_ROUNDS_PER_EPOCH, MIN_ROUNDS_PER_EPOCH)
-        self.in_train_thread = strategy.geo_sync_in_train_thread
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
-        self.wire_dtype = wire_dtype(strategy)
-        self.share_slots = shares_slots(strategy, config.worker_num)
-        self.hot_count = hot_count(strategy, config.worker_num)
-        log_rule(strategy, config.worker_num)
-        self.named = named_rule_keys(strategy)
+        adopt_rule(self, strategy, config.worker_num)
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
         self.train_ops = []
