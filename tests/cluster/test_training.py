@@ -11,6 +11,7 @@ import tensorflow as tf
 import pytest
 
 from conftest import wait_for_log
+from tfpsx.testing import wait_until
 import sparse_job as sparse
 import training_job as job
 
@@ -233,23 +234,32 @@ def test_a_chief_session_created_again_goes_on_from_the_servers_model(make_clust
                             "TensorFlow starts")
 @pytest.mark.timeout(300)
 def test_chief_restart_resumes_from_checkpoint(make_cluster, tmp_path):
+    """The chief is killed once TF's checkpoint state names a checkpoint at step 20 or
+    later (the first one, saved when the session starts, holds the few steps the workers
+    ran before it: waiting for any checkpoint killed the chief after that one, and the
+    restart resumed at step 6 in one loaded CI run), and comes back from it."""
     ckpt = str(tmp_path / "ckpt")
     c = make_cluster(1, 2, script="training_job.py",
                      env={"TFPSX_HEARTBEAT_TIMEOUT": "30"},
                      args=["--mode", "async", "--steps", "400", "--checkpoint_dir", ckpt,
                            "--save_steps", "20", "--step_delay", "0.02"]).start()
-    deadline = time.monotonic() + 120
-    while not any(f.startswith("model.ckpt-") and f.endswith(".index")
-                  for f in (os.listdir(ckpt) if os.path.isdir(ckpt) else [])):
-        assert time.monotonic() < deadline, c.logs()
-        time.sleep(0.2)
-    time.sleep(0.5)
+
+    def latest_step() -> int:
+        """The step of the checkpoint TF's state file names (-1: none yet); the state
+        file is written after the checkpoint's data and index."""
+        state = os.path.join(ckpt, "checkpoint")
+        text = open(state).read() if os.path.exists(state) else ""
+        found = re.search(r'^model_checkpoint_path: ".*model\.ckpt-(\d+)"', text, re.M)
+        return int(found.group(1)) if found else -1
+
+    wait_until(lambda: latest_step() >= 20, 120, "a checkpoint at step 20 or later")
+    saved = latest_step()
     c.kill("worker", 0)
     c.procs[("worker", 0)].wait(timeout=10)
     c.start([("worker", 0)])
     finish(c, timeout=200)
     r = reports(c, 2)
-    assert r[0]["start_step"] >= 20, r[0]  # restored, not re-initialized
+    assert r[0]["start_step"] >= saved, (saved, r[0])  # restored, not re-initialized
     assert r[0]["global_step"] >= 400 and r[0]["eval_loss"] < 0.01
 
 
