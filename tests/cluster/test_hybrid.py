@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from tfpsx.modes.state import HYBRID_PORTS
+
 HEARTBEAT_TIMEOUT, GRACE = 4, 3
 
 
@@ -42,6 +44,8 @@ def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
     assert set(codes.values()) == {0} and ("worker", 1) in codes, c.logs()
     _check_training(out)
     assert "mode hybrid" in c.log("worker", 0)
+    for r in range(2):  # the ports vector on PS 0 (met there), under the core's name
+        assert f"mode state [{HYBRID_PORTS.name!r}]" in c.log("worker", r)
     losses = [float(m) for r in range(2)
               for m in re.findall(r"eval loss ([\d.]+)", c.log("worker", r))]
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-3, losses

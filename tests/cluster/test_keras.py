@@ -15,6 +15,7 @@ import training_job as linear
 
 import tfpsx
 from tfpsx.launcher import loopback
+from tfpsx.modes.state import states_of
 
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
 # A model that did not learn predicts the base rate: log loss ~0.69 on the planted clicks.
@@ -63,6 +64,8 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         assert r["eval_loss"] < LEARNED, r
         assert r["train_loss"][-1] < r["train_loss"][0], r
     chief = got[0]
+    # the protocol's variables on PS 0 are the core's, under its names
+    assert all(r["mode_state"] == [s.name for s in states_of(mode)] for r in got.values()), got
     if mode in ("async", "staleness"):
         # iterations is the global step: every worker's steps, on PS 0.
         assert chief["kernel_device"].startswith("/job:ps/")

@@ -32,7 +32,8 @@ import tensorflow as tf
 
 from tfpsx import compat
 from tfpsx.control.watchdog import translate_uncaught
-from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, lost_peer_error
+from tfpsx.keras.variables import fit_variables
+from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, from_rank_0, lost_peer_error
 from tfpsx.runtime import RUNTIME
 
 
@@ -120,13 +121,5 @@ class _BroadcastAtStart(keras.callbacks.Callback):
         self._strategy = strategy
 
     def on_train_begin(self, logs=None):
-        variables = list(self.model.weights)
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "built", False):
-            variables += list(optimizer.variables)
-        variables = [v for v in variables if v.dtype in [d.name for d in REDUCIBLE]]
-        if not variables:
-            return
-        values = self._strategy.group.broadcast([v.value for v in variables])
-        for v, value in zip(variables, values):
-            v.assign(value)
+        from_rank_0(fit_variables(self.model), lambda variables: (
+            self._strategy.group.broadcast([v.value for v in variables])))

@@ -239,7 +239,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         if self._fitting:
             return dataset
         self.before_inference(None)
-        return self._feeder.wrap(dataset) if self._mode.NAME != "sync" else dataset
+        return self._feeder.wrap(dataset) if self._mode.supports_cache else dataset
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return dataset_fn(tf.distribute.InputContext())

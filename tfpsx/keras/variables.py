@@ -68,3 +68,13 @@ def initialize(var: SharedVariable, initial_value, is_chief: bool, timeout: floa
             f"waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to "
             f"initialize {var.shared_name!r} on {var.device}; is it running and building "
             "the same model?"), poll)
+
+
+def fit_variables(model) -> list:
+    """What a ``fit`` trains with on this worker: the model's weights and, once built,
+    its optimizer's variables (what a rank takes from rank 0 when ``fit`` starts)."""
+    variables = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        variables += list(optimizer.variables)
+    return variables

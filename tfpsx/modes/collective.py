@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -30,6 +30,21 @@ from tfpsx.control.watchdog import find_in_chain, probe
 GROUP_KEY = 0x7466
 # CollectiveReduceV2's types; a weight of another type (a bool flag) is not broadcast.
 REDUCIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def from_rank_0(variables, broadcast: Callable[[list], Sequence],
+                assign: Optional[Callable] = None) -> list:
+    """Every rank's ``variables`` take rank 0's values, once for every front-end and
+    mode (collective, hybrid; at a session's or a ``fit``'s start): those of a type a
+    collective carries (:data:`REDUCIBLE`), by ``broadcast(variables)`` (rank 0's values
+    of them, in order: an in-graph broadcast, or one through the hybrid's dense
+    all-reduce), each given to ``assign(variable, value)`` (default
+    ``variable.assign``). Returns what the assigns returned (graph mode runs them)."""
+    variables = [v for v in variables if tf.as_dtype(v.dtype).base_dtype in REDUCIBLE]
+    if not variables:
+        return []
+    assign = assign or (lambda v, x: v.assign(x))
+    return [assign(v, x) for v, x in zip(variables, broadcast(variables))]
 
 
 class CollectiveGroup:

@@ -121,6 +121,15 @@ class DenseAllReduce:
         """Worker 0's arrays on every worker."""
         return self._run("broadcast", arrays)
 
+    def meet_at_end(self) -> None:
+        """After this worker's last step (both front-ends): every worker's last
+        all-reduce is done once they all reach this one; after it, a peer may still read
+        this worker's few bytes of it (a ring pulls each chunk from the rank before), so
+        it lingers TFPSX_COLLECTIVE_LINGER. Then a worker that ends is no loss to the
+        others (it may save or export longer than they run)."""
+        self.mean([np.zeros([1], np.float32)])
+        time.sleep(settings.get("TFPSX_COLLECTIVE_LINGER"))
+
     def check_world(self, timeout: float) -> None:
         """The first collective: every worker's dense server answered within ``timeout``
         seconds, with the same world size. Raises ValueError naming TF's reason

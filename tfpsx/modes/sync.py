@@ -40,6 +40,7 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.group import DONE, leave, op_of, set_entry
+from tfpsx.modes.state import SYNC_LOCAL_STEP, SYNC_PUSHED, SYNC_STEP, StateFactory
 
 
 def replicas_to_aggregate(strategy, workers: int, what: str) -> int:
@@ -75,6 +76,18 @@ class SyncGroup:
         self.is_chief = me == 0
         self._dead_workers = dead_workers
         self._required: Optional[int] = None  # the last count a blocking take waited for
+
+    @classmethod
+    def create(cls, factory: StateFactory, me: int, workers: int, replicas: int,
+               dead_workers: Callable[[], List[Tuple[int, str]]]) -> "SyncGroup":
+        """The group, its variables made by a front-end's ``factory``: the step and the
+        pushed vector on PS 0 (:data:`~tfpsx.modes.state.SYNC_STEP`,
+        :data:`~tfpsx.modes.state.SYNC_PUSHED`), this worker's local step starting at
+        the step."""
+        step = factory.shared(SYNC_STEP, workers)
+        pushed = factory.shared(SYNC_PUSHED, workers)
+        local_step = factory.local(SYNC_LOCAL_STEP, step.read_value)
+        return cls(step, pushed, local_step, me, workers, replicas, dead_workers)
 
     # ------------------------------------------------------------------ ops
     def join(self) -> list:

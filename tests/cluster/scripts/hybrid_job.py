@@ -98,6 +98,7 @@ def main(argv):
     np.save(os.path.join(args.out, f"final.{rank}.npy"), dense_weights(model))
     loss = model.evaluate({"x": x, "id": ids[:, None]}, y, verbose=0)
     print(f"rank {rank} eval loss {loss:.5f}", flush=True)
+    print(f"rank {rank} mode state {strategy._mode.state.created}", flush=True)
     if rank == 0:
         np.save(os.path.join(args.out, "rows.npy"), table.table.lookup(all_ids).numpy())
     tfpsx.stop_worker()

@@ -244,6 +244,7 @@ def main(argv):
         report["val_loss"] = [float(v) for v in history.history["val_loss"]]
     if strategy is not None:
         report["mode"] = strategy.mode
+        report["mode_state"] = list(strategy._mode.state.created)  # (tfpsx.modes.state)
         if strategy.counters is not None:
             report["pushes"] = int(strategy.counters.pushes)
             report["rows_sent"] = int(strategy.counters.rows_sent)

@@ -29,11 +29,36 @@ from tfpsx.cluster.placement import GreedyByBytes
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.partitioned import PartitionedVariable, partitions, slice_rows
 from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.modes.state import State
 from tfpsx.runtime import RUNTIME
 from tfpsx.waits import bounded_wait
 
 SHARED_PREFIX = "tfpsx/keras/"
 TRIGGER = "tfpsx_gradient_trigger"  # the name of a DynamicEmbedding layer's trigger weight
+
+
+class KerasState:
+    """Keras's :class:`~tfpsx.modes.state.StateFactory`: a protocol variable is a
+    :class:`SharedVariable` under its core name on PS 0, the chief initializes it and the
+    others wait for it (TFPSX_SESSION_TIMEOUT); a worker's own is a ``tf.Variable``.
+    ``created`` lists the shared names made, in order."""
+
+    def __init__(self, mode: "KerasMode"):
+        self._mode = mode
+        self.created: List[str] = []
+
+    def shared(self, state: State, workers: int) -> SharedVariable:
+        mode, shape = self._mode, state.shape(workers)
+        var = SharedVariable(shared_name=state.name, shape=shape, dtype=tf.int64,
+                             device=mode.ps_devices[0], trainable=False, name=state.name)
+        initialize(var, tf.zeros(shape, tf.int64), mode.is_chief,
+                   settings.get("TFPSX_SESSION_TIMEOUT"))
+        self.created.append(state.name)
+        return var
+
+    def local(self, name: str, initial):
+        with tf.init_scope(), tf.device(self._mode.worker_device):
+            return tf.Variable(initial(), trainable=False, name=name)
 
 
 class CreationContext:
@@ -60,6 +85,7 @@ class CreationContext:
 class KerasMode:
     """Base: nothing shared, every variable on this worker, updates where the variable is."""
     NAME = ""
+    supports_cache = True  # its tables may have worker caches (fed by fit's batches)
 
     def __init__(self, keras_strategy, options, config):
         # keras_strategy: the tfpsx.keras.ParameterServerStrategy; options: its
@@ -74,6 +100,7 @@ class KerasMode:
         self._placer = GreedyByBytes(len(self.ps_devices))
         self._trace_ops: List = []   # stateful ops of the step being traced
         self._ready: Optional[SharedVariable] = None
+        self.state = KerasState(self)  # the protocol's variables (tfpsx.modes.state)
         self.validate()
 
     # ------------------------------------------------------------------ interface

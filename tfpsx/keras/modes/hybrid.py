@@ -16,18 +16,17 @@ graph mode).
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
-from tfpsx import settings
-from tfpsx.keras.modes.base import SHARED_PREFIX, TRIGGER, CreationContext, KerasMode
+from tfpsx.keras.modes.base import TRIGGER, CreationContext, KerasMode
 from tfpsx.keras.modes.geo import KerasGeo
-from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.keras.variables import SharedVariable, fit_variables
 from tfpsx.modes import hybrid
-from tfpsx.modes.collective import REDUCIBLE
+from tfpsx.modes.collective import REDUCIBLE, from_rank_0
+from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
 
 
@@ -43,12 +42,7 @@ class _AllReducedDense:
 
             def ports() -> SharedVariable:
                 if not vector:
-                    var = SharedVariable(shared_name=SHARED_PREFIX + "hybrid/dense_ports",
-                                         shape=[self.worker_num], dtype=tf.int64,
-                                         device=self.ps_devices[0], trainable=False,
-                                         name="dense_ports")
-                    initialize(var, tf.zeros([self.worker_num], tf.int64), self.is_chief,
-                               settings.get("TFPSX_SESSION_TIMEOUT"))
+                    var = self.state.shared(HYBRID_PORTS, self.worker_num)
                     vector.append(var)
                 return vector[0]
 
@@ -91,29 +85,18 @@ class _AllReducedDense:
         super().after_fit(model, failed)
         if failed or getattr(self, "_bridge", None) is None:
             return
-        # Every worker's last all-reduce is done once they all reach this one; after it,
-        # a peer may still read this worker's few bytes of it (a ring pulls each chunk
-        # from the rank before): TFPSX_COLLECTIVE_LINGER. Then a worker that ends is no
-        # loss to the others (it may save or export longer than they run).
-        self._bridge.mean([np.zeros([1], np.float32)])
-        time.sleep(settings.get("TFPSX_COLLECTIVE_LINGER"))
+        self._bridge.meet_at_end()
         RUNTIME.stop_peer_watch()
 
     def broadcast_model(self, model) -> None:
         """Worker 0's model weights and optimizer variables on every worker (``fit``'s
         start: after a restore on the chief)."""
-        variables = [v for v in model.weights if not isinstance(v, SharedVariable)
-                     and getattr(v, "name", "") != TRIGGER]
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "built", False):
-            variables += list(optimizer.variables)
-        variables = [v for v in variables if v.dtype in [d.name for d in REDUCIBLE]]
-        if not variables:
-            return
-        RUNTIME.watch_peers()
-        values = self.dense_group().broadcast([np.asarray(v.numpy()) for v in variables])
-        for v, value in zip(variables, values):
-            v.assign(value)
+        def broadcast(variables):
+            RUNTIME.watch_peers()
+            return self.dense_group().broadcast([np.asarray(v.numpy()) for v in variables])
+
+        from_rank_0([v for v in fit_variables(model) if not isinstance(v, SharedVariable)
+                     and getattr(v, "name", "") != TRIGGER], broadcast)
 
 
 class KerasHybridAsync(_AllReducedDense, KerasMode):

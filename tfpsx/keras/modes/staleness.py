@@ -8,9 +8,9 @@ import tensorflow as tf
 
 from tfpsx import settings
 from tfpsx.keras.modes.async_ import KerasAsync
-from tfpsx.keras.modes.base import SHARED_PREFIX
-from tfpsx.keras.variables import SharedVariable, initialize
+from tfpsx.keras.variables import SharedVariable
 from tfpsx.modes.staleness import finish, tick, wait_for_slowest
+from tfpsx.modes.state import WORKER_CLOCKS
 
 
 class KerasStaleness(KerasAsync):
@@ -23,12 +23,7 @@ class KerasStaleness(KerasAsync):
 
     def clocks(self) -> SharedVariable:
         if self._clocks is None:
-            self._clocks = SharedVariable(shared_name=SHARED_PREFIX + "worker_clocks",
-                                          shape=[self.worker_num], dtype=tf.int64,
-                                          device=self.ps_devices[0], trainable=False,
-                                          name="worker_clocks")
-            initialize(self._clocks, tf.zeros([self.worker_num], tf.int64), self.is_chief,
-                       settings.get("TFPSX_SESSION_TIMEOUT"))
+            self._clocks = self.state.shared(WORKER_CLOCKS, self.worker_num)
         return self._clocks
 
     def begin_fit(self, model) -> None:

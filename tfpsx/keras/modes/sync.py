@@ -23,11 +23,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tfpsx import settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX
-from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
 from tfpsx.runtime import RUNTIME
@@ -36,6 +34,7 @@ from tfpsx.cluster.placement import GreedyByBytes
 
 class KerasSync(OnServers):
     NAME = "sync"
+    supports_cache = SyncTableUpdater.supports_cache  # (no: every step reads the PS)
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
@@ -57,20 +56,8 @@ class KerasSync(OnServers):
 
     def group(self) -> SyncGroup:
         if self._group is None:
-            timeout = settings.get("TFPSX_SESSION_TIMEOUT")
-            ps0, w = self.ps_devices[0], self.worker_num
-            step = SharedVariable(shared_name=SHARED_PREFIX + "sync/step", shape=[],
-                                  dtype=tf.int64, device=ps0, trainable=False, name="sync_step")
-            initialize(step, tf.constant(0, tf.int64), self.is_chief, timeout)
-            pushed = SharedVariable(shared_name=SHARED_PREFIX + "sync/pushed", shape=[w],
-                                    dtype=tf.int64, device=ps0, trainable=False,
-                                    name="sync_pushed")
-            initialize(pushed, tf.zeros([w], tf.int64), self.is_chief, timeout)
-            with tf.init_scope(), tf.device(self.worker_device):
-                local_step = tf.Variable(step.read_value(), trainable=False,
-                                         name="sync_local_step")
-            self._group = SyncGroup(step, pushed, local_step, self.worker_index, w,
-                                    self.replicas, RUNTIME.dead_workers)
+            self._group = SyncGroup.create(self.state, self.worker_index, self.worker_num,
+                                           self.replicas, RUNTIME.dead_workers)
         return self._group
 
     # ------------------------------------------------------------------ fit

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfpsx import graph_state
 from tfpsx.embedding.updaters import TableUpdater, updater_scope
-
+from tfpsx.modes.state import State
 
 
 class Mode:
@@ -120,6 +120,39 @@ class WrappedOptimizer(tf.compat.v1.train.Optimizer):
 
     def variables(self):
         return self._opt.variables()
+
+
+class GraphState:
+    """Graph mode's :class:`~tfpsx.modes.state.StateFactory`: a protocol variable is a
+    resource variable under its core name, at the graph's root whatever scope builds
+    it, made once per graph. A checkpointed one is a global variable (the chief's
+    session initializes or restores it; the others wait until it is); one that is not
+    is in no collection: the mode has the chief initialize it when its session starts."""
+
+    def __init__(self, worker_device: str):
+        self.worker_device = worker_device
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _root():
+        graph = tf.compat.v1.get_default_graph()
+        root = tf.compat.v1.VariableScope(tf.compat.v1.AUTO_REUSE, name="")
+        with tf.compat.v1.variable_scope(root, auxiliary_name_scope=False), \
+                graph.name_scope(None):
+            yield
+
+    def shared(self, state: State, workers: int):
+        with self._root(), tf.compat.v1.device("/job:ps/task:0"):
+            return tf.compat.v1.get_variable(
+                state.name, state.shape(workers), tf.int64,
+                initializer=tf.zeros_initializer(), trainable=False, use_resource=True,
+                collections=None if state.checkpointed else [])
+
+    def local(self, name: str, initial: Callable):
+        with self._root(), tf.compat.v1.device(self.worker_device):
+            return tf.compat.v1.get_variable(
+                name, initializer=initial(), trainable=False, use_resource=True,
+                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
 
 
 def mode_of(graph=None) -> Optional[Mode]:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup
+from tfpsx.modes.collective import CollectiveGroup, from_rank_0
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
@@ -79,13 +79,10 @@ class _BroadcastHook(tf.compat.v1.train.SessionRunHook):
         self._assign = None
 
     def begin(self):
-        variables = [v for v in tf.compat.v1.global_variables()
-                     if v.dtype.base_dtype in REDUCIBLE]
-        if not variables:
-            return
-        values = self._mode.group().broadcast([v.read_value() for v in variables])
-        self._assign = tf.group(*[v.assign(x) for v, x in zip(variables, values)],
-                                name="tfpsx_broadcast_from_rank_0")
+        assigns = from_rank_0(tf.compat.v1.global_variables(), lambda variables: (
+            self._mode.group().broadcast([v.read_value() for v in variables])))
+        if assigns:
+            self._assign = tf.group(*assigns, name="tfpsx_broadcast_from_rank_0")
 
     def after_create_session(self, session, coord):
         if self._assign is not None:

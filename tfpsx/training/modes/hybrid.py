@@ -13,7 +13,6 @@ its own variables, rank 0 alone restores and saves checkpoints (tables included)
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import numpy as np
@@ -22,15 +21,14 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.control.watchdog import translate_uncaught
 from tfpsx.modes import hybrid
-from tfpsx.modes.collective import REDUCIBLE, lost_peer_error
+from tfpsx.modes.collective import from_rank_0, lost_peer_error
+from tfpsx.modes.group import set_entry
+from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
-from tfpsx.training.modes.base import Mode, WrappedOptimizer
+from tfpsx.training.modes.base import GraphState, Mode, WrappedOptimizer
 from tfpsx.training.modes.geo import GeoMode
 from tfpsx.training.placement import worker_device_of
 from tfpsx.waits import bounded_wait
-
-PORTS = "tfpsx/graph/hybrid/dense_ports"
-
 
 class _DenseHalf:
     """The dense half of a graph-mode hybrid (a mixin before a :class:`Mode`)."""
@@ -131,22 +129,22 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
     def begin(self):
         config = self._mode.config
         n = config.worker_num
-        with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
-            handle = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[n], shared_name=PORTS,
-                                            container="", name="tfpsx_hybrid_ports")
-            self._initialized = tf.raw_ops.VarIsInitializedOp(resource=handle)
-            self._init = tf.raw_ops.AssignVariableOp(resource=handle,
-                                                     value=tf.zeros([n], tf.int64))
-            self._port = tf.compat.v1.placeholder(tf.int64, [])
-            self._write = tf.raw_ops.ResourceScatterUpdate(
-                resource=handle, indices=tf.constant([config.index], tf.int64),
-                updates=tf.reshape(self._port, [1]))
-            self._read = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64)
-        self._variables = [v for v in tf.compat.v1.global_variables()
-                           if v.dtype.base_dtype in REDUCIBLE]
-        self._values = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
-                        for v in self._variables]
-        self._assign = tf.group(*[v.assign(x) for v, x in zip(self._variables, self._values)],
+        ports = GraphState(worker_device_of(config)).shared(HYBRID_PORTS, n)
+        self._initialized = ports.is_initialized()
+        self._init = ports.initializer
+        self._port = tf.compat.v1.placeholder(tf.int64, [])
+        self._write = set_entry(ports, config.index, self._port)
+        self._read = ports.read_value()
+        # Rank 0's values come through the dense all-reduce when the session starts: fed.
+        self._variables, self._values = [], []
+
+        def fed(variables):
+            self._variables = variables
+            self._values = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
+                            for v in variables]
+            return self._values
+
+        self._assign = tf.group(*from_rank_0(tf.compat.v1.global_variables(), fed),
                                 name="tfpsx_hybrid_from_rank_0")
 
     def after_create_session(self, session, coord):
@@ -188,8 +186,5 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
         bridge = self._mode.bridge
         if bridge is None:
             return
-        # As Keras's end of fit: every worker's last all-reduce is done once they all
-        # reach this one; a peer may still read this worker's few bytes of it.
-        bridge.mean([np.zeros([1], np.float32)])
-        time.sleep(settings.get("TFPSX_COLLECTIVE_LINGER"))
+        bridge.meet_at_end()
         RUNTIME.stop_peer_watch()

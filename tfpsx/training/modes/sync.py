@@ -38,7 +38,7 @@ from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
-from tfpsx.training.modes.base import Mode, WrappedOptimizer
+from tfpsx.training.modes.base import GraphState, Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
 logger = logging.getLogger("tfpsx")
@@ -84,20 +84,9 @@ class SyncMode(Mode):
         """The step protocol's variables (made on first use): the step and the pushed
         vector on PS 0, this worker's local step."""
         if self._group is None:
-            n = self.config.worker_num
-            with tf.compat.v1.device("/job:ps/task:0"):
-                step = tf.compat.v1.get_variable(
-                    "tfpsx_sync_step", [], tf.int64, initializer=tf.zeros_initializer(),
-                    trainable=False, use_resource=True)
-                pushed = tf.compat.v1.get_variable(
-                    "tfpsx_sync_pushed", [n], tf.int64, initializer=tf.zeros_initializer(),
-                    trainable=False, use_resource=True)
-            with tf.compat.v1.device(self.worker_device):
-                local_step = tf.compat.v1.get_variable(
-                    "tfpsx_sync_local_step", initializer=step.read_value(), trainable=False,
-                    use_resource=True, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-            self._group = SyncGroup(step, pushed, local_step, self.config.index, n,
-                                    self.replicas, RUNTIME.dead_workers)
+            self._group = SyncGroup.create(GraphState(self.worker_device), self.config.index,
+                                           self.config.worker_num, self.replicas,
+                                           RUNTIME.dead_workers)
         return self._group
 
     def stamp(self):
