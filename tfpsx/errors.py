@@ -50,3 +50,9 @@ class BackgroundTaskError(RuntimeError):
 class CheckpointError(FileNotFoundError):
     """An incremental checkpoint cannot be restored: a part of its chain is missing or
     unfinished (the message names the part and the chain)."""
+
+
+class PortTakenError(OSError):
+    """A task could not listen on its address: another process holds the port. The
+    process exits with ``tfpsx.control.watchdog.EXIT_PORT_TAKEN``; ``tfpsx-run`` then
+    starts the job again on new ports."""

@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,6 +112,48 @@ def test_a_failing_non_chief_worker_leaves_the_others_running(tmp_path):
         assert f"worker {i} stopped" in (logs / f"workerlog.{i}").read_text()
     assert "RUN_SERVER_RETURNED stopped=[0, 2] lost=[1]" in (logs / "serverlog.0").read_text()
     assert "FAILED: worker 1 exited with code 3" in proc.stderr
+
+
+# tfpsx-run whose first pick of ports gives server 0 the port in argv[1] (one the test
+# holds): the race of a port taken between the launcher's pick and the server's bind,
+# made certain.
+_TAKEN_FIRST = (
+    "import sys\n"
+    "import tfpsx.launcher.local as local\n"
+    "taken, pick = [int(sys.argv[1])], local.pick_ports\n"
+    "def first_taken(count):\n"
+    "    ports = pick(count)\n"
+    "    if taken:\n"
+    "        ports[0] = taken.pop()\n"
+    "    return ports\n"
+    "local.pick_ports = first_taken\n"
+    "from tfpsx.launcher.run import main\n"
+    "sys.exit(main(sys.argv[2:]))\n")
+
+
+@pytest.mark.budget(40, why="a job of 1 server + 1 worker started twice: the first one's "
+                            "server finds its port taken")
+def test_a_port_taken_before_the_server_binds_starts_the_job_again_on_new_ports(tmp_path):
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-c", _TAKEN_FIRST, str(port), "--log_dir", str(tmp_path / "logs"),
+             "--no_scheduler", "--server_num", "1", "--worker_num", "1",
+             os.path.join(SCRIPTS, "job.py")],
+            env=_env(), capture_output=True, text=True, timeout=150, cwd=str(tmp_path))
+    finally:
+        holder.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"server 0 could not listen on its address \(another process holds the "
+                     r"port; see .*serverlog\.0\); starting the job again on new ports "
+                     r"\(1 of 3\)", proc.stderr), proc.stderr
+    log = (tmp_path / "logs" / "serverlog.0").read_text()
+    assert f"PortTakenError: server 0 could not listen on 127.0.0.1:{port}" in log, log
+    assert "RUN_SERVER_RETURNED stopped=[0] lost=[]" in log  # the second start's
+    assert "job finished: 1 server(s), 1 worker(s) exited 0" in proc.stdout
 
 
 def _start_long_job(tmp_path, extra=(), stdout=subprocess.PIPE):

@@ -36,6 +36,7 @@ import grpc
 
 from tfpsx import errors
 from tfpsx.control.channels import FAST_RECONNECT
+from tfpsx.control.ports import listening
 from tfpsx.control.proto import tf_eager_pb2 as pb
 
 # The anchor context's id ("tfpsx-ac"); clients draw theirs at random from 2**64.
@@ -173,7 +174,9 @@ def connect(cluster_spec, job_name: str, task_index: int, servers: Dict[str, str
     level = tf_logger.level
     tf_logger.setLevel(max(level, logging.WARNING))
     try:
-        compat.connect_to_cluster(cluster_spec, job_name, task_index, port)
+        with listening(f"{job_name} {task_index}",
+                       cluster_spec.task_address(job_name, task_index)):
+            compat.connect_to_cluster(cluster_spec, job_name, task_index, port)
     finally:
         tf_logger.setLevel(level)
     # TF defers the servers' CreateContext to the process's first eager op: make it here,

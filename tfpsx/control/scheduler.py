@@ -35,6 +35,7 @@ import portpicker
 from tfpsx import cluster as _cluster
 from tfpsx import errors, settings
 from tfpsx.control.journal import Journal
+from tfpsx.control.ports import listening
 from tfpsx.control.proto import scheduler_pb2 as pb
 from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
 from tfpsx.control.tls import TlsConfig
@@ -413,10 +414,11 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
     server = grpc.server(futures.ThreadPoolExecutor(
         max_workers=2 * (server_num + service.limits[_cluster.WORKER]) + 8, thread_name_prefix="tfpsx-sched"))
     pb_grpc.add_SchedulerServicer_to_server(service, server)
-    bound = (server.add_secure_port(address, tls.server_credentials()) if tls
-             else server.add_insecure_port(address))
-    if not bound:
-        raise OSError(f"scheduler could not bind {address}")
+    with listening("the scheduler", address):
+        bound = (server.add_secure_port(address, tls.server_credentials()) if tls
+                 else server.add_insecure_port(address))
+        if not bound:
+            raise RuntimeError(f"Failed to bind to address {address}")
     server.start()
     logger.info("scheduler serving at %s%s for %d servers and %d workers", address,
                 " (TLS)" if tls else "", server_num, worker_num)

@@ -31,7 +31,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from tfpsx.background import BackgroundLoop
-from tfpsx.errors import PeerUnavailableError, ServerUnavailableError
+from tfpsx.errors import PeerUnavailableError, PortTakenError, ServerUnavailableError
 
 logger = logging.getLogger("tfpsx")
 
@@ -40,6 +40,9 @@ logger = logging.getLogger("tfpsx")
 # restart policy (it also retries 130, 137, 143; every other code, EX_TEMPFAIL's 75
 # included, is permanent there): deploy/kubeflow relies on it.
 EXIT_PEER_LOST = 138
+# A task could not listen on its address (errno EADDRINUSE's number on Linux): tfpsx-run
+# starts the job again on new ports (tfpsx.control.ports).
+EXIT_PORT_TAKEN = 98
 # The errors a process exits with EXIT_PEER_LOST for: a restart can succeed.
 RETRYABLE = (ServerUnavailableError, PeerUnavailableError)
 
@@ -211,7 +214,7 @@ def _install_hook() -> None:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 finally:
-                    os._exit(EXIT_PEER_LOST if isinstance(value, RETRYABLE) else 1)
+                    os._exit(exit_code(value))
 
     sys.excepthook = _hook = hook
 
@@ -229,13 +232,20 @@ def reset_uncaught() -> None:
             _hook_installed = False
 
 
+def exit_code(error: BaseException) -> int:
+    """The code a process that an uncaught ``error`` ends exits with."""
+    if isinstance(error, RETRYABLE):
+        return EXIT_PEER_LOST
+    return EXIT_PORT_TAKEN if isinstance(error, PortTakenError) else 1
+
+
 def exit_if_uncaught() -> None:
     """If the exception being raised now ends the program uncaught, the process leaves
     right after Python prints it, without the interpreter's teardown: TF's input-pipeline
     threads (a ``tf.py_function`` in flight) and sessions towards a lost peer can block it
     for good. The code is :data:`EXIT_PEER_LOST` for a lost server or peer
-    (:data:`RETRYABLE`: a restart from the last checkpoint can succeed), else 1
-    as always. A caught exception changes nothing."""
+    (:data:`RETRYABLE`: a restart from the last checkpoint can succeed),
+    :data:`EXIT_PORT_TAKEN` for a port another process holds, else 1 as always. A caught exception changes nothing."""
     global _exit_on_uncaught
     with _exit_lock:
         _install_hook()

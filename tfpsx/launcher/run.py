@@ -23,7 +23,10 @@ journals the job in ``log_dir/scheduler.state`` and takes it back, while servers
 and workers train on). A non-chief worker that fails is reported and the others go on
 (async and GEO train without it). ``--server_num 0`` runs a collective job (workers
 only, ``tfpsx.init(is_collective=True)``): any worker that fails ends or, under
-``--max_restarts``, restarts the whole job (no rank trains without the others). The exit code is 0 when every process exits 0,
+``--max_restarts``, restarts the whole job (no rank trains without the others). A task
+that finds its port taken between the pick and its bind (exit code 98, a
+``PortTakenError``: another launcher, an outgoing connection) starts the job again on
+new ports, up to 3 times, outside ``--max_restarts``. The exit code is 0 when every process exits 0,
 otherwise the failed one's (128 + N for signal N), after every process started here is
 gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). With
 ``--no_scheduler`` each process gets its cluster from
@@ -54,7 +57,7 @@ from typing import List, Optional
 
 from tfpsx import cluster as _cluster
 from tfpsx import settings
-from tfpsx.control.watchdog import EXIT_PEER_LOST
+from tfpsx.control.watchdog import EXIT_PEER_LOST, EXIT_PORT_TAKEN
 from tfpsx.launcher import loopback
 from tfpsx.launcher.local import LocalCluster
 
@@ -174,6 +177,7 @@ class _Tail(threading.Thread):
 
 
 MAX_SCHEDULER_RESTARTS = 3  # a scheduler that keeps dying is a failure of its own
+MAX_PORT_RESTARTS = 3  # new ports each time: a fourth taken one is no race
 
 
 def _name(task) -> str:
@@ -191,6 +195,8 @@ def _how(code: int) -> str:
             return f"killed by signal {-code}"
     if code == EXIT_PEER_LOST:  # restart me
         return "it lost a peer and asks for a restart"
+    if code == EXIT_PORT_TAKEN:
+        return "another process holds its port"
     if code == 124:
         return "timed out"
     return "failed"
@@ -239,7 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed = None  # (task, code): what ends the job
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
     evaluator_failed = None  # (task, code) of an evaluator that failed on its own
-    scheduler_restarts = job_restarts = 0
+    scheduler_restarts = job_restarts = port_restarts = 0
     try:
         job.start()
         workers = [t for t in job.tasks() if t[0] in (_cluster.CHIEF, _cluster.WORKER)]
@@ -262,6 +268,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                             f"exited with code {code}")
                 failed, lost_workers, scheduler_restarts = None, [], 0
                 evaluator_failed = None
+            # A task that could not listen on its port (taken between the pick and the
+            # bind): the job starts again on new ports, not counted in --max_restarts.
+            taken = [t for t in job.tasks() if t in job.procs
+                     and job.procs[t].poll() == EXIT_PORT_TAKEN]
+            if taken and port_restarts < MAX_PORT_RESTARTS:
+                port_restarts += 1
+                print(f"tfpsx-run: {_name(taken[0])} could not listen on its address "
+                      f"(another process holds the port; see {job.log_path(*taken[0])}); "
+                      f"starting the job again on new ports ({port_restarts} of "
+                      f"{MAX_PORT_RESTARTS})", file=sys.stderr, flush=True)
+                job.restart(f"new ports after {_name(taken[0])} found its port taken")
+                failed, lost_workers, scheduler_restarts = None, [], 0
+                evaluator_failed = None
+                continue
             for task in evaluators:
                 code = job.procs[task].poll()
                 if code not in (None, 0) and evaluator_failed is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tfpsx import cluster as _cluster
 from tfpsx import settings
+from tfpsx.control.ports import listening
 
 # The job name a worker that joined a running job boots its graph-mode server with.
 JOINER_JOB = "tfpsx_joiner"
@@ -54,6 +55,7 @@ def start_graph_server(config: _cluster.ClusterConfig):
         # refuses for the name the server booted with: it boots under another.
         spec, job, task = (tf.train.ClusterSpec({JOINER_JOB: [config.task_address()]}),
                            JOINER_JOB, 0)
-    return tf.distribute.Server(
-        compat.server_def(spec, job, task, settings.get("TFPSX_LISTEN_PORT"),
-                          session_config(config)), start=True)
+    with listening(f"worker {config.index}", config.task_address()):
+        return tf.distribute.Server(
+            compat.server_def(spec, job, task, settings.get("TFPSX_LISTEN_PORT"),
+                              session_config(config)), start=True)

@@ -10,6 +10,7 @@ from typing import List, Optional, Tuple
 from tfpsx import cluster as _cluster
 from tfpsx import settings
 from tfpsx.control import eager_anchor
+from tfpsx.control.ports import listening
 from tfpsx.control.protocol import Coordinator
 from tfpsx.ops import library_info, load_ops
 
@@ -38,9 +39,10 @@ def run_server(config: _cluster.ClusterConfig, coord: Coordinator,
     load_ops()  # before the server starts: a bare tf.distribute.Server cannot run our ops
     info = library_info()
     start = time.monotonic()
-    server = tf.distribute.Server(
-        compat.server_def(config.cluster_spec(), "ps", config.index,
-                          settings.get("TFPSX_LISTEN_PORT")), start=True)
+    with listening(f"server {config.index}", config.servers[config.index]):
+        server = tf.distribute.Server(
+            compat.server_def(config.cluster_spec(), "ps", config.index,
+                              settings.get("TFPSX_LISTEN_PORT")), start=True)
     # Before any worker's eager context can reach it (workers wait for the anchor):
     # TF's CreateContext race (tfpsx.control.eager_anchor).
     eager_anchor.anchor(server.server_def, settings.get("TFPSX_RPC_TIMEOUT"))

@@ -1,0 +1,36 @@
+"""A task that cannot listen on its address: a named error and an exit code of its own.
+
+A launcher picks free ports and the tasks bind them seconds later, when TensorFlow has
+loaded; in between another process (a second launcher, an outgoing connection's
+ephemeral port) can take one. TF then says only ``Could not start gRPC server``. Here it
+becomes a :class:`~tfpsx.errors.PortTakenError` naming the task and its address, and a
+process that leaves on it exits with :data:`~tfpsx.control.watchdog.EXIT_PORT_TAKEN`,
+which ``tfpsx-run`` answers by starting the job again on new ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tfpsx.control import watchdog
+from tfpsx.errors import PortTakenError
+
+# What TF's gRPC server says when it could not bind its port (TF 2.16-2.21).
+_TF_BIND_FAILED = "Could not start gRPC server"
+
+
+@contextlib.contextmanager
+def listening(what: str, address: str):
+    """Around the start of a server at ``address`` (``what``: the task, "ps 0"): a failed
+    bind raises :class:`PortTakenError`, and the process, if that ends it, exits with
+    :data:`~tfpsx.control.watchdog.EXIT_PORT_TAKEN`."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 — TF's UnknownError, grpc's RuntimeError
+        if _TF_BIND_FAILED not in str(e) and "Failed to bind" not in str(e):
+            raise
+        watchdog.exit_if_uncaught()
+        raise PortTakenError(
+            f"{what} could not listen on {address}: another process holds the port "
+            f"({str(e).strip()[:200]}); give it a free port (tfpsx-run starts the job again "
+            "on new ports by itself)") from e
