@@ -7,18 +7,16 @@ Example:
   ...     codes = c.wait()          # {("worker", 0): 0, ...}; raises on the deadline
 """
 
-import time
 
 from tfpsx.launcher.local import LocalCluster, kill_process_group, pick_ports
+from tfpsx.waits import bounded_wait
 
 
 def wait_until(predicate, seconds: float = 10.0, what: str = "the condition") -> None:
     """Polls ``predicate()`` until it is true; fails (AssertionError naming ``what``)
     after ``seconds`` (a background thread's effect, in a test)."""
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:g} s"
-        time.sleep(0.005)
+    bounded_wait(predicate, seconds, lambda _waited: AssertionError(
+        f"{what} did not happen within {seconds:g} s"), poll=0.005)
 
 
 __all__ = ["LocalCluster", "pick_ports", "kill_process_group", "wait_until"]

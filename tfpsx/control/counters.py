@@ -18,6 +18,7 @@ from tfpsx.background import BackgroundLoop
 from tfpsx.control.channels import wait_for_servers
 from tfpsx.control.protocol import Coordinator
 from tfpsx.ops import bindings
+from tfpsx.waits import wait_for
 
 STARTED = "workers_started"
 STOPPED = "workers_stopped"
@@ -169,15 +170,11 @@ class CounterCoordinator(Coordinator):
     def barrier(self, generation: int, timeout: float) -> None:
         num = self.config.worker_num
         target = generation * num
-        arrived = self._client.add(BARRIER, 1)
-        deadline = time.monotonic() + timeout
-        while arrived < target:
-            if time.monotonic() > deadline:
-                raise errors.ClusterTimeoutError(
-                    f"barrier_worker() #{generation} on worker {self.config.index} waited "
-                    f"{timeout:g} s; {arrived - target + num} of {num} workers arrived")
-            time.sleep(0.05)
-            arrived = self._client.read(BARRIER)
+        wait_for(lambda _left: self._client.read(BARRIER), lambda a: a >= target, timeout,
+                 lambda a, _waited: errors.ClusterTimeoutError(
+                     f"barrier_worker() #{generation} on worker {self.config.index} waited "
+                     f"{timeout:g} s; {a - target + num} of {num} workers arrived"),
+                 first=self._client.add(BARRIER, 1))
 
     # ---------------------------------------------------------------- server side
     def serve(self, me: str, register_timeout: float, heartbeat_timeout: float,
@@ -234,15 +231,14 @@ class CounterCoordinator(Coordinator):
         done = control.mark(SERVERS_DONE, config.index)
         if config.index != 0:
             return
-        deadline = time.monotonic() + timeout
-        while done < config.server_num:
-            if time.monotonic() > deadline:
-                gone = sorted(set(range(config.server_num)) - set(control.members(SERVERS_DONE)))
-                self._log.warning("server 0: servers %s did not confirm the job end within %g s",
-                                  gone, timeout)
-                return
-            time.sleep(0.1)
-            done = len(control.members(SERVERS_DONE))
+        try:
+            wait_for(lambda _left: len(control.members(SERVERS_DONE)),
+                     lambda n: n >= config.server_num, timeout,
+                     lambda _n, _waited: errors.ClusterTimeoutError(), poll=0.1, first=done)
+        except errors.ClusterTimeoutError:  # reported, not raised: the job is over
+            gone = sorted(set(range(config.server_num)) - set(control.members(SERVERS_DONE)))
+            self._log.warning("server 0: servers %s did not confirm the job end within %g s",
+                              gone, timeout)
 
     def close(self) -> None:
         if self._client is not None:

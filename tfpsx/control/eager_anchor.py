@@ -29,7 +29,6 @@ Graph-mode sessions go through the master and worker services, never CreateConte
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Dict, Optional
 
 import grpc
@@ -38,6 +37,7 @@ from tfpsx import errors
 from tfpsx.control.channels import FAST_RECONNECT
 from tfpsx.control.ports import listening
 from tfpsx.control.proto import tf_eager_pb2 as pb
+from tfpsx.waits import wait_for
 
 # The anchor context's id ("tfpsx-ac"); clients draw theirs at random from 2**64.
 ANCHOR_CONTEXT_ID = 0x74667073782D6163
@@ -124,33 +124,31 @@ def wait_anchored(addresses: Dict[str, str], timeout: float,
     Raises:
       ClusterTimeoutError: naming each server still without one, and why.
     """
-    deadline = time.monotonic() + timeout
-    next_report = time.monotonic() + min(1.0, report_every)
     channels = {task: grpc.insecure_channel(addr, options=FAST_RECONNECT)
                 for task, addr in addresses.items()}
     state = {task: "not asked yet" for task in addresses}
+
+    def ask(left: float) -> Dict[str, str]:
+        """{task: why not} of the servers still without an anchor (each asked again)."""
+        for task in [t for t, s in state.items() if s != "ok"]:
+            state[task] = _anchored(channels[task], max(0.05, min(2.0, left)))
+        return {t: s for t, s in state.items() if s != "ok"}
+
+    def what(pending) -> str:
+        return "; ".join(f"{t} at {addresses[t]} {s}" for t, s in sorted(pending.items()))
+
     try:
-        while True:
-            for task in [t for t, s in state.items() if s != "ok"]:
-                left = deadline - time.monotonic()
-                state[task] = _anchored(channels[task], max(0.05, min(2.0, left)))
-            pending = {t: s for t, s in state.items() if s != "ok"}
-            if not pending:
-                return
-            now = time.monotonic()
-            what = "; ".join(f"{t} at {addresses[t]} {s}" for t, s in sorted(pending.items()))
-            if now >= deadline:
-                raise errors.ClusterTimeoutError(
-                    f"waited {timeout:g} s for the servers' eager services to be safe for "
-                    f"several clients: {what}. A server that Keras workers connect to must "
-                    "run tfpsx.run_server() (or tfpsx.anchor_eager_service(server) right after "
-                    "creating its own tf.distribute.Server): two eager clients connecting at "
-                    "once can crash a server without it (docs/eager-anchor.md). Raise the "
-                    "limit with TFPSX_CONNECT_TIMEOUT.")
-            if log and now >= next_report:
-                log(f"waiting for the servers' eager anchors: {what}")
-                next_report = now + report_every
-            time.sleep(0.05)
+        wait_for(ask, lambda pending: not pending, timeout,
+                 lambda pending, _waited: errors.ClusterTimeoutError(
+                     f"waited {timeout:g} s for the servers' eager services to be safe for "
+                     f"several clients: {what(pending)}. A server that Keras workers connect "
+                     "to must run tfpsx.run_server() (or tfpsx.anchor_eager_service(server) "
+                     "right after creating its own tf.distribute.Server): two eager clients "
+                     "connecting at once can crash a server without it "
+                     "(docs/eager-anchor.md). Raise the limit with TFPSX_CONNECT_TIMEOUT."),
+                 report=(report_every, lambda pending, _waited: log(
+                     f"waiting for the servers' eager anchors: {what(pending)}"))
+                 if log else None)
     finally:
         for channel in channels.values():
             channel.close()

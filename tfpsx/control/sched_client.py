@@ -28,6 +28,7 @@ from tfpsx.control.proto import scheduler_pb2 as pb
 from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
 from tfpsx.control.protocol import Coordinator
 from tfpsx.control.tls import TlsConfig
+from tfpsx.waits import wait_for
 
 logger = logging.getLogger("tfpsx")
 _LONG_POLL = 5.0
@@ -134,19 +135,17 @@ class SchedulerClient:
     def wait_cluster(self, timeout: float) -> Tuple[Tuple[str, ...], Tuple[str, ...], int]:
         """Waits until every node registered; returns (servers, workers) in rank order
         (joiners included) and the worker count the job started with."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            reply = self._call("GetCluster", pb.ClusterRequest(
-                node_id=self.node_id, token=self.token, wait_seconds=max(0.0, min(_LONG_POLL, left))),
+        def ask(left: float):  # a long poll: the scheduler answers when ready, or in 5 s
+            return self._call("GetCluster", pb.ClusterRequest(
+                node_id=self.node_id, token=self.token, wait_seconds=min(_LONG_POLL, left)),
                 timeout=self.rpc_timeout + _LONG_POLL)
-            if reply.ready:
-                return tuple(reply.servers), tuple(reply.workers), reply.worker_num
-            if time.monotonic() >= deadline:
-                raise errors.ClusterTimeoutError(
-                    f"{self.role} rank {self.rank} waited {timeout:g} s for the cluster to "
-                    f"complete (TFPSX_REGISTER_TIMEOUT); missing: "
-                    f"{_missing(reply)}; registered: {describe(reply.registered) or 'none'}")
+
+        reply = wait_for(ask, lambda r: r.ready, timeout, lambda r, _waited: (
+            errors.ClusterTimeoutError(
+                f"{self.role} rank {self.rank} waited {timeout:g} s for the cluster to "
+                f"complete (TFPSX_REGISTER_TIMEOUT); missing: {_missing(r)}; registered: "
+                f"{describe(r.registered) or 'none'}")), poll=0)
+        return tuple(reply.servers), tuple(reply.workers), reply.worker_num
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self, interval: float) -> None:

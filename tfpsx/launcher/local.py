@@ -32,6 +32,7 @@ from tfpsx import cluster as _cluster
 from tfpsx import metrics, settings
 from tfpsx.errors import ClusterTimeoutError
 from tfpsx.launcher import loopback
+from tfpsx.waits import wait_for
 
 Task = Tuple[str, int]  # (role, index)
 
@@ -327,23 +328,20 @@ class LocalCluster:
             message names the ones still running and the tail of their logs.
         """
         wanted = list(self.procs) if tasks is None else list(tasks)
-        if timeout is None:
-            start = self._started_at or time.monotonic()
-            deadline = start + self.timeout
-        else:
-            deadline = time.monotonic() + timeout
-        while True:
-            running = [t for t in wanted if self.procs[t].poll() is None]
-            if not running:
-                return {t: self.procs[t].returncode for t in wanted}
-            if time.monotonic() > deadline:
-                tails = "\n".join(f"--- {r} {i} (pid {self.procs[(r, i)].pid}) log tail:\n"
-                                  f"{self.log(r, i)[-1500:]}" for r, i in running)
-                self.stop()
-                raise ClusterTimeoutError(
-                    f"local cluster ran past its deadline; killed still-running tasks "
-                    f"{running}\n{tails}")
-            time.sleep(0.05)
+        if timeout is None:  # the cluster's deadline, from its start
+            timeout = (self._started_at or time.monotonic()) + self.timeout - time.monotonic()
+
+        def past_deadline(running, _waited) -> ClusterTimeoutError:
+            tails = "\n".join(f"--- {r} {i} (pid {self.procs[(r, i)].pid}) log tail:\n"
+                              f"{self.log(r, i)[-1500:]}" for r, i in running)
+            self.stop()
+            return ClusterTimeoutError(
+                f"local cluster ran past its deadline; killed still-running tasks "
+                f"{running}\n{tails}")
+
+        wait_for(lambda _left: [t for t in wanted if self.procs[t].poll() is None],
+                 lambda running: not running, max(0.0, timeout), past_deadline)
+        return {t: self.procs[t].returncode for t in wanted}
 
     def log(self, role: str, index: int) -> str:
         """The log of one task so far."""

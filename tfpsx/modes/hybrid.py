@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tfpsx import errors, settings
 from tfpsx.modes.collective import CollectiveGroup, lost_peer_error, packed
+from tfpsx.waits import wait_for
 
 JOB = "tfpsx_dense"
 
@@ -46,23 +47,20 @@ def meet(rank: int, size: int, port: int, write: Callable[[int, int], None],
       ClusterTimeoutError: a worker did not write its port within ``timeout`` seconds.
     """
     write(rank, port)
-    deadline = time.monotonic() + timeout
-    while True:
-        ports = [int(p) for p in read()]
-        if len(ports) != size:
-            raise ValueError(f"hybrid mode: the servers hold {len(ports)} workers' ports, "
+
+    def ports(_left) -> List[int]:
+        got = [int(p) for p in read()]
+        if len(got) != size:
+            raise ValueError(f"hybrid mode: the servers hold {len(got)} workers' ports, "
                              f"this worker counts {size}; every worker must be given the same "
                              "worker list")
-        if all(ports):
-            return ports
-        if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(ports) if not p]
-            raise errors.ClusterTimeoutError(
-                f"hybrid mode: worker {rank} waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) "
-                f"for worker(s) {missing} to start their dense all-reduce (each writes its "
-                "port on server 0 when its strategy or session starts); are they running, "
-                "in the same mode?")
-        time.sleep(poll)
+        return got
+
+    return wait_for(ports, all, timeout, lambda got, _waited: errors.ClusterTimeoutError(
+        f"hybrid mode: worker {rank} waited {timeout:g} s (TFPSX_SESSION_TIMEOUT) for "
+        f"worker(s) {[r for r, p in enumerate(got) if not p]} to start their dense "
+        "all-reduce (each writes its port on server 0 when its strategy or session "
+        "starts); are they running, in the same mode?"), poll=poll)
 
 
 class DenseAllReduce:

@@ -4,10 +4,9 @@ ahead of the slowest (a finished worker's clock is :data:`~tfpsx.modes.group.DON
 
 from __future__ import annotations
 
-import time
-
 from tfpsx import errors
 from tfpsx.modes.group import add_to_entry, leave
+from tfpsx.waits import wait_for
 
 
 def tick(clocks, me: int):
@@ -28,16 +27,17 @@ def wait_for_slowest(clocks, read_clocks, me: int, max_staleness: int, timeout: 
     Raises:
       ClusterTimeoutError: ``timeout`` passed (TFPSX_STALENESS_TIMEOUT), naming the slowest.
     """
-    deadline = time.monotonic() + timeout
-    waited = False
-    while clocks[me] - clocks.min() > max_staleness:
-        waited = True
-        if time.monotonic() > deadline:
-            slow = [int(w) for w in (clocks == clocks.min()).nonzero()[0]]
-            raise errors.ClusterTimeoutError(
-                f"bounded staleness: worker {me} at step {clocks[me]} waited "
-                f"{timeout:g} s (TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at "
-                f"step {clocks.min()} (max_staleness={max_staleness}); are they alive?")
-        time.sleep(0.005)
-        clocks = read_clocks()
-    return waited
+    def near(c) -> bool:
+        return c[me] - c.min() <= max_staleness
+
+    def error(c, _waited):
+        slow = [int(w) for w in (c == c.min()).nonzero()[0]]
+        return errors.ClusterTimeoutError(
+            f"bounded staleness: worker {me} at step {c[me]} waited {timeout:g} s "
+            f"(TFPSX_STALENESS_TIMEOUT) for worker(s) {slow} at step {c.min()} "
+            f"(max_staleness={max_staleness}); are they alive?")
+
+    if near(clocks):
+        return False
+    wait_for(lambda _left: read_clocks(), near, timeout, error, poll=0.005, first=clocks)
+    return True
