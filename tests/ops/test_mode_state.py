@@ -7,11 +7,8 @@ import tensorflow as tf
 
 import tfpsx
 from tfpsx.modes.state import MODE_STATE, SYNC_STEP, states_of
-from tfpsx.runtime import RUNTIME
 from tfpsx.training.modes.base import mode_of
-
-PS = ["127.0.0.1:2001", "127.0.0.1:2002"]
-WK = ["127.0.0.1:2003", "127.0.0.1:2004"]
+from test_training_api import worker  # noqa: F401  (this process as worker 1 of 2)
 
 STRATEGIES = {
     "async": tfpsx.DistributedStrategy(),
@@ -20,15 +17,6 @@ STRATEGIES = {
     "staleness": tfpsx.DistributedStrategy(a_sync_configs={"max_staleness": 2}),
     "hybrid": tfpsx.DistributedStrategy(dense="allreduce"),
 }
-
-
-@pytest.fixture
-def worker():
-    """This process as worker 1 of a 2 PS + 2 worker cluster (nothing is started)."""
-    RUNTIME.reset()
-    tfpsx.init(tfpsx.UserDefinedRoleMaker("worker", 1, PS, WK))
-    yield
-    RUNTIME.reset()
 
 
 def protocol_variables(graph) -> dict:
