@@ -71,6 +71,7 @@ class CriteoJob:
                               "shared_slots", "--geo_dense", "async", "--geo_hot_count", "0"],
         "geo10_hot": ["--mode", "geo", "--k_steps", "10", "--geo_table_rule", "shared_slots",
                       "--geo_dense", "copies", "--geo_hot_count", "4"],
+        "geo10_bf16": ["--mode", "geo", "--k_steps", "10", "--geo_wire_dtype", "bfloat16"],
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_fp16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "float16"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],

@@ -118,6 +118,32 @@ class SyncGroup:
         with tf.control_dependencies([self.follow(new)] if follow else []):
             return tf.identity(new)
 
+    def take_step(self, accumulators: Sequence["GradientAccumulators"],
+                  tables: "TableAccumulators", count, s, after: Sequence = ()):
+        """The chief's step ``s``, its first half (both front-ends): after the ops
+        ``after``, ``count`` gradients from every set of dense accumulators (their
+        average, for the front-end's optimizer to apply), the older ones marked stale,
+        and the tables' average applied by their server-side optimizers. Returns (the
+        averages, one list per set; the stale marks; the tables' applies)."""
+        after = list(after)
+        with tf.control_dependencies(after):
+            taken = [accs.take(count) for accs in accumulators]
+        with tf.control_dependencies([g for grads in taken for g in grads] + after):
+            # Gradients stamped before the next step are stale once this step's are out.
+            stale = [op for accs in accumulators for op in accs.set_global_step(s + 1)]
+        with tf.control_dependencies(after):
+            applied = tables.apply(count, s + 1)  # the step applied, from 1
+        return taken, stale, applied
+
+    def end_step(self, applied: Sequence, tables: "TableAccumulators", s,
+                 follow: bool = True):
+        """The chief's step ``s``, its second half: after the ops ``applied`` (the
+        dense averages applied), the tables' older gradients marked stale and the step
+        bumped (:meth:`advance`); returns the new step."""
+        with tf.control_dependencies(list(applied)):
+            stale = tables.set_global_step(s + 1)
+        return self.advance(list(applied) + stale, follow=follow)
+
     def follow(self, new):
         """This worker trains step ``new`` next."""
         return op_of(self.local_step.assign(new, read_value=False))

@@ -98,12 +98,8 @@ class KerasSync(OnServers):
         with tf.control_dependencies([mark]):
             count = tf.py_function(self._wait_for_gradients, [s], tf.int32,
                                    name="tfpsx_sync_wait_gradients")
-        taken = accs.take(count)
-        with tf.control_dependencies(taken):
-            # Gradients stamped before the next step are stale once this step's are out.
-            for op in accs.set_global_step(s + 1):
-                self.record(op)
-        for op in self.tables.apply(count, s + 1):
+        (taken,), stale, applied = group.take_step([accs], self.tables, count, s)
+        for op in stale + applied:
             self.record(op)
         return taken
 
@@ -111,9 +107,7 @@ class KerasSync(OnServers):
         group = self.group()
         applied = self.take_trace_ops()
         if group.is_chief:
-            with tf.control_dependencies(applied):
-                stale = self.tables.set_global_step(group.local_step.read_value() + 1)
-            new = group.advance(applied + stale)
+            new = group.end_step(applied, self.tables, group.local_step.read_value())
             follow = new.op
         else:
             with tf.control_dependencies(applied):

@@ -187,26 +187,19 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
             self._count = tf.compat.v1.placeholder(tf.int32, [], name="sync_count")
             s = group.step.read_value()
             arrived = arrivals.take_grad(self._count)
+        taken, stale, tables = group.take_step([accs for _, _, accs, _ in mode.dense],
+                                               mode.tables, self._count, s, after=[arrived])
         with tf.control_dependencies([arrived]):
-            takes = [(opt, variables, accs.take(self._count))
-                     for opt, variables, accs, _ in mode.dense]
-        taken = [g for _, _, grads in takes for g in grads]
-        with tf.control_dependencies(taken + [arrived]):
-            # Gradients stamped before the next step are stale once this step's are out.
-            stale = [op for _, _, a, _ in mode.dense for op in a.set_global_step(s + 1)]
             stale.append(arrivals.set_global_step(s + 1))
         with tf.control_dependencies(stale):
             applies = [opt.apply_gradients(list(zip(grads, variables)))
-                       for opt, variables, grads in takes]
-        with tf.control_dependencies([arrived]):
-            applies += mode.tables.apply(self._count, s + 1)  # the step applied, from 1
-        with tf.control_dependencies(applies):
-            applies += mode.tables.set_global_step(s + 1)
-            global_step = (mode.global_step if mode.global_step is not None
-                           else tf.compat.v1.train.get_global_step())
-            if global_step is not None:
+                       for (opt, variables, _, _), grads in zip(mode.dense, taken)]
+        global_step = (mode.global_step if mode.global_step is not None
+                       else tf.compat.v1.train.get_global_step())
+        if global_step is not None:
+            with tf.control_dependencies(applies + tables):
                 applies.append(tf.compat.v1.assign_add(global_step, 1))
-        return group.advance(applies, follow=False)
+        return group.end_step(applies + stale + tables, mode.tables, s, follow=False)
 
     def _build_tokens(self, new):
         """The chief's run puts the new step into every other worker's token queue
