@@ -193,6 +193,7 @@ bench: setup
 	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
+	$(PY) benchmarks/session_run_cost.py
 	$(PY) benchmarks/collective_scaling.py
 	$(PY) benchmarks/collective_scaling.py --criteo --rounds 2
 	$(PY) benchmarks/incremental_checkpoint.py
