@@ -156,6 +156,30 @@ def test_a_port_taken_before_the_server_binds_starts_the_job_again_on_new_ports(
     assert "job finished: 1 server(s), 1 worker(s) exited 0" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_launchers_started_together_both_finish(tmp_path):
+    """The soak of the race above as users meet it: two tfpsx-run jobs started at one
+    instant, three times; every job finishes (a port one took from the other's pick is
+    retried on new ports)."""
+    for round_ in range(3):
+        procs = [subprocess.Popen(
+            RUN + ["--log_dir", str(tmp_path / f"logs{round_}_{j}"), "--server_num", "1",
+                   "--worker_num", "2", os.path.join(SCRIPTS, "job.py")],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=str(tmp_path)) for j in range(2)]
+        try:
+            outs = [p.communicate(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, out + err
+            assert "job finished: 1 server(s), 2 worker(s) exited 0" in out
+
+
 def _start_long_job(tmp_path, extra=(), stdout=subprocess.PIPE):
     """tfpsx-run of 1 server + 2 sleeping workers that write their pids (and roles) to
     tmp_path/pids; returns (launcher, pid_dir)."""
