@@ -134,6 +134,8 @@ _TAKEN_FIRST = (
 @pytest.mark.budget(40, why="a job of 1 server + 1 worker started twice: the first one's "
                             "server finds its port taken")
 def test_a_port_taken_before_the_server_binds_starts_the_job_again_on_new_ports(tmp_path):
+    """A job of its own: the launcher must be started with a port the test holds, and
+    the server that finds it taken must exit, which no scenario's job may do."""
     holder = socket.socket()
     try:
         holder.bind(("127.0.0.1", 0))

@@ -231,14 +231,17 @@ class CounterCoordinator(Coordinator):
         done = control.mark(SERVERS_DONE, config.index)
         if config.index != 0:
             return
+        def unconfirmed(_n, _waited) -> errors.ClusterTimeoutError:
+            gone = sorted(set(range(config.server_num)) - set(control.members(SERVERS_DONE)))
+            return errors.ClusterTimeoutError(
+                f"server 0: servers {gone} did not confirm the job end within {timeout:g} s")
+
         try:
             wait_for(lambda _left: len(control.members(SERVERS_DONE)),
-                     lambda n: n >= config.server_num, timeout,
-                     lambda _n, _waited: errors.ClusterTimeoutError(), poll=0.1, first=done)
-        except errors.ClusterTimeoutError:  # reported, not raised: the job is over
-            gone = sorted(set(range(config.server_num)) - set(control.members(SERVERS_DONE)))
-            self._log.warning("server 0: servers %s did not confirm the job end within %g s",
-                              gone, timeout)
+                     lambda n: n >= config.server_num, timeout, unconfirmed, poll=0.1,
+                     first=done)
+        except errors.ClusterTimeoutError as e:  # reported, not raised: the job is over
+            self._log.warning("%s", e)
 
     def close(self) -> None:
         if self._client is not None:

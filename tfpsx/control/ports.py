@@ -19,18 +19,27 @@ from tfpsx.errors import PortTakenError
 _TF_BIND_FAILED = "Could not start gRPC server"
 
 
+# What grpcio says when a Python gRPC server (the scheduler) could not bind its port.
+_GRPC_BIND_FAILED = "Failed to bind"
+
+
+def port_taken(what: str, address: str, detail: str) -> PortTakenError:
+    """The error of ``what`` (the task, "server 0") that could not listen on ``address``;
+    a process that it ends exits with :data:`~tfpsx.control.watchdog.EXIT_PORT_TAKEN`."""
+    watchdog.exit_if_uncaught()
+    return PortTakenError(
+        f"{what} could not listen on {address}: another process holds the port "
+        f"({detail.strip()[:200]}); give it a free port (tfpsx-run starts the job again on "
+        "new ports by itself)")
+
+
 @contextlib.contextmanager
 def listening(what: str, address: str):
-    """Around the start of a server at ``address`` (``what``: the task, "ps 0"): a failed
-    bind raises :class:`PortTakenError`, and the process, if that ends it, exits with
-    :data:`~tfpsx.control.watchdog.EXIT_PORT_TAKEN`."""
+    """Around the start of a server at ``address``: a failed bind raises
+    :func:`port_taken`'s error."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 — TF's UnknownError, grpc's RuntimeError
-        if _TF_BIND_FAILED not in str(e) and "Failed to bind" not in str(e):
+        if _TF_BIND_FAILED not in str(e) and _GRPC_BIND_FAILED not in str(e):
             raise
-        watchdog.exit_if_uncaught()
-        raise PortTakenError(
-            f"{what} could not listen on {address}: another process holds the port "
-            f"({str(e).strip()[:200]}); give it a free port (tfpsx-run starts the job again "
-            "on new ports by itself)") from e
+        raise port_taken(what, address, str(e)) from e

@@ -35,7 +35,7 @@ import portpicker
 from tfpsx import cluster as _cluster
 from tfpsx import errors, settings
 from tfpsx.control.journal import Journal
-from tfpsx.control.ports import listening
+from tfpsx.control.ports import listening, port_taken
 from tfpsx.control.proto import scheduler_pb2 as pb
 from tfpsx.control.proto import scheduler_pb2_grpc as pb_grpc
 from tfpsx.control.tls import TlsConfig
@@ -417,8 +417,8 @@ def serve(address: str, server_num: int, worker_num: int, token: Optional[str] =
     with listening("the scheduler", address):
         bound = (server.add_secure_port(address, tls.server_credentials()) if tls
                  else server.add_insecure_port(address))
-        if not bound:
-            raise RuntimeError(f"Failed to bind to address {address}")
+    if not bound:  # (grpcio before 1.49 returned 0 instead of raising)
+        raise port_taken("the scheduler", address, "gRPC bound no port")
     server.start()
     logger.info("scheduler serving at %s%s for %d servers and %d workers", address,
                 " (TLS)" if tls else "", server_num, worker_num)

@@ -246,6 +246,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
     evaluator_failed = None  # (task, code) of an evaluator that failed on its own
     scheduler_restarts = job_restarts = port_restarts = 0
+
+    def start_again(reason: str):
+        """The whole job again (new ports, a fresh scheduler); returns what a new
+        incarnation starts with: (failed, lost_workers, scheduler_restarts,
+        evaluator_failed)."""
+        job.restart(reason)
+        return None, [], 0, None
+
     try:
         job.start()
         workers = [t for t in job.tasks() if t[0] in (_cluster.CHIEF, _cluster.WORKER)]
@@ -264,10 +272,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"({_how(code)}; see {job.log_path(role, index)}); restarting the job "
                       f"({job_restarts} of {max_restarts}): every process starts again and "
                       "the chief resumes from its last checkpoint", file=sys.stderr, flush=True)
-                job.restart(f"restart {job_restarts} of {max_restarts} after {_name((role, index))} "
-                            f"exited with code {code}")
-                failed, lost_workers, scheduler_restarts = None, [], 0
-                evaluator_failed = None
+                failed, lost_workers, scheduler_restarts, evaluator_failed = start_again(
+                    f"restart {job_restarts} of {max_restarts} after {_name((role, index))} "
+                    f"exited with code {code}")
             # A task that could not listen on its port (taken between the pick and the
             # bind): the job starts again on new ports, not counted in --max_restarts.
             taken = [t for t in job.tasks() if t in job.procs
@@ -278,9 +285,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"(another process holds the port; see {job.log_path(*taken[0])}); "
                       f"starting the job again on new ports ({port_restarts} of "
                       f"{MAX_PORT_RESTARTS})", file=sys.stderr, flush=True)
-                job.restart(f"new ports after {_name(taken[0])} found its port taken")
-                failed, lost_workers, scheduler_restarts = None, [], 0
-                evaluator_failed = None
+                failed, lost_workers, scheduler_restarts, evaluator_failed = start_again(
+                    f"new ports after {_name(taken[0])} found its port taken")
                 continue
             for task in evaluators:
                 code = job.procs[task].poll()

@@ -32,19 +32,22 @@ GROUP_KEY = 0x7466
 REDUCIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def from_rank_0(variables, broadcast: Callable[[list], Sequence],
-                assign: Optional[Callable] = None) -> list:
-    """Every rank's ``variables`` take rank 0's values, once for every front-end and
-    mode (collective, hybrid; at a session's or a ``fit``'s start): those of a type a
-    collective carries (:data:`REDUCIBLE`), by ``broadcast(variables)`` (rank 0's values
-    of them, in order: an in-graph broadcast, or one through the hybrid's dense
-    all-reduce), each given to ``assign(variable, value)`` (default
-    ``variable.assign``). Returns what the assigns returned (graph mode runs them)."""
-    variables = [v for v in variables if tf.as_dtype(v.dtype).base_dtype in REDUCIBLE]
+def reducible(variables) -> list:
+    """The ``variables`` of a type a collective carries (:data:`REDUCIBLE`)."""
+    return [v for v in variables if tf.as_dtype(v.dtype).base_dtype in REDUCIBLE]
+
+
+def from_rank_0(variables, broadcast: Callable[[list], Sequence]) -> list:
+    """Every rank's ``variables`` take rank 0's values (collective and hybrid, at a
+    session's or a ``fit``'s start): the :func:`reducible` ones, by
+    ``broadcast(variables)`` (rank 0's values of them, in order: an in-graph broadcast,
+    or one through the hybrid's dense all-reduce). Returns the assigns' results (graph
+    mode runs them). Graph mode's hybrid, whose broadcast runs in the session, feeds
+    its assigns instead."""
+    variables = reducible(variables)
     if not variables:
         return []
-    assign = assign or (lambda v, x: v.assign(x))
-    return [assign(v, x) for v, x in zip(variables, broadcast(variables))]
+    return [v.assign(x) for v, x in zip(variables, broadcast(variables))]
 
 
 class CollectiveGroup:

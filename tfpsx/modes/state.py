@@ -82,4 +82,4 @@ class StateFactory(Protocol):
 
     def local(self, name: str, initial):
         """A non-trainable variable of this worker, named ``name``, starting at
-        ``initial`` (a tensor)."""
+        ``initial()`` (called where the front-end creates its variables)."""

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.control.watchdog import translate_uncaught
 from tfpsx.modes import hybrid
-from tfpsx.modes.collective import from_rank_0, lost_peer_error
+from tfpsx.modes.collective import lost_peer_error, reducible
 from tfpsx.modes.group import set_entry
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
@@ -136,15 +136,10 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
         self._write = set_entry(ports, config.index, self._port)
         self._read = ports.read_value()
         # Rank 0's values come through the dense all-reduce when the session starts: fed.
-        self._variables, self._values = [], []
-
-        def fed(variables):
-            self._variables = variables
-            self._values = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
-                            for v in variables]
-            return self._values
-
-        self._assign = tf.group(*from_rank_0(tf.compat.v1.global_variables(), fed),
+        self._variables = reducible(tf.compat.v1.global_variables())
+        self._values = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
+                        for v in self._variables]
+        self._assign = tf.group(*[v.assign(x) for v, x in zip(self._variables, self._values)],
                                 name="tfpsx_hybrid_from_rank_0")
 
     def after_create_session(self, session, coord):
