@@ -46,8 +46,11 @@ def finish(c, timeout=200):
     # machine): steps of 20 ms leave it time to sync during fit, as a real fit does.
     # GEO's rule for many workers, named: tables by shared slots, the dense weights async
     # on the PS, the ids seen 4+ times in a batch (tags of 100 values) read and trained
-    # there.
-    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "many"],
+    # there. The tags' table has a worker cache of 60 rows, which follows the rule (its
+    # rows travel with their slots, its hot ids train on the PS); the users' table has
+    # none.
+    pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "many",
+                         "--cache_size", "60", "--cache_table", "tags_emb"],
                  id="geo-rule-for-many"),
     # Nothing named, k_steps="auto": at 2 workers tfpsx chooses the earlier rule (averaged
     # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
@@ -98,6 +101,12 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         # the rows; under the average they stay at their initial 0.1.
         grown = [m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()]
         assert all(grown) if many else not any(grown), chief
+        if many:  # the tags' cache, under the rule: its rows came with their slots
+            for r in got.values():
+                (stats,) = r["caches"].values()
+                assert stats["rows_fetched"] > 0, r["caches"]
+                # a key and [value | Adagrad accumulator]: 8 + 4 * 2 * 8 bytes a row
+                assert stats["bytes_fetched"] == stats["rows_fetched"] * (8 + 4 * 16), stats
         # The communicator syncs during fit (not only the final sync), at most once per
         # K local steps: a round that lags behind training merges the wake-ups it missed.
         assert all(2 <= r["pushes"] <= r["local_steps"] // k + 1 for r in got.values()), \

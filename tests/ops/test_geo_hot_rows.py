@@ -4,10 +4,8 @@ trained on the PS (async), the rest of the batch trains the worker's copy, and t
 copy's next pull brings the PS's async moves."""
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
-import tfpsx
 from tfpsx import embedding as E
 from tfpsx.embedding import geo_rule
 from tfpsx.embedding.sharding import ShardedTable
@@ -83,23 +81,23 @@ def test_two_workers_hot_rows_meet_on_the_ps_at_every_step():
     np.testing.assert_allclose(hot_b.lookup(ids).numpy()[2], rows_of(b.local, [6])[0])
 
 
-def test_hot_rows_with_a_worker_cache_named_is_a_clear_error_and_by_default_give_way(caplog):
+def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
+    """GEO's updater gives a cached table the job's rule: its rows travel with their
+    slots (summed on the PS), and its hot ids read and train on the PS (HotRows over
+    the cache; tests/ops/test_worker_cache.py drives both)."""
     from tfpsx.modes.geo import GeoTableUpdater
 
     class Mode:
-        worker_index, worker_num, worker_device = 0, 2, "/job:localhost/replica:0/task:0"
+        worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 4
-        named = frozenset({"geo_hot_count"})
+        named = frozenset()
 
-    table = E.DynamicTable("hot_cached", DIM, optimizer=E.SGD(0.1), cache_size=16)
-    with pytest.raises(ValueError, match=r"'hot_cached'.*geo_hot_count'\]=4"):
-        GeoTableUpdater(Mode()).attach(table)
-    assert Mode.tables == []
-    # The defaults (nothing named): the cached table keeps the earlier rule, and says so.
-    Mode.named = frozenset()
+    table = E.DynamicTable("hot_cached", DIM, optimizer=E.Adagrad(0.1), cache_size=16)
     updater = GeoTableUpdater(Mode())
-    with caplog.at_level("INFO", logger="tfpsx"):
-        updater.attach(table)
-    assert len(Mode.tables) == 1 and Mode.tables[0].cached and not Mode.tables[0].share_slots
-    assert not isinstance(updater.lookup_source(table), geo_rule.HotRows)
-    assert "'hot_cached' has a worker cache" in caplog.text
+    updater.attach(table)
+    (t,) = Mode.tables
+    assert t.cached and t.share_slots and t.combine == "sum"
+    assert t.old.num_slots == 1  # old keeps the slots a row came with
+    source = updater.lookup_source(table)
+    assert isinstance(source, geo_rule.HotRows) and source.hot_count == 4
+    assert source.geo.local is updater.cache

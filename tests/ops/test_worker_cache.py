@@ -187,6 +187,97 @@ def test_one_worker_evicting_cache_equals_uncached_geo(policy):
     assert float(cache.stats()["evictions"]) > 50
 
 
+class RuleSource:
+    """A worker's lookups and applies under GEO's rule for many workers: the ids seen
+    ``hot`` times in a batch on the PS (geo_rule.HotRows), the rest in the copy or the
+    cache, whose rows travel with their Adagrad slots (share_slots)."""
+
+    def __init__(self, t: geo_rule.GeoTable, hot: int):
+        self.rows = geo_rule.HotRows(t, hot)
+
+    def lookup_unique(self, ids, tape=None):
+        self.looked = self.rows.lookup_unique(ids, train=True, tape=tape)
+        return self.looked
+
+    def apply(self, keys, grads):
+        self.rows.apply(keys, grads, self.looked.hot, None)
+
+
+def rule_run(workers, size=None, hot=10 ** 6, k=4, syncs=4, vocab=40, batch=12):
+    """GEO under the rule for many workers on uncached copies (size None) or on caches
+    of ``size`` rows, ids seen ``hot`` times in a batch on the PS; returns (the PS's
+    rows with their slots, the copies)."""
+    g = shared_table(E.Adagrad(0.3))
+    copies = []
+
+    def make(i):
+        if size is None:
+            copy = dict(initializer=g.initializer, seed=g.seed, devices=[None],
+                        optimizer=g.optimizer)
+            t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, **copy),
+                                  ShardedTable(name("o"), DIM, **copy), None, i + 1,
+                                  combine="sum", share_slots=True)
+            geo_rule.table_readers(t)
+        else:
+            t = WorkerCache(g, CacheOptions(size, "lfu"), None, i + 1, flush_in_step=False,
+                            share_slots=True).geo
+        copies.append(t)
+        return RuleSource(t, hot)
+
+    def sync(source, what):
+        t = source.rows.geo
+        if what == "push":
+            return geo_rule.table_push(t, 1.0, None)[1]
+        return geo_rule.table_pull(t)[1]
+
+    geo_schedule(make, sync, workers, k, syncs, vocab, batch)
+    rows = {k: v.numpy() for k, v in g.export().items()}
+    return {key: np.concatenate([rows["values"][i], rows["slots"][i].ravel()])
+            for i, key in enumerate(rows["keys"].tolist())}, copies
+
+
+@pytest.mark.parametrize("workers,size", [(3, 64), (1, 6)])
+def test_a_cache_under_geos_rule_for_many_workers_trains_as_the_uncached_copy(workers, size):
+    """GEO's rule for many workers holds with a worker cache: its rows travel with their
+    Adagrad slots (fetched, synced and evicted), summed on the PS. The PS's rows and
+    slots after the last round equal the uncached rule's on the same schedule: 3
+    workers with caches that evict nothing, and one worker whose 6-row cache evicts,
+    over 40 ids."""
+    want, _ = rule_run(workers)
+    got, caches = rule_run(workers, size=size)
+    assert_same_rows(got, want)
+    slots = np.array([row[DIM:] for row in want.values()])
+    assert (slots > 0.1 + 1e-3).any()  # Adagrad's accumulators moved off their start
+    for t in caches:
+        stats = {k: float(v) for k, v in t.local.stats().items()}
+        assert stats["hit_rate"] > 0 and stats["size"] <= size + 12
+        if size < 40:
+            assert stats["evictions"] > 0
+
+
+def test_a_cache_with_hot_rows_reads_and_trains_them_on_the_ps():
+    """The hot ids of a cached worker's batch (seen twice here) are read from the PS and
+    trained there, never cached; the rest go through the cache, with their slots."""
+    g = shared_table(E.Adagrad(0.3))
+    cache = WorkerCache(g, CacheOptions(16, "lfu"), None, 1, flush_in_step=False,
+                        share_slots=True)
+    geo_rule.table_readers(cache.geo)
+    # The PS's row 5 has a moved accumulator: a cached row must arrive with it.
+    g.apply(tf.constant([5], tf.int64), tf.ones([1, DIM]))
+    source = RuleSource(cache.geo, 2)
+    init = g.rows(tf.constant([7], tf.int64), False).numpy()  # 7 not on the PS yet
+    train_step(source, [7, 7, 5, 9])
+    cached = cache.export()["keys"].numpy().tolist()
+    assert sorted(cached) == [5, 9]
+    ps5 = g.shards[1].find(tf.constant([5], tf.int64), with_slots=True)[0].numpy()
+    old5 = cache.old.shards[0].find(tf.constant([5], tf.int64), with_slots=True)[0].numpy()
+    np.testing.assert_array_equal(old5, ps5)  # fetched with its slots, untouched since
+    assert (ps5[0, DIM:] > 1.0).all()
+    assert not np.allclose(g.rows(tf.constant([7], tf.int64), False).numpy(), init)
+    stats = {k: float(v) for k, v in cache.stats().items()}
+    assert stats["lookups"] == 2 and stats["rows_fetched"] == 2  # 5 and 9, not 7
+
+
 def constant_gradient_run(workers, size, steps, vocab, batch, flush_steps, lr=0.5,
                           admit_after=1, zipf=False):
     """Async caches (n = 1) of several workers training one table in turns with a

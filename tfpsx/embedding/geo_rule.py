@@ -117,7 +117,10 @@ class HotRows:
         at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
         at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
         hot_rows = ShardedTable.rows(global_, tf.gather(unique, at_hot), True, step)
-        tail_rows = ShardedTable.rows(local, tf.gather(unique, at_tail), True, step)
+        # A worker cache's rows() caches what it fetches (its counts: the batch's ids).
+        tail_keys = tf.gather(unique, at_tail)
+        tail_rows = (local.rows(tail_keys, True, step, tf.gather(counts, at_tail))
+                     if self.geo.cached else local.rows(tail_keys, True, step))
         unique_rows = tf.reshape(tf.dynamic_stitch([at_hot, at_tail], [hot_rows, tail_rows]),
                                  [-1, local.dim])
         if tape is not None:
@@ -150,15 +153,39 @@ def local_rows(table: ShardedTable, keys, with_slots: bool = False):
     return table.shards[0].find(keys, with_slots=with_slots)[0]
 
 
-def set_rows(t: GeoTable, table: ShardedTable, keys, rows):
+def set_rows(t: GeoTable, table: ShardedTable, keys, rows, step=None):
     """The rows of ``keys`` in a worker table (``t.local`` or ``t.old``) become ``rows``
-    (as they travel: with the slots when ``t.share_slots``). Not marked for the table's
-    own reader 0: a row set so is not trained."""
-    zero = tf.constant(0, tf.int64)
+    (as they travel: with the slots when ``t.share_slots``), stamped with ``step`` (a
+    cache's clock; default 0). Not marked for the table's own reader 0: a row set so is
+    not trained."""
+    step = tf.constant(0, tf.int64) if step is None else step
     if not t.share_slots:
-        return table.shards[0].insert(keys, rows, zero)
-    return table.shards[0].accumulate(keys, rows - local_rows(table, keys, True), zero,
-                                      skip_reader=0, with_slots=True)
+        return table.shards[0].insert(keys, rows, step)
+    # The value exactly (and a new row counted as an insert counts it), then the slots.
+    inserted = table.shards[0].insert(keys, rows[:, :table.dim], step)
+    with tf.control_dependencies([] if tf.executing_eagerly() else [inserted]):
+        return table.shards[0].accumulate(keys, rows - local_rows(table, keys, True), step,
+                                          skip_reader=0, with_slots=True)
+
+
+def global_rows(t: GeoTable, keys, train: bool, step=None):
+    """Rows of unique ``keys`` from the PS shards as they travel to a copy: ``[n, dim]``,
+    or with ``t.share_slots`` ``[n, row_width]`` (each row with its optimizer slots).
+    ``train``: new keys are inserted (subject to admission) and counted first, as a
+    training lookup's are."""
+    if not t.share_slots:
+        return t.global_.rows(keys, train, step)
+    if not train:
+        return t.global_.stitched(lambda i, s, k: s.find(k, with_slots=True)[0], keys)
+    step = tf.constant(0, tf.int64) if step is None else step
+
+    def with_slots(i, shard, shard_keys):
+        inserted = shard.find_or_insert(shard_keys, step)
+        deps = [] if tf.executing_eagerly() else [inserted]
+        with tf.control_dependencies(deps):
+            return shard.find(shard_keys, with_slots=True)[0]
+
+    return t.global_.stitched(with_slots, keys)
 
 
 def nonzero_rows(keys, deltas):

@@ -51,17 +51,21 @@ def click_data(seed: int, n: int):
     return {"x": x, "user": user_ids, "tags": tags.astype(np.int64)}, label[:, None]
 
 
-def wide_and_deep(cache_size=None):
+def wide_and_deep(cache_size=None, cache_table=""):
     cache = {"cache_size": cache_size, "flush_steps": 10} if cache_size else {}
+
+    def cached(name):
+        return cache if cache_table in ("", name) else {}
+
     x = keras.Input((FEATURES,), name="x")
     user = keras.Input((1,), dtype="string", name="user")
     tags = keras.Input((WIDTH,), dtype="int64", name="tags")
     user_emb = keras.layers.Flatten()(tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), initializer=tfpsx.embedding.normal(stddev=0.05),
-        name="user_emb", **cache)(user))
+        name="user_emb", **cached("user_emb"))(user))
     tags_emb = tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), combiner="mean", pad_id=-1,
-        initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb", **cache)(tags)
+        initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb", **cached("tags_emb"))(tags)
     deep = keras.layers.Dense(16, activation="relu")(
         keras.layers.Concatenate()([x, user_emb, tags_emb]))
     logit = keras.layers.Add()([keras.layers.Dense(1)(deep), keras.layers.Dense(1)(x)])
@@ -169,6 +173,7 @@ def main(argv):
                    "server right before Keras's own wait at the epoch's end")
     p.add_argument("--cache_size", type=int, default=0,
                    help="a worker cache of that many rows on both tables (flushed every 10)")
+    p.add_argument("--cache_table", default="", help="the cache on this table only")
     p.add_argument("--partition", type=int, default=0,
                    help="cut every weight into this many slices (FixedShardsPartitioner)")
     p.add_argument("--partition_bytes", type=int, default=0,
@@ -185,7 +190,7 @@ def main(argv):
         me = tfpsx.worker_index()
     strategy = None if args.local else strategy_for(args)
     with contextlib.nullcontext() if strategy is None else strategy.scope():
-        model = (wide_and_deep(args.cache_size) if args.model == "wide_deep"
+        model = (wide_and_deep(args.cache_size, args.cache_table) if args.model == "wide_deep"
                  else linear_model())
 
     callbacks = [] if strategy is None else strategy.callbacks()

@@ -46,7 +46,8 @@ from tfpsx import graph_state
 from tfpsx.embedding.cache.admission import AdmissionSketch
 from tfpsx.embedding.cache.options import CacheOptions
 from tfpsx.embedding.cache.sync import FlushSchedule, track_eager
-from tfpsx.embedding.geo_rule import GeoTable, push_rows, table_pull, table_push, table_readers
+from tfpsx.embedding.geo_rule import (GeoTable, global_rows, push_rows, set_rows, table_pull,
+                                     table_push, table_readers)
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 from tfpsx.embedding.storage import on_device
 
@@ -103,25 +104,35 @@ class WorkerCache(ShardedTable):
       combine: how the PS adds the syncs of several workers' caches to one row
         (:mod:`tfpsx.embedding.geo_rule`: "sum" in async, whole updates as async; GEO's
         own in GEO mode).
+      share_slots: rows travel with their optimizer slots both ways (fetched, synced
+        and evicted), summed on the PS: GEO's rule for many workers
+        (``geo_table_rule="shared_slots"``), where a cached row's steps keep async's
+        size instead of restarting from the optimizer's initial slots at every fetch.
     """
 
     def __init__(self, table: ShardedTable, options: CacheOptions, device: Optional[str],
                  reader: int, scale: float = 1.0, flush_in_step: bool = True,
-                 wire: Optional[tf.DType] = None, combine: str = "sum"):
+                 wire: Optional[tf.DType] = None, combine: str = "sum",
+                 share_slots: bool = False):
         name = f"{table.name}/cache_w{reader}"
         copy = dict(initializer=table.initializer, seed=table.seed, devices=[device])
         super().__init__(name, table.dim, optimizer=table.optimizer, **copy)
-        self.old = ShardedTable(f"{name}/old", table.dim, **copy)
-        self.staged = ShardedTable(f"{name}/staged", table.dim, **copy)
+        # With shared slots, old and the staged rows keep the slots a row came with.
+        slots = dict(optimizer=table.optimizer if share_slots else None)
+        self.old = ShardedTable(f"{name}/old", table.dim, **slots, **copy)
+        self.staged = ShardedTable(f"{name}/staged", table.dim, **slots, **copy)
         self.table, self.options, self.device = table, options, device
         self.scale, self.flush_in_step = scale, flush_in_step
         self.geo = GeoTable(table, self, self.old, device, reader, cached=True, wire=wire,
-                            combine=combine)
+                            combine="sum" if share_slots else combine,
+                            share_slots=share_slots)
+        # The floats of a row as it travels (with its slots when they are shared).
+        self._width = table.row_width if share_slots else table.dim
         # Evict down to this many rows when a lookup finds more than options.size.
         self.evict_to = max(0, options.size - max(1, options.size // 16))
         self.sketch = AdmissionSketch(options.size) if options.admit_after > 1 else None
         self.schedule = FlushSchedule(options.flush_steps, own=flush_in_step)
-        self._row_bytes = 8 + (4 if wire is None else wire.size) * table.dim
+        self._row_bytes = 8 + (4 if wire is None else wire.size) * self._width
         self._eager_vars = None
         self._eager_registered = False
         self.apply_ops = []  # the update ops built in graphs
@@ -251,8 +262,8 @@ class WorkerCache(ShardedTable):
             rejected = tf.size(miss) - tf.size(admit)
 
         def cache_misses():
-            return [local.insert(admit, fetched, clock),
-                    self.old.shards[0].insert(admit, fetched, tf.constant(0, tf.int64)),
+            return [set_rows(self.geo, self, admit, fetched, clock),
+                    set_rows(self.geo, self.old, admit, fetched),
                     self.staged.shards[0].remove(miss)]
 
         inserted = _when(tf.size(miss) > 0, cache_misses)
@@ -283,22 +294,24 @@ class WorkerCache(ShardedTable):
 
     def _merge(self, cached, found, keys, train, step, parts=False):
         """The cached rows with the misses' rows put in (staged, or fetched); with
-        ``parts`` also (the missing keys, their rows, how many came from the PS)."""
+        ``parts`` also (the missing keys, their rows as they travel: with their slots
+        when shared, how many came from the PS)."""
         missing = tf.logical_not(found)
         miss = tf.boolean_mask(keys, missing)
         fetched, from_ps = _unless_empty(miss, lambda: self._fetch(miss, train, step),
-                                         lambda: (tf.zeros([0, self.dim]), tf.constant(0)))
-        rows = tf.tensor_scatter_nd_update(cached, tf.where(missing), fetched)
+                                         lambda: (tf.zeros([0, self._width]), tf.constant(0)))
+        rows = tf.tensor_scatter_nd_update(cached, tf.where(missing), fetched[:, :self.dim])
         return (rows, miss, fetched, from_ps) if parts else rows
 
     def _fetch(self, miss, train, step):
-        """(rows of the missing keys: staged by a prefetch, else from the PS shards;
-        how many came from the PS)."""
-        staged_rows, staged = self.staged.shards[0].find(miss)
+        """(rows of the missing keys as they travel: staged by a prefetch, else from the
+        PS shards; how many came from the PS)."""
+        shared = self.geo.share_slots
+        staged_rows, staged = self.staged.shards[0].find(miss, with_slots=shared)
         need_mask = tf.logical_not(staged)
         need = tf.boolean_mask(miss, need_mask)
-        got = _unless_empty(need, lambda: self.table.rows(need, train, step),
-                            lambda: tf.zeros([0, self.dim]))
+        got = _unless_empty(need, lambda: global_rows(self.geo, need, train, step),
+                            lambda: tf.zeros([0, self._width]))
         return tf.tensor_scatter_nd_update(staged_rows, tf.where(need_mask), got), tf.size(need)
 
     @_graph_code
@@ -313,11 +326,13 @@ class WorkerCache(ShardedTable):
             keys, _ = tf.unique(tf.reshape(self._keys(ids), [-1]))
             _, found = self.shards[0].find(keys)
             miss = tf.boolean_mask(keys, tf.logical_not(found))
-            rows = _unless_empty(miss, lambda: self.table.rows(miss, True, step),
-                                 lambda: tf.zeros([0, self.dim]))
+            rows = _unless_empty(miss, lambda: global_rows(self.geo, miss, True, step),
+                                 lambda: tf.zeros([0, self._width]))
             n = tf.size(miss)
+            slots = (tf.reshape(rows[:, self.dim:], [n, self.num_slots, self.dim])
+                     if self.geo.share_slots else tf.zeros([0]))
             staged = self.staged.import_rows(
-                {"keys": miss, "values": rows, "slots": tf.zeros([0]),
+                {"keys": miss, "values": rows[:, :self.dim], "slots": slots,
                  "freq": tf.ones([n], tf.int64), "step": tf.zeros([n], tf.int64)}, clear=True)
             counted = self._count(prefetched=n)
         return self._group([staged, counted])
@@ -336,9 +351,9 @@ class WorkerCache(ShardedTable):
             clock = self._vars()[0][_STATE.index("clock")]
             _, found = self.shards[0].find(unique)
             miss = tf.boolean_mask(unique, tf.logical_not(found))
-            rows = self.table.rows(miss, True, as_step(step))
-            inserted = [self.shards[0].insert(miss, rows, clock),
-                        self.old.shards[0].insert(miss, rows, tf.constant(0, tf.int64))]
+            rows = global_rows(self.geo, miss, True, as_step(step))
+            inserted = [set_rows(self.geo, self, miss, rows, clock),
+                        set_rows(self.geo, self.old, miss, rows)]
             counts, n = tf.cast(counts, tf.int64), tf.size(miss)
             counted = self._count(lookups=tf.reduce_sum(counts),
                                   hits=tf.reduce_sum(tf.boolean_mask(counts, found)),

@@ -44,35 +44,21 @@ class GeoTableUpdater(TableUpdater):
         super().__init__()
         self._mode = mode
         self._geo: Optional[GeoTable] = None
-        self._hot = 0  # this table's hot count (none with a worker cache)
+        self._hot = 0  # this table's hot count (geo_hot_count; 0: none)
 
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
         options = getattr(table, "cache_options", None)
         share, hot = mode.share_slots, mode.hot_count
-        if options is not None:
-            # A worker cache syncs rows without their slots and reads them through the
-            # cache: a named rule that cannot apply is an error, a default gives way.
-            if share and "geo_table_rule" in mode.named:
-                raise ValueError(f"table {table.name!r}: a worker cache (cache_size) syncs "
-                                 "its rows without their optimizer slots; a_sync_configs"
-                                 "['geo_table_rule']='shared_slots' does not apply to it "
-                                 "(use 'average', or no cache)")
-            if hot and "geo_hot_count" in mode.named:
-                raise ValueError(f"table {table.name!r}: a worker cache (cache_size) reads "
-                                 "its rows through the cache; a_sync_configs"
-                                 f"['geo_hot_count']={hot} (hot rows trained on the PS) "
-                                 "does not apply to it (use geo_hot_count=0, or no cache)")
-            if share or hot:
-                logger.info("GEO: table %r has a worker cache: its rows are averaged and "
-                            "none trains on the PS (the rule for many workers applies to "
-                            "tables without a cache)", table.name)
-            share = hot = False
         self._hot = hot
         if options is not None:
+            # A worker cache follows the same rule: its rows travel with their slots
+            # when shared, and HotRows reads the hot ids from the PS, the rest through
+            # the cache.
             self.cache = WorkerCache(table, options, mode.worker_device, me,
                                      scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
-                                     combine=combine_for(mode.in_train_thread))
+                                     combine=combine_for(mode.in_train_thread),
+                                     share_slots=share)
             self._geo = self.cache.geo
             mode.tables.append(self._geo)
             return
