@@ -97,8 +97,29 @@ def apply_dense(adam, grads, variables) -> None:
 # "moments": the values' deltas summed, Adam's moments shared (their deltas averaged,
 # pulled back: every worker's Adam steps by the mean of the workers' moments) and its step
 # count summed (the bias correction of every worker's steps).
+# "outer": the mean, then an outer optimizer on the round's move of the global part
+# (DiLoCo / SlowMo / BMUF): Nesterov momentum over the averaged delta, --outer_lr and
+# --outer_momentum (deterministic rounds).
 DENSE_RULES = {"mean": lambda n: float(n), "sqrt": lambda n: float(np.sqrt(n)),
-               "sum": lambda n: 1.0, "moments": lambda n: 1.0}
+               "sum": lambda n: 1.0, "moments": lambda n: 1.0, "outer": lambda n: float(n)}
+
+
+class OuterStep:
+    """The outer optimizer of ``--dense outer`` on the global dense variables: after a
+    round's (averaged) pushes, d = global - its value after the last round; m = mu m + d;
+    global = that value + lr (mu m + d) (Nesterov)."""
+
+    def __init__(self, variables, lr: float, momentum: float):
+        self.vars, self.lr, self.mu = variables, lr, momentum
+        self.prev = [tf.Variable(v.read_value()) for v in variables]
+        self.m = [tf.Variable(tf.zeros_like(v)) for v in variables]
+
+    def __call__(self) -> None:
+        for v, prev, m in zip(self.vars, self.prev, self.m):
+            d = v.read_value() - prev.read_value()
+            m.assign(self.mu * m + d)
+            v.assign(prev + self.lr * (self.mu * m + d))
+            prev.assign(v.read_value())
 
 
 # ----------------------------------------------------------------------------- data
@@ -263,7 +284,6 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     r = Run(args, data, n, f"geo_{rule}_n{n}_k{k}_l{latency}")
     r.data_eval = data_eval
     optimizer = embedding.Adagrad(args.table_lr)
-    tables, denses, steps = [], [], []
     workers = []
     shared_moments: List[tf.Variable] = []  # the "PS" values of Adam's moments, step count
     moment_pairs: Dict[int, list] = {}  # worker -> its moments' pairs (--dense moments)
@@ -342,6 +362,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         return apply_split
 
     step_fns = [make_step(t, d, a) for t, d, _, a in workers]
+    outer = (OuterStep(r.global_dense.vars, args.outer_lr, args.outer_momentum)
+             if dense_rule == "outer" and not async_dense else None)
     apply_fns = {id(t): make_apply(t) for t, *_ in workers} if hot_on_ps else {}
     if async_dense:
         for _, _, pairs, _ in workers:
@@ -394,6 +416,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                     geo.push_ops(moment_pairs[w], [], float(n), r.step)
                 if latency:
                     pending[w] = local_steps + latency
+            if outer is not None and dense_due:
+                outer()
             if not latency:
                 for w, (t, _, pairs, _) in enumerate(workers):
                     dense, tabs = parts(t, pairs)
@@ -407,6 +431,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     # The final round: every worker's unpushed steps.
     for t, _, pairs, _ in workers:
         geo.push_ops(pairs, [t] if t else [], DENSE_RULES[dense_rule](n), r.step)
+    if outer is not None:
+        outer()
     out = r.evaluate(r.global_table, r.global_dense)
     if moved["step_rows"]:
         out["hot_share"] = round(moved["hot_rows"] / moved["step_rows"], 4)
@@ -419,12 +445,15 @@ def main(argv=None) -> int:
                    help="criteo: the Wide&Deep (AUC); word2vec: skip-gram over the planted-"
                         "topic corpus (held-out loss)")
     p.add_argument("--workers", default="1,2,4,8,16,32")
-    p.add_argument("--k", default="10,100", help="GEO's k_steps values")
+    p.add_argument("--k", default="10,100", help="GEO's k_steps values; 'auto': the "
+                   "product's k_steps='auto' for the epoch and N (tfpsx.modes.geo.auto_k_steps)")
     p.add_argument("--min_rounds", type=int, default=0,
                    help="a smaller K where the epoch would hold fewer rounds (0: never)")
     p.add_argument("--rules", default="scaled,sum", help="the PS's combine of a row's pushes")
     p.add_argument("--dense", default="mean", help="how a round adds the dense deltas: "
                    f"{', '.join(DENSE_RULES)}")
+    p.add_argument("--outer_lr", type=float, default=0.7, help="--dense outer's")
+    p.add_argument("--outer_momentum", type=float, default=0.9, help="--dense outer's")
     p.add_argument("--dense_k", type=int, default=0,
                    help="the dense part's rounds every this many steps (0: k's)")
     p.add_argument("--hot_vocab", type=int, default=0,
@@ -434,9 +463,10 @@ def main(argv=None) -> int:
     p.add_argument("--hot_rule", default="ps", choices=["ps", "sync"],
                    help="hot rows: read and trained on the PS (the product's geo_hot_count) "
                         "or trained in the copy and synced every step")
-    p.add_argument("--latency", type=int, default=0,
+    p.add_argument("--latency", default="0",
                    help="background rounds: a pull lands this many steps after the push "
-                        "(0: deterministic rounds)")
+                        "(0: deterministic rounds; 'k': K steps, the latest a product "
+                        "worker lets it land before it waits)")
     p.add_argument("--rows", type=int, default=131072)
     p.add_argument("--eval_rows", type=int, default=32768)
     p.add_argument("--buckets", type=int, default=8192, help="values per field (hashed)")
@@ -467,10 +497,12 @@ def main(argv=None) -> int:
             t0 = time.time()
             report(mode="async", n=n, **run_async(args, data, data_eval, n),
                    seconds=round(time.time() - t0, 1))
-        for k_max in [int(v) for v in args.k.split(",")]:
+        for k_max in args.k.split(","):
             # --min_rounds R: K shrinks until the epoch holds R rounds (GEO's advice)
             steps = args.rows // (args.batch * n)
+            k_max = geo.auto_k_steps(steps, n) if k_max == "auto" else int(k_max)
             k = min(k_max, max(1, steps // args.min_rounds)) if args.min_rounds else k_max
+            latency = k if args.latency == "k" else int(args.latency)
             for rule in args.rules.split(","):
                 for dense_rule in args.dense.split(","):
                     t0 = time.time()
@@ -478,8 +510,8 @@ def main(argv=None) -> int:
                     if args.min_rounds:
                         part.update(k_max=k_max, min_rounds=args.min_rounds)
                     report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
-                           latency=args.latency, rounds=(args.rows // (args.batch * n)) // k,
-                           **run_geo(args, data, data_eval, n, k, rule, args.latency,
+                           latency=latency, rounds=(args.rows // (args.batch * n)) // k,
+                           **run_geo(args, data, data_eval, n, k, rule, latency,
                                      dense_rule),
                            seconds=round(time.time() - t0, 1))
     if args.json:
