@@ -75,6 +75,11 @@ class CriteoJob:
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_fp16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "float16"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
+        # A worker cache under GEO's rule (from 3 workers: rows with their slots, hot ids on
+        # the PS) and under the earlier rule (what a cached table ran before).
+        "geo10_cache": ["--mode", "geo", "--k_steps", "10", "--cache_size", "CACHE"],
+        "geo10_cache_earlier": ["--mode", "geo", "--k_steps", "10", "--cache_size", "CACHE"]
+        + EARLIER_GEO,
         # The hybrid mode: the table on the PS (async / GEO), dense weights all-reduced.
         "hybrid": ["--mode", "async", "--dense", "allreduce"],
         "hybrid_geo100": ["--mode", "geo", "--k_steps", "100", "--dense", "allreduce"],

@@ -446,7 +446,8 @@ def main(argv=None) -> int:
                         "topic corpus (held-out loss)")
     p.add_argument("--workers", default="1,2,4,8,16,32")
     p.add_argument("--k", default="10,100", help="GEO's k_steps values; 'auto': the "
-                   "product's k_steps='auto' for the epoch and N (tfpsx.modes.geo.auto_k_steps)")
+                   "product's k_steps='auto' for the epoch, N and the rounds "
+                   "(tfpsx.modes.geo.auto_k_steps)")
     p.add_argument("--min_rounds", type=int, default=0,
                    help="a smaller K where the epoch would hold fewer rounds (0: never)")
     p.add_argument("--rules", default="scaled,sum", help="the PS's combine of a row's pushes")
@@ -500,7 +501,8 @@ def main(argv=None) -> int:
         for k_max in args.k.split(","):
             # --min_rounds R: K shrinks until the epoch holds R rounds (GEO's advice)
             steps = args.rows // (args.batch * n)
-            k_max = geo.auto_k_steps(steps, n) if k_max == "auto" else int(k_max)
+            k_max = (geo.auto_k_steps(steps, n, deterministic=args.latency == "0")
+                     if k_max == "auto" else int(k_max))
             k = min(k_max, max(1, steps // args.min_rounds)) if args.min_rounds else k_max
             latency = k if args.latency == "k" else int(args.latency)
             for rule in args.rules.split(","):

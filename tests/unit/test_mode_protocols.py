@@ -108,10 +108,13 @@ def test_a_k_that_leaves_too_few_rounds_per_epoch_is_warned_of_once(caplog):
 
 def test_k_steps_auto_takes_eight_rounds_of_the_first_fits_epoch_and_keeps_it(caplog):
     from tfpsx.modes.geo import auto_k_steps
-    # 8 rounds an epoch and K x N <= 40; no epoch length: 10 within K x N <= 40
-    assert [auto_k_steps(32, 2), auto_k_steps(250, 1), auto_k_steps(250, 8),
-            auto_k_steps(5, 2), auto_k_steps(100_000, 1), auto_k_steps(None, 2),
-            auto_k_steps(None, 8), auto_k_steps(10_000, 64)] == [4, 31, 5, 1, 40, 10, 5, 1]
+    # 8 rounds an epoch and K x N <= 40 in deterministic rounds, <= 20 in background ones;
+    # no epoch length: 10 within the same bound
+    cases = [(32, 2), (250, 1), (250, 8), (5, 2), (100_000, 1), (None, 2), (None, 8),
+             (10_000, 64)]
+    assert [auto_k_steps(e, n, deterministic=True) for e, n in cases] == \
+        [4, 31, 5, 1, 40, 10, 5, 1]
+    assert [auto_k_steps(e, n) for e, n in cases] == [4, 20, 2, 1, 20, 10, 2, 1]
     rec = Recorder()
     s = rec.make(10, deterministic=True, auto_workers=1)
     with caplog.at_level("INFO", logger="tfpsx"):
@@ -119,7 +122,7 @@ def test_k_steps_auto_takes_eight_rounds_of_the_first_fits_epoch_and_keeps_it(ca
         s.fit_length(40)  # a later fit: K stays (a compiled step holds it); 1 round: warned
     assert s.k_steps == 31 and s.lag == 31
     assert "GEO: k_steps='auto' is 31 (8 rounds in an epoch of 250 local steps; K x 1 " \
-           "workers at most 40)" in caplog.text
+           "workers at most 40 in deterministic rounds)" in caplog.text
     assert "k_steps=31 leaves 1 round(s) in an epoch of 40" in caplog.text
     s.start(0)
     for step in range(1, 63):

@@ -14,7 +14,7 @@ from tfpsx.modes.geo import GEO_FOR_MANY, GEO_K_WITHOUT_EPOCH
 
 _CONFIG_KEYS = {
     "k_steps": "GEO: local steps between syncs (0: plain async; 'auto': 8 rounds in Keras "
-               "fit's epoch and K x workers <= 40)",
+               "fit's epoch and K x workers <= 20, 40 in deterministic rounds)",
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
     "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",

@@ -43,20 +43,31 @@ from tfpsx.waits import bounded_wait
 # "GEO at N workers": with fewer, no table rule kept async's AUC at 4 workers or more).
 MIN_ROUNDS_PER_EPOCH = 8
 # k_steps="auto" (docs/modes.md, "GEO at N workers"): K = the epoch's local steps //
-# MIN_ROUNDS_PER_EPOCH, and K x N at most GEO_AUTO_KN (word2vec in the harness: within 1%
-# of async's loss up to K x N = 40, 2% over at 80; the Criteo job held further); where no
-# epoch length is known (graph mode), GEO_K_WITHOUT_EPOCH within the same bound.
+# MIN_ROUNDS_PER_EPOCH, and K x N at most GEO_AUTO_KN in deterministic rounds (word2vec in
+# the harness: within 1% of async's loss up to K x N = 40, 2% over at 80; the Criteo job
+# held further), GEO_AUTO_KN_BACKGROUND in background ones, whose pull lands up to K
+# steps after its push, so that a copy trains on rows up to 2K steps old (word2vec at
+# that latency: 1.4% over at K x N = 40, at most 0.6% at 20); where no epoch length is
+# known (graph mode), GEO_K_WITHOUT_EPOCH within the same bound.
 GEO_AUTO_KN = 40
+GEO_AUTO_KN_BACKGROUND = 20
 GEO_K_WITHOUT_EPOCH = 10
 
 logger = logging.getLogger("tfpsx")
 
 
-def auto_k_steps(epoch_steps: Optional[int], worker_num: int) -> int:
+def auto_kn(deterministic: bool) -> int:
+    """The most K x N that ``k_steps="auto"`` takes: :data:`GEO_AUTO_KN` in deterministic
+    rounds, :data:`GEO_AUTO_KN_BACKGROUND` in background ones."""
+    return GEO_AUTO_KN if deterministic else GEO_AUTO_KN_BACKGROUND
+
+
+def auto_k_steps(epoch_steps: Optional[int], worker_num: int,
+                 deterministic: bool = False) -> int:
     """``k_steps="auto"``'s K for an epoch of ``epoch_steps`` local steps (None: unknown)
     at ``worker_num`` workers: :data:`MIN_ROUNDS_PER_EPOCH` rounds an epoch, K x N at
-    most :data:`GEO_AUTO_KN`."""
-    k = GEO_AUTO_KN // max(1, worker_num)
+    most :func:`auto_kn` (background rounds unless ``deterministic``)."""
+    k = auto_kn(deterministic) // max(1, worker_num)
     k = min(k, epoch_steps // MIN_ROUNDS_PER_EPOCH if epoch_steps else GEO_K_WITHOUT_EPOCH)
     return max(1, k)
 
@@ -154,12 +165,13 @@ class GeoSchedule:
         it), then :meth:`check_epoch`."""
         if self._auto_workers:
             n, self._auto_workers = self._auto_workers, 0
-            self.k_steps = self.lag = auto_k_steps(epoch_steps, n)
-            logger.info("GEO: k_steps='auto' is %d (%s; K x %d workers at most %d)",
-                        self.k_steps,
+            self.k_steps = self.lag = auto_k_steps(epoch_steps, n, self.deterministic)
+            logger.info("GEO: k_steps='auto' is %d (%s; K x %d workers at most %d in %s "
+                        "rounds)", self.k_steps,
                         f"{MIN_ROUNDS_PER_EPOCH} rounds in an epoch of {epoch_steps} local "
                         "steps" if epoch_steps else "the epoch's length is unknown",
-                        n, GEO_AUTO_KN)
+                        n, auto_kn(self.deterministic),
+                        "deterministic" if self.deterministic else "background")
         self.check_epoch(epoch_steps)
 
     def check_epoch(self, epoch_steps: Optional[int]) -> Optional[str]:
@@ -251,7 +263,8 @@ class GeoSchedule:
                         "next (%.2f s this time; metrics 'geo' round_wait_seconds). A "
                         "round takes longer than K steps: a larger k_steps (K x N at most "
                         "%d, docs/modes.md) or async trains on instead",
-                        self.pushed, steps - self.pushed, self.k_steps, waited, GEO_AUTO_KN)
+                        self.pushed, steps - self.pushed, self.k_steps, waited,
+                        auto_kn(self.deterministic))
 
     def _background(self) -> None:
         if self._first_round is not None:
