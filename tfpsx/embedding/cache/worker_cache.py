@@ -31,7 +31,9 @@ this worker (the C++ core's table, with the table's optimizer and slots) and a s
 Hot rows so train as in GEO (local updates, synced every ``flush_steps``), cold rows as the
 table's mode does. The cached rows' optimizer slots are the worker's: an evicted row's
 slots are dropped, and a fetched row's start from the optimizer's initial values (as GEO's
-worker copy). Counters (hit rate, rows fetched and flushed, evictions, bytes) are in
+worker copy under the earlier rule). With ``share_slots`` (GEO's rule for many workers)
+a row travels with its slots instead: fetched, staged, synced and evicted as ``[value |
+slots]``, summed on the PS (:mod:`tfpsx.embedding.geo_rule`). Counters (hit rate, rows fetched and flushed, evictions, bytes) are in
 :meth:`WorkerCache.stats`, ``DynamicTable.stats()`` and the training logs.
 """
 
