@@ -43,7 +43,8 @@ class DistributedStrategy:
       a_sync: False for sync training, True for async / GEO / bounded staleness.
       a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO; "auto" selects GEO with
         K = the first Keras ``fit``'s epoch steps // 8 (8 rounds an epoch), with K x the
-        worker count at most 40; graph mode knows no epoch: 10 within the same bound),
+        worker count at most 20 in background rounds, 40 in deterministic ones; graph
+        mode knows no epoch: 10 within the same bound),
         ``max_staleness``
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``geo_table_rule`` (GEO:

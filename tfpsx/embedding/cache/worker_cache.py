@@ -33,8 +33,9 @@ table's mode does. The cached rows' optimizer slots are the worker's: an evicted
 slots are dropped, and a fetched row's start from the optimizer's initial values (as GEO's
 worker copy under the earlier rule). With ``share_slots`` (GEO's rule for many workers)
 a row travels with its slots instead: fetched, staged, synced and evicted as ``[value |
-slots]``, summed on the PS (:mod:`tfpsx.embedding.geo_rule`). Counters (hit rate, rows fetched and flushed, evictions, bytes) are in
-:meth:`WorkerCache.stats`, ``DynamicTable.stats()`` and the training logs.
+slots]``, summed on the PS (:mod:`tfpsx.embedding.geo_rule`). Counters (hit rate, rows
+fetched and flushed, evictions, bytes) are in :meth:`WorkerCache.stats`,
+``DynamicTable.stats()`` and the training logs.
 """
 
 from __future__ import annotations
@@ -264,8 +265,10 @@ class WorkerCache(ShardedTable):
             rejected = tf.size(miss) - tf.size(admit)
 
         def cache_misses():
-            return [set_rows(self.geo, self, admit, fetched, clock),
-                    set_rows(self.geo, self.old, admit, fetched),
+            # old first: a round running beside the step (Keras) pushes and pulls only
+            # the rows local holds, so a row is never in local without its old.
+            old = set_rows(self.geo, self.old, admit, fetched)
+            return [_after(old, lambda: set_rows(self.geo, self, admit, fetched, clock)),
                     self.staged.shards[0].remove(miss)]
 
         inserted = _when(tf.size(miss) > 0, cache_misses)
@@ -354,8 +357,8 @@ class WorkerCache(ShardedTable):
             _, found = self.shards[0].find(unique)
             miss = tf.boolean_mask(unique, tf.logical_not(found))
             rows = global_rows(self.geo, miss, True, as_step(step))
-            inserted = [set_rows(self.geo, self, miss, rows, clock),
-                        set_rows(self.geo, self.old, miss, rows)]
+            old = set_rows(self.geo, self.old, miss, rows)  # old first (see _train_rows)
+            inserted = [old, _after(old, lambda: set_rows(self.geo, self, miss, rows, clock))]
             counts, n = tf.cast(counts, tf.int64), tf.size(miss)
             counted = self._count(lookups=tf.reduce_sum(counts),
                                   hits=tf.reduce_sum(tf.boolean_mask(counts, found)),

@@ -60,7 +60,7 @@ def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=No
     for t in tables:
         op, count = table_push(t, 1.0, step)
         ops.append(op)
-        rows.append((count, t.global_.dim, _value_bytes(t)))
+        rows.append((count, _row_floats(t), _value_bytes(t)))
     return ops, rows_and_bytes(rows)
 
 
@@ -72,8 +72,13 @@ def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=()):
     for t in tables:
         op, count = table_pull(t, after)
         ops.append(op)
-        rows.append((count, t.global_.dim, _value_bytes(t)))
+        rows.append((count, _row_floats(t), _value_bytes(t)))
     return ops, rows_and_bytes(rows)
+
+
+def _row_floats(t: GeoTable) -> int:
+    """The floats of a row as it travels: with its optimizer slots when they are shared."""
+    return t.global_.row_width if t.share_slots else t.global_.dim
 
 
 def _value_bytes(t: GeoTable) -> int:
@@ -92,9 +97,9 @@ def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
 # GEO's rule for many workers (docs/modes.md, "GEO at N workers"): its keys' values. A
 # key left unnamed is chosen by the job's worker count: this rule from GEO_MANY_WORKERS
 # workers on, the earlier rule (GEO_EARLIER) below, where it kept async's quality and is
-# faster. A table with a worker cache, and the hybrid mode's all-reduced dense weights,
-# keep their own unless the key is named (then a combination that does not apply is an
-# error).
+# faster. A table with a worker cache follows the same rule; the hybrid mode's
+# all-reduced dense weights keep their own unless the key is named (then a combination
+# that does not apply is an error).
 GEO_MANY_WORKERS = 3
 GEO_FOR_MANY = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4}
 GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0}

@@ -62,11 +62,10 @@ def auto_kn(deterministic: bool) -> int:
     return GEO_AUTO_KN if deterministic else GEO_AUTO_KN_BACKGROUND
 
 
-def auto_k_steps(epoch_steps: Optional[int], worker_num: int,
-                 deterministic: bool = False) -> int:
+def auto_k_steps(epoch_steps: Optional[int], worker_num: int, *, deterministic: bool) -> int:
     """``k_steps="auto"``'s K for an epoch of ``epoch_steps`` local steps (None: unknown)
     at ``worker_num`` workers: :data:`MIN_ROUNDS_PER_EPOCH` rounds an epoch, K x N at
-    most :func:`auto_kn` (background rounds unless ``deterministic``)."""
+    most :func:`auto_kn` (``deterministic``: the rounds' kind)."""
     k = auto_kn(deterministic) // max(1, worker_num)
     k = min(k, epoch_steps // MIN_ROUNDS_PER_EPOCH if epoch_steps else GEO_K_WITHOUT_EPOCH)
     return max(1, k)
@@ -165,7 +164,8 @@ class GeoSchedule:
         it), then :meth:`check_epoch`."""
         if self._auto_workers:
             n, self._auto_workers = self._auto_workers, 0
-            self.k_steps = self.lag = auto_k_steps(epoch_steps, n, self.deterministic)
+            self.k_steps = self.lag = auto_k_steps(epoch_steps, n,
+                                                   deterministic=self.deterministic)
             logger.info("GEO: k_steps='auto' is %d (%s; K x %d workers at most %d in %s "
                         "rounds)", self.k_steps,
                         f"{MIN_ROUNDS_PER_EPOCH} rounds in an epoch of {epoch_steps} local "

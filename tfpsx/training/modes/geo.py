@@ -42,8 +42,8 @@ class GeoMode(Mode):
         super().__init__(strategy, config, graph)
         self.k_steps = strategy.k_steps
         if strategy.k_auto:
-            self.k_steps = auto_k_steps(None, config.worker_num,
-                                        strategy.geo_sync_in_train_thread)
+            self.k_steps = auto_k_steps(
+                None, config.worker_num, deterministic=strategy.geo_sync_in_train_thread)
             logger.info("GEO: k_steps='auto' is %d in graph mode at %d workers (it knows no "
                         "epoch length; give k_steps <= the local steps an epoch // %d for "
                         "%d rounds an epoch)", self.k_steps, config.worker_num,
