@@ -80,7 +80,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
+from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 
 
 @dataclasses.dataclass
@@ -97,6 +97,10 @@ class GeoTable:
     # The rows travel with their optimizer slots ([value | slots], summed on the PS;
     # ``old`` then holds row_width floats a row): the workers share the optimizer state.
     share_slots: bool = False
+
+    def __post_init__(self):
+        if self.share_slots:  # shared slots add every push whole (the module doc)
+            self.combine = "sum"
 
 
 class HotRows:
@@ -158,7 +162,7 @@ def set_rows(t: GeoTable, table: ShardedTable, keys, rows, step=None):
     (as they travel: with the slots when ``t.share_slots``), stamped with ``step`` (a
     cache's clock; default 0). Not marked for the table's own reader 0: a row set so is
     not trained."""
-    step = tf.constant(0, tf.int64) if step is None else step
+    step = as_step(step)
     if not t.share_slots:
         return table.shards[0].insert(keys, rows, step)
     # The value exactly (and a new row counted as an insert counts it), then the slots.
@@ -177,7 +181,7 @@ def global_rows(t: GeoTable, keys, train: bool, step=None):
         return t.global_.rows(keys, train, step)
     if not train:
         return t.global_.stitched(lambda i, s, k: s.find(k, with_slots=True)[0], keys)
-    step = tf.constant(0, tf.int64) if step is None else step
+    step = as_step(step)
 
     def with_slots(i, shard, shard_keys):
         inserted = shard.find_or_insert(shard_keys, step)
@@ -223,8 +227,6 @@ def push_rows(t: GeoTable, keys, n: float, step, keep_old: bool = True):
         skip, combine = -1, "sum"
     else:  # an eviction (not keep_old) sums: see the module doc
         skip, combine = t.reader, (t.combine if keep_old else "sum")
-    if t.share_slots:
-        combine = "sum"
     pushed = t.global_.accumulate(keys, delta, step, skip_reader=skip, wire_dtype=t.wire,
                                   combine=combine, with_slots=t.share_slots)
     return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)

@@ -127,8 +127,7 @@ class WorkerCache(ShardedTable):
         self.table, self.options, self.device = table, options, device
         self.scale, self.flush_in_step = scale, flush_in_step
         self.geo = GeoTable(table, self, self.old, device, reader, cached=True, wire=wire,
-                            combine="sum" if share_slots else combine,
-                            share_slots=share_slots)
+                            combine=combine, share_slots=share_slots)
         # The floats of a row as it travels (with its slots when they are shared).
         self._width = table.row_width if share_slots else table.dim
         # Evict down to this many rows when a lookup finds more than options.size.

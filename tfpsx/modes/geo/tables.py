@@ -70,8 +70,7 @@ class GeoTableUpdater(TableUpdater):
         old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim,
                            optimizer=table.optimizer if share else None, **copy)
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
-                             combine="sum" if share else combine_for(mode.in_train_thread),
-                             share_slots=share)
+                             combine=combine_for(mode.in_train_thread), share_slots=share)
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
