@@ -46,6 +46,12 @@ char* ChunkPool::Get() {
     free_.pop_back();
     return p;
   }
+  if (!trimmed_.empty()) {
+    char* p = trimmed_.back();
+    trimmed_.pop_back();
+    trimmed_bytes_ -= InteriorBytes(p);
+    return p;
+  }
   if (left_ < chunk_bytes_) {
     const size_t bytes = BlockBytes(1);
     cur_ = AllocBlock(bytes);
@@ -71,6 +77,35 @@ void ChunkPool::Reserve(int64_t chunks) {
   Populate(block, bytes);
   // Get pops from the back: hand the chunks out in address order.
   for (int64_t c = chunks - 1; c >= 0; --c) free_.push_back(block + c * chunk_bytes_);
+}
+
+size_t ChunkPool::InteriorBytes(const char* chunk) const {
+  const uintptr_t begin = RoundUp(reinterpret_cast<uintptr_t>(chunk), kPage);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(chunk) + chunk_bytes_) & ~(kPage - 1);
+  return end > begin ? end - begin : 0;
+}
+
+void ChunkPool::Trim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (char* chunk : free_) {
+    const size_t bytes = InteriorBytes(chunk);
+    if (bytes > 0) {
+      char* begin = reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(chunk), kPage));
+#ifdef __linux__
+      ::madvise(begin, bytes, MADV_DONTNEED);  // advice: a failure only keeps the pages
+#else
+      (void)begin;
+#endif
+    }
+    trimmed_bytes_ += bytes;
+    trimmed_.push_back(chunk);
+  }
+  free_.clear();
+}
+
+int64_t ChunkPool::ResidentBytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(mapped_ - left_ - trimmed_bytes_);
 }
 
 int64_t ChunkPool::MappedBytes() {

@@ -53,6 +53,13 @@ class ChunkPool {
   void Reserve(int64_t chunks);
   // Every block mapped (chunks in use, given back or not handed out yet).
   int64_t MappedBytes();
+  // Gives the pages of the chunks given back to the system (madvise DONTNEED); they
+  // stay mapped and fault in again, zeroed, when handed out. A tiered table calls it
+  // after moving rows to disk, so that its process's RSS follows the rows it holds.
+  void Trim();
+  // What may be resident: mapped, less the trimmed chunks and the newest block's part
+  // not handed out yet (never touched unless reserved).
+  int64_t ResidentBytes();
 
  private:
   struct Block {
@@ -62,6 +69,8 @@ class ChunkPool {
   // The size of the next block holding at least `chunks` chunks (whole pages).
   size_t BlockBytes(int64_t chunks) const;
   char* AllocBlock(size_t bytes);
+  // The whole pages inside a chunk (what Trim gives back).
+  size_t InteriorBytes(const char* chunk) const;
   static void Populate(char* p, size_t bytes);
   static void FreeBlock(const Block& b);
 
@@ -70,6 +79,8 @@ class ChunkPool {
   std::mutex mu_;
   std::vector<Block> blocks_;
   std::vector<char*> free_;
+  std::vector<char*> trimmed_;  // given back and trimmed: handed out after free_
+  size_t trimmed_bytes_ = 0;    // their page-aligned interiors
   size_t mapped_ = 0;
   char* cur_ = nullptr;     // the newest block's part not handed out yet
   size_t left_ = 0;

@@ -252,6 +252,43 @@ int64_t HashTable::RemoveKeys(const int64_t* keys, int64_t n, bool count_as_evic
   return removed;
 }
 
+void HashTable::Present(const int64_t* keys, int64_t n, bool* present) const {
+  store_.ForEachByStripe<false>(keys, n, nullptr, 0, [&](const Stripe& s, int64_t i, uint64_t h) {
+    present[i] = s.FindRow(keys[i], h) >= 0;
+  });
+}
+
+void HashTable::TakeRows(const int64_t* keys, int64_t n, RecordBatch* out,
+                         std::vector<uint8_t>* dirty) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = HashKey(keys[i]);
+    Stripe& s = store_.StripeOf(h);
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    const int64_t r = s.FindRow(keys[i], h);
+    if (r < 0) continue;
+    out->Add(keys[i], s.rows.step(r), s.rows.freq(r), s.rows.row(r));
+    const StripeState& st = stripe_state_[s.id];
+    dirty->push_back(st.tracked && RowMarked(st, r) ? 1 : 0);
+    RemoveTrackedRow(s, r, /*as_removal=*/false);
+  }
+}
+
+void HashTable::PutRows(const RecordBatch& in, const std::vector<uint8_t>& dirty) {
+  for (int64_t i = 0; i < in.size(); ++i) {
+    const int64_t key = in.keys[i];
+    const uint64_t h = HashKey(key);
+    Stripe& s = store_.StripeOf(h);
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    uint64_t empty = Stripe::kNoSlot;
+    if (s.FindRow(key, h, &empty) >= 0) continue;
+    const int64_t r = s.AddRow(key, h, options_.max_stripe_rows, empty);
+    std::memcpy(s.rows.row(r), in.rows.data() + i * row_width_, row_width_ * sizeof(float));
+    s.rows.set_freq(r, in.freqs[i]);
+    s.rows.set_step(r, in.steps[i]);
+    if (dirty[i]) MarkRow(s, r);
+  }
+}
+
 int64_t HashTable::Size() const {
   return store_.SumOverStripes([](const Stripe& s) { return s.size(); });
 }
@@ -304,12 +341,12 @@ ExportedRows HashTable::ExportSince(int64_t since_step) const {
   return SortedByKey(std::move(raw));
 }
 
-void HashTable::RemoveTrackedRow(Stripe& s, int64_t r) {
+void HashTable::RemoveTrackedRow(Stripe& s, int64_t r, bool as_removal) {
   StripeState& st = stripe_state_[s.id];
   if (st.tracked) {
     const int64_t last = s.size() - 1;  // RemoveRow moves it to r
     const bool last_marked = RowMarked(st, last);
-    st.removed.insert(s.rows.key(r));
+    if (as_removal) st.removed.insert(s.rows.key(r));
     if (static_cast<size_t>(last >> 6) < st.dirty.size())
       st.dirty[last >> 6] &= ~(uint64_t{1} << (last & 63));
     if (static_cast<size_t>(r >> 6) < st.dirty.size())
@@ -417,13 +454,17 @@ int64_t HashTable::EvictOlderThan(int64_t min_step) {
   return removed;
 }
 
-int64_t HashTable::EvictToTopN(int64_t keep) {
-  std::vector<std::pair<uint32_t, int64_t>> all;  // (freq, key)
+void HashTable::Frequencies(std::vector<std::pair<uint32_t, int64_t>>* out) const {
   for (int i = 0; i < store_.num_stripes(); ++i) {
     const Stripe& s = store_.stripe(i);
     std::shared_lock<std::shared_mutex> lock(s.mu);
-    for (int64_t r = 0; r < s.size(); ++r) all.emplace_back(s.rows.freq(r), s.rows.key(r));
+    for (int64_t r = 0; r < s.size(); ++r) out->emplace_back(s.rows.freq(r), s.rows.key(r));
   }
+}
+
+int64_t HashTable::EvictToTopN(int64_t keep) {
+  std::vector<std::pair<uint32_t, int64_t>> all;  // (freq, key)
+  Frequencies(&all);
   if (keep < 0) keep = 0;
   if (static_cast<int64_t>(all.size()) <= keep) return 0;
   // Highest frequency first; on ties the smaller key stays, so the result is deterministic.

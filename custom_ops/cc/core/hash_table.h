@@ -29,10 +29,12 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "custom_ops/cc/core/change_log.h"
 #include "custom_ops/cc/core/initializer.h"
+#include "custom_ops/cc/core/record_batch.h"
 #include "custom_ops/cc/core/striped_store.h"
 
 namespace tfpsx {
@@ -192,6 +194,29 @@ class HashTable {
   // Eviction: keeps the `keep` most frequent rows (ties: smaller key kept); returns removed.
   int64_t EvictToTopN(int64_t keep);
 
+  // Removes keys[n] counted as evicted (a policy's choice, as EvictToTopN's).
+  int64_t EvictKeys(const int64_t* keys, int64_t n) {
+    return RemoveKeys(keys, n, /*count_as_evicted=*/true);
+  }
+
+  // Moving rows between RAM and a disk tier (tiered_table.h), as no change of the table:
+  // neither the change log nor checkpoint tracking sees a row leave or come back as a
+  // removal or a write. present[n]: whether each key has a row here.
+  void Present(const int64_t* keys, int64_t n, bool* present) const;
+  // Appends the rows of keys[n] (present ones, in the given order) to `out`, whole,
+  // with dirty[i] = 1 when the row was written since the last checkpoint export, and
+  // removes them.
+  void TakeRows(const int64_t* keys, int64_t n, RecordBatch* out, std::vector<uint8_t>* dirty);
+  // Adds the rows of `in` back (a key already here keeps its row), marked for the next
+  // incremental checkpoint where dirty[i] is 1.
+  void PutRows(const RecordBatch& in, const std::vector<uint8_t>& dirty);
+  // (frequency, key) of every row, appended to `out` (EvictToTopN over RAM and disk).
+  void Frequencies(std::vector<std::pair<uint32_t, int64_t>>* out) const;
+  // Gives the memory of removed rows back to the system (ChunkPool::Trim).
+  void TrimMemory() { store_.TrimMemory(); }
+  // What the table may hold resident: indexes and row memory, less what was trimmed.
+  int64_t ResidentBytes() const { return store_.ResidentBytes(); }
+
   // Counters since construction.
   int64_t admitted() const;
   int64_t evicted() const;
@@ -231,7 +256,8 @@ class HashTable {
   }
   // Removes row r of s (its lock held), keeping the checkpoint marks with their rows (the
   // last row takes r's id) and the key as removed.
-  void RemoveTrackedRow(Stripe& s, int64_t r);
+  // `as_removal` false: the row leaves for a disk tier, not recorded as removed.
+  void RemoveTrackedRow(Stripe& s, int64_t r, bool as_removal = true);
   // Appends row r of s to `out`.
   void AppendRow(const Stripe& s, int64_t r, ExportedRows& out) const;
   // `raw` ordered by key.

@@ -165,6 +165,9 @@ class StripedStore {
   // All the memory the store holds: the indexes plus every block the pool mapped (rows
   // held, chunks reserved, given back or partly filled, the newest block's rest).
   int64_t ReservedBytes() const;
+  // The indexes plus the row memory that may be resident (ChunkPool::ResidentBytes).
+  int64_t ResidentBytes() const { return IndexBytes() + pool_->ResidentBytes(); }
+  void TrimMemory() { pool_->Trim(); }
 
  private:
   int64_t IndexBytes() const;

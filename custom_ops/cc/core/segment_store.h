@@ -1,0 +1,127 @@
+// A tiered table's disk rows: immutable segment files, each a sorted run of whole rows.
+//
+// A segment is written once, by one call, from rows sorted by key: a 64-byte header,
+// then records [key int64 | step int64 | freq uint32 | value and slot floats] (the RAM
+// table's record, row_store.h), in groups of ~4 KiB. RAM keeps per segment the first
+// key of each group (its fences: 8 bytes per ~4 KiB of rows) and one bit per record
+// saying that the row went back to RAM or away (dead); nothing per key. A read of many
+// keys is one batch: the groups they fall in are sorted, adjacent ones merged, and each
+// run read by one pread (the page cache is the OS's, outside the process's RSS; no
+// mmap, whose pages would count in it). Segments are never rewritten in place: a
+// compaction writes the live records of some into a new one and drops them.
+//
+// Errors (a directory that cannot be written, a full disk) throw std::runtime_error
+// naming the file and the system's reason; a failed write leaves no segment behind.
+// Not thread-safe: the tiered table's lock guards it.
+
+#ifndef TFPSX_CORE_SEGMENT_STORE_H_
+#define TFPSX_CORE_SEGMENT_STORE_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "custom_ops/cc/core/record_batch.h"
+
+namespace tfpsx {
+
+class SegmentStore {
+ public:
+  static constexpr int64_t kHeaderBytes = 64;
+  static constexpr int64_t kGroupBytes = 4096;
+  static constexpr int64_t kMaxRunBytes = int64_t{1} << 20;  // one pread at most
+
+  SegmentStore(std::string directory, int64_t width);
+  ~SegmentStore();
+  SegmentStore(const SegmentStore&) = delete;
+  SegmentStore& operator=(const SegmentStore&) = delete;
+
+  // Creates the directory (and its parents) and removes the segment files a previous
+  // process left there: a tiered table's disk rows belong to its process, a restart
+  // restores its checkpoint. Throws std::runtime_error when it cannot.
+  void Open();
+  const std::string& directory() const { return directory_; }
+
+  // Writes batch (sorted by key, unique keys) as a new segment; returns its id.
+  int32_t Write(const RecordBatch& batch);
+
+  // One lookup: `key` in segment `segment`; the batch read fills record (-1: not there
+  // or dead) and, when found, its row into `into` at `slot`.
+  struct Request {
+    int64_t key;
+    int32_t segment;
+    int64_t record = -1;   // out
+  };
+  // Finds every request's record; found rows are appended to `into` in request order
+  // (and `found_at` gets the request's index).
+  void ReadMany(std::vector<Request>* requests, RecordBatch* into,
+                std::vector<int64_t>* found_at);
+
+  // Every live record of `segment`, read sequentially: fn(record, key, step, freq, row).
+  template <typename Fn>
+  void Scan(int32_t segment, Fn&& fn);
+
+  void MarkDead(int32_t segment, int64_t record);
+  // Removes the segment's file and state.
+  void Drop(int32_t segment);
+  void DropAll();
+
+  std::vector<int32_t> segments() const;
+  int64_t live(int32_t segment) const { return segs_[segment]->live; }
+  int64_t records(int32_t segment) const { return segs_[segment]->count; }
+
+  int64_t record_bytes() const { return record_bytes_; }
+  int64_t live_rows() const { return live_rows_; }
+  // RAM held: fences, dead bits, per-segment state.
+  int64_t ram_bytes() const;
+  int64_t disk_bytes() const { return disk_bytes_; }
+  int64_t bytes_written() const { return bytes_written_; }
+  int64_t bytes_read() const { return bytes_read_; }
+  int64_t read_calls() const { return read_calls_; }
+
+ private:
+  struct Segment {
+    std::string path;
+    int fd = -1;
+    int64_t count = 0, live = 0;
+    std::vector<int64_t> fences;  // first key of each group
+    std::vector<uint64_t> dead;   // bit per record
+  };
+  void Pread(const Segment& s, char* buf, int64_t bytes, int64_t offset);
+  bool IsDead(const Segment& s, int64_t r) const { return s.dead[r >> 6] >> (r & 63) & 1; }
+  void ParseRecord(const char* p, int64_t* key, int64_t* step, uint32_t* freq,
+                   const float** row) const;
+
+  const std::string directory_;
+  const int64_t width_, record_bytes_, group_records_;
+  std::vector<std::unique_ptr<Segment>> segs_;  // by id; null: free id
+  uint64_t next_file_ = 0;
+  int64_t live_rows_ = 0, disk_bytes_ = 0;
+  int64_t bytes_written_ = 0, bytes_read_ = 0, read_calls_ = 0;
+};
+
+template <typename Fn>
+void SegmentStore::Scan(int32_t segment, Fn&& fn) {
+  const Segment& s = *segs_[segment];
+  const int64_t per_read = std::max<int64_t>(1, kMaxRunBytes / record_bytes_);
+  std::vector<char> buf;
+  for (int64_t first = 0; first < s.count; first += per_read) {
+    const int64_t n = std::min(per_read, s.count - first);
+    buf.resize(static_cast<size_t>(n * record_bytes_));
+    Pread(s, buf.data(), n * record_bytes_, kHeaderBytes + first * record_bytes_);
+    for (int64_t i = 0; i < n; ++i) {
+      if (IsDead(s, first + i)) continue;
+      int64_t key, step;
+      uint32_t freq;
+      const float* row;
+      ParseRecord(buf.data() + i * record_bytes_, &key, &step, &freq, &row);
+      fn(first + i, key, step, freq, row);
+    }
+  }
+}
+
+}  // namespace tfpsx
+
+#endif  // TFPSX_CORE_SEGMENT_STORE_H_

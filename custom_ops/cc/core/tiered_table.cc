@@ -1,0 +1,406 @@
+#include "custom_ops/cc/core/tiered_table.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <iterator>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <utility>
+
+namespace tfpsx {
+namespace {
+
+// Bytes the set of dirty disk keys takes per key (node, bucket, allocator): an estimate
+// that errs high.
+constexpr int64_t kDirtyKeyBytes = 48;
+
+// `batch` ordered by key.
+RecordBatch SortedByKey(const RecordBatch& batch) {
+  std::vector<int64_t> order(static_cast<size_t>(batch.size()));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return batch.keys[a] < batch.keys[b]; });
+  RecordBatch out;
+  out.width = batch.width;
+  for (int64_t o : order)
+    out.Add(batch.keys[o], batch.steps[o], batch.freqs[o], batch.rows.data() + o * batch.width);
+  return out;
+}
+
+}  // namespace
+
+TieredTable::TieredTable(HashTable* hot, TierOptions options)
+    : hot_(hot), options_(std::move(options)), store_(options_.directory, hot->row_width()) {
+  if (options_.directory.empty())
+    throw std::invalid_argument("a tiered table needs a directory for its disk rows");
+  if (options_.ram_bytes <= 0)
+    throw std::invalid_argument("ram_bytes must be > 0, got " +
+                                std::to_string(options_.ram_bytes));
+  if (!(0 < options_.low_water && options_.low_water < options_.high_water &&
+        options_.high_water < 1))
+    throw std::invalid_argument("the water marks must satisfy 0 < low < high < 1");
+  if (options_.ram_bytes < MinRamBytes(*hot))
+    throw std::invalid_argument(
+        "ram_bytes=" + std::to_string(options_.ram_bytes) + " is below what a shard of rows of " +
+        std::to_string(hot->row_width()) + " floats needs at least: " +
+        std::to_string(MinRamBytes(*hot)) + " (two chunks of rows per lock stripe, the index)");
+}
+
+int64_t TieredTable::MinRamBytes(const HashTable& hot) {
+  const int64_t record = RowStore::RecordBytes(hot.row_width());
+  const int64_t chunk = record << RowStore::ChunkShift(record);
+  return 2 * hot.options().num_stripes * chunk + KeyIndex::kFirstBuckets * KeyIndex::kWays * 4;
+}
+
+void TieredTable::Open() { store_.Open(); }
+
+int64_t TieredTable::RamBytes() const {
+  return hot_->ResidentBytes() + index_.bytes() + store_.ram_bytes() +
+         static_cast<int64_t>(dirty_on_disk_.size() + removed_on_disk_.size()) * kDirtyKeyBytes;
+}
+
+void TieredTable::FaultIn(const int64_t* keys, int64_t n) {
+  // A batch's new rows land above the high-water mark before Settle moves others out:
+  // they must fit below ram_bytes (a row and its index slot, at most).
+  const int64_t need = n * (RecordBytes() + 8);
+  const int64_t room =
+      options_.ram_bytes - static_cast<int64_t>(options_.high_water * options_.ram_bytes);
+  if (need > room) {
+    throw std::length_error(
+        "a batch of " + std::to_string(n) + " keys needs up to " + std::to_string(need) +
+        " bytes of RAM above the table's high-water mark (" +
+        std::to_string(static_cast<int>(options_.high_water * 100)) +
+        "% of ram_bytes); ram_bytes must be at least " +
+        std::to_string(static_cast<int64_t>(need / (1 - options_.high_water)) + 1) +
+        " for such batches, got " + std::to_string(options_.ram_bytes));
+  }
+  if (store_.live_rows() == 0 || n == 0) return;
+  RecordBatch rows;
+  std::vector<uint8_t> dirty;
+  ReadOut(keys, n, &rows, &dirty);
+  hot_->PutRows(rows, dirty);
+  rows_faulted_ += rows.size();
+}
+
+void TieredTable::ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows,
+                          std::vector<uint8_t>* dirty) {
+  rows->width = hot_->row_width();
+  std::unique_ptr<bool[]> present(new bool[n]);
+  hot_->Present(keys, n, present.get());
+  std::vector<int64_t> missing;
+  for (int64_t i = 0; i < n; ++i)
+    if (!present[i]) missing.push_back(keys[i]);
+  // Unique: a key read twice would be killed twice (and the second Erase could take
+  // another key's entry of the same fingerprint and segment).
+  std::sort(missing.begin(), missing.end());
+  missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+  std::vector<SegmentStore::Request> requests;
+  std::vector<int32_t> segments;
+  for (int64_t key : missing) {
+    segments.clear();
+    index_.Candidates(key, &segments);
+    for (int32_t seg : segments) requests.push_back({key, seg});
+  }
+  if (requests.empty()) return;
+  std::vector<int64_t> found_at;
+  store_.ReadMany(&requests, rows, &found_at);
+  for (int64_t q : found_at) {
+    const SegmentStore::Request& r = requests[q];
+    store_.MarkDead(r.segment, r.record);
+    index_.Erase(r.key, r.segment);
+    dirty->push_back(dirty_on_disk_.erase(r.key) > 0 ? 1 : 0);
+  }
+}
+
+void TieredTable::Settle() {
+  if (RamBytes() > static_cast<int64_t>(options_.high_water * options_.ram_bytes))
+    Spill(static_cast<int64_t>(options_.low_water * options_.ram_bytes));
+  Compact();
+}
+
+void TieredTable::Spill(int64_t target_bytes) {
+  const int64_t per_row = RecordBytes() + 8;  // the record and (about) its index slot
+  const int64_t chunk = std::max<int64_t>(1, kSpillBytes / RecordBytes());
+  // Rows freed inside a chunk still in use are not given back, so the first estimate
+  // may fall short: a few rounds at most.
+  for (int round = 0; round < 4; ++round) {
+    const int64_t excess = RamBytes() - target_bytes;
+    if (excess <= 0 || hot_->Size() == 0) break;
+    std::vector<int64_t> victims =
+        hot_->CacheVictims((excess + per_row - 1) / per_row, /*by_step=*/true);
+    std::sort(victims.begin(), victims.end());
+    for (size_t at = 0; at < victims.size(); at += static_cast<size_t>(chunk)) {
+      const int64_t m = std::min<int64_t>(chunk, static_cast<int64_t>(victims.size() - at));
+      RecordBatch batch;
+      batch.width = hot_->row_width();
+      std::vector<uint8_t> dirty;
+      hot_->TakeRows(victims.data() + at, m, &batch, &dirty);
+      int32_t seg;
+      try {
+        seg = store_.Write(batch);
+      } catch (...) {
+        hot_->PutRows(batch, dirty);  // nothing lost: the rows stay in RAM
+        throw;
+      }
+      for (int64_t i = 0; i < batch.size(); ++i) {
+        index_.Insert(batch.keys[i], seg);
+        if (dirty[i]) dirty_on_disk_.insert(batch.keys[i]);
+      }
+      rows_spilled_ += batch.size();
+      bytes_spilled_ += batch.size() * RecordBytes();
+    }
+    hot_->TrimMemory();
+  }
+}
+
+void TieredTable::Compact() {
+  // The emptiest segments first, those at most half live; at most kSpillBytes of live
+  // rows rewritten per call, so one step never waits on a rewrite of everything.
+  std::vector<std::pair<double, int32_t>> candidates;
+  for (int32_t seg : store_.segments()) {
+    const int64_t records = store_.records(seg), live = store_.live(seg);
+    if (live == 0) {
+      store_.Drop(seg);
+    } else if (2 * live <= records) {
+      candidates.emplace_back(static_cast<double>(live) / records, seg);
+    }
+  }
+  if (candidates.size() < 2) return;  // one half-empty segment alone is not worth a rewrite
+  std::sort(candidates.begin(), candidates.end());
+  const int64_t budget = std::max<int64_t>(1, kSpillBytes / RecordBytes());
+  std::vector<int32_t> chosen;
+  int64_t rows = 0;
+  for (const auto& c : candidates) {
+    if (!chosen.empty() && rows + store_.live(c.second) > budget) break;
+    chosen.push_back(c.second);
+    rows += store_.live(c.second);
+  }
+  if (chosen.size() < 2) return;
+  RecordBatch batch;
+  batch.width = hot_->row_width();
+  std::vector<int32_t> from;
+  for (int32_t seg : chosen) {
+    store_.Scan(seg, [&](int64_t, int64_t key, int64_t step, uint32_t freq, const float* row) {
+      batch.Add(key, step, freq, row);
+      from.push_back(seg);
+    });
+  }
+  const int32_t out = store_.Write(SortedByKey(batch));
+  for (int64_t i = 0; i < batch.size(); ++i) index_.Relabel(batch.keys[i], from[i], out);
+  for (int32_t seg : chosen) store_.Drop(seg);
+}
+
+template <typename Fn>
+void TieredTable::ForEachDiskRow(Fn&& fn) {
+  for (int32_t seg : store_.segments()) {
+    store_.Scan(seg, [&](int64_t record, int64_t key, int64_t step, uint32_t freq,
+                         const float* row) { fn(seg, record, key, step, freq, row); });
+  }
+}
+
+void TieredTable::AppendRows(const RecordBatch& rows, ExportedRows* out) const {
+  const int64_t dim = hot_->dim(), width = hot_->row_width();
+  for (int64_t i = 0; i < rows.size(); ++i) {
+    const float* row = rows.rows.data() + i * width;
+    out->keys.push_back(rows.keys[i]);
+    out->values.insert(out->values.end(), row, row + dim);
+    out->slots.insert(out->slots.end(), row + dim, row + width);
+    out->freq.push_back(rows.freqs[i]);
+    out->step.push_back(rows.steps[i]);
+  }
+}
+
+ExportedRows TieredTable::MergeByKey(ExportedRows a, ExportedRows b, int64_t dim, int slots) {
+  // Both sorted by key, no key in both (a row is in RAM or on disk).
+  if (b.keys.empty()) return a;
+  if (a.keys.empty()) return b;
+  ExportedRows out;
+  const int64_t sw = slots * dim;
+  size_t i = 0, j = 0;
+  auto take = [&](const ExportedRows& from, size_t k) {
+    out.keys.push_back(from.keys[k]);
+    out.values.insert(out.values.end(), from.values.begin() + k * dim,
+                      from.values.begin() + (k + 1) * dim);
+    out.slots.insert(out.slots.end(), from.slots.begin() + k * sw,
+                     from.slots.begin() + (k + 1) * sw);
+    out.freq.push_back(from.freq[k]);
+    out.step.push_back(from.step[k]);
+  };
+  while (i < a.keys.size() || j < b.keys.size()) {
+    if (j == b.keys.size() || (i < a.keys.size() && a.keys[i] < b.keys[j])) {
+      take(a, i++);
+    } else {
+      take(b, j++);
+    }
+  }
+  return out;
+}
+
+ExportedRows TieredTable::DiskRowsSince(int64_t since_step) {
+  RecordBatch disk;
+  disk.width = hot_->row_width();
+  ForEachDiskRow([&](int32_t, int64_t, int64_t key, int64_t step, uint32_t freq,
+                     const float* row) {
+    if (step >= since_step) disk.Add(key, step, freq, row);
+  });
+  ExportedRows out;
+  AppendRows(SortedByKey(disk), &out);
+  return out;
+}
+
+ExportedRows TieredTable::ExportSince(int64_t since_step) {
+  return MergeByKey(hot_->ExportSince(since_step), DiskRowsSince(since_step), hot_->dim(),
+                    hot_->options().num_slots);
+}
+
+void TieredTable::PeekRows(const std::vector<int64_t>& keys, ExportedRows* out) {
+  std::vector<SegmentStore::Request> requests;
+  std::vector<int32_t> segments;
+  for (int64_t key : keys) {
+    segments.clear();
+    index_.Candidates(key, &segments);
+    for (int32_t seg : segments) requests.push_back({key, seg});
+  }
+  RecordBatch rows;
+  rows.width = hot_->row_width();
+  std::vector<int64_t> found_at;
+  if (!requests.empty()) store_.ReadMany(&requests, &rows, &found_at);
+  AppendRows(SortedByKey(rows), out);
+}
+
+CheckpointRows TieredTable::CheckpointExport(bool full) {
+  CheckpointRows hot = hot_->CheckpointExport(full);
+  const int64_t dim = hot_->dim();
+  const int slots = hot_->options().num_slots;
+  if (full) {
+    tracking_ = true;
+    dirty_on_disk_.clear();
+    removed_on_disk_.clear();
+    hot.rows = MergeByKey(std::move(hot.rows), DiskRowsSince(INT64_MIN), dim, slots);
+    return hot;
+  }
+  std::vector<int64_t> dirty(dirty_on_disk_.begin(), dirty_on_disk_.end());
+  std::vector<int64_t> evicted(removed_on_disk_.begin(), removed_on_disk_.end());
+  dirty_on_disk_.clear();
+  removed_on_disk_.clear();
+  if (!hot.complete || !tracking_) {
+    hot.complete = false;
+    hot.removed.clear();
+    hot.rows = ExportedRows();
+    return hot;
+  }
+  std::sort(dirty.begin(), dirty.end());
+  ExportedRows cold;
+  PeekRows(dirty, &cold);
+  hot.rows = MergeByKey(std::move(hot.rows), std::move(cold), dim, slots);
+  // RAM's "removed" counts a key that left it; one that is live on disk now is not gone.
+  ExportedRows on_disk;
+  PeekRows(hot.removed, &on_disk);
+  std::vector<int64_t> removed;
+  std::set_difference(hot.removed.begin(), hot.removed.end(), on_disk.keys.begin(),
+                      on_disk.keys.end(), std::back_inserter(removed));
+  removed.insert(removed.end(), evicted.begin(), evicted.end());
+  std::sort(removed.begin(), removed.end());
+  removed.erase(std::unique(removed.begin(), removed.end()), removed.end());
+  hot.removed = std::move(removed);
+  return hot;
+}
+
+std::string TieredTable::Import(const int64_t* keys, int64_t n, const float* values,
+                                const float* slots, int64_t slots_len, const int64_t* freq,
+                                const int64_t* step, bool clear_first) {
+  const int64_t dim = hot_->dim(), sw = hot_->options().num_slots * dim;
+  if (slots_len != 0 && slots_len != n * sw) {
+    return "slots must hold n*num_slots*dim=" + std::to_string(n * sw) +
+           " floats (or none), got " + std::to_string(slots_len);
+  }
+  if (clear_first) {
+    store_.DropAll();
+    index_.Clear();
+    dirty_on_disk_.clear();
+    removed_on_disk_.clear();
+    tracking_ = false;
+    const std::string error = hot_->Import(nullptr, 0, nullptr, nullptr, 0, nullptr, nullptr, true);
+    if (!error.empty()) return error;
+    hot_->TrimMemory();
+  }
+  // In pieces that fit above the high-water mark, each settled before the next.
+  const int64_t room =
+      options_.ram_bytes - static_cast<int64_t>(options_.high_water * options_.ram_bytes);
+  const int64_t piece = std::max<int64_t>(1, room / (2 * (RecordBytes() + 8)));
+  for (int64_t at = 0; at < n; at += piece) {
+    const int64_t m = std::min(piece, n - at);
+    if (!clear_first) FaultIn(keys + at, m);
+    const std::string error =
+        hot_->Import(keys + at, m, values + at * dim, slots_len ? slots + at * sw : nullptr,
+                     slots_len ? m * sw : 0, freq ? freq + at : nullptr,
+                     step ? step + at : nullptr, false);
+    if (!error.empty()) return error;
+    Settle();
+  }
+  return "";
+}
+
+int64_t TieredTable::EvictOlderThan(int64_t min_step) {
+  int64_t removed = hot_->EvictOlderThan(min_step);
+  ForEachDiskRow([&](int32_t seg, int64_t record, int64_t key, int64_t step, uint32_t,
+                     const float*) {
+    if (step >= min_step) return;
+    store_.MarkDead(seg, record);
+    index_.Erase(key, seg);
+    dirty_on_disk_.erase(key);
+    if (tracking_) removed_on_disk_.insert(key);
+    ++evicted_;
+    ++removed;
+  });
+  return removed;
+}
+
+int64_t TieredTable::EvictToTopN(int64_t keep) {
+  std::vector<std::pair<uint32_t, int64_t>> all;  // (freq, key)
+  hot_->Frequencies(&all);
+  ForEachDiskRow([&](int32_t, int64_t, int64_t key, int64_t, uint32_t freq, const float*) {
+    all.emplace_back(freq, key);
+  });
+  if (keep < 0) keep = 0;
+  if (static_cast<int64_t>(all.size()) <= keep) return 0;
+  // As HashTable::EvictToTopN: the most frequent stay, the smaller key on ties.
+  std::nth_element(all.begin(), all.begin() + keep, all.end(),
+                   [](const auto& a, const auto& b) {
+                     return a.first != b.first ? a.first > b.first : a.second < b.second;
+                   });
+  std::vector<int64_t> victims;
+  for (size_t i = static_cast<size_t>(keep); i < all.size(); ++i) victims.push_back(all[i].second);
+  all.clear();
+  all.shrink_to_fit();
+  std::sort(victims.begin(), victims.end());
+  int64_t removed = hot_->EvictKeys(victims.data(), static_cast<int64_t>(victims.size()));
+  // The rest are on disk: read out (killed there) and dropped.
+  RecordBatch rows;
+  std::vector<uint8_t> dirty;
+  ReadOut(victims.data(), static_cast<int64_t>(victims.size()), &rows, &dirty);
+  for (int64_t key : rows.keys)
+    if (tracking_) removed_on_disk_.insert(key);
+  evicted_ += rows.size();
+  return removed + rows.size();
+}
+
+TierStats TieredTable::Stats() const {
+  TierStats s;
+  s.ram_bytes = RamBytes();
+  s.disk_rows = store_.live_rows();
+  s.disk_bytes = store_.disk_bytes();
+  s.bytes_written = store_.bytes_written();
+  s.bytes_spilled = bytes_spilled_;
+  s.bytes_read = store_.bytes_read();
+  s.read_calls = store_.read_calls();
+  s.rows_spilled = rows_spilled_;
+  s.rows_faulted = rows_faulted_;
+  s.segments = static_cast<int64_t>(store_.segments().size());
+  s.index_bytes = index_.bytes();
+  return s;
+}
+
+}  // namespace tfpsx

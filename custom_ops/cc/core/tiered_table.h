@@ -1,0 +1,126 @@
+// A table larger than its RAM: hot rows in a HashTable, the rest on local disk.
+//
+// The HashTable keeps serving every row operation; this class moves rows between it and
+// the disk around them (the TF kernels call FaultIn before an operation on keys and
+// Settle after):
+// - FaultIn(keys): the keys' rows that are on disk come back to RAM whole (value, slots,
+//   frequency, step), read in one batch (segment_store.h); their disk copies die. A key
+//   the disk does not hold costs no read (key_index.h).
+// - Settle(): when the resident bytes pass the high-water mark, the least recently
+//   updated rows leave whole, in segments of at most kSpillBytes, down to the low-water
+//   mark; then a bounded compaction rewrites the live rows of the emptiest segments.
+// RAM counted against ram_bytes: the HashTable's resident bytes (rows, slots, index),
+// the key index (4-8 bytes a disk key), the segments' fences and dead bits (~1 bit and
+// 8 bytes per 4 KiB of rows), the set of disk rows changed since the last checkpoint.
+// Buffers of one spill or compaction (at most kSpillBytes each) are the fixed overhead.
+//
+// A row is either in RAM or live on disk, never both: FaultIn kills the disk copy it
+// reads, so the disk never serves a row older than RAM's. The disk files belong to the
+// process: Open removes what an earlier one left; a restart restores its checkpoint.
+//
+// Thread safety: none of its own; the caller holds one lock over FaultIn, the operation
+// and Settle (TableResource does), so rows cannot leave between FaultIn and their use.
+
+#ifndef TFPSX_CORE_TIERED_TABLE_H_
+#define TFPSX_CORE_TIERED_TABLE_H_
+
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "custom_ops/cc/core/hash_table.h"
+#include "custom_ops/cc/core/key_index.h"
+#include "custom_ops/cc/core/segment_store.h"
+
+namespace tfpsx {
+
+struct TierOptions {
+  std::string directory;   // this shard's own folder
+  int64_t ram_bytes = 0;   // the shard's RAM budget
+  double high_water = 0.9;  // fractions of ram_bytes
+  double low_water = 0.75;
+};
+
+struct TierStats {
+  int64_t ram_bytes = 0;        // what counts against the budget now
+  int64_t disk_rows = 0;        // live rows on disk
+  int64_t disk_bytes = 0;       // segment files' bytes
+  int64_t bytes_written = 0;    // by spills and compactions
+  int64_t bytes_spilled = 0;    // of rows moved to disk (spills only)
+  int64_t bytes_read = 0;
+  int64_t read_calls = 0;
+  int64_t rows_spilled = 0;
+  int64_t rows_faulted = 0;
+  int64_t segments = 0;
+  int64_t index_bytes = 0;
+};
+
+class TieredTable {
+ public:
+  static constexpr int64_t kSpillBytes = int64_t{4} << 20;
+
+  // `hot` outlives this. Throws std::invalid_argument for unusable options.
+  TieredTable(HashTable* hot, TierOptions options);
+
+  // The least ram_bytes a tier over `hot` works with: each lock stripe keeps a partly
+  // filled chunk of rows (row_store.h), and the key index starts at its first level.
+  static int64_t MinRamBytes(const HashTable& hot);
+
+  // Prepares the directory (segment_store.h's Open). Throws std::runtime_error.
+  void Open();
+
+  // Brings the rows of keys[n] that are on disk into RAM. Throws std::length_error when n
+  // keys' rows could not fit between the high-water mark and ram_bytes (the message says
+  // the ram_bytes one batch needs), std::runtime_error on an I/O error.
+  void FaultIn(const int64_t* keys, int64_t n);
+  // Moves rows to disk when over the high-water mark; compacts.
+  void Settle();
+
+  // The table's operations over every row, RAM and disk together.
+  int64_t Size() const { return hot_->Size() + store_.live_rows(); }
+  ExportedRows ExportSince(int64_t since_step);
+  CheckpointRows CheckpointExport(bool full);
+  std::string Import(const int64_t* keys, int64_t n, const float* values, const float* slots,
+                     int64_t slots_len, const int64_t* freq, const int64_t* step,
+                     bool clear_first);
+  int64_t EvictOlderThan(int64_t min_step);
+  int64_t EvictToTopN(int64_t keep);
+  int64_t evicted() const { return evicted_; }
+
+  TierStats Stats() const;
+  const TierOptions& options() const { return options_; }
+  int64_t RamBytes() const;
+
+ private:
+  // Rows of `keys` that are on disk, read and killed there; dirty flags beside them.
+  void ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows, std::vector<uint8_t>* dirty);
+  void Spill(int64_t target_bytes);
+  void Compact();
+  // Every live disk row (fn(key, step, freq, row) per segment, in each one's key order).
+  template <typename Fn>
+  void ForEachDiskRow(Fn&& fn);
+  // Appends the disk rows of keys (sorted) to out, without moving them.
+  void PeekRows(const std::vector<int64_t>& keys, ExportedRows* out);
+  // Disk rows updated at since_step or later, sorted by key.
+  ExportedRows DiskRowsSince(int64_t since_step);
+  void AppendRows(const RecordBatch& rows, ExportedRows* out) const;
+  static ExportedRows MergeByKey(ExportedRows a, ExportedRows b, int64_t dim, int slots);
+  int64_t RecordBytes() const { return 20 + 4 * hot_->row_width(); }
+
+  HashTable* const hot_;
+  const TierOptions options_;
+  SegmentStore store_;
+  KeyIndex index_;
+  // Disk rows written since the last checkpoint export (they left RAM dirty).
+  std::unordered_set<int64_t> dirty_on_disk_;
+  // Disk rows evicted since the last checkpoint export (its "removed").
+  std::unordered_set<int64_t> removed_on_disk_;
+  bool tracking_ = false;  // a full checkpoint export armed incremental ones
+  int64_t evicted_ = 0;
+  int64_t bytes_spilled_ = 0, rows_spilled_ = 0, rows_faulted_ = 0;
+};
+
+}  // namespace tfpsx
+
+#endif  // TFPSX_CORE_TIERED_TABLE_H_

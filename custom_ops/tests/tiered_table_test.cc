@@ -1,0 +1,265 @@
+// Native tests of the disk tier (key_index.h, segment_store.h, tiered_table.h): a tiered
+// table driven through the same operations as an all-in-RAM one must hold the same rows
+// (values, slots, frequencies, steps) at every check, within its RAM budget.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "custom_ops/cc/core/hash_table.h"
+#include "custom_ops/cc/core/key_index.h"
+#include "custom_ops/cc/core/optimizer_registry.h"
+#include "custom_ops/cc/core/tiered_table.h"
+
+namespace {
+
+int failures = 0;
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                                   \
+    }                                                                               \
+  } while (0)
+
+std::string TempDir(const char* name) {
+  char tmpl[] = "/tmp/tfpsx_tier_XXXXXX";
+  const char* dir = ::mkdtemp(tmpl);
+  if (dir == nullptr) throw std::runtime_error("mkdtemp failed");
+  return std::string(dir) + "/" + name;
+}
+
+tfpsx::TableOptions Opts(int64_t dim) {
+  tfpsx::TableOptions o;
+  o.dim = dim;
+  o.num_slots = 1;  // Adagrad's accumulator
+  o.slot_init = {0.1f};
+  o.init = tfpsx::InitKind::kNormal;
+  o.init_b = 0.1f;
+  o.seed = 7;
+  o.num_stripes = 8;  // as a tiered shard's RAM table (fewer partly filled chunks)
+  return o;
+}
+
+bool SameRows(const tfpsx::ExportedRows& a, const tfpsx::ExportedRows& b) {
+  return a.keys == b.keys && a.values == b.values && a.slots == b.slots && a.freq == b.freq &&
+         a.step == b.step;
+}
+
+// One all-in-RAM table and one tiered, driven alike.
+struct Pair {
+  tfpsx::HashTable ref{Opts(16)};
+  tfpsx::HashTable hot{Opts(16)};
+  tfpsx::TieredTable tier;
+  const tfpsx::OptimizerInfo* adagrad = tfpsx::FindOptimizer("adagrad");
+  int64_t max_ram = 0;
+
+  explicit Pair(int64_t ram_bytes) : tier(&hot, {TempDir("t/part_0"), ram_bytes}) { tier.Open(); }
+
+  // A training step: lookup (find_or_insert), then Adagrad on the unique keys.
+  void Step(const std::vector<int64_t>& keys, int64_t step) {
+    std::vector<float> out(keys.size() * 16), out_ref(keys.size() * 16);
+    const int64_t n = static_cast<int64_t>(keys.size());
+    tier.FaultIn(keys.data(), n);
+    hot.FindOrInsert(keys.data(), n, step, out.data());
+    tier.Settle();
+    ref.FindOrInsert(keys.data(), n, step, out_ref.data());
+    CHECK(out == out_ref);
+    std::vector<int64_t> unique = keys;
+    std::sort(unique.begin(), unique.end());
+    unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+    std::vector<float> grads(unique.size() * 16);
+    for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.01f * static_cast<float>(i % 7) - 0.03f;
+    const float hp[2] = {0.05f, 1e-7f};
+    const int64_t u = static_cast<int64_t>(unique.size());
+    tier.FaultIn(unique.data(), u);
+    adagrad->apply(hot, unique.data(), u, grads.data(), hp, step);
+    tier.Settle();
+    adagrad->apply(ref, unique.data(), u, grads.data(), hp, step);
+    max_ram = std::max(max_ram, tier.RamBytes());
+  }
+};
+
+std::vector<int64_t> ZipfBatch(std::mt19937_64& rng, int64_t n, int64_t universe) {
+  // Log-uniform ids (Zipf with exponent 1): small ids hot, a long tail, scrambled.
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<int64_t> keys(static_cast<size_t>(n));
+  for (auto& k : keys) {
+    const double x = std::exp(u(rng) * std::log(static_cast<double>(universe)));
+    k = (static_cast<int64_t>(x) - 1) * 2654435761LL;
+  }
+  return keys;
+}
+
+void TestKeyIndex() {
+  tfpsx::KeyIndex index(1 << 8);
+  const int64_t n = 400000;
+  for (int64_t k = 0; k < n; ++k) index.Insert(k * 7919, k % 1000);
+  CHECK(index.size() == n);
+  std::vector<int32_t> segs;
+  int64_t missing = 0, extra = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    segs.clear();
+    index.Candidates(k * 7919, &segs);
+    if (std::find(segs.begin(), segs.end(), k % 1000) == segs.end()) ++missing;
+    extra += static_cast<int64_t>(segs.size()) - 1;
+  }
+  CHECK(missing == 0);
+  CHECK(extra < n / 100);  // fingerprint collisions: a read each, rare
+  int64_t never = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    segs.clear();
+    index.Candidates(-k - 1, &segs);
+    never += static_cast<int64_t>(segs.size());
+  }
+  CHECK(never < n / 100);  // a key never stored costs (almost) no read
+  const double bytes_per_key = static_cast<double>(index.bytes()) / n;
+  std::printf("key index: %d levels, %.2f bytes/key, %.4f%% false candidates\n",
+              index.levels(), bytes_per_key, 100.0 * never / n);
+  CHECK(bytes_per_key <= 8.5);
+  for (int64_t k = 0; k < n; k += 2) CHECK(index.Erase(k * 7919, k % 1000));
+  CHECK(index.size() == n / 2);
+  // Freed slots are reused: inserting again does not grow it.
+  const int64_t before = index.bytes();
+  for (int64_t k = 0; k < n; k += 2) index.Insert(k * 7919, 5);
+  CHECK(index.bytes() == before);
+  CHECK(index.Relabel(0, 5, 6));
+  segs.clear();
+  index.Candidates(0, &segs);
+  CHECK(std::find(segs.begin(), segs.end(), 6) != segs.end());
+}
+
+void TestTrainsAsInRam() {
+  // A 1.2 MB budget, up to 60k keys of 148-byte records (8.9 MB of rows).
+  Pair p(1200 * 1000);
+  std::mt19937_64 rng(1);
+  for (int64_t step = 1; step <= 300; ++step) {
+    p.Step(ZipfBatch(rng, 512, 60000), step);
+    if (failures) break;
+  }
+  const tfpsx::TierStats st = p.tier.Stats();
+  std::printf("tiered: %ld rows (%ld on disk), RAM %ld of %ld (max %ld), %ld segments, "
+              "%ld faulted, %ld spilled, written %ld for %ld spilled bytes\n",
+              static_cast<long>(p.tier.Size()), static_cast<long>(st.disk_rows),
+              static_cast<long>(st.ram_bytes), 1200L * 1000, static_cast<long>(p.max_ram),
+              static_cast<long>(st.segments), static_cast<long>(st.rows_faulted),
+              static_cast<long>(st.rows_spilled), static_cast<long>(st.bytes_written),
+              static_cast<long>(st.bytes_spilled));
+  CHECK(st.disk_rows > p.hot.Size());  // most rows live on disk
+  CHECK(st.rows_faulted > 0);
+  CHECK(p.max_ram <= 1200 * 1000);
+  CHECK(p.tier.Size() == p.ref.Size());
+  CHECK(SameRows(p.tier.ExportSince(INT64_MIN), p.ref.Export()));
+  CHECK(SameRows(p.tier.ExportSince(150), p.ref.ExportSince(150)));
+  CHECK(st.bytes_written <= 3 * st.bytes_spilled);
+}
+
+// Applies an incremental checkpoint to the rows of the one before.
+tfpsx::ExportedRows Apply(const tfpsx::ExportedRows& base, const tfpsx::CheckpointRows& delta) {
+  tfpsx::HashTable t(Opts(16));
+  t.Import(base.keys.data(), static_cast<int64_t>(base.keys.size()), base.values.data(),
+           base.slots.data(), static_cast<int64_t>(base.slots.size()), base.freq.data(),
+           base.step.data(), true);
+  t.Remove(delta.removed.data(), static_cast<int64_t>(delta.removed.size()));
+  const auto& r = delta.rows;
+  t.Import(r.keys.data(), static_cast<int64_t>(r.keys.size()), r.values.data(), r.slots.data(),
+           static_cast<int64_t>(r.slots.size()), r.freq.data(), r.step.data(), false);
+  return t.Export();
+}
+
+void TestCheckpointsAndEviction() {
+  Pair p(1000 * 1000);
+  std::mt19937_64 rng(2);
+  for (int64_t step = 1; step <= 60; ++step) p.Step(ZipfBatch(rng, 512, 200000), step);
+  tfpsx::CheckpointRows full = p.tier.CheckpointExport(true);
+  p.ref.CheckpointExport(true);
+  CHECK(full.complete);
+  CHECK(SameRows(full.rows, p.ref.Export()));
+  tfpsx::ExportedRows saved = full.rows;
+  const tfpsx::ExportedRows first = full.rows;
+  for (int round = 0; round < 3; ++round) {
+    for (int64_t step = 61 + round * 20; step <= 80 + round * 20; ++step)
+      p.Step(ZipfBatch(rng, 512, 200000), step);
+    // Removals and evictions on both tiers, between checkpoints.
+    std::vector<int64_t> gone = ZipfBatch(rng, 300, 200000);
+    p.tier.FaultIn(gone.data(), 300);
+    const int64_t a = p.hot.Remove(gone.data(), 300);
+    p.tier.Settle();
+    CHECK(a == p.ref.Remove(gone.data(), 300));
+    const int64_t old = 50 + round * 20;
+    CHECK(p.tier.EvictOlderThan(old) == p.ref.EvictOlderThan(old));
+    tfpsx::CheckpointRows delta = p.tier.CheckpointExport(false);
+    p.ref.CheckpointExport(false);
+    CHECK(delta.complete);
+    saved = Apply(saved, delta);
+    CHECK(SameRows(saved, p.ref.Export()));
+    // A delta holds what changed, not the table.
+    CHECK(static_cast<int64_t>(delta.rows.keys.size()) < p.ref.Size());
+  }
+  CHECK(p.tier.EvictToTopN(3000) == p.ref.EvictToTopN(3000));
+  CHECK(SameRows(p.tier.ExportSince(INT64_MIN), p.ref.Export()));
+  // A restore: the checkpoint's rows, exactly, though they exceed the budget.
+  const std::string error = p.tier.Import(
+      first.keys.data(), static_cast<int64_t>(first.keys.size()), first.values.data(),
+      first.slots.data(), static_cast<int64_t>(first.slots.size()), first.freq.data(),
+      first.step.data(), true);
+  CHECK(error.empty());
+  CHECK(SameRows(p.tier.ExportSince(INT64_MIN), first));
+  CHECK(p.tier.RamBytes() <= 1000 * 1000);
+  // More rows than the budget holds: some restored straight to disk.
+  CHECK(static_cast<int64_t>(first.keys.size()) * 148 > 1000 * 1000);
+  CHECK(p.tier.Stats().disk_rows > 0);
+}
+
+void TestErrors() {
+  tfpsx::HashTable hot(Opts(16));
+  bool threw = false;
+  try {
+    tfpsx::TieredTable t(&hot, {"/proc/tfpsx_cannot/part_0", 1 << 20});
+    t.Open();
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()).find("/proc/tfpsx_cannot") != std::string::npos;
+  }
+  CHECK(threw);
+  threw = false;
+  try {
+    tfpsx::TieredTable small(&hot, {TempDir("s/part_0"), 100 * 1000});
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("ram_bytes=100000 is below") != std::string::npos;
+  }
+  CHECK(threw);
+  tfpsx::TieredTable t(&hot, {TempDir("e/part_0"), 1000 * 1000});
+  t.Open();
+  std::vector<int64_t> keys(5000);
+  for (int64_t i = 0; i < 5000; ++i) keys[i] = i;
+  threw = false;
+  try {
+    t.FaultIn(keys.data(), 5000);
+  } catch (const std::length_error& e) {
+    threw = std::string(e.what()).find("ram_bytes must be at least") != std::string::npos;
+  }
+  CHECK(threw);
+  CHECK(hot.Size() == 0);
+}
+
+}  // namespace
+
+int main() {
+  TestKeyIndex();
+  TestTrainsAsInRam();
+  TestCheckpointsAndEviction();
+  TestErrors();
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("tiered_table_test: all passed\n");
+  return 0;
+}
