@@ -23,14 +23,14 @@ from tfpsx.embedding.initializers import Initializer, constant, normal, uniform,
 from tfpsx.embedding.optimizers import OPTIMIZERS, SGD, Adagrad, Adam, Ftrl, SparseOptimizer
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.embedding.storage import (HASH_TABLE, Backend, HashTableBackend, ShardSpec,
-                                     TableStorage)
+                                     TableStorage, TieredBackend)
 from tfpsx.embedding.table import DynamicTable
 from tfpsx.embedding.updaters import TableUpdater, updater_scope
 
 __all__ = [
     "DynamicTable", "EmbeddingLookup", "ShardedTable", "Initializer", "zeros", "constant",
     "uniform", "normal", "SparseOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "OPTIMIZERS",
-    "TableStorage", "Backend", "HashTableBackend", "HASH_TABLE", "ShardSpec", "TableUpdater",
+    "TableStorage", "Backend", "HashTableBackend", "HASH_TABLE", "TieredBackend", "ShardSpec", "TableUpdater",
     "updater_scope", "EvictionPolicy", "LFU", "LRU",
 ]
 

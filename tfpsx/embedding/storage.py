@@ -158,6 +158,9 @@ class HashTableStorage(TableStorage):
             handles[key] = self._make_handle()
         return handles[key]
 
+    # (directory, ram_bytes) of a disk tier; ("", 0): all in RAM.
+    _tier: Tuple[str, int] = ("", 0)
+
     def _make_handle(self) -> tf.Tensor:
         s = self.spec
         # Made once and used by every later op: it must not inherit the control
@@ -165,7 +168,7 @@ class HashTableStorage(TableStorage):
         with tf.control_dependencies(None), on_device(self.device):
             return bindings.table_handle(
                 s.shared_name, s.dim, s.slot_init, s.initializer.kind, s.initializer.a,
-                s.initializer.b, s.seed, s.min_frequency, s.capacity)
+                s.initializer.b, s.seed, s.min_frequency, s.capacity, *self._tier)
 
     def _run(self, op, *args, **kwargs):
         handle = self.handle()
@@ -229,3 +232,62 @@ class HashTableBackend(Backend):
 
 
 HASH_TABLE = HashTableBackend()
+
+
+class TieredStorage(HashTableStorage):
+    """A shard whose rows beyond a RAM budget live on its server's local disk."""
+
+    def __init__(self, spec: ShardSpec, device: Optional[str], directory: str, ram_bytes: int):
+        super().__init__(spec, device)
+        self._tier = (directory, ram_bytes)
+
+    def tier_stats(self) -> tf.Tensor:
+        """int64 [len(bindings.TIER_STATS_FIELDS)]: the shard's disk tier."""
+        return self._run(bindings.table_tier_stats)
+
+    def cache_find(self, keys, step):
+        raise ValueError(f"table shard {self.spec.shared_name!r} has a disk tier "
+                         "(TieredBackend): it cannot hold a worker cache, which keeps its "
+                         "rows in RAM by design; give the cache the default backend")
+
+    cache_victims = cache_find
+
+
+class TieredBackend(Backend):
+    """Shards larger than RAM: each keeps its hot rows in RAM within ``ram_bytes`` and the
+    rest in ``directory/<table>/part_<i>`` on the local disk of the server that holds it.
+
+    Rows move whole (value, optimizer slots, frequency, step): a lookup of a row on disk
+    brings it back, in one batched read per op; when RAM passes 90% of ``ram_bytes`` the
+    least recently updated rows go to disk, down to 75%. ``ram_bytes`` counts the RAM
+    table, the index of the disk rows (4-8 bytes a key) and its bookkeeping. The files
+    belong to the server process: a restarted server discards them and restores its
+    checkpoint. See docs/tables.md ("Tables larger than RAM").
+
+    Args:
+      directory: a folder on each server's local disk (created when missing).
+      ram_bytes: the RAM budget of each shard, in bytes (at least a few MB: a shard
+        says the least it works with when created, and ops fail with the size a batch
+        needs when one batch's rows would not fit in a tenth of it).
+
+    Example::
+
+        table = tfpsx.embedding.DynamicTable(
+            "user", dim=16, optimizer=tfpsx.embedding.Adagrad(0.05),
+            backend=tfpsx.embedding.TieredBackend("/mnt/ssd/tfpsx", ram_bytes=2 << 30))
+    """
+
+    def __init__(self, directory: str, ram_bytes: int):
+        if not isinstance(directory, str) or not directory:
+            raise ValueError(f"TieredBackend: directory must be a non-empty path, got "
+                             f"{directory!r}")
+        if isinstance(ram_bytes, bool) or not isinstance(ram_bytes, int) or ram_bytes <= 0:
+            raise ValueError(f"TieredBackend: ram_bytes must be a positive int (bytes of RAM "
+                             f"per shard), got {ram_bytes!r}")
+        self.directory, self.ram_bytes = directory, ram_bytes
+
+    def create(self, spec: ShardSpec, device: Optional[str]) -> TableStorage:
+        return TieredStorage(spec, device, self.directory, self.ram_bytes)
+
+    def __repr__(self) -> str:
+        return f"TieredBackend({self.directory!r}, ram_bytes={self.ram_bytes})"

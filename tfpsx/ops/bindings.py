@@ -44,12 +44,15 @@ def counter_members(handle):
 
 
 def table_handle(shared_name: str, dim: int, slot_init: Sequence[float], initializer: str,
-                 init_a: float, init_b: float, seed: int, min_frequency: int, capacity: int):
-    """Creates (on first run) or finds the table ``shared_name`` on the current device."""
+                 init_a: float, init_b: float, seed: int, min_frequency: int, capacity: int,
+                 tier_directory: str = "", tier_ram_bytes: int = 0):
+    """Creates (on first run) or finds the table ``shared_name`` on the current device;
+    with ``tier_directory``, its rows beyond ``tier_ram_bytes`` of RAM live on disk."""
     return load_ops().tfpsx_hash_table_handle_op(
         shared_name=shared_name, dim=dim, num_slots=len(slot_init), slot_init=list(slot_init),
         initializer=initializer, init_a=init_a, init_b=init_b, seed=seed,
-        min_frequency=min_frequency, capacity=capacity)
+        min_frequency=min_frequency, capacity=capacity, tier_directory=tier_directory,
+        tier_ram_bytes=tier_ram_bytes)
 
 
 def table_find(handle, keys, with_slots: bool = False):
@@ -121,6 +124,17 @@ def table_stats(handle):
     rows held take (records and index) and all the table holds (index and every block of
     row memory it mapped)."""
     return load_ops().tfpsx_hash_table_stats(handle)
+
+
+# The fields of ``table_tier_stats``, in order.
+TIER_STATS_FIELDS = ("ram_bytes", "disk_rows", "disk_bytes", "bytes_written", "bytes_spilled",
+                     "bytes_read", "read_calls", "rows_spilled", "rows_faulted", "segments",
+                     "index_bytes")
+
+
+def table_tier_stats(handle):
+    """A tiered table's disk tier, int64 in ``TIER_STATS_FIELDS`` order (zeros in RAM)."""
+    return load_ops().tfpsx_hash_table_tier_stats(handle)
 
 
 def table_evict(handle, min_step, keep_top_n):

@@ -343,6 +343,21 @@ std::string TieredTable::Import(const int64_t* keys, int64_t n, const float* val
   return "";
 }
 
+int64_t TieredTable::Remove(const int64_t* keys, int64_t n) {
+  int64_t removed = hot_->Remove(keys, n);
+  // The disk rows are read only to be killed: in pieces, so that their copies stay small.
+  const int64_t piece = std::max<int64_t>(1, kSpillBytes / RecordBytes());
+  for (int64_t at = 0; at < n && store_.live_rows() > 0; at += piece) {
+    RecordBatch rows;
+    std::vector<uint8_t> dirty;
+    ReadOut(keys + at, std::min(piece, n - at), &rows, &dirty);
+    for (int64_t key : rows.keys)
+      if (tracking_) removed_on_disk_.insert(key);
+    removed += rows.size();
+  }
+  return removed;
+}
+
 int64_t TieredTable::EvictOlderThan(int64_t min_step) {
   int64_t removed = hot_->EvictOlderThan(min_step);
   ForEachDiskRow([&](int32_t seg, int64_t record, int64_t key, int64_t step, uint32_t,

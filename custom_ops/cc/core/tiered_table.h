@@ -84,6 +84,9 @@ class TieredTable {
   std::string Import(const int64_t* keys, int64_t n, const float* values, const float* slots,
                      int64_t slots_len, const int64_t* freq, const int64_t* step,
                      bool clear_first);
+  // Removes keys[n] from RAM and disk (without bringing disk rows back); returns how
+  // many were present.
+  int64_t Remove(const int64_t* keys, int64_t n);
   int64_t EvictOlderThan(int64_t min_step);
   int64_t EvictToTopN(int64_t keep);
   int64_t evicted() const { return evicted_; }

@@ -40,7 +40,7 @@ class ExportOp : public TableOpKernel {
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t since = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "since_step", &since));
-    OutputRows(ctx, table.table(), table.table().ExportSince(since), 0);
+    OutputRows(ctx, table.table(), table.ExportSince(since), 0);
   }
 };
 
@@ -50,7 +50,7 @@ class CheckpointExportOp : public TableOpKernel {
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     bool full = false;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "full", &full));
-    const CheckpointRows got = table.table().CheckpointExport(full);
+    const CheckpointRows got = table.CheckpointExport(full);
     OutputRows(ctx, table.table(), got.rows, 0);
     if (!ctx->status().ok()) return;
     Tensor* removed = nullptr;
@@ -94,7 +94,7 @@ class ImportOp : public TableOpKernel {
     }
     std::string problem;
     try {
-      problem = t.Import(
+      problem = table.Import(
           keys.flat<int64_t>().data(), n, values.flat<float>().data(),
           slots.NumElements() ? slots.flat<float>().data() : nullptr, slots.NumElements(),
           freq.NumElements() ? freq.flat<int64_t>().data() : nullptr,
@@ -132,8 +132,8 @@ class EvictOp : public TableOpKernel {
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "min_step", &min_step));
     OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "keep_top_n", &keep));
     int64_t evicted = 0;
-    if (min_step != INT64_MIN) evicted += table.table().EvictOlderThan(min_step);
-    if (keep >= 0) evicted += table.table().EvictToTopN(keep);
+    if (min_step != INT64_MIN) evicted += table.EvictOlderThan(min_step);
+    if (keep >= 0) evicted += table.EvictToTopN(keep);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = evicted;
@@ -148,6 +148,10 @@ class CacheVictimsOp : public TableOpKernel {
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "count", &count));
     bool by_step = false;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "by_step", &by_step));
+    OP_REQUIRES(ctx, table.tier() == nullptr,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "' has a disk tier: it cannot be a worker "
+                    "cache (a cache holds rows in RAM by design)")));
     const std::vector<int64_t> keys = table.table().CacheVictims(count, by_step);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
@@ -164,13 +168,36 @@ class StatsOp : public TableOpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({6}), &out));
     auto s = out->flat<int64_t>();
-    s(0) = t.Size();
+    s(0) = table.Size();
     s(1) = t.admitted();
-    s(2) = t.evicted();
+    s(2) = table.evicted();
     s(3) = t.pending_admission();
-    s(4) = t.UsedBytes();
-    s(5) = t.ReservedBytes();
+    // A tiered table: what counts against its RAM budget (tiered_table.h), both.
+    s(4) = table.tier() ? table.tier()->RamBytes() : t.UsedBytes();
+    s(5) = table.tier() ? table.tier()->RamBytes() : t.ReservedBytes();
   }
+};
+
+// A tiered table's disk tier: see TfpsxHashTableTierStats; zeros for a table in RAM.
+class TierStatsOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({kTierStats}), &out));
+    auto s = out->flat<int64_t>();
+    for (int i = 0; i < kTierStats; ++i) s(i) = 0;
+    if (table.tier() == nullptr) return;
+    const TierStats t = table.tier()->Stats();
+    const int64_t values[kTierStats] = {t.ram_bytes,     t.disk_rows,    t.disk_bytes,
+                                        t.bytes_written, t.bytes_spilled, t.bytes_read,
+                                        t.read_calls,    t.rows_spilled, t.rows_faulted,
+                                        t.segments,      t.index_bytes};
+    for (int i = 0; i < kTierStats; ++i) s(i) = values[i];
+  }
+
+ private:
+  static constexpr int kTierStats = 11;
 };
 
 }  // namespace
@@ -183,5 +210,6 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), Ta
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableEvict").Device(DEVICE_CPU), EvictOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCacheVictims").Device(DEVICE_CPU), CacheVictimsOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableStats").Device(DEVICE_CPU), StatsOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTierStats").Device(DEVICE_CPU), TierStatsOp);
 
 }  // namespace tfpsx

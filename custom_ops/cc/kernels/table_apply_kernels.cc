@@ -77,6 +77,8 @@ class ApplyOp : public TableOpKernel {
         optimizer_name_(optimizer),
         optimizer_(FindOptimizer(optimizer)) {}
 
+  bool TouchesKeys() const override { return true; }
+
  private:
   const bool scalar_hparams_;
   std::string optimizer_name_;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "custom_ops/cc/core/hash_table.h"
+#include "custom_ops/cc/core/tiered_table.h"
 #include "custom_ops/cc/kernels/table_resource.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -49,6 +50,19 @@ class HashTableHandleOp : public OpKernel {
                     : init == "uniform" ? InitKind::kUniform
                     : init == "normal"  ? InitKind::kNormal
                                         : InitKind::kZeros;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tier_directory", &tier_.directory));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tier_ram_bytes", &tier_.ram_bytes));
+    if (!tier_.directory.empty()) {
+      // The shard's own folder, named by its table and part ("user/part_0").
+      OP_REQUIRES(ctx, name_.find("..") == std::string::npos && name_[0] != '/',
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "tfpsx table '", name_, "': a tiered table's shared_name names its "
+                      "folder under tier_directory; it must be a relative path without '..'")));
+      tier_.directory = absl::StrCat(tier_.directory, "/", name_);
+      // Fewer lock stripes: each keeps a partly filled chunk of rows in RAM, which the
+      // budget pays for (TieredTable::MinRamBytes).
+      options_.num_stripes = 16;
+    }
     const std::string problem = ValidateOptions(options_);
     OP_REQUIRES(ctx, problem.empty(),
                 absl::InvalidArgumentError(absl::StrCat("tfpsx table '", name_, "': ", problem)));
@@ -68,11 +82,32 @@ class HashTableHandleOp : public OpKernel {
                                     "tfpsx table '", name_, "' with capacity=",
                                     options_.capacity, ": ", e.what()));
                               }
-                              *out = new TableResource(name_, std::move(t));
+                              std::unique_ptr<TieredTable> tier;
+                              if (!tier_.directory.empty()) {
+                                try {
+                                  tier = std::make_unique<TieredTable>(t.get(), tier_);
+                                  tier->Open();
+                                } catch (const std::invalid_argument& e) {
+                                  return absl::InvalidArgumentError(absl::StrCat(
+                                      "tfpsx tiered table '", name_, "': ", e.what()));
+                                } catch (const std::exception& e) {
+                                  return absl::FailedPreconditionError(absl::StrCat(
+                                      "tfpsx tiered table '", name_, "': ", e.what()));
+                                }
+                              }
+                              *out = new TableResource(name_, std::move(t), std::move(tier));
                               return absl::OkStatus();
                             }));
     ::tensorflow::core::ScopedUnref unref(table);
     const TableOptions& have = table->table().options();
+    const std::string have_dir = table->tier() ? table->tier()->options().directory : "";
+    OP_REQUIRES(ctx, have_dir == tier_.directory,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", name_, "' already exists on this device ",
+                    have_dir.empty() ? "in RAM" : absl::StrCat("tiered at ", have_dir),
+                    "; it was asked for again ",
+                    tier_.directory.empty() ? "in RAM"
+                                            : absl::StrCat("tiered at ", tier_.directory))));
     OP_REQUIRES(ctx, have.dim == options_.dim && have.num_slots == options_.num_slots,
                 absl::InvalidArgumentError(absl::StrCat(
                     "tfpsx table '", name_, "' already exists on this device with dim=",
@@ -89,6 +124,7 @@ class HashTableHandleOp : public OpKernel {
  private:
   std::string container_, name_;
   TableOptions options_;
+  TierOptions tier_;
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <exception>
 #include <mutex>
+#include <stdexcept>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -88,18 +89,58 @@ inline absl::Status ParallelRanges(OpKernelContext* ctx, const TableResource& ta
 }
 
 
-// Base of the kernels that work on a table: input 0 is its handle.
+// Base of the kernels that work on a table: input 0 is its handle. On a tiered table the
+// kernel runs under the tier's lock: the rows of its keys (input 1, when TouchesKeys)
+// come back from disk first, and rows move to disk after it when RAM is over its mark.
 class TableOpKernel : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) final {
     ::tensorflow::core::RefCountPtr<TableResource> table;
     OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
-    ComputeOn(ctx, *table);
+    TieredTable* tier = table->tier();
+    if (tier == nullptr) {
+      ComputeOn(ctx, *table);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(table->tier_mu());
+    if (TouchesKeys()) {
+      const Tensor& keys = ctx->input(1);
+      OP_REQUIRES(ctx, keys.dtype() == ::tensorflow::DT_INT64,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "tfpsx table '", table->name(), "': keys must be int64")));
+      OP_REQUIRES_OK(ctx, TierStep(*table, [&] {
+        tier->FaultIn(keys.flat<int64_t>().data(), keys.NumElements());
+      }));
+    }
+    // The tier's whole-table operations read the disk: an I/O error is the op's error.
+    OP_REQUIRES_OK(ctx, TierStep(*table, [&] { ComputeOn(ctx, *table); }));
+    if (!ctx->status().ok()) return;
+    OP_REQUIRES_OK(ctx, TierStep(*table, [&] { tier->Settle(); }));
   }
 
  protected:
   virtual void ComputeOn(OpKernelContext* ctx, TableResource& table) = 0;
+  // Whether input 1 holds the keys the kernel reads or writes.
+  virtual bool TouchesKeys() const { return false; }
+
+ private:
+  // A disk tier's failure as the op's error, naming the table: a batch too large for
+  // its RAM budget, or an I/O error (a full disk: the rows stay in RAM).
+  template <typename Fn>
+  static absl::Status TierStep(const TableResource& table, Fn&& fn) {
+    try {
+      fn();
+    } catch (const std::length_error& e) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tfpsx tiered table '", table.name(), "': ", e.what()));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat(
+          "tfpsx tiered table '", table.name(), "' at ", table.tier()->options().directory,
+          ": ", e.what()));
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace tfpsx

@@ -18,6 +18,10 @@ class FindOp : public TableOpKernel {
   }
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     const Tensor& keys = ctx->input(1);
+    OP_REQUIRES(ctx, !kTouch || table.tier() == nullptr,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "' has a disk tier: it cannot be a worker "
+                    "cache (a cache holds rows in RAM by design)")));
     int64_t step = 0;
     if (kTouch) OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "step", &step));
     HashTable& t = table.table();
@@ -42,6 +46,9 @@ class FindOp : public TableOpKernel {
     }));
   }
 
+ protected:
+  bool TouchesKeys() const override { return true; }
+
  private:
   bool with_slots_ = false;
 };
@@ -64,6 +71,9 @@ class FindOrInsertOp : public TableOpKernel {
       t.FindOrInsert(k + b, e - b, step, v + b * dim);
     }));
   }
+
+ protected:
+  bool TouchesKeys() const override { return true; }
 };
 
 template <bool kAccumulate>
@@ -111,6 +121,9 @@ class WriteOp : public TableOpKernel {
     }));
   }
 
+ protected:
+  bool TouchesKeys() const override { return true; }
+
  private:
   int64_t skip_reader_ = -1;
   HashTable::Combine combine_ = HashTable::Combine::kSum;
@@ -124,8 +137,10 @@ class RemoveOp : public TableOpKernel {
     const Tensor& keys = ctx->input(1);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() =
-        table.table().Remove(keys.flat<int64_t>().data(), keys.NumElements());
+    const int64_t* k = keys.flat<int64_t>().data();
+    const int64_t n = keys.NumElements();
+    // A tiered table removes disk rows where they are (no batch limit, no read back).
+    out->scalar<int64_t>()() = table.tier() ? table.tier()->Remove(k, n) : table.table().Remove(k, n);
   }
 };
 
@@ -135,7 +150,7 @@ class SizeOp : public TableOpKernel {
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = table.table().Size();
+    out->scalar<int64_t>()() = table.Size();
   }
 };
 

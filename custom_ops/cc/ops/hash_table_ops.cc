@@ -32,6 +32,8 @@ REGISTER_OP("TfpsxHashTableHandleOp")
     .Attr("seed: int = 0")
     .Attr("min_frequency: int = 1")
     .Attr("capacity: int = 0")
+    .Attr("tier_directory: string = ''")
+    .Attr("tier_ram_bytes: int = 0")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
     .Doc(R"doc(
@@ -39,6 +41,8 @@ Creates (on first run) or finds the dynamic embedding table `shared_name` on thi
 device and returns a handle to it. Running it for an existing table with another dim
 or slot count is an error. capacity > 0 reserves that many rows when the table is
 created (index sized, row memory faulted in); it is a hint, ignored for an existing table.
+tier_directory: a table larger than RAM keeps its rows beyond tier_ram_bytes of RAM in
+tier_directory/shared_name on this device's local disk (core/tiered_table.h).
 )doc");
 
 REGISTER_OP("TfpsxHashTableFind")
@@ -284,6 +288,22 @@ REGISTER_OP("TfpsxHashTableEvict")
     .Doc(R"doc(
 Evicts rows last updated before min_step (skipped when min_step is the int64 minimum),
 then keeps only the keep_top_n most frequent rows (skipped when keep_top_n < 0).
+)doc");
+
+REGISTER_OP("TfpsxHashTableTierStats")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Output("stats: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(11));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A tiered table's disk tier: [ram_bytes, disk_rows, disk_bytes, bytes_written,
+bytes_spilled, bytes_read, read_calls, rows_spilled, rows_faulted, segments, index_bytes],
+where ram_bytes is what counts against its budget, bytes_written what spills and
+compactions wrote and bytes_spilled the bytes of the rows moved to disk. Zeros for a
+table all in RAM.
 )doc");
 
 REGISTER_OP("TfpsxHashTableStats")

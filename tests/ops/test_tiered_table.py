@@ -1,0 +1,161 @@
+"""Tables larger than RAM (tfpsx.embedding.TieredBackend) in one process, graph mode: a
+tiered table trained, evicted, removed from and checkpointed holds exactly the rows of
+the same table in RAM, within its RAM budget, with most rows on disk; a restore from
+its incremental checkpoints is bit-exact; bad input is a clear error that changes
+nothing."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpsx import embedding as E
+from tfpsx.checkpoint import IncrementalSaver
+from tfpsx.ops import bindings
+
+_names = iter(range(10 ** 6))
+DIM = 8
+RAM = 1_600_000          # per shard: a few thousand rows of 84 bytes in RAM
+UNIVERSE = 2_000_000     # see ids()
+
+
+class Model:
+    """One table (2 shards, Adagrad), trained from fed ids, with eviction, removal,
+    export and an incremental saver: the operations a training job runs on a table."""
+
+    def __init__(self, prefix, backend=None, full_every=4):
+        self.step = tf.compat.v1.train.get_or_create_global_step()
+        self.table = E.DynamicTable(f"{prefix}t", DIM, optimizer=E.Adagrad(0.1),
+                                    initializer=E.normal(stddev=0.1), devices=[None, None],
+                                    backend=backend)
+        self.ids = tf.compat.v1.placeholder(tf.int64, [None])
+        looked = self.table.lookup_unique(self.ids, step=self.step)
+        grads = 0.01 * tf.sin(looked.unique_rows * 7.0)
+        with tf.control_dependencies([self.table.apply_gradients(looked, grads, step=self.step)]):
+            self.train = self.step.assign_add(1)
+        self.min_step = tf.compat.v1.placeholder(tf.int64, [])
+        self.evict = self.table.evict(min_step=self.min_step)
+        self.remove = self.table.remove(self.ids)
+        self.export = self.table.export()
+        self.size = self.table.stats()["size"]
+        self.tier = [s.tier_stats() for s in self.table.shards] if backend else []
+        self.saver = IncrementalSaver(full_every=full_every, max_to_keep=10)
+
+    def rows(self, sess):
+        got = sess.run(self.export)
+        order = np.argsort(got["keys"], kind="stable")
+        return {f: v[order].tobytes() for f, v in got.items()}
+
+    def tier_stats(self, sess):
+        return [dict(zip(bindings.TIER_STATS_FIELDS, s)) for s in sess.run(self.tier)]
+
+
+def ids(rng, n):
+    """Half log-uniform (a hot head), half uniform (new ids every step)."""
+    head = np.exp(rng.random(n - n // 2) * np.log(UNIVERSE)).astype(np.int64) - 1
+    return np.concatenate([head, rng.integers(0, UNIVERSE, n // 2)]) * 2654435761
+
+
+def drive(model, sess, seed, rounds, directory=None):
+    """Trains in rounds with evictions and removals between; saves after each round when
+    ``directory``. Returns [(rows, checkpoint path)] per round."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for round_ in range(rounds):
+        for _ in range(8):
+            sess.run(model.train, {model.ids: ids(rng, 3000)})
+        sess.run(model.remove, {model.ids: ids(rng, 500)})
+        if round_ % 2 == 1:
+            sess.run(model.evict, {model.min_step: 8 * round_ - 12})
+        path = None
+        if directory:
+            path = model.saver.save(sess, os.path.join(directory, "model"),
+                                    global_step=model.step)
+        out.append((model.rows(sess), path))
+    return out
+
+
+def run_model(prefix, backend, seed, rounds, directory=None, inspect=None):
+    with tf.Graph().as_default():
+        model = Model(prefix, backend)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            out = drive(model, sess, seed, rounds, directory)
+            if inspect:
+                inspect(model, sess)
+    return out
+
+
+def test_a_tiered_table_holds_the_rows_of_the_same_table_in_ram_and_restores_exactly(tmp_path):
+    seen = {}
+
+    def inspect(model, sess):
+        seen["tier"] = model.tier_stats(sess)
+        seen["size"] = sess.run(model.size)
+        seen["kind"] = model.saver.last_save["kind"]
+
+    backend = E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM)
+    prefix = f"tier{next(_names)}"
+    tiered = run_model(prefix, backend, 11, 4, str(tmp_path / "ckpt"), inspect)
+    in_ram = run_model(prefix, None, 11, 4)
+    for round_, ((got, _), (want, _)) in enumerate(zip(tiered, in_ram)):
+        assert got == want, f"round {round_}: the tiered table's rows differ from RAM's"
+    # Most rows live on disk, RAM stays within the budget, and they came back from it.
+    rows = len(in_ram[-1][0]["keys"]) // 8
+    assert seen["size"] == rows
+    for shard in seen["tier"]:
+        assert shard["ram_bytes"] <= RAM, shard
+        assert shard["disk_rows"] > rows // 4, shard  # of the 2 shards' rows: most
+        assert shard["rows_faulted"] > 0 and shard["read_calls"] > 0, shard
+        assert shard["bytes_written"] <= 3 * shard["bytes_spilled"], shard
+    for name in os.listdir(tmp_path / "tier"):
+        assert sorted(os.listdir(tmp_path / "tier" / name)) == ["part_0", "part_1"]
+    # The last save is a delta over a full one: restored into a fresh tiered table and
+    # into one in RAM (a session of its own: the tables of a restarted job), bit-exact.
+    path, want = tiered[-1][1], tiered[-1][0]
+    assert seen["kind"] == "delta"
+    for restore_backend in (E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM), None):
+        with tf.Graph().as_default():
+            model = Model(prefix, restore_backend)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(model.train, {model.ids: [10 ** 12, 10 ** 12 + 1]})  # replaced
+                model.saver.restore(sess, path)
+                assert model.rows(sess) == want
+                if restore_backend:
+                    assert all(s["disk_rows"] > 0 for s in model.tier_stats(sess))
+
+
+def test_bad_tier_input_is_a_clear_error_that_changes_nothing(tmp_path):
+    with pytest.raises(ValueError, match="directory must be a non-empty path"):
+        E.TieredBackend("", ram_bytes=RAM)
+    with pytest.raises(ValueError, match="ram_bytes must be a positive int.*got 0"):
+        E.TieredBackend(str(tmp_path), ram_bytes=0)
+    with tf.Graph().as_default():
+        small = E.DynamicTable(f"tier{next(_names)}", DIM, optimizer=E.Adagrad(0.1),
+                               backend=E.TieredBackend(str(tmp_path), ram_bytes=100_000))
+        blocked = tmp_path / "file"
+        blocked.write_text("not a folder")
+        unwritable = E.DynamicTable(f"tier{next(_names)}", DIM,
+                                    backend=E.TieredBackend(str(blocked), ram_bytes=RAM))
+        ok = E.DynamicTable(f"tier{next(_names)}", DIM, optimizer=E.Adagrad(0.1),
+                            backend=E.TieredBackend(str(tmp_path / "ok"), ram_bytes=RAM))
+        feed = tf.compat.v1.placeholder(tf.int64, [None])
+        big = ok.lookup(feed, train=True)
+        size = ok.stats()["size"]
+        with tf.compat.v1.Session() as sess:
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"ram_bytes=100000 is below .* needs at least: \d+"):
+                sess.run(small.stats())
+            with pytest.raises(tf.errors.FailedPreconditionError, match=str(blocked)):
+                sess.run(unwritable.stats())
+            # One batch whose rows would not fit above the high-water mark: the size
+            # needed is named, and the table is unchanged.
+            with pytest.raises(tf.errors.ResourceExhaustedError,
+                               match=r"ram_bytes must be at least \d+ for such batches"):
+                sess.run(big, {feed: np.arange(40_000)})
+            assert sess.run(size) == 0
+            assert sess.run(big, {feed: np.arange(1000)}).shape == (1000, DIM)
+    with pytest.raises(ValueError, match="cannot hold a worker cache"):
+        ok.shards[0].cache_find(tf.constant([1], tf.int64), 0)
