@@ -260,17 +260,15 @@ void HashTable::Present(const int64_t* keys, int64_t n, bool* present) const {
 
 void HashTable::TakeRows(const int64_t* keys, int64_t n, RecordBatch* out,
                          std::vector<uint8_t>* dirty) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = HashKey(keys[i]);
-    Stripe& s = store_.StripeOf(h);
-    std::unique_lock<std::shared_mutex> lock(s.mu);
+  // Grouped by stripe (one lock each); rows come out in that order.
+  store_.ForEachByStripe<true>(keys, n, nullptr, 0, [&](Stripe& s, int64_t i, uint64_t h) {
     const int64_t r = s.FindRow(keys[i], h);
-    if (r < 0) continue;
+    if (r < 0) return;
     out->Add(keys[i], s.rows.step(r), s.rows.freq(r), s.rows.row(r));
     const StripeState& st = stripe_state_[s.id];
     dirty->push_back(st.tracked && RowMarked(st, r) ? 1 : 0);
     RemoveTrackedRow(s, r, /*as_removal=*/false);
-  }
+  });
 }
 
 void HashTable::PutRows(const RecordBatch& in, const std::vector<uint8_t>& dirty) {

@@ -203,7 +203,7 @@ class HashTable {
   // neither the change log nor checkpoint tracking sees a row leave or come back as a
   // removal or a write. present[n]: whether each key has a row here.
   void Present(const int64_t* keys, int64_t n, bool* present) const;
-  // Appends the rows of keys[n] (present ones, in the given order) to `out`, whole,
+  // Appends the rows of keys[n] (present ones, in no particular order) to `out`, whole,
   // with dirty[i] = 1 when the row was written since the last checkpoint export, and
   // removes them.
   void TakeRows(const int64_t* keys, int64_t n, RecordBatch* out, std::vector<uint8_t>* dirty);

@@ -1,5 +1,6 @@
 #include "custom_ops/cc/core/key_index.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
 
@@ -79,12 +80,15 @@ void KeyIndex::Insert(int64_t key, int64_t segment) {
   // reusing them keeps the index the size of what the disk holds.
   for (size_t l = 0; l + 1 < levels_.size(); ++l) {
     Level& level = levels_[l];
+    // A level more than 90% full rarely has a free slot in the key's two buckets.
+    if (level.count * 10 > static_cast<int64_t>(level.slots.size()) * 9) continue;
     const uint64_t b1 = w.h & level.mask, b2 = Alternate(b1, w.fp, level.mask);
     for (uint64_t b : {b1, b2}) {
       for (int i = 0; i < kWays; ++i) {
         uint32_t& slot = level.slots[b * kWays + i];
         if (slot == 0) {
           slot = entry;
+          ++level.count;
           ++size_;
           return;
         }
@@ -101,6 +105,7 @@ void KeyIndex::Insert(int64_t key, int64_t segment) {
     if (!Place(*level, entry, w.h & level->mask))
       throw std::length_error("KeyIndex: a fresh level took no entry");
   }
+  ++level->count;
   ++size_;
 }
 
@@ -118,7 +123,28 @@ void KeyIndex::Candidates(int64_t key, std::vector<int32_t>* out) const {
   }
 }
 
-uint32_t* KeyIndex::FindEntry(int64_t key, int64_t segment) {
+void KeyIndex::Candidates(const int64_t* keys, int64_t n,
+                          std::vector<std::pair<int64_t, int32_t>>* out) const {
+  constexpr int64_t kAhead = 8;
+  auto prefetch = [&](int64_t key) {
+    const Where w = Locate(key);
+    for (const Level& level : levels_) {
+      const uint64_t b1 = w.h & level.mask;
+      __builtin_prefetch(&level.slots[b1 * kWays]);
+      __builtin_prefetch(&level.slots[Alternate(b1, w.fp, level.mask) * kWays]);
+    }
+  };
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(keys[i]);
+  std::vector<int32_t> segments;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(keys[i + kAhead]);
+    segments.clear();
+    Candidates(keys[i], &segments);
+    for (int32_t seg : segments) out->emplace_back(keys[i], seg);
+  }
+}
+
+std::pair<uint32_t*, KeyIndex::Level*> KeyIndex::FindEntry(int64_t key, int64_t segment) {
   const Where w = Locate(key);
   const uint32_t entry = Entry(w.fp, segment);
   for (Level& level : levels_) {
@@ -126,23 +152,24 @@ uint32_t* KeyIndex::FindEntry(int64_t key, int64_t segment) {
     for (uint64_t b : {b1, b2}) {
       for (int i = 0; i < kWays; ++i) {
         uint32_t& e = level.slots[b * kWays + i];
-        if (e == entry) return &e;
+        if (e == entry) return {&e, &level};
       }
     }
   }
-  return nullptr;
+  return {nullptr, nullptr};
 }
 
 bool KeyIndex::Erase(int64_t key, int64_t segment) {
-  uint32_t* e = FindEntry(key, segment);
+  auto [e, level] = FindEntry(key, segment);
   if (e == nullptr) return false;
   *e = 0;
+  --level->count;
   --size_;
   return true;
 }
 
 bool KeyIndex::Relabel(int64_t key, int64_t from, int64_t to) {
-  uint32_t* e = FindEntry(key, from);
+  uint32_t* e = FindEntry(key, from).first;
   if (e == nullptr) return false;
   *e = Entry(*e >> 16, to);
   return true;
@@ -151,6 +178,7 @@ bool KeyIndex::Relabel(int64_t key, int64_t from, int64_t to) {
 void KeyIndex::Clear() {
   levels_.resize(1);
   std::fill(levels_[0].slots.begin(), levels_[0].slots.end(), 0);
+  levels_[0].count = 0;
   size_ = 0;
 }
 

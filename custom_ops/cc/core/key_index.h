@@ -19,6 +19,7 @@
 #define TFPSX_CORE_KEY_INDEX_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace tfpsx {
@@ -37,6 +38,10 @@ class KeyIndex {
   void Insert(int64_t key, int64_t segment);
   // The segments of the entries matching key, appended to `out`.
   void Candidates(int64_t key, std::vector<int32_t>* out) const;
+  // For keys[n]: (key, segment) of every matching entry, appended to `out`; the buckets
+  // of the keys ahead are prefetched (a lookup touches two cache lines per level).
+  void Candidates(const int64_t* keys, int64_t n,
+                  std::vector<std::pair<int64_t, int32_t>>* out) const;
   // Removes one entry of key in `segment`; false when there is none.
   bool Erase(int64_t key, int64_t segment);
   // Moves one entry of key from segment `from` to segment `to` (compaction).
@@ -51,6 +56,7 @@ class KeyIndex {
   struct Level {
     std::vector<uint32_t> slots;  // buckets * kWays entries: fp << 16 | segment; 0 empty
     uint64_t mask = 0;            // buckets - 1
+    int64_t count = 0;            // entries held
   };
   struct Where {
     uint64_t h;
@@ -64,7 +70,8 @@ class KeyIndex {
   // Puts entry in one of its buckets of `level`, moving others; false (level unchanged)
   // when no place was found within the kick limit.
   bool Place(Level& level, uint32_t entry, uint64_t bucket);
-  uint32_t* FindEntry(int64_t key, int64_t segment);
+  // The entry and its level, or {nullptr, nullptr}.
+  std::pair<uint32_t*, Level*> FindEntry(int64_t key, int64_t segment);
 
   std::vector<Level> levels_;
   int64_t size_ = 0;

@@ -46,7 +46,7 @@ SegmentStore::SegmentStore(std::string directory, int64_t width)
     : directory_(std::move(directory)),
       width_(width),
       record_bytes_(20 + 4 * width),
-      group_records_(std::max<int64_t>(1, kGroupBytes / (20 + 4 * width))) {}
+      group_records_(std::max<int64_t>(kGroupRecords, kGroupBytes / (20 + 4 * width))) {}
 
 SegmentStore::~SegmentStore() { DropAll(); }
 
@@ -169,7 +169,7 @@ void SegmentStore::ReadMany(std::vector<Request>* requests, RecordBatch* into,
   std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) {
     return a.segment != b.segment ? a.segment < b.segment : a.group < b.group;
   });
-  std::vector<char> buf;
+  std::vector<char>& buf = read_buf_;
   std::vector<std::pair<int64_t, int64_t>> hits;  // (request, record)
   const int64_t max_groups = std::max<int64_t>(1, kMaxRunBytes / (group_records_ * record_bytes_));
   for (size_t a = 0; a < wants.size();) {

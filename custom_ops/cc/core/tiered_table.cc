@@ -29,6 +29,24 @@ RecordBatch SortedByKey(const RecordBatch& batch) {
   return out;
 }
 
+// Orders `batch` (and its dirty flags) by key: a segment is a sorted run.
+void SortByKey(RecordBatch* batch, std::vector<uint8_t>* dirty) {
+  std::vector<int64_t> order(static_cast<size_t>(batch->size()));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return batch->keys[a] < batch->keys[b]; });
+  RecordBatch out;
+  out.width = batch->width;
+  std::vector<uint8_t> flags;
+  for (int64_t o : order) {
+    out.Add(batch->keys[o], batch->steps[o], batch->freqs[o],
+            batch->rows.data() + o * batch->width);
+    flags.push_back((*dirty)[o]);
+  }
+  *batch = std::move(out);
+  *dirty = std::move(flags);
+}
+
 }  // namespace
 
 TieredTable::TieredTable(HashTable* hot, TierOptions options)
@@ -96,13 +114,11 @@ void TieredTable::ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows,
   // another key's entry of the same fingerprint and segment).
   std::sort(missing.begin(), missing.end());
   missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+  std::vector<std::pair<int64_t, int32_t>> candidates;
+  index_.Candidates(missing.data(), static_cast<int64_t>(missing.size()), &candidates);
   std::vector<SegmentStore::Request> requests;
-  std::vector<int32_t> segments;
-  for (int64_t key : missing) {
-    segments.clear();
-    index_.Candidates(key, &segments);
-    for (int32_t seg : segments) requests.push_back({key, seg});
-  }
+  requests.reserve(candidates.size());
+  for (const auto& c : candidates) requests.push_back({c.first, c.second});
   if (requests.empty()) return;
   std::vector<int64_t> found_at;
   store_.ReadMany(&requests, rows, &found_at);
@@ -114,13 +130,16 @@ void TieredTable::ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows,
   }
 }
 
-void TieredTable::Settle() {
+void TieredTable::Settle(const int64_t* keys, int64_t n) {
   if (RamBytes() > static_cast<int64_t>(options_.high_water * options_.ram_bytes))
-    Spill(static_cast<int64_t>(options_.low_water * options_.ram_bytes));
+    Spill(static_cast<int64_t>(options_.low_water * options_.ram_bytes), keys, n);
   Compact();
 }
 
-void TieredTable::Spill(int64_t target_bytes) {
+void TieredTable::Spill(int64_t target_bytes, const int64_t* keep, int64_t n_keep) {
+  std::vector<int64_t> kept(keep, keep + n_keep);
+  std::sort(kept.begin(), kept.end());
+  kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
   const int64_t per_row = RecordBytes() + 8;  // the record and (about) its index slot
   const int64_t chunk = std::max<int64_t>(1, kSpillBytes / RecordBytes());
   // Rows freed inside a chunk still in use are not given back, so the first estimate
@@ -128,8 +147,17 @@ void TieredTable::Spill(int64_t target_bytes) {
   for (int round = 0; round < 4; ++round) {
     const int64_t excess = RamBytes() - target_bytes;
     if (excess <= 0 || hot_->Size() == 0) break;
-    std::vector<int64_t> victims =
-        hot_->CacheVictims((excess + per_row - 1) / per_row, /*by_step=*/true);
+    const int64_t want = (excess + per_row - 1) / per_row;
+    std::vector<int64_t> victims = hot_->CacheVictims(want + static_cast<int64_t>(kept.size()),
+                                                      /*by_step=*/true);
+    // The least recent first: drop the kept keys, then take `want`.
+    victims.erase(std::remove_if(victims.begin(), victims.end(),
+                                 [&](int64_t k) {
+                                   return std::binary_search(kept.begin(), kept.end(), k);
+                                 }),
+                  victims.end());
+    if (static_cast<int64_t>(victims.size()) > want) victims.resize(static_cast<size_t>(want));
+    if (victims.empty()) break;
     std::sort(victims.begin(), victims.end());
     for (size_t at = 0; at < victims.size(); at += static_cast<size_t>(chunk)) {
       const int64_t m = std::min<int64_t>(chunk, static_cast<int64_t>(victims.size() - at));
@@ -137,6 +165,7 @@ void TieredTable::Spill(int64_t target_bytes) {
       batch.width = hot_->row_width();
       std::vector<uint8_t> dirty;
       hot_->TakeRows(victims.data() + at, m, &batch, &dirty);
+      SortByKey(&batch, &dirty);
       int32_t seg;
       try {
         seg = store_.Write(batch);
@@ -256,13 +285,11 @@ ExportedRows TieredTable::ExportSince(int64_t since_step) {
 }
 
 void TieredTable::PeekRows(const std::vector<int64_t>& keys, ExportedRows* out) {
+  std::vector<std::pair<int64_t, int32_t>> candidates;
+  index_.Candidates(keys.data(), static_cast<int64_t>(keys.size()), &candidates);
   std::vector<SegmentStore::Request> requests;
-  std::vector<int32_t> segments;
-  for (int64_t key : keys) {
-    segments.clear();
-    index_.Candidates(key, &segments);
-    for (int32_t seg : segments) requests.push_back({key, seg});
-  }
+  requests.reserve(candidates.size());
+  for (const auto& c : candidates) requests.push_back({c.first, c.second});
   RecordBatch rows;
   rows.width = hot_->row_width();
   std::vector<int64_t> found_at;

@@ -74,8 +74,9 @@ class TieredTable {
   // keys' rows could not fit between the high-water mark and ram_bytes (the message says
   // the ram_bytes one batch needs), std::runtime_error on an I/O error.
   void FaultIn(const int64_t* keys, int64_t n);
-  // Moves rows to disk when over the high-water mark; compacts.
-  void Settle();
+  // Moves rows to disk when over the high-water mark; compacts. The rows of keys[n] (the
+  // operation's own, just used) stay: a lookup's rows are the next apply's.
+  void Settle(const int64_t* keys = nullptr, int64_t n = 0);
 
   // The table's operations over every row, RAM and disk together.
   int64_t Size() const { return hot_->Size() + store_.live_rows(); }
@@ -98,7 +99,7 @@ class TieredTable {
  private:
   // Rows of `keys` that are on disk, read and killed there; dirty flags beside them.
   void ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows, std::vector<uint8_t>* dirty);
-  void Spill(int64_t target_bytes);
+  void Spill(int64_t target_bytes, const int64_t* keep, int64_t n_keep);
   void Compact();
   // Every live disk row (fn(key, step, freq, row) per segment, in each one's key order).
   template <typename Fn>

@@ -116,7 +116,14 @@ class TableOpKernel : public OpKernel {
     // The tier's whole-table operations read the disk: an I/O error is the op's error.
     OP_REQUIRES_OK(ctx, TierStep(*table, [&] { ComputeOn(ctx, *table); }));
     if (!ctx->status().ok()) return;
-    OP_REQUIRES_OK(ctx, TierStep(*table, [&] { tier->Settle(); }));
+    OP_REQUIRES_OK(ctx, TierStep(*table, [&] {
+      if (TouchesKeys()) {
+        const Tensor& keys = ctx->input(1);
+        tier->Settle(keys.flat<int64_t>().data(), keys.NumElements());
+      } else {
+        tier->Settle();
+      }
+    }));
   }
 
  protected:

@@ -1,0 +1,216 @@
+"""A table larger than RAM (tfpsx.embedding.TieredBackend) against the same table all in
+RAM: training steps/s, resident memory, disk I/O, checkpoint and restore times.
+
+One process per (backend, dim), the same work in each (side by side, interleaved over
+--rounds): a one-shard table with Adagrad is filled with --fill x ram_bytes of rows
+(keys scrambled, so that no order of the keys helps the disk), then trained by lookup +
+apply steps of --batch ids from two streams:
+- "zipf": Zipf(1.1) ranks over the filled ids, 1% of each batch new ids (a CTR stream);
+- "uniform": ids uniform over the filled ones (the worst case: every row equally cold).
+Then a full export of the table (a checkpoint's rows) and an import of it (a restore).
+
+Reported per stream: steps/s (tiered / in RAM: the ratio), the table's resident memory
+(the process's peak RSS less its RSS before the table existed, against ram_bytes), disk
+bytes written per byte moved to disk, and read / write I/O per step (the tier's
+counters); the export and import times against the disk's own sequential bandwidth
+(dd with fdatasync to write, O_DIRECT to read).
+
+  python benchmarks/tiered_table.py [--ram_mb 64] [--fill 10] [--dims 16,64]
+      [--steps 300] [--batch 4096] [--rounds 1] [--dir build/bench/tier]
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIX = 0x9E3779B97F4A7C15  # odd: i -> i * MIX mod 2^64 is a bijection (scrambled keys)
+
+
+def status_kb(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def child(args):
+    """One backend, one dim: fill, two streams, export, import; prints a JSON line."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfpsx import embedding as E
+    from tfpsx.ops import bindings
+
+    tf.compat.v1.disable_eager_execution()
+    record = 20 + 4 * 2 * args.dim  # key, step, freq, value, Adagrad's slot
+    ram = args.ram_mb << 20
+    rows = int(args.fill * ram / record)
+    backend = (E.TieredBackend(args.dir, ram_bytes=ram) if args.backend == "tiered" else None)
+    table = E.DynamicTable("bench", args.dim, optimizer=E.Adagrad(0.05), devices=[None],
+                           initializer=E.normal(stddev=0.01), backend=backend)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    ids = tf.compat.v1.placeholder(tf.int64, [None])
+    looked = table.lookup_unique(ids, step=step)
+    grads = 0.01 * tf.sin(looked.unique_rows)
+    with tf.control_dependencies([table.apply_gradients(looked, grads, step=step)]):
+        train = step.assign_add(1)
+    exported = table.export()
+    feed = {k: tf.compat.v1.placeholder(v.dtype, v.shape) for k, v in exported.items()}
+    restore = table.import_rows(feed, clear=True)
+    tier = table.shards[0].tier_stats() if backend else tf.zeros([11], tf.int64)
+
+    def scrambled(i):
+        return (np.asarray(i, np.uint64) * np.uint64(MIX)).view(np.int64)
+
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        base_kb = status_kb("VmRSS")
+        t0 = time.perf_counter()
+        fill_batch = max(1, min(65536, int(0.08 * ram / (record + 8))))
+        for at in range(0, rows, fill_batch):
+            sess.run(train, {ids: scrambled(np.arange(at, min(rows, at + fill_batch)))})
+        out = {"rows": rows, "fill_s": time.perf_counter() - t0, "streams": {}}
+        rng = np.random.default_rng(7)
+        fresh = [rows]
+
+        def batch(stream):
+            if stream == "uniform":
+                return scrambled(rng.integers(0, rows, args.batch))
+            ranks = (rng.zipf(1.1, args.batch) - 1) % rows
+            new = args.batch // 100
+            ranks[:new] = np.arange(fresh[0], fresh[0] + new)  # ids never seen
+            fresh[0] += new
+            return scrambled(ranks)
+
+        for stream in ("zipf", "uniform"):
+            for _ in range(20):  # warm: the stream's hot rows in RAM
+                sess.run(train, {ids: batch(stream)})
+            feeds = [batch(stream) for _ in range(args.steps)]
+            before = sess.run(tier)
+            t0 = time.perf_counter()
+            for f in feeds:
+                sess.run(train, {ids: f})
+            took = time.perf_counter() - t0
+            delta = dict(zip(bindings.TIER_STATS_FIELDS, (sess.run(tier) - before).tolist()))
+            out["streams"][stream] = {
+                "steps_per_s": args.steps / took,
+                "peak_kb": status_kb("VmHWM") - base_kb,
+                "rss_kb": status_kb("VmRSS") - base_kb,
+                "tier": delta,
+            }
+        t0 = time.perf_counter()
+        rows_now = sess.run(exported)
+        out["export_s"] = time.perf_counter() - t0
+        out["table_bytes"] = int(len(rows_now["keys"]) * record)
+        t0 = time.perf_counter()
+        sess.run(restore, {feed[k]: v for k, v in rows_now.items()})
+        out["import_s"] = time.perf_counter() - t0
+        out["end_tier"] = dict(zip(bindings.TIER_STATS_FIELDS, sess.run(tier).tolist()))
+        out["peak_kb"] = status_kb("VmHWM") - base_kb
+    print("RESULT " + json.dumps(out))
+
+
+def run_child(backend, dim, args):
+    directory = os.path.join(args.dir, f"{backend}_{dim}")
+    shutil.rmtree(directory, ignore_errors=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--backend", backend,
+           "--dim", str(dim), "--ram_mb", str(args.ram_mb), "--fill", str(args.fill),
+           "--steps", str(args.steps), "--batch", str(args.batch), "--dir", directory]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    shutil.rmtree(directory, ignore_errors=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{backend} dim {dim} failed (rc {proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
+
+
+def disk_bandwidth(directory, mb=1024):
+    """(write MB/s with fdatasync, read MB/s with O_DIRECT) of `directory`'s disk."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "dd.test")
+    speeds = []
+    for cmd in (["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+                ["dd", f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"]):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+        speeds.append(mb / (time.perf_counter() - t0))
+    os.remove(path)
+    return speeds
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend", default="tiered", help=argparse.SUPPRESS)
+    p.add_argument("--dim", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--dims", default="16,64")
+    p.add_argument("--ram_mb", type=int, default=64, help="the shard's ram_bytes, MiB")
+    p.add_argument("--fill", type=float, default=10, help="rows filled, x ram_bytes")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--dir", default=os.path.join(ROOT, "build", "bench", "tier"))
+    p.add_argument("--out", default=os.path.join(ROOT, "build", "bench", "tiered_table.md"))
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    write_mb, read_mb = disk_bandwidth(args.dir)
+    results = {}
+    for _ in range(args.rounds):
+        for dim in [int(d) for d in args.dims.split(",")]:
+            for backend in ("ram", "tiered"):
+                results.setdefault((backend, dim), []).append(run_child(backend, dim, args))
+    lines = [f"# Tiered table vs all in RAM ({time.strftime('%Y-%m-%d')})", "",
+             f"ram_bytes {args.ram_mb} MiB per shard, table {args.fill:g}x that, batch "
+             f"{args.batch}, {args.steps} steps per stream, {args.rounds} round(s) (median); "
+             f"disk: {write_mb:.0f} MB/s sequential write (fdatasync), {read_mb:.0f} MB/s "
+             "read (O_DIRECT)", "",
+             "| dim | stream | steps/s RAM | steps/s tiered | ratio | tiered peak RSS / "
+             "ram_bytes | written / spilled | read per step | read calls per step | "
+             "written per step |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: | ---: |"]
+    ckpt = []
+    for dim in [int(d) for d in args.dims.split(",")]:
+        ram, tiered = results[("ram", dim)], results[("tiered", dim)]
+        for stream in ("zipf", "uniform"):
+            r = statistics.median(x["streams"][stream]["steps_per_s"] for x in ram)
+            t = statistics.median(x["streams"][stream]["steps_per_s"] for x in tiered)
+            last = tiered[-1]["streams"][stream]
+            io = last["tier"]
+            steps = args.steps
+            lines.append(
+                f"| {dim} | {stream} | {r:.1f} | {t:.1f} | {t / r:.2f} | "
+                f"{last['peak_kb'] * 1024 / (args.ram_mb << 20):.2f} | "
+                f"{io['bytes_written'] / max(1, io['bytes_spilled']):.2f} | "
+                f"{io['bytes_read'] / steps / 1e3:.0f} kB | {io['read_calls'] / steps:.0f} | "
+                f"{io['bytes_written'] / steps / 1e3:.0f} kB |")
+        tr, rr = tiered[-1], ram[-1]
+        mb = tr["table_bytes"] / 1e6
+        ckpt.append(f"| {dim} | {mb:.0f} MB | {rr['export_s']:.1f} s | {tr['export_s']:.1f} s "
+                    f"({mb / tr['export_s']:.0f} MB/s) | {rr['import_s']:.1f} s | "
+                    f"{tr['import_s']:.1f} s ({mb / tr['import_s']:.0f} MB/s) | "
+                    f"{tr['end_tier']['disk_rows']} of {tr['rows']} | "
+                    f"{tr['end_tier']['index_bytes'] / max(1, tr['end_tier']['disk_rows']):.1f} |")
+    lines += ["", "Checkpoint (full export to tensors) and restore (import, clear):", "",
+              "| dim | rows | export RAM | export tiered | import RAM | import tiered | "
+              "rows on disk after | index bytes per disk row |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] + ckpt
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+        f.write("\n<!-- raw: " + json.dumps({f"{b}_{d}": v for (b, d), v in results.items()})
+                + " -->\n")
+
+
+if __name__ == "__main__":
+    main()
