@@ -159,3 +159,31 @@ def test_bad_tier_input_is_a_clear_error_that_changes_nothing(tmp_path):
             assert sess.run(big, {feed: np.arange(1000)}).shape == (1000, DIM)
     with pytest.raises(ValueError, match="cannot hold a worker cache"):
         ok.shards[0].cache_find(tf.constant([1], tf.int64), 0)
+
+
+def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path):
+    import keras
+
+    import tfpsx.keras
+
+    backend = E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM)
+    emb = tfpsx.keras.DynamicEmbedding(DIM, table_name=f"tier{next(_names)}", backend=backend,
+                                       optimizer=E.Adagrad(0.1), combiner="mean")
+    inputs = keras.Input((4,), dtype="int64")
+    model = keras.Model(inputs, keras.layers.Dense(1)(emb(inputs)))
+    model.compile("adam", "mse")
+    rng = np.random.default_rng(4)
+    x = ids(rng, 4 * 16_000).reshape(-1, 4)
+    y = (x[:, :1] % 3).astype(np.float32)
+    model.fit(x, y, batch_size=400, epochs=1, verbose=0)
+    stats = dict(zip(bindings.TIER_STATS_FIELDS, emb.table.shards[0].tier_stats().numpy()))
+    assert stats["disk_rows"] > int(emb.table.size()) // 2, stats
+    assert stats["ram_bytes"] <= RAM, stats
+    assert emb.get_config()["backend"] == {"directory": str(tmp_path / "tier"), "ram_bytes": RAM}
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    twin = loaded.layers[1]
+    assert isinstance(twin.backend, E.TieredBackend) and twin.backend.ram_bytes == RAM
+    np.testing.assert_allclose(loaded.predict(x[:512], verbose=0),
+                               model.predict(x[:512], verbose=0), rtol=1e-6, atol=1e-6)

@@ -83,6 +83,9 @@ class DynamicEmbedding(keras.layers.Layer):
       cache_size, cache_policy, flush_steps, cache_admit_after: a worker cache of the
         table's hot rows
         (``tfpsx.embedding.DynamicTable``; async and GEO strategies).
+      backend: where the table's shards keep their rows (``tfpsx.embedding.DynamicTable``);
+        ``tfpsx.embedding.TieredBackend(directory, ram_bytes)`` keeps each shard's rows
+        beyond ``ram_bytes`` of RAM on its server's disk. None: all in RAM.
     """
 
     def __init__(self, dim: int, table_name: Optional[str] = None, initializer=None,
@@ -90,8 +93,15 @@ class DynamicEmbedding(keras.layers.Layer):
                  pad_id: Optional[int] = None, min_frequency: int = 1,
                  capacity: Optional[int] = None, seed: int = 0,
                  cache_size: Optional[int] = None, cache_policy: str = "lfu",
-                 flush_steps: int = 100, cache_admit_after: int = 1, **kwargs):
+                 flush_steps: int = 100, cache_admit_after: int = 1,
+                 backend: Optional[E.Backend] = None, **kwargs):
         super().__init__(**kwargs)
+        if isinstance(backend, dict):  # from get_config
+            backend = E.TieredBackend(backend["directory"], backend["ram_bytes"])
+        if backend is not None and not isinstance(backend, E.Backend):
+            raise ValueError(f"DynamicEmbedding layer {self.name!r}: backend must be None or a "
+                             f"tfpsx.embedding.Backend (e.g. TieredBackend), got {backend!r}")
+        self.backend = backend
         CacheOptions.parse(f"{table_name or self.name} (layer)", cache_size, cache_policy,
                            flush_steps, cache_admit_after)
         self.cache_size, self.cache_policy = cache_size, cache_policy
@@ -133,7 +143,8 @@ class DynamicEmbedding(keras.layers.Layer):
             optimizer=self.table_optimizer, seed=self.seed, min_frequency=self.min_frequency,
             capacity=self.capacity, devices=None if on_ps else [None],
             cache_size=self.cache_size, cache_policy=self.cache_policy,
-            flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after)
+            flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after,
+            backend=self.backend)
         self._step = self.add_weight(name="table_step", shape=(), dtype="int64",
                                      initializer="zeros", trainable=False)
         if self.table_optimizer is not None:
@@ -226,7 +237,9 @@ class DynamicEmbedding(keras.layers.Layer):
             min_frequency=self.min_frequency, capacity=self.capacity, seed=self.seed,
             cache_size=self.cache_size,
             cache_policy=getattr(self.cache_policy, "name", self.cache_policy),
-            flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after)
+            flush_steps=self.flush_steps, cache_admit_after=self.cache_admit_after,
+            backend=({"directory": self.backend.directory, "ram_bytes": self.backend.ram_bytes}
+                     if isinstance(self.backend, E.TieredBackend) else None))
         return config
 
     def _keras_variables(self):

@@ -144,6 +144,37 @@ std::vector<int64_t> HashTable::CacheVictims(int64_t count, bool by_step) const 
   return victims;
 }
 
+std::vector<int64_t> HashTable::StripeVictims(int stripe, int64_t count) const {
+  struct Scored {
+    int64_t step, freq, key;
+  };
+  const Stripe& s = store_.stripe(stripe);
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  if (count <= 0) return {};
+  std::vector<Scored> all;
+  all.reserve(static_cast<size_t>(s.size()));
+  for (int64_t r = 0; r < s.size(); ++r) all.push_back({s.rows.step(r), s.rows.freq(r), s.rows.key(r)});
+  auto first = [](const Scored& a, const Scored& b) {
+    if (a.step != b.step) return a.step < b.step;
+    if (a.freq != b.freq) return a.freq < b.freq;
+    return a.key > b.key;
+  };
+  if (count < static_cast<int64_t>(all.size())) {
+    std::nth_element(all.begin(), all.begin() + count, all.end(), first);
+    all.resize(static_cast<size_t>(count));
+  }
+  std::vector<int64_t> victims;
+  victims.reserve(all.size());
+  for (const Scored& scored : all) victims.push_back(scored.key);
+  return victims;
+}
+
+int64_t HashTable::StripeSize(int stripe) const {
+  const Stripe& s = store_.stripe(stripe);
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  return s.size();
+}
+
 void HashTable::FindOrInsert(const int64_t* keys, int64_t n, int64_t step, float* out) {
   const int64_t dim = options_.dim;
   std::vector<int64_t> inserted;

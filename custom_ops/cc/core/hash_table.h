@@ -210,6 +210,13 @@ class HashTable {
   // Adds the rows of `in` back (a key already here keeps its row), marked for the next
   // incremental checkpoint where dirty[i] is 1.
   void PutRows(const RecordBatch& in, const std::vector<uint8_t>& dirty);
+  // The keys of the `count` least recently updated rows of lock stripe `stripe` (the
+  // oldest step, then the lowest frequency, then the larger key), not removed: a disk
+  // tier spills stripe by stripe, so that choosing costs one stripe's scores, not the
+  // table's.
+  std::vector<int64_t> StripeVictims(int stripe, int64_t count) const;
+  int num_stripes() const { return store_.num_stripes(); }
+  int64_t StripeSize(int stripe) const;
   // (frequency, key) of every row, appended to `out` (EvictToTopN over RAM and disk).
   void Frequencies(std::vector<std::pair<uint32_t, int64_t>>* out) const;
   // Gives the memory of removed rows back to the system (ChunkPool::Trim).

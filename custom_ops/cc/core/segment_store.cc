@@ -75,7 +75,7 @@ void SegmentStore::ParseRecord(const char* p, int64_t* key, int64_t* step, uint3
   *row = reinterpret_cast<const float*>(p + 20);
 }
 
-int32_t SegmentStore::Write(const RecordBatch& batch) {
+int32_t SegmentStore::Write(const RecordBatch& batch, const std::vector<int64_t>* order) {
   const int64_t n = batch.size();
   int32_t id = 0;
   while (id < static_cast<int32_t>(segs_.size()) && segs_[id] != nullptr) ++id;
@@ -111,16 +111,17 @@ int32_t SegmentStore::Write(const RecordBatch& batch) {
   std::memcpy(buf.data(), kMagic, 8);
   const int64_t header[3] = {1, width_, n};
   std::memcpy(buf.data() + 8, header, sizeof(header));
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t at = 0; at < n; ++at) {
+    const int64_t i = order ? (*order)[at] : at;
     if (static_cast<int64_t>(buf.size()) + record_bytes_ > kMaxRunBytes) flush();
-    const size_t at = buf.size();
-    buf.resize(at + static_cast<size_t>(record_bytes_));
-    char* p = buf.data() + at;
+    const size_t tail = buf.size();
+    buf.resize(tail + static_cast<size_t>(record_bytes_));
+    char* p = buf.data() + tail;
     std::memcpy(p, &batch.keys[i], 8);
     std::memcpy(p + 8, &batch.steps[i], 8);
     std::memcpy(p + 16, &batch.freqs[i], 4);
     std::memcpy(p + 20, batch.rows.data() + i * width_, 4 * width_);
-    if (i % group_records_ == 0) seg->fences.push_back(batch.keys[i]);
+    if (at % group_records_ == 0) seg->fences.push_back(batch.keys[i]);
   }
   flush();
   const int64_t bytes = kHeaderBytes + n * record_bytes_;

@@ -48,8 +48,10 @@ class SegmentStore {
   void Open();
   const std::string& directory() const { return directory_; }
 
-  // Writes batch (sorted by key, unique keys) as a new segment; returns its id.
-  int32_t Write(const RecordBatch& batch);
+  // Writes batch (unique keys) as a new segment, its records in the order `order` gives
+  // (indexes into batch, sorted by key), or as they are (already sorted) when null;
+  // returns its id.
+  int32_t Write(const RecordBatch& batch, const std::vector<int64_t>* order = nullptr);
 
   // One lookup: `key` in segment `segment`; the batch read fills record (-1: not there
   // or dead) and, when found, its row into `into` at `slot`.

@@ -1,5 +1,7 @@
 #include "custom_ops/cc/core/tiered_table.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -29,22 +31,13 @@ RecordBatch SortedByKey(const RecordBatch& batch) {
   return out;
 }
 
-// Orders `batch` (and its dirty flags) by key: a segment is a sorted run.
-void SortByKey(RecordBatch* batch, std::vector<uint8_t>* dirty) {
-  std::vector<int64_t> order(static_cast<size_t>(batch->size()));
+// The order of batch's records by key (a segment is a sorted run), without a copy.
+std::vector<int64_t> KeyOrder(const RecordBatch& batch) {
+  std::vector<int64_t> order(static_cast<size_t>(batch.size()));
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(),
-            [&](int64_t a, int64_t b) { return batch->keys[a] < batch->keys[b]; });
-  RecordBatch out;
-  out.width = batch->width;
-  std::vector<uint8_t> flags;
-  for (int64_t o : order) {
-    out.Add(batch->keys[o], batch->steps[o], batch->freqs[o],
-            batch->rows.data() + o * batch->width);
-    flags.push_back((*dirty)[o]);
-  }
-  *batch = std::move(out);
-  *dirty = std::move(flags);
+            [&](int64_t a, int64_t b) { return batch.keys[a] < batch.keys[b]; });
+  return order;
 }
 
 }  // namespace
@@ -134,6 +127,21 @@ void TieredTable::Settle(const int64_t* keys, int64_t n) {
   if (RamBytes() > static_cast<int64_t>(options_.high_water * options_.ram_bytes))
     Spill(static_cast<int64_t>(options_.low_water * options_.ram_bytes), keys, n);
   Compact();
+  const int64_t now = RamBytes();
+  if (now > options_.ram_bytes && !warned_) {
+    warned_ = true;
+    warning_ = "RAM " + std::to_string(now) + " bytes is over ram_bytes=" +
+               std::to_string(options_.ram_bytes) + " with " + std::to_string(hot_->Size()) +
+               " rows left in RAM: the index of the " + std::to_string(store_.live_rows()) +
+               " rows on disk takes " + std::to_string(index_.bytes() + store_.ram_bytes()) +
+               " bytes (4-8 a row); raise ram_bytes";
+  }
+}
+
+std::string TieredTable::TakeWarning() {
+  std::string out;
+  out.swap(warning_);
+  return out;
 }
 
 void TieredTable::Spill(int64_t target_bytes, const int64_t* keep, int64_t n_keep) {
@@ -141,34 +149,41 @@ void TieredTable::Spill(int64_t target_bytes, const int64_t* keep, int64_t n_kee
   std::sort(kept.begin(), kept.end());
   kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
   const int64_t per_row = RecordBytes() + 8;  // the record and (about) its index slot
+  const int stripes = hot_->num_stripes();
   const int64_t chunk = std::max<int64_t>(1, kSpillBytes / RecordBytes());
   // Rows freed inside a chunk still in use are not given back, so the first estimate
   // may fall short: a few rounds at most.
   for (int round = 0; round < 4; ++round) {
     const int64_t excess = RamBytes() - target_bytes;
-    if (excess <= 0 || hot_->Size() == 0) break;
+    const int64_t size = hot_->Size();
+    if (excess <= 0 || size == 0) break;
     const int64_t want = (excess + per_row - 1) / per_row;
-    std::vector<int64_t> victims = hot_->CacheVictims(want + static_cast<int64_t>(kept.size()),
-                                                      /*by_step=*/true);
-    // The least recent first: drop the kept keys, then take `want`.
-    victims.erase(std::remove_if(victims.begin(), victims.end(),
-                                 [&](int64_t k) {
-                                   return std::binary_search(kept.begin(), kept.end(), k);
-                                 }),
-                  victims.end());
-    if (static_cast<int64_t>(victims.size()) > want) victims.resize(static_cast<size_t>(want));
+    // Chosen stripe by stripe, each its share of `want` (keys spread evenly over the
+    // stripes, so this is the table's LRU within a stripe's rounding): the choice costs
+    // one stripe's scores at a time, not the table's.
+    std::vector<int64_t> victims;
+    for (int s = 0; s < stripes; ++s) {
+      const int64_t share = (want * hot_->StripeSize(s) + size - 1) / size;
+      std::vector<int64_t> some = hot_->StripeVictims(s, share + static_cast<int64_t>(kept.size()));
+      int64_t taken = 0;
+      for (int64_t k : some) {
+        if (taken == share) break;
+        if (std::binary_search(kept.begin(), kept.end(), k)) continue;
+        victims.push_back(k);
+        ++taken;
+      }
+    }
     if (victims.empty()) break;
-    std::sort(victims.begin(), victims.end());
     for (size_t at = 0; at < victims.size(); at += static_cast<size_t>(chunk)) {
       const int64_t m = std::min<int64_t>(chunk, static_cast<int64_t>(victims.size() - at));
       RecordBatch batch;
       batch.width = hot_->row_width();
       std::vector<uint8_t> dirty;
       hot_->TakeRows(victims.data() + at, m, &batch, &dirty);
-      SortByKey(&batch, &dirty);
+      const std::vector<int64_t> order = KeyOrder(batch);
       int32_t seg;
       try {
-        seg = store_.Write(batch);
+        seg = store_.Write(batch, &order);
       } catch (...) {
         hot_->PutRows(batch, dirty);  // nothing lost: the rows stay in RAM
         throw;
@@ -182,6 +197,11 @@ void TieredTable::Spill(int64_t target_bytes, const int64_t* keep, int64_t n_kee
     }
     hot_->TrimMemory();
   }
+#ifdef __GLIBC__
+  // The spill's buffers and the rows' freed slack go back to the system too; malloc
+  // keeps freed heap memory resident otherwise.
+  ::malloc_trim(0);
+#endif
 }
 
 void TieredTable::Compact() {
@@ -216,7 +236,8 @@ void TieredTable::Compact() {
       from.push_back(seg);
     });
   }
-  const int32_t out = store_.Write(SortedByKey(batch));
+  const std::vector<int64_t> order = KeyOrder(batch);
+  const int32_t out = store_.Write(batch, &order);
   for (int64_t i = 0; i < batch.size(); ++i) index_.Relabel(batch.keys[i], from[i], out);
   for (int32_t seg : chosen) store_.Drop(seg);
 }

@@ -58,7 +58,7 @@ struct TierStats {
 
 class TieredTable {
  public:
-  static constexpr int64_t kSpillBytes = int64_t{4} << 20;
+  static constexpr int64_t kSpillBytes = int64_t{1} << 20;
 
   // `hot` outlives this. Throws std::invalid_argument for unusable options.
   TieredTable(HashTable* hot, TierOptions options);
@@ -92,6 +92,11 @@ class TieredTable {
   int64_t EvictToTopN(int64_t keep);
   int64_t evicted() const { return evicted_; }
 
+  // Once, when a Settle left RAM above ram_bytes with no row left to move (what stays
+  // in RAM regardless: the disk keys' index, the stripes' chunks, the operation's own
+  // rows): a message naming the figures; "" otherwise.
+  std::string TakeWarning();
+
   TierStats Stats() const;
   const TierOptions& options() const { return options_; }
   int64_t RamBytes() const;
@@ -122,6 +127,8 @@ class TieredTable {
   std::unordered_set<int64_t> removed_on_disk_;
   bool tracking_ = false;  // a full checkpoint export armed incremental ones
   int64_t evicted_ = 0;
+  std::string warning_;
+  bool warned_ = false;
   int64_t bytes_spilled_ = 0, rows_spilled_ = 0, rows_faulted_ = 0;
 };
 

@@ -16,6 +16,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/util/work_sharder.h"
 
 namespace tfpsx {
@@ -124,6 +125,8 @@ class TableOpKernel : public OpKernel {
         tier->Settle();
       }
     }));
+    const std::string warning = tier->TakeWarning();
+    if (!warning.empty()) LOG(WARNING) << "tfpsx tiered table '" << table->name() << "': " << warning;
   }
 
  protected:
