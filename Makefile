@@ -191,6 +191,7 @@ bench: setup
 	    --table_lr 0.1 --rules mean,shared --hot_count 4
 	$(PY) benchmarks/embedding_ops.py
 	$(PY) benchmarks/embedding_cache.py
+	$(PY) benchmarks/tiered_table.py --ram_mb 64 --fill 10 --dims 16,64 --steps 200
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/session_run_cost.py

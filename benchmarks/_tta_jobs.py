@@ -19,8 +19,10 @@ the processes per step and worker (both directions).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Dict, List
 
 import tfpsx
@@ -87,6 +89,9 @@ class CriteoJob:
         "hybrid_cache": ["--mode", "async", "--dense", "allreduce", "--cache_size", "CACHE"],
         "hybrid_cache_ceiling": CEILING + ["--dense", "allreduce"],
         "local": ["--mode", "local"],
+        # The table on disk beyond --table_ram_bytes per shard (TieredBackend).
+        "async_tiered": ["--mode", "async", "--table_ram_bytes", "TIER"],
+        "geo_tiered": ["--mode", "geo", "--k_steps", "auto", "--table_ram_bytes", "TIER"],
     }
 
     def __init__(self, args):
@@ -109,22 +114,33 @@ class CriteoJob:
 
     def run(self, mode: str, one_way: float, rate) -> dict:
         a, data = self.args, self.data_dir()
-        extra = [str(a.cache_size) if x == "CACHE" else x for x in self.MODES[mode]]
+        swap = {"CACHE": str(a.cache_size), "TIER": str(a.table_ram_bytes)}
+        extra = [swap.get(x, x) for x in self.MODES[mode]]
+        tier_dir = None
+        if "TIER" in self.MODES[mode]:  # a folder per job: two jobs never share one
+            tier_dir = tempfile.mkdtemp(prefix="tfpsx_tta_tier_")
+            extra += ["--table_dir", tier_dir]
         cmd = [sys.executable, os.path.join(self.EXAMPLE, "train.py"), "--train_data",
                os.path.join(data, "train-*"), "--eval_data", os.path.join(data, "eval.txt"),
                "--epochs", str(a.epochs), "--batch_size", str(a.batch_size), "--verbose", "0",
                "--eval_every", str(a.eval_every), "--eval_rows", str(a.eval_rows)] + extra
-        with run_job(cmd, servers=a.servers, workers=a.workers, one_way=one_way, rate=rate,
-                     timeout=a.timeout) as job:
-            reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1]
-                       for i in range(a.workers)]
-            steps = reports[0]["steps_per_epoch"] * a.epochs
-            # The chief's rate counts every worker's examples (equal steps on each).
-            return {"examples_per_sec": reports[0]["examples_per_sec"],
-                    "final": reports[0]["auc"], "seconds": reports[0]["seconds"],
-                    "points": [{"seconds": p["seconds"], "value": p["auc"]}
-                               for p in reports[0]["points"]],
-                    "bytes_per_step": _bytes_per_step(job, steps, a.workers)}
+        try:
+            with run_job(cmd, servers=a.servers, workers=a.workers, one_way=one_way, rate=rate,
+                         timeout=a.timeout) as job:
+                reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1]
+                           for i in range(a.workers)]
+                steps = reports[0]["steps_per_epoch"] * a.epochs
+                # The chief's rate counts every worker's examples (equal steps on each).
+                return {"examples_per_sec": reports[0]["examples_per_sec"],
+                        "final": reports[0]["auc"], "seconds": reports[0]["seconds"],
+                        "points": [{"seconds": p["seconds"], "value": p["auc"]}
+                                   for p in reports[0]["points"]],
+                        "bytes_per_step": _bytes_per_step(job, steps, a.workers),
+                        "table": {k: reports[0].get(k) for k in
+                                  ("table_rows", "table_ram_bytes", "table_disk_rows")}}
+        finally:
+            if tier_dir:
+                shutil.rmtree(tier_dir, ignore_errors=True)
 
 
 class Word2vecJob:
@@ -204,6 +220,9 @@ def add_flags(p) -> None:
     p.add_argument("--epochs", type=int, default=1, help="criteo")
     p.add_argument("--batch_size", type=int, default=512, help="criteo")
     p.add_argument("--cache_size", type=int, default=100_000, help="criteo")
+    p.add_argument("--table_ram_bytes", type=int, default=8 << 20,
+                   help="criteo *_tiered modes: RAM per table shard (a tenth of the default "
+                        "job's table, ~80 MB in RAM)")
     p.add_argument("--eval_rows", type=int, default=10_000, help="criteo")
     p.add_argument("--w2v_topics", type=int, default=200, help="word2vec")
     p.add_argument("--w2v_per_topic", type=int, default=500, help="word2vec")

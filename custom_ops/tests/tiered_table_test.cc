@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -159,6 +160,19 @@ void TestTrainsAsInRam() {
   CHECK(SameRows(p.tier.ExportSince(INT64_MIN), p.ref.Export()));
   CHECK(SameRows(p.tier.ExportSince(150), p.ref.ExportSince(150)));
   CHECK(st.bytes_written <= 3 * st.bytes_spilled);
+  // A read-only lookup finds the rows on disk where they are, larger than RAM's room
+  // for a batch, and moves none.
+  std::vector<int64_t> keys = ZipfBatch(rng, 20000, 60000);
+  for (int64_t i = 0; i < 100; ++i) keys[i] = -1 - i;  // never seen
+  const int64_t n = static_cast<int64_t>(keys.size());
+  std::vector<float> got(n * 32), want(n * 32);
+  std::unique_ptr<bool[]> got_found(new bool[n]), want_found(new bool[n]);
+  p.hot.FindWithSlots(keys.data(), n, got.data(), got_found.get());
+  p.tier.FindOnDisk(keys.data(), n, 32, got.data(), got_found.get());
+  p.ref.FindWithSlots(keys.data(), n, want.data(), want_found.get());
+  CHECK(got == want);
+  CHECK(std::equal(got_found.get(), got_found.get() + n, want_found.get()));
+  CHECK(p.tier.Stats().disk_rows == st.disk_rows);
 }
 
 // Applies an incremental checkpoint to the rows of the one before.

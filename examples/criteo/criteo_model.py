@@ -70,8 +70,11 @@ class SplitRows(keras.layers.Layer):
 
 def build(kind: str, dim: int = 16, hidden: Sequence[int] = (256, 128),
           table_lr: float = 0.05, learning_rate: float = 1e-3,
-          cache_size: Optional[int] = None, flush_steps: int = 100) -> keras.Model:
-    """The compiled model (build it inside a tfpsx strategy's scope on a cluster)."""
+          cache_size: Optional[int] = None, flush_steps: int = 100,
+          backend: Optional[tfpsx.embedding.Backend] = None) -> keras.Model:
+    """The compiled model (build it inside a tfpsx strategy's scope on a cluster);
+    ``backend``: where the table's shards keep their rows (e.g. on disk beyond a RAM
+    budget: ``tfpsx.embedding.TieredBackend``)."""
     if kind not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {kind!r}")
     dense = keras.Input((INT_FIELDS,), name="dense")
@@ -80,7 +83,8 @@ def build(kind: str, dim: int = 16, hidden: Sequence[int] = (256, 128),
     cache = {} if not cache_size else {"cache_size": cache_size, "flush_steps": flush_steps}
     rows = tfpsx.keras.DynamicEmbedding(
         dim + 1, optimizer=tfpsx.embedding.Adagrad(table_lr),
-        initializer=tfpsx.embedding.normal(stddev=0.01), name="embedding", **cache)(ids)
+        initializer=tfpsx.embedding.normal(stddev=0.01), name="embedding", backend=backend,
+        **cache)(ids)
     v, id_weights = SplitRows(name="split")(rows)
     wide = keras.layers.Add(name="wide")([id_weights,
                                           keras.layers.Dense(1, name="count_weights")(dense)])

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 import keras
@@ -73,6 +74,10 @@ flags.DEFINE_enum("geo_dense", None, ["copies", "async"],
 flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch train on "
                      "the PS (0: none; default: tfpsx's choice by the worker count)")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
+flags.DEFINE_integer("table_ram_bytes", 0, "RAM of each table shard on its server; rows "
+                     "beyond it live on the server's disk under --table_dir (0: all in RAM)")
+flags.DEFINE_string("table_dir", os.path.join(tempfile.gettempdir(), "tfpsx_tables"),
+                    "with --table_ram_bytes: the folder on each server's local disk")
 flags.DEFINE_integer("cache_flush_steps", 100, "async / staleness: steps between the worker "
                      "cache's syncs with the PS")
 flags.DEFINE_integer("epochs", 1, "epochs over each worker's part of the training data")
@@ -219,6 +224,16 @@ def evaluator() -> int:
     return 0
 
 
+def table_backend():
+    """The tables' backend: on disk beyond --table_ram_bytes per shard, or None (RAM)."""
+    if FLAGS.table_ram_bytes < 0:
+        raise app.UsageError(f"--table_ram_bytes must be >= 0 (0: all in RAM), got "
+                             f"{FLAGS.table_ram_bytes}")
+    if not FLAGS.table_ram_bytes:
+        return None
+    return tfpsx.embedding.TieredBackend(FLAGS.table_dir, FLAGS.table_ram_bytes)
+
+
 def main(argv):
     del argv
     tf.get_logger().setLevel("ERROR")
@@ -245,7 +260,8 @@ def main(argv):
         model = criteo_model.build(FLAGS.model, FLAGS.dim, [int(h) for h in FLAGS.hidden],
                                    FLAGS.table_learning_rate, FLAGS.learning_rate,
                                    cache_size=FLAGS.cache_size or None,
-                                   flush_steps=FLAGS.cache_flush_steps)
+                                   flush_steps=FLAGS.cache_flush_steps,
+                                   backend=table_backend())
 
     callbacks = strategy.callbacks() if strategy else []
     first_epoch = 0
@@ -289,6 +305,14 @@ def main(argv):
               "steps_per_epoch": steps}
     if strategy is not None and strategy.counters is not None:
         report.update({k: float(v) for k, v in strategy.counters.snapshot().items()})
+    if chief:
+        # The table on the servers: its rows, and the RAM its shards count (for a tiered
+        # table: what counts against --table_ram_bytes) with the rows on their disks.
+        table = model.get_layer("embedding").table
+        stats = {k: int(v) for k, v in table.stats().items()}
+        report.update(table_rows=stats["size"], table_ram_bytes=stats["bytes_used"])
+        if FLAGS.table_ram_bytes:
+            report["table_disk_rows"] = int(table.tier_stats()["disk_rows"])
     if chief and FLAGS.eval_data:
         p = model.predict(eval_data, verbose=0).ravel()
         a, l = auc(labels, p), logloss(labels, p)

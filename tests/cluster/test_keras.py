@@ -41,7 +41,10 @@ def finish(c, timeout=200):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,extra", [
     # (async: make test's Keras async job is the two-server scenario below)
-    pytest.param("async", [], marks=pytest.mark.slow), ("sync", []),
+    pytest.param("async", [], marks=pytest.mark.slow),
+    # The users' table on the PS's disk beyond 2 MB (TieredBackend): its 200 rows stay in
+    # RAM; the spills are driven in one process (tests/ops/test_tiered_table.py).
+    pytest.param("sync", ["--table_ram_bytes", "2000000"], id="sync"),
     # GEO's communicator traces its sync while fit starts (0.7 s, more on a loaded
     # machine): steps of 20 ms leave it time to sync during fit, as a real fit does.
     # GEO's rule for many workers, named: tables by shared slots, the dense weights async
@@ -57,7 +60,9 @@ def finish(c, timeout=200):
     pytest.param("geo", ["--k_steps", "auto", "--step_delay", "0.02", "--geo_rule",
                          "default"], id="geo"),
     ("staleness", ["--max_staleness", "2"])])
-def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
+def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra):
+    if "--table_ram_bytes" in extra:
+        extra = extra + ["--table_dir", str(tmp_path / "tables")]
     c = make_cluster(1, 2, script="keras_job.py", env=FAST, timeout=240,
                      args=["--mode", mode] + extra).start()
     finish(c)
@@ -73,6 +78,10 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, mode, extra):
         # iterations is the global step: every worker's steps, on PS 0.
         assert chief["kernel_device"].startswith("/job:ps/")
         assert max(r["iterations"] for r in got.values()) == steps, got
+    if "--table_ram_bytes" in extra:  # the users' table is tiered on the PS, within 2 MB
+        tier = chief["tiers"]["user_emb"]
+        assert 0 < tier["ram_bytes"] <= 2_000_000, chief["tiers"]
+        assert os.listdir(tmp_path / "tables" / "user_emb") == ["part_0"]
     if mode == "sync":
         assert chief["kernel_device"].startswith("/job:ps/")
         # one aggregated step per pair of worker steps (equal shards: equal step counts)

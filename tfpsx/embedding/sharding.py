@@ -20,6 +20,7 @@ from tfpsx.embedding.checks import EXPORT_FIELDS
 from tfpsx.embedding.initializers import Initializer, normal
 from tfpsx.embedding.storage import (COMBINE, HASH_TABLE, Backend, ShardSpec, TableStorage,
                                      on_device)
+from tfpsx.ops import bindings
 
 INT64_MIN = -(2 ** 63)
 STATS_FIELDS = ("size", "admitted", "evicted", "pending_admission", "bytes_used",
@@ -296,6 +297,18 @@ class ShardedTable:
         mapped, including chunks not filled yet and reserved ``capacity``)."""
         total = tf.add_n(self.on_shards(lambda i, s: s.stats()))
         return {name: total[j] for j, name in enumerate(STATS_FIELDS)}
+
+    def tier_stats(self) -> Dict[str, tf.Tensor]:
+        """A tiered table's disk tier (``TieredBackend``), summed over the shards, int64
+        scalars by name: ``ram_bytes`` (what counts against the shards' budgets),
+        ``disk_rows``, ``disk_bytes``, ``bytes_written`` (spills and compactions),
+        ``bytes_spilled`` (of rows moved to disk), ``bytes_read``, ``read_calls``,
+        ``rows_spilled``, ``rows_faulted`` (read back), ``segments``, ``index_bytes``."""
+        if not all(hasattr(s, "tier_stats") for s in self.shards):
+            raise ValueError(f"{self._what} keeps its rows in RAM: it has no disk tier "
+                             "(create it with backend=tfpsx.embedding.TieredBackend(...))")
+        total = tf.add_n(self.on_shards(lambda i, s: s.tier_stats()))
+        return {name: total[j] for j, name in enumerate(bindings.TIER_STATS_FIELDS)}
 
     def evict(self, min_step=None, keep_top_n=None) -> tf.Tensor:
         """Evicts rows last updated before ``min_step`` (TTL) and/or keeps the top-N most

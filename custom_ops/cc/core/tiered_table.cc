@@ -73,31 +73,70 @@ int64_t TieredTable::RamBytes() const {
 }
 
 void TieredTable::FaultIn(const int64_t* keys, int64_t n) {
-  // A batch's new rows land above the high-water mark before Settle moves others out:
-  // they must fit below ram_bytes (a row and its index slot, at most).
-  const int64_t need = n * (RecordBytes() + 8);
+  if (n == 0) return;
+  const std::vector<int64_t> missing = Missing(keys, n);
+  // The batch's rows that are not in RAM (read back, or new) land above the high-water
+  // mark before Settle moves others out: they must fit below ram_bytes (a row and its
+  // index slot, at most).
+  const int64_t m = static_cast<int64_t>(missing.size());
+  const int64_t need = m * (RecordBytes() + 8);
   const int64_t room =
       options_.ram_bytes - static_cast<int64_t>(options_.high_water * options_.ram_bytes);
   if (need > room) {
     throw std::length_error(
-        "a batch of " + std::to_string(n) + " keys needs up to " + std::to_string(need) +
-        " bytes of RAM above the table's high-water mark (" +
+        "a batch of " + std::to_string(m) + " keys not in RAM needs up to " +
+        std::to_string(need) + " bytes of RAM above the table's high-water mark (" +
         std::to_string(static_cast<int>(options_.high_water * 100)) +
         "% of ram_bytes); ram_bytes must be at least " +
         std::to_string(static_cast<int64_t>(need / (1 - options_.high_water)) + 1) +
         " for such batches, got " + std::to_string(options_.ram_bytes));
   }
-  if (store_.live_rows() == 0 || n == 0) return;
+  if (store_.live_rows() == 0 || m == 0) return;
   RecordBatch rows;
   std::vector<uint8_t> dirty;
-  ReadOut(keys, n, &rows, &dirty);
+  ReadOut(missing, &rows, &dirty);
   hot_->PutRows(rows, dirty);
   rows_faulted_ += rows.size();
 }
 
-void TieredTable::ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows,
-                          std::vector<uint8_t>* dirty) {
-  rows->width = hot_->row_width();
+void TieredTable::FindOnDisk(const int64_t* keys, int64_t n, int64_t width, float* out,
+                             bool* found) {
+  if (store_.live_rows() == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> at;  // (key, position) of the keys not found
+  for (int64_t i = 0; i < n; ++i)
+    if (!found[i]) at.emplace_back(keys[i], i);
+  std::sort(at.begin(), at.end());
+  std::vector<int64_t> unique;
+  for (const auto& p : at)
+    if (unique.empty() || unique.back() != p.first) unique.push_back(p.first);
+  // In pieces, so that the rows read at once stay within a spill's buffer.
+  const int64_t piece = std::max<int64_t>(1, kSpillBytes / RecordBytes());
+  const int64_t full = hot_->row_width();
+  for (size_t first = 0; first < unique.size(); first += static_cast<size_t>(piece)) {
+    const size_t last = std::min(unique.size(), first + static_cast<size_t>(piece));
+    std::vector<std::pair<int64_t, int32_t>> candidates;
+    index_.Candidates(unique.data() + first, static_cast<int64_t>(last - first), &candidates);
+    std::vector<SegmentStore::Request> requests;
+    requests.reserve(candidates.size());
+    for (const auto& c : candidates) requests.push_back({c.first, c.second});
+    if (requests.empty()) continue;
+    RecordBatch rows;
+    rows.width = full;
+    std::vector<int64_t> found_at;
+    store_.ReadMany(&requests, &rows, &found_at);
+    for (int64_t r = 0; r < rows.size(); ++r) {
+      const int64_t key = rows.keys[r];
+      auto it = std::lower_bound(at.begin(), at.end(), std::make_pair(key, INT64_MIN));
+      for (; it != at.end() && it->first == key; ++it) {
+        std::memcpy(out + it->second * width, rows.rows.data() + r * full,
+                    width * sizeof(float));
+        found[it->second] = true;
+      }
+    }
+  }
+}
+
+std::vector<int64_t> TieredTable::Missing(const int64_t* keys, int64_t n) const {
   std::unique_ptr<bool[]> present(new bool[n]);
   hot_->Present(keys, n, present.get());
   std::vector<int64_t> missing;
@@ -107,6 +146,12 @@ void TieredTable::ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows,
   // another key's entry of the same fingerprint and segment).
   std::sort(missing.begin(), missing.end());
   missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+  return missing;
+}
+
+void TieredTable::ReadOut(const std::vector<int64_t>& missing, RecordBatch* rows,
+                          std::vector<uint8_t>* dirty) {
+  rows->width = hot_->row_width();
   std::vector<std::pair<int64_t, int32_t>> candidates;
   index_.Candidates(missing.data(), static_cast<int64_t>(missing.size()), &candidates);
   std::vector<SegmentStore::Request> requests;
@@ -398,7 +443,7 @@ int64_t TieredTable::Remove(const int64_t* keys, int64_t n) {
   for (int64_t at = 0; at < n && store_.live_rows() > 0; at += piece) {
     RecordBatch rows;
     std::vector<uint8_t> dirty;
-    ReadOut(keys + at, std::min(piece, n - at), &rows, &dirty);
+    ReadOut(Missing(keys + at, std::min(piece, n - at)), &rows, &dirty);
     for (int64_t key : rows.keys)
       if (tracking_) removed_on_disk_.insert(key);
     removed += rows.size();
@@ -443,7 +488,7 @@ int64_t TieredTable::EvictToTopN(int64_t keep) {
   // The rest are on disk: read out (killed there) and dropped.
   RecordBatch rows;
   std::vector<uint8_t> dirty;
-  ReadOut(victims.data(), static_cast<int64_t>(victims.size()), &rows, &dirty);
+  ReadOut(Missing(victims.data(), static_cast<int64_t>(victims.size())), &rows, &dirty);
   for (int64_t key : rows.keys)
     if (tracking_) removed_on_disk_.insert(key);
   evicted_ += rows.size();

@@ -70,10 +70,17 @@ class TieredTable {
   // Prepares the directory (segment_store.h's Open). Throws std::runtime_error.
   void Open();
 
-  // Brings the rows of keys[n] that are on disk into RAM. Throws std::length_error when n
-  // keys' rows could not fit between the high-water mark and ram_bytes (the message says
-  // the ram_bytes one batch needs), std::runtime_error on an I/O error.
+  // Brings the rows of keys[n] that are on disk into RAM. Throws std::length_error when
+  // the rows of the keys not in RAM (read back or new) could not fit between the
+  // high-water mark and ram_bytes (the message says the ram_bytes such a batch needs),
+  // std::runtime_error on an I/O error.
   void FaultIn(const int64_t* keys, int64_t n);
+  // A read-only lookup's rows that are not in RAM: for every i with found[i] false whose
+  // key is on disk, its row (`width` floats: the value, or with slots the whole row)
+  // into out[i * width] and found[i] = true; the rows stay on disk. A lookup that trains
+  // nothing (an evaluation, a serving read, GEO's pull) then neither needs RAM for its
+  // batch nor pushes the training's hot rows out.
+  void FindOnDisk(const int64_t* keys, int64_t n, int64_t width, float* out, bool* found);
   // Moves rows to disk when over the high-water mark; compacts. The rows of keys[n] (the
   // operation's own, just used) stay: a lookup's rows are the next apply's.
   void Settle(const int64_t* keys = nullptr, int64_t n = 0);
@@ -102,8 +109,12 @@ class TieredTable {
   int64_t RamBytes() const;
 
  private:
-  // Rows of `keys` that are on disk, read and killed there; dirty flags beside them.
-  void ReadOut(const int64_t* keys, int64_t n, RecordBatch* rows, std::vector<uint8_t>* dirty);
+  // The keys of keys[n] not in RAM, sorted, unique.
+  std::vector<int64_t> Missing(const int64_t* keys, int64_t n) const;
+  // Rows of `missing` (sorted, unique, not in RAM) that are on disk, read and killed
+  // there; dirty flags beside them.
+  void ReadOut(const std::vector<int64_t>& missing, RecordBatch* rows,
+               std::vector<uint8_t>* dirty);
   void Spill(int64_t target_bytes, const int64_t* keep, int64_t n_keep);
   void Compact();
   // Every live disk row (fn(key, step, freq, row) per segment, in each one's key order).

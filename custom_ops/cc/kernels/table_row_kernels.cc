@@ -44,10 +44,12 @@ class FindOp : public TableOpKernel {
         t.Find(k + b, e - b, v + b * dim, f + b);
       }
     }));
+    // A tiered table's rows on disk are read where they are (the RAM table gave the
+    // initial row of each key it does not hold; a key on disk gets its own).
+    if (table.tier() != nullptr && ctx->status().ok()) {
+      table.tier()->FindOnDisk(k, keys.NumElements(), dim, v, f);
+    }
   }
-
- protected:
-  bool TouchesKeys() const override { return true; }
 
  private:
   bool with_slots_ = false;

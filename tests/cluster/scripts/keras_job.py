@@ -51,7 +51,7 @@ def click_data(seed: int, n: int):
     return {"x": x, "user": user_ids, "tags": tags.astype(np.int64)}, label[:, None]
 
 
-def wide_and_deep(cache_size=None, cache_table=""):
+def wide_and_deep(cache_size=None, cache_table="", user_backend=None):
     cache = {"cache_size": cache_size, "flush_steps": 10} if cache_size else {}
 
     def cached(name):
@@ -62,7 +62,7 @@ def wide_and_deep(cache_size=None, cache_table=""):
     tags = keras.Input((WIDTH,), dtype="int64", name="tags")
     user_emb = keras.layers.Flatten()(tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), initializer=tfpsx.embedding.normal(stddev=0.05),
-        name="user_emb", **cached("user_emb"))(user))
+        name="user_emb", backend=user_backend, **cached("user_emb"))(user))
     tags_emb = tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), combiner="mean", pad_id=-1,
         initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb", **cached("tags_emb"))(tags)
@@ -174,6 +174,9 @@ def main(argv):
     p.add_argument("--cache_size", type=int, default=0,
                    help="a worker cache of that many rows on both tables (flushed every 10)")
     p.add_argument("--cache_table", default="", help="the cache on this table only")
+    p.add_argument("--table_ram_bytes", type=int, default=0,
+                   help="the users' table on the PS's disk beyond this RAM (TieredBackend)")
+    p.add_argument("--table_dir", default="", help="with --table_ram_bytes: its folder")
     p.add_argument("--partition", type=int, default=0,
                    help="cut every weight into this many slices (FixedShardsPartitioner)")
     p.add_argument("--partition_bytes", type=int, default=0,
@@ -190,7 +193,10 @@ def main(argv):
         me = tfpsx.worker_index()
     strategy = None if args.local else strategy_for(args)
     with contextlib.nullcontext() if strategy is None else strategy.scope():
-        model = (wide_and_deep(args.cache_size, args.cache_table) if args.model == "wide_deep"
+        backend = (tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
+                   if args.table_ram_bytes else None)
+        model = (wide_and_deep(args.cache_size, args.cache_table, backend)
+                 if args.model == "wide_deep"
                  else linear_model())
 
     callbacks = [] if strategy is None else strategy.callbacks()
@@ -264,6 +270,10 @@ def main(argv):
         tfpsx.barrier_worker()  # every worker's last push is in before the chief reads
         # The PS tables' optimizer slots (their mean, by table): in GEO they move only
         # when the rows travel with them (geo_table_rule="shared_slots").
+        report["tiers"] = {
+            layer.name: {k: int(v) for k, v in layer.table.tier_stats().items()}
+            for layer in model.layers
+            if isinstance(getattr(layer, "backend", None), tfpsx.embedding.TieredBackend)}
         report["ps_slot_means"] = {
             layer.name: float(tf.reduce_mean(layer.table.export()["slots"]))
             for layer in model.layers if getattr(layer, "table", None) is not None}
