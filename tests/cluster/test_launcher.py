@@ -314,12 +314,15 @@ def test_max_restarts_starts_a_lost_worker_again_in_place(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path):
+@pytest.mark.parametrize("tiered", [False, True], ids=["ram", "tiered"])
+def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path, tiered):
     """Deterministic GEO with a table, the server killed mid-training, --max_restarts 1:
     every process starts again, the chief resumes from its last checkpoint (the table
     from an incremental chain: a full part every 3 saves, deltas between), and the job
     ends with exactly the model of an uninterrupted job started from that checkpoint
-    (nothing of the restart leaks into the model)."""
+    (nothing of the restart leaks into the model). Tiered: the table on the server's disk
+    beyond its RAM budget (TieredBackend); the restarted server discards the files the
+    killed one left and restores the checkpoint's rows."""
     import shutil
 
     import psutil
@@ -332,10 +335,12 @@ def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path
                    os.path.join(SCRIPTS, "training_job.py"), "--mode", "geo", "--k_steps", "5",
                    "--deterministic", "--syncs", "30", "--step_delay", "0.03",
                    "--checkpoint_dir", str(ckpt), "--save_steps", "20", "--table",
-                   "--incremental", "3"],
+                   "--incremental", "3"] + tier,
             env=_env(TFPSX_HEARTBEAT_INTERVAL="0.5"), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
 
+    tier_dir = tmp_path / "tables"
+    tier = ["--table_ram_bytes", "2000000", "--table_dir", str(tier_dir)] if tiered else []
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     launcher = job(logs, ckpt, 1)
     snapshot = tmp_path / "snapshot"
@@ -371,6 +376,8 @@ def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path
     chief = _read(logs / "workerlog.0")
     assert re.search(r"checkpoint .*model\.ckpt-\d+: tables delta \(\d+ rows", chief), chief[-3000:]
     assert re.search(r"restored .*model\.ckpt-\d+: tables from \d part\(s\)", chief), chief[-3000:]
+    if tiered:  # the restarted server's shard, in its folder; the killed one's files gone
+        assert os.listdir(tier_dir / "bias") == ["part_0"]
     again = job(tmp_path / "logs_again", snapshot, 0)
     out, err = again.communicate(timeout=200)
     assert again.returncode == 0, out[-3000:] + err

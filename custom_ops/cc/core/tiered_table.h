@@ -24,6 +24,7 @@
 #ifndef TFPSX_CORE_TIERED_TABLE_H_
 #define TFPSX_CORE_TIERED_TABLE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_set>
@@ -81,6 +82,13 @@ class TieredTable {
   // nothing (an evaluation, a serving read, GEO's pull) then neither needs RAM for its
   // batch nor pushes the training's hot rows out.
   void FindOnDisk(const int64_t* keys, int64_t n, int64_t width, float* out, bool* found);
+  // Keys an operation may bring into RAM at once (their rows and index slots fit in the
+  // room above the high-water mark): kernels split larger batches into such pieces.
+  int64_t KeysPerPiece() const {
+    const int64_t room = options_.ram_bytes - static_cast<int64_t>(options_.high_water *
+                                                                   options_.ram_bytes);
+    return std::max<int64_t>(1, room / (RecordBytes() + 8));
+  }
   // Moves rows to disk when over the high-water mark; compacts. The rows of keys[n] (the
   // operation's own, just used) stay: a lookup's rows are the next apply's.
   void Settle(const int64_t* keys = nullptr, int64_t n = 0);

@@ -64,9 +64,10 @@ class ApplyOp : public TableOpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();
     const int64_t n = keys.NumElements(), dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, n, 60 + 8 * dim,
-                                       [&](int64_t begin, int64_t end) {
-      opt.apply(t, k + begin, end - begin, g + begin * dim, hparams.data(), step);
+    OP_REQUIRES_OK(ctx, ForKeyPieces(table, k, n, [&](int64_t p, int64_t q) {
+      return ParallelRanges(ctx, table, q - p, 60 + 8 * dim, [&](int64_t b, int64_t e) {
+        opt.apply(t, k + p + b, e - b, g + (p + b) * dim, hparams.data(), step);
+      });
     }));
   }
 
@@ -76,8 +77,6 @@ class ApplyOp : public TableOpKernel {
         scalar_hparams_(true),
         optimizer_name_(optimizer),
         optimizer_(FindOptimizer(optimizer)) {}
-
-  bool TouchesKeys() const override { return true; }
 
  private:
   const bool scalar_hparams_;

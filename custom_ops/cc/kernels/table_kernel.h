@@ -5,6 +5,7 @@
 #ifndef TFPSX_KERNELS_TABLE_KERNEL_H_
 #define TFPSX_KERNELS_TABLE_KERNEL_H_
 
+#include <algorithm>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -90,9 +91,47 @@ inline absl::Status ParallelRanges(OpKernelContext* ctx, const TableResource& ta
 }
 
 
+// A disk tier's failure as an op's error, naming the table: an I/O error (a full disk:
+// the rows being moved stay in RAM), or a batch too large for its RAM budget.
+template <typename Fn>
+inline absl::Status TierStep(const TableResource& table, Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::length_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tfpsx tiered table '", table.name(), "': ", e.what()));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("tfpsx tiered table '", table.name(), "' at ",
+                                               table.tier()->options().directory, ": ",
+                                               e.what()));
+  }
+  return absl::OkStatus();
+}
+
+// Runs fn(begin, end) (an absl::Status) over [0, n) of an op's keys. On a tiered table,
+// in pieces whose rows fit in RAM above its high-water mark, each piece's disk rows
+// brought back first and rows moved out after it: a batch of any size (a GEO round's
+// push of K batches' rows) within the RAM budget. Element-wise ops only: a key's result
+// must not depend on the other keys of its batch.
+template <typename Fn>
+inline absl::Status ForKeyPieces(TableResource& table, const int64_t* keys, int64_t n, Fn&& fn) {
+  TieredTable* tier = table.tier();
+  if (tier == nullptr) return fn(int64_t{0}, n);
+  const int64_t piece = tier->KeysPerPiece();
+  for (int64_t begin = 0; begin < n; begin += piece) {
+    const int64_t end = std::min(n, begin + piece);
+    absl::Status status = TierStep(table, [&] { tier->FaultIn(keys + begin, end - begin); });
+    if (status.ok()) status = fn(begin, end);
+    if (status.ok()) status = TierStep(table, [&] { tier->Settle(keys + begin, end - begin); });
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
 // Base of the kernels that work on a table: input 0 is its handle. On a tiered table the
-// kernel runs under the tier's lock: the rows of its keys (input 1, when TouchesKeys)
-// come back from disk first, and rows move to disk after it when RAM is over its mark.
+// kernel runs under the tier's lock (rows cannot leave RAM between their return from
+// disk and their use), and rows move to disk after it when RAM is over its mark; kernels
+// over keys go through ForKeyPieces.
 class TableOpKernel : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -105,52 +144,16 @@ class TableOpKernel : public OpKernel {
       return;
     }
     std::lock_guard<std::mutex> lock(table->tier_mu());
-    if (TouchesKeys()) {
-      const Tensor& keys = ctx->input(1);
-      OP_REQUIRES(ctx, keys.dtype() == ::tensorflow::DT_INT64,
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "tfpsx table '", table->name(), "': keys must be int64")));
-      OP_REQUIRES_OK(ctx, TierStep(*table, [&] {
-        tier->FaultIn(keys.flat<int64_t>().data(), keys.NumElements());
-      }));
-    }
     // The tier's whole-table operations read the disk: an I/O error is the op's error.
     OP_REQUIRES_OK(ctx, TierStep(*table, [&] { ComputeOn(ctx, *table); }));
     if (!ctx->status().ok()) return;
-    OP_REQUIRES_OK(ctx, TierStep(*table, [&] {
-      if (TouchesKeys()) {
-        const Tensor& keys = ctx->input(1);
-        tier->Settle(keys.flat<int64_t>().data(), keys.NumElements());
-      } else {
-        tier->Settle();
-      }
-    }));
+    OP_REQUIRES_OK(ctx, TierStep(*table, [&] { tier->Settle(); }));
     const std::string warning = tier->TakeWarning();
     if (!warning.empty()) LOG(WARNING) << "tfpsx tiered table '" << table->name() << "': " << warning;
   }
 
  protected:
   virtual void ComputeOn(OpKernelContext* ctx, TableResource& table) = 0;
-  // Whether input 1 holds the keys the kernel reads or writes.
-  virtual bool TouchesKeys() const { return false; }
-
- private:
-  // A disk tier's failure as the op's error, naming the table: a batch too large for
-  // its RAM budget, or an I/O error (a full disk: the rows stay in RAM).
-  template <typename Fn>
-  static absl::Status TierStep(const TableResource& table, Fn&& fn) {
-    try {
-      fn();
-    } catch (const std::length_error& e) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tfpsx tiered table '", table.name(), "': ", e.what()));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat(
-          "tfpsx tiered table '", table.name(), "' at ", table.tier()->options().directory,
-          ": ", e.what()));
-    }
-    return absl::OkStatus();
-  }
 };
 
 }  // namespace tfpsx

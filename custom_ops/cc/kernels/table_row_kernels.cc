@@ -68,14 +68,12 @@ class FindOrInsertOp : public TableOpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     float* v = values->flat<float>().data();
     const int64_t dim = t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
-                                       [&](int64_t b, int64_t e) {
-      t.FindOrInsert(k + b, e - b, step, v + b * dim);
+    OP_REQUIRES_OK(ctx, ForKeyPieces(table, k, keys.NumElements(), [&](int64_t p, int64_t q) {
+      return ParallelRanges(ctx, table, q - p, 40 + 2 * dim, [&](int64_t b, int64_t e) {
+        t.FindOrInsert(k + p + b, e - b, step, v + (p + b) * dim);
+      });
     }));
   }
-
- protected:
-  bool TouchesKeys() const override { return true; }
 };
 
 template <bool kAccumulate>
@@ -111,20 +109,20 @@ class WriteOp : public TableOpKernel {
     const int64_t* k = keys.flat<int64_t>().data();
     const float* r = rows.flat<float>().data();
     const int64_t dim = with_slots_ ? t.row_width() : t.dim();
-    OP_REQUIRES_OK(ctx, ParallelRanges(ctx, table, keys.NumElements(), 40 + 2 * dim,
-                                       [&](int64_t b, int64_t e) {
-      if (kAccumulate && with_slots_) {
-        t.AccumulateWithSlots(k + b, e - b, r + b * dim, step, skip_reader_);
-      } else if (kAccumulate) {
-        t.Accumulate(k + b, e - b, r + b * dim, step, skip_reader_, combine_);
-      } else {
-        t.Insert(k + b, e - b, r + b * dim, step);
-      }
+    OP_REQUIRES_OK(ctx, ForKeyPieces(table, k, keys.NumElements(), [&](int64_t p, int64_t q) {
+      return ParallelRanges(ctx, table, q - p, 40 + 2 * dim, [&](int64_t b, int64_t e) {
+        const int64_t* kk = k + p + b;
+        const float* rr = r + (p + b) * dim;
+        if (kAccumulate && with_slots_) {
+          t.AccumulateWithSlots(kk, e - b, rr, step, skip_reader_);
+        } else if (kAccumulate) {
+          t.Accumulate(kk, e - b, rr, step, skip_reader_, combine_);
+        } else {
+          t.Insert(kk, e - b, rr, step);
+        }
+      });
     }));
   }
-
- protected:
-  bool TouchesKeys() const override { return true; }
 
  private:
   int64_t skip_reader_ = -1;

@@ -94,6 +94,9 @@ def main(argv):
     p.add_argument("--partitioned", action="store_true")
     p.add_argument("--table", action="store_true",
                    help="add a per-id bias from a DynamicTable (id: the sign of x[0])")
+    p.add_argument("--table_ram_bytes", type=int, default=0,
+                   help="with --table: the table on the PS's disk beyond this RAM")
+    p.add_argument("--table_dir", default="", help="with --table_ram_bytes: its folder")
     p.add_argument("--export", default=None)
     p.add_argument("--abort_once_at", type=int, default=None)
     p.add_argument("--no_final_barrier", action="store_true",
@@ -129,7 +132,9 @@ def main(argv):
             if args.table:
                 emb = tfpsx.embedding.DynamicTable(
                     "bias", 1, initializer=tfpsx.embedding.zeros(),
-                    optimizer=tfpsx.embedding.SGD(LR))
+                    optimizer=tfpsx.embedding.SGD(LR),
+                    backend=(tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
+                             if args.table_ram_bytes else None))
                 looked = emb.lookup_unique(tf.cast(x[:, 0] > 0, tf.int64))
                 pred += tf.squeeze(looked.embeddings, 1)
             loss = tf.reduce_mean(tf.square(pred - y))
