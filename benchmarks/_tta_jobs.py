@@ -66,6 +66,8 @@ class CriteoJob:
         # GEO's earlier rule (averaged rows, dense copies), beside the default's geo10 / geo100.
         # k_steps="auto": 8 rounds an epoch (at most 100).
         "geo_auto": ["--mode", "geo", "--k_steps", "auto"],
+        # k_steps="auto" at 2 workers before K x N <= 20 (background rounds): K = 20.
+        "geo20": ["--mode", "geo", "--k_steps", "20"],
         "geo10_earlier": ["--mode", "geo", "--k_steps", "10"] + EARLIER_GEO,
         "geo100_earlier": ["--mode", "geo", "--k_steps", "100"] + EARLIER_GEO,
         # The rule's parts alone (what each costs a step, what each buys).
