@@ -101,7 +101,7 @@ CUDA_NATIVE_TESTS := $(patsubst custom_ops/tests/%.cu.cc,build/native/cuda/%,\
 CUDA_BENCH := build/native/cuda/gpu_table_bench
 CUDA_OBJ := build/native/cuda/obj
 CUDA_CORE_OBJS := $(patsubst %.cu.cc,$(CUDA_OBJ)/%.o,$(CUDA_CORE_SOURCES))
-CUDA_HEADERS := $(wildcard custom_ops/cc/core/*.h custom_ops/cuda/*.h)
+CUDA_HEADERS := $(wildcard custom_ops/cc/core/*.h custom_ops/cuda/*.h custom_ops/tests/check.h)
 NVCC_FLAGS := -std=c++17 -O2 -DGOOGLE_CUDA=1 --expt-relaxed-constexpr -I.
 NVCC_CHECK = $(if $(NVCC),,$(error no nvcc on PATH or at /usr/local/cuda/bin/nvcc; set NVCC=/path/to/nvcc))
 

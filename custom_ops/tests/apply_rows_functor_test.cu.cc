@@ -19,17 +19,11 @@
 #include "custom_ops/cc/core/apply_rows_functor.h"
 #include "custom_ops/cc/core/initializer.h"
 #include "custom_ops/cc/core/optimizers.h"
+#include "custom_ops/tests/check.h"
 
 namespace {
 
-int failures = 0;
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                   \
-    }                                                                               \
-  } while (0)
+using tfpsx_test::failures;
 
 #define CUDA_OK(call)                                                                   \
   do {                                                                                  \

@@ -5,17 +5,11 @@
 #include <initializer_list>
 
 #include "custom_ops/cc/core/env_bool.h"
+#include "custom_ops/tests/check.h"
 
 namespace {
 
-int failures = 0;
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                   \
-    }                                                                               \
-  } while (0)
+using tfpsx_test::failures;
 
 bool Parsed(const char* text, bool expected) {
   bool value = !expected;

@@ -24,19 +24,13 @@
 
 #include "custom_ops/cc/core/hash_table.h"
 #include "custom_ops/cuda/gpu_table.h"
+#include "custom_ops/tests/check.h"
 
 namespace {
 
 using tfpsx::cuda::GpuHashTable;
 
-int failures = 0;
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                   \
-    }                                                                               \
-  } while (0)
+using tfpsx_test::failures;
 
 #define CUDA_OK(call) tfpsx::cuda::Check((call), #call)
 

@@ -15,17 +15,11 @@
 
 #include "custom_ops/cc/core/hash_table.h"
 #include "custom_ops/cc/core/optimizer_registry.h"
+#include "custom_ops/tests/check.h"
 
 namespace {
 
-int failures = 0;
-#define CHECK(cond)                                                          \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                            \
-    }                                                                        \
-  } while (0)
+using tfpsx_test::failures;
 
 tfpsx::TableOptions Opts(int64_t dim, int slots = 0) {
   tfpsx::TableOptions o;

@@ -16,17 +16,11 @@
 #include "custom_ops/cc/core/hash_table.h"
 #include "custom_ops/cc/core/optimizer_registry.h"
 #include "custom_ops/cc/core/optimizers.h"
+#include "custom_ops/tests/check.h"
 
 namespace {
 
-int failures = 0;
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                   \
-    }                                                                               \
-  } while (0)
+using tfpsx_test::failures;
 
 // The row math of HashTable::ApplySgd/Adagrad/Adam/Ftrl before the registry (7f9f7fc),
 // on one row [value | slots]; h holds the hyperparameters in registry order.

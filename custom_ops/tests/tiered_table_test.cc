@@ -18,17 +18,11 @@
 #include "custom_ops/cc/core/key_index.h"
 #include "custom_ops/cc/core/optimizer_registry.h"
 #include "custom_ops/cc/core/tiered_table.h"
+#include "custom_ops/tests/check.h"
 
 namespace {
 
-int failures = 0;
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                   \
-    }                                                                               \
-  } while (0)
+using tfpsx_test::failures;
 
 std::string TempDir(const char* name) {
   char tmpl[] = "/tmp/tfpsx_tier_XXXXXX";

@@ -110,63 +110,64 @@ void HashTable::CacheFind(const int64_t* keys, int64_t n, int64_t step, float* o
   });
 }
 
-std::vector<int64_t> HashTable::CacheVictims(int64_t count, bool by_step) const {
-  struct Scored {
-    int64_t first, second, key;  // LFU: (freq, step); LRU: (step, freq)
+namespace {
+
+// A row's place in a victim order: the lower `first`, then `second`, the sooner it goes;
+// last, the larger key (EvictToTopN keeps the smaller), so the choice is deterministic.
+struct Scored {
+  int64_t first, second, key;
+};
+
+// The keys of the `count` first rows of `all` in that order (sorted when `sorted`).
+std::vector<int64_t> FirstKeys(std::vector<Scored> all, int64_t count, bool sorted) {
+  auto before = [](const Scored& a, const Scored& b) {
+    if (a.first != b.first) return a.first < b.first;
+    if (a.second != b.second) return a.second < b.second;
+    return a.key > b.key;
   };
+  if (count < static_cast<int64_t>(all.size())) {
+    std::nth_element(all.begin(), all.begin() + count, all.end(), before);
+    all.resize(static_cast<size_t>(count));
+  }
+  if (sorted) std::sort(all.begin(), all.end(), before);
+  std::vector<int64_t> keys;
+  keys.reserve(all.size());
+  for (const Scored& scored : all) keys.push_back(scored.key);
+  return keys;
+}
+
+// Appends stripe s's rows (its lock held) scored by LRU (step, then frequency) or LFU.
+void ScoreRows(const Stripe& s, bool by_step, std::vector<Scored>* out) {
+  for (int64_t r = 0; r < s.size(); ++r) {
+    const int64_t freq = s.rows.freq(r), step = s.rows.step(r);
+    out->push_back(by_step ? Scored{step, freq, s.rows.key(r)} : Scored{freq, step, s.rows.key(r)});
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> HashTable::CacheVictims(int64_t count, bool by_step) const {
   if (count <= 0) return {};  // (a cache under its size asks every step)
   std::vector<Scored> all;
   all.reserve(static_cast<size_t>(Size()));
   for (int i = 0; i < store_.num_stripes(); ++i) {
     const Stripe& s = store_.stripe(i);
     std::shared_lock<std::shared_mutex> lock(s.mu);
-    for (int64_t r = 0; r < s.size(); ++r) {
-      const int64_t freq = s.rows.freq(r), step = s.rows.step(r);
-      all.push_back(by_step ? Scored{step, freq, s.rows.key(r)}
-                            : Scored{freq, step, s.rows.key(r)});
-    }
+    ScoreRows(s, by_step, &all);
   }
-  // Lowest score first, then the other measure; last, the larger key (EvictToTopN keeps
-  // the smaller), so the choice is deterministic.
-  auto first = [](const Scored& a, const Scored& b) {
-    if (a.first != b.first) return a.first < b.first;
-    if (a.second != b.second) return a.second < b.second;
-    return a.key > b.key;
-  };
-  if (count < static_cast<int64_t>(all.size())) {
-    std::nth_element(all.begin(), all.begin() + count, all.end(), first);
-    all.resize(static_cast<size_t>(count));
-  }
-  std::sort(all.begin(), all.end(), first);
-  std::vector<int64_t> victims;
-  victims.reserve(all.size());
-  for (const Scored& scored : all) victims.push_back(scored.key);
-  return victims;
+  return FirstKeys(std::move(all), count, /*sorted=*/true);
 }
 
 std::vector<int64_t> HashTable::StripeVictims(int stripe, int64_t count) const {
-  struct Scored {
-    int64_t step, freq, key;
-  };
-  const Stripe& s = store_.stripe(stripe);
-  std::shared_lock<std::shared_mutex> lock(s.mu);
   if (count <= 0) return {};
   std::vector<Scored> all;
-  all.reserve(static_cast<size_t>(s.size()));
-  for (int64_t r = 0; r < s.size(); ++r) all.push_back({s.rows.step(r), s.rows.freq(r), s.rows.key(r)});
-  auto first = [](const Scored& a, const Scored& b) {
-    if (a.step != b.step) return a.step < b.step;
-    if (a.freq != b.freq) return a.freq < b.freq;
-    return a.key > b.key;
-  };
-  if (count < static_cast<int64_t>(all.size())) {
-    std::nth_element(all.begin(), all.begin() + count, all.end(), first);
-    all.resize(static_cast<size_t>(count));
+  {
+    const Stripe& s = store_.stripe(stripe);
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    all.reserve(static_cast<size_t>(s.size()));
+    ScoreRows(s, /*by_step=*/true, &all);
   }
-  std::vector<int64_t> victims;
-  victims.reserve(all.size());
-  for (const Scored& scored : all) victims.push_back(scored.key);
-  return victims;
+  return FirstKeys(std::move(all), count, /*sorted=*/false);
 }
 
 int64_t HashTable::StripeSize(int stripe) const {
