@@ -27,13 +27,19 @@ class TableResource : public ::tensorflow::ResourceBase {
   TableResource(const std::string& name, std::unique_ptr<HashTable> table,
                 std::unique_ptr<TieredTable> tier = nullptr)
       : name_(name), table_(std::move(table)), tier_(std::move(tier)) {}
+  // TF may ask these from any thread: a tier's figures are read under its lock, or the
+  // RAM table's when an operation holds it (never a wait, never a torn read).
   std::string DebugString() const override {
-    return absl::StrCat("TfpsxHashTable(", name_, ", dim=", table_->dim(), ", size=", Size(),
+    std::unique_lock<std::mutex> lock(tier_mu_, std::try_to_lock);
+    const bool whole = tier_ && lock.owns_lock();
+    return absl::StrCat("TfpsxHashTable(", name_, ", dim=", table_->dim(),
+                        ", size=", whole ? tier_->Size() : table_->Size(),
                         tier_ ? absl::StrCat(", tiered at ", tier_->options().directory) : "",
                         ")");
   }
   int64_t MemoryUsed() const override {
-    return tier_ ? tier_->RamBytes() : table_->ReservedBytes();
+    std::unique_lock<std::mutex> lock(tier_mu_, std::try_to_lock);
+    return tier_ && lock.owns_lock() ? tier_->RamBytes() : table_->ReservedBytes();
   }
   HashTable& table() { return *table_; }
   const HashTable& table() const { return *table_; }
@@ -69,7 +75,7 @@ class TableResource : public ::tensorflow::ResourceBase {
   std::string name_;
   std::unique_ptr<HashTable> table_;
   std::unique_ptr<TieredTable> tier_;  // after table_: destroyed before it
-  std::mutex tier_mu_;
+  mutable std::mutex tier_mu_;
 };
 
 }  // namespace tfpsx
