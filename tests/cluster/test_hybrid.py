@@ -57,12 +57,17 @@ def test_keras_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_eq
 def test_graph_hybrid_tables_take_both_workers_updates_and_dense_weights_stay_equal(
         make_cluster, tmp_path, tables):
     """The same job in TF1 graph mode (model_scope, distributed_optimizer,
-    MonitoredTrainingSession); rank 1 starts from other values."""
-    c, out, codes = _run(make_cluster, tmp_path, ["--tables", tables, "--graph"])
+    MonitoredTrainingSession); rank 1 starts from other values. The GEO case's table is
+    tiered on its PS (TieredBackend, 2 MB: its rows fit)."""
+    tier = (["--table_ram_bytes", "2000000", "--table_dir", str(tmp_path / "tables")]
+            if tables == "geo" else [])
+    c, out, codes = _run(make_cluster, tmp_path, ["--tables", tables, "--graph"] + tier)
     assert set(codes.values()) == {0} and ("worker", 1) in codes, c.logs()
     _check_training(out, "graph_")
     for r in range(2):  # global_step counts the job's steps, which both ran together
         assert "graph steps 32 global_step 32" in c.log("worker", r), c.log("worker", r)
+    if tier:
+        assert sorted(p.name for p in (tmp_path / "tables" / "emb").iterdir()) == ["part_0"]
 
 
 @pytest.mark.timeout(300)

@@ -59,7 +59,9 @@ def finish(c, timeout=200):
     # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
     pytest.param("geo", ["--k_steps", "auto", "--step_delay", "0.02", "--geo_rule",
                          "default"], id="geo"),
-    ("staleness", ["--max_staleness", "2"])])
+    # The users' table tiered on its PS here too (TieredBackend, 2 MB).
+    pytest.param("staleness", ["--max_staleness", "2", "--table_ram_bytes", "2000000"],
+                 id="staleness")])
 def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra):
     if "--table_ram_bytes" in extra:
         extra = extra + ["--table_dir", str(tmp_path / "tables")]

@@ -40,6 +40,13 @@ def dense_weights(model):
                            if layer.name.startswith("dense") for w in layer.get_weights()])
 
 
+def backend(tfpsx, args):
+    """The table's backend: tiered with --table_ram_bytes, else None (RAM)."""
+    if not args.table_ram_bytes:
+        return None
+    return tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
+
+
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -49,6 +56,9 @@ def main(argv):
     p.add_argument("--examples", type=int, default=512)
     p.add_argument("--die_at_step", type=int, default=None)
     p.add_argument("--graph", action="store_true")
+    p.add_argument("--table_ram_bytes", type=int, default=0,
+                   help="the table on the PS's disk beyond this RAM (TieredBackend)")
+    p.add_argument("--table_dir", default="", help="with --table_ram_bytes: its folder")
     args = p.parse_args(argv)
     import tfpsx
 
@@ -73,7 +83,8 @@ def main(argv):
     with strategy.scope():
         dense_in = keras.Input((8,), name="x")
         id_in = keras.Input((1,), dtype="int64", name="id")
-        table = tfpsx.keras.DynamicEmbedding(DIM, name="emb", optimizer=tfpsx.embedding.SGD(0.05))
+        table = tfpsx.keras.DynamicEmbedding(DIM, name="emb", optimizer=tfpsx.embedding.SGD(0.05),
+                                             backend=backend(tfpsx, args))
         emb = keras.layers.Flatten()(table(id_in))
         hidden = keras.layers.Dense(16, activation="tanh", name="dense_1")(
             keras.layers.Concatenate()([dense_in, emb]))
@@ -122,7 +133,8 @@ def graph(tfpsx, options, args, rank, xs, idss, ys):
         x = tf.compat.v1.placeholder(tf.float32, [None, 8])
         i = tf.compat.v1.placeholder(tf.int64, [None])
         y = tf.compat.v1.placeholder(tf.float32, [None, 1])
-        table = tfpsx.embedding.DynamicTable("emb", DIM, optimizer=tfpsx.embedding.SGD(0.05))
+        table = tfpsx.embedding.DynamicTable("emb", DIM, optimizer=tfpsx.embedding.SGD(0.05),
+                                             backend=backend(tfpsx, args))
         looked = table.lookup_unique(i)
         h = tf.tanh(_dense(tf, tf.concat([x, looked.embeddings], 1), 16, "dense_1"))
         out = _dense(tf, h, 1, "dense_2")
