@@ -114,11 +114,7 @@ void TieredTable::FindOnDisk(const int64_t* keys, int64_t n, int64_t width, floa
   const int64_t full = hot_->row_width();
   for (size_t first = 0; first < unique.size(); first += static_cast<size_t>(piece)) {
     const size_t last = std::min(unique.size(), first + static_cast<size_t>(piece));
-    std::vector<std::pair<int64_t, int32_t>> candidates;
-    index_.Candidates(unique.data() + first, static_cast<int64_t>(last - first), &candidates);
-    std::vector<SegmentStore::Request> requests;
-    requests.reserve(candidates.size());
-    for (const auto& c : candidates) requests.push_back({c.first, c.second});
+    std::vector<SegmentStore::Request> requests = Lookups(unique.data() + first, static_cast<int64_t>(last - first));
     if (requests.empty()) continue;
     RecordBatch rows;
     rows.width = full;
@@ -134,6 +130,15 @@ void TieredTable::FindOnDisk(const int64_t* keys, int64_t n, int64_t width, floa
       }
     }
   }
+}
+
+std::vector<SegmentStore::Request> TieredTable::Lookups(const int64_t* keys, int64_t n) const {
+  std::vector<std::pair<int64_t, int32_t>> candidates;
+  index_.Candidates(keys, n, &candidates);
+  std::vector<SegmentStore::Request> requests;
+  requests.reserve(candidates.size());
+  for (const auto& c : candidates) requests.push_back({c.first, c.second});
+  return requests;
 }
 
 std::vector<int64_t> TieredTable::Missing(const int64_t* keys, int64_t n) const {
@@ -152,11 +157,7 @@ std::vector<int64_t> TieredTable::Missing(const int64_t* keys, int64_t n) const 
 void TieredTable::ReadOut(const std::vector<int64_t>& missing, RecordBatch* rows,
                           std::vector<uint8_t>* dirty) {
   rows->width = hot_->row_width();
-  std::vector<std::pair<int64_t, int32_t>> candidates;
-  index_.Candidates(missing.data(), static_cast<int64_t>(missing.size()), &candidates);
-  std::vector<SegmentStore::Request> requests;
-  requests.reserve(candidates.size());
-  for (const auto& c : candidates) requests.push_back({c.first, c.second});
+  std::vector<SegmentStore::Request> requests = Lookups(missing.data(), static_cast<int64_t>(missing.size()));
   if (requests.empty()) return;
   std::vector<int64_t> found_at;
   store_.ReadMany(&requests, rows, &found_at);
@@ -351,11 +352,7 @@ ExportedRows TieredTable::ExportSince(int64_t since_step) {
 }
 
 void TieredTable::PeekRows(const std::vector<int64_t>& keys, ExportedRows* out) {
-  std::vector<std::pair<int64_t, int32_t>> candidates;
-  index_.Candidates(keys.data(), static_cast<int64_t>(keys.size()), &candidates);
-  std::vector<SegmentStore::Request> requests;
-  requests.reserve(candidates.size());
-  for (const auto& c : candidates) requests.push_back({c.first, c.second});
+  std::vector<SegmentStore::Request> requests = Lookups(keys.data(), static_cast<int64_t>(keys.size()));
   RecordBatch rows;
   rows.width = hot_->row_width();
   std::vector<int64_t> found_at;
@@ -420,9 +417,7 @@ std::string TieredTable::Import(const int64_t* keys, int64_t n, const float* val
     hot_->TrimMemory();
   }
   // In pieces that fit above the high-water mark, each settled before the next.
-  const int64_t room =
-      options_.ram_bytes - static_cast<int64_t>(options_.high_water * options_.ram_bytes);
-  const int64_t piece = std::max<int64_t>(1, room / (2 * (RecordBytes() + 8)));
+  const int64_t piece = std::max<int64_t>(1, KeysPerPiece() / 2);
   for (int64_t at = 0; at < n; at += piece) {
     const int64_t m = std::min(piece, n - at);
     if (!clear_first) FaultIn(keys + at, m);

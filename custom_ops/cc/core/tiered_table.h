@@ -117,6 +117,8 @@ class TieredTable {
   int64_t RamBytes() const;
 
  private:
+  // A batch read's requests for keys[n]: one per index entry matching a key (its file).
+  std::vector<SegmentStore::Request> Lookups(const int64_t* keys, int64_t n) const;
   // The keys of keys[n] not in RAM, sorted, unique.
   std::vector<int64_t> Missing(const int64_t* keys, int64_t n) const;
   // Rows of `missing` (sorted, unique, not in RAM) that are on disk, read and killed
