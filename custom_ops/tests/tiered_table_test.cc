@@ -9,9 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "custom_ops/cc/core/hash_table.h"
@@ -169,6 +171,53 @@ void TestTrainsAsInRam() {
   CHECK(p.tier.Stats().disk_rows == st.disk_rows);
 }
 
+void TestPrefetch() {
+  // A prefetch brings a coming batch's disk rows into RAM, its reads outside the lock:
+  // the next step finds them there, and racing steps (which move, compact and fault
+  // rows meanwhile) lose nothing: the table ends with the rows of one trained without.
+  Pair p(1200 * 1000);
+  std::mt19937_64 rng(3);
+  std::vector<std::vector<int64_t>> batches;
+  for (int i = 0; i < 240; ++i) batches.push_back(ZipfBatch(rng, 512, 60000));
+  for (int64_t step = 1; step <= 40; ++step) p.Step(batches[step - 1], step);
+  // One prefetch alone: the batch's disk rows come back, the step faults none of them.
+  std::vector<int64_t> next = batches[40];
+  tfpsx::TieredTable::Prefetch plan = p.tier.PlanPrefetch(next.data(), 512);
+  CHECK(!plan.keys.empty());
+  tfpsx::TieredTable::ReadPrefetch(&plan);
+  const int64_t placed = p.tier.PlacePrefetch(&plan);
+  p.tier.Settle(plan.keys.data(), static_cast<int64_t>(plan.keys.size()));
+  CHECK(placed > 0);
+  const int64_t faulted = p.tier.Stats().rows_faulted;
+  p.Step(next, 41);
+  CHECK(p.tier.Stats().rows_faulted == faulted);  // every row of the step was in RAM
+  // Racing: a thread prefetches batch s+1 (reads unlocked) while step s runs locked.
+  std::mutex mu;
+  int64_t raced = 0;
+  for (int64_t step = 42; step <= 240 && !failures; ++step) {
+    std::thread ahead([&] {
+      tfpsx::TieredTable::Prefetch q;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        q = p.tier.PlanPrefetch(batches[step % 240].data(), 512);
+      }
+      tfpsx::TieredTable::ReadPrefetch(&q);
+      std::lock_guard<std::mutex> lock(mu);
+      raced += p.tier.PlacePrefetch(&q);
+      p.tier.Settle(q.keys.data(), static_cast<int64_t>(q.keys.size()));
+    });
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      p.Step(batches[step - 1], step);
+    }
+    ahead.join();
+  }
+  CHECK(raced > 0);
+  CHECK(p.max_ram <= 1200 * 1000);
+  CHECK(p.tier.Size() == p.ref.Size());
+  CHECK(SameRows(p.tier.ExportSince(INT64_MIN), p.ref.Export()));
+}
+
 // Applies an incremental checkpoint to the rows of the one before.
 tfpsx::ExportedRows Apply(const tfpsx::ExportedRows& base, const tfpsx::CheckpointRows& delta) {
   tfpsx::HashTable t(Opts(16));
@@ -260,6 +309,7 @@ void TestErrors() {
 int main() {
   TestKeyIndex();
   TestTrainsAsInRam();
+  TestPrefetch();
   TestCheckpointsAndEviction();
   TestErrors();
   if (failures) {

@@ -496,8 +496,8 @@ def test_bad_cache_options_are_clear_errors():
         with pytest.raises(ValueError, match=pattern):
             E.DynamicTable(name("bad"), 2, devices=[None], **kwargs)
     plain = E.DynamicTable(name("plain"), 2, devices=[None])
-    with pytest.raises(ValueError, match="prefetch needs a worker cache; create the table "
-                                         "with cache_size=N"):
+    with pytest.raises(ValueError, match=r"prefetch needs a worker cache \(create the table "
+                                         r"with cache_size=N\) or a disk tier"):
         plain.prefetch([1, 2])
     assert plain.cache is None
 

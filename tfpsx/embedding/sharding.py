@@ -310,6 +310,21 @@ class ShardedTable:
         total = tf.add_n(self.on_shards(lambda i, s: s.tier_stats()))
         return {name: total[j] for j, name in enumerate(bindings.TIER_STATS_FIELDS)}
 
+    def prefetch(self, ids) -> tf.Tensor:
+        """Asks the shards with a disk tier (``TieredBackend``) to bring the rows of
+        ``ids`` that are on disk into RAM ahead of the step that uses them: a prefetch
+        reads without the shard's lock, so on a server it overlaps the step running
+        before (another thread, another core), and the step then finds its rows in RAM.
+        A hint: the rows stay in RAM until the next prefetch, and a batch's rows that do
+        not fit in a tenth of a shard's ``ram_bytes`` come in with their operation.
+        int64 scalar: the rows brought back (0 where no shard has a disk tier)."""
+        keys = tf.reshape(self._keys(ids), [-1])
+        if not any(hasattr(s, "prefetch") for s in self.shards):
+            return tf.constant(0, tf.int64)
+        return tf.add_n(self.on_shards(
+            lambda i, s, k: s.prefetch(k) if hasattr(s, "prefetch")
+            else tf.constant(0, tf.int64), keys))
+
     def evict(self, min_step=None, keep_top_n=None) -> tf.Tensor:
         """Evicts rows last updated before ``min_step`` (TTL) and/or keeps the top-N most
         frequent rows per shard (``keep_top_n`` >= 0); returns how many rows went."""

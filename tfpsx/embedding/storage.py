@@ -245,6 +245,11 @@ class TieredStorage(HashTableStorage):
         """int64 [len(bindings.TIER_STATS_FIELDS)]: the shard's disk tier."""
         return self._run(bindings.table_tier_stats)
 
+    def prefetch(self, keys) -> tf.Tensor:
+        """Brings the disk rows of ``keys`` into RAM ahead of their step, reading without
+        the shard's lock; int64 scalar: the rows brought back."""
+        return self._run(bindings.table_prefetch, keys)
+
     def cache_find(self, keys, step):
         raise ValueError(f"table shard {self.spec.shared_name!r} has a disk tier "
                          "(TieredBackend): it cannot hold a worker cache, which keeps its "

@@ -134,9 +134,20 @@ class DynamicTable(ShardedTable, compat.Trackable):
         return self.cache
 
     def prefetch(self, ids, step=None):
-        """Fetches the next batch's rows that the worker cache lacks while this step runs
-        (see :meth:`tfpsx.embedding.cache.WorkerCache.prefetch`); needs ``cache_size``."""
-        return self._require_cache("prefetch").prefetch(ids, step)
+        """Gets the next batch's rows ready while this step runs. With a worker cache
+        (``cache_size``): fetches the rows the cache lacks into its staging table (see
+        :meth:`tfpsx.embedding.cache.WorkerCache.prefetch`; returns the op, None in eager
+        mode). Without one, on a table with a disk tier (``backend=TieredBackend(...)``):
+        the servers bring the rows of ``ids`` that are on disk into RAM, reading without
+        the shards' locks (see :meth:`ShardedTable.prefetch`; returns the rows brought
+        back, an int64 scalar)."""
+        if self.cache is None and any(hasattr(s, "prefetch") for s in self.shards):
+            return super().prefetch(ids)
+        if self.cache is None:
+            raise ValueError(f"DynamicTable {self.name!r}: prefetch needs a worker cache "
+                             "(create the table with cache_size=N) or a disk tier "
+                             "(backend=tfpsx.embedding.TieredBackend(...))")
+        return self.cache.prefetch(ids, step)
 
     def flush_cache(self, step=None):
         """Syncs the worker cache with the PS now: its trained rows' deltas go out, the

@@ -115,6 +115,10 @@ def table_remove(handle, keys):
     return load_ops().tfpsx_hash_table_remove(handle, keys)
 
 
+def table_prefetch(handle, keys):
+    return load_ops().tfpsx_hash_table_prefetch(handle, keys)
+
+
 def table_size(handle):
     return load_ops().tfpsx_hash_table_size(handle)
 

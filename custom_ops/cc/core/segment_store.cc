@@ -67,8 +67,12 @@ void SegmentStore::Open() {
   }
 }
 
+SegmentStore::File::~File() {
+  if (fd >= 0) ::close(fd);
+}
+
 void SegmentStore::ParseRecord(const char* p, int64_t* key, int64_t* step, uint32_t* freq,
-                               const float** row) const {
+                               const float** row) {
   std::memcpy(key, p, 8);
   std::memcpy(step, p + 8, 8);
   std::memcpy(freq, p + 16, 4);
@@ -81,11 +85,15 @@ int32_t SegmentStore::Write(const RecordBatch& batch, const std::vector<int64_t>
   while (id < static_cast<int32_t>(segs_.size()) && segs_[id] != nullptr) ++id;
   if (id >= 65535) throw std::runtime_error("tiered table: 65,535 segments in " + directory_);
   auto seg = std::make_unique<Segment>();
-  seg->path = directory_ + "/" + kPrefix + std::to_string(next_file_++) + kSuffix;
+  seg->number = next_file_++;
+  seg->path = directory_ + "/" + kPrefix + std::to_string(seg->number) + kSuffix;
   seg->count = seg->live = n;
   seg->dead.assign(static_cast<size_t>((n + 63) / 64), 0);
-  seg->fd = ::open(seg->path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (seg->fd < 0) throw IoError("cannot create the segment", seg->path);
+  auto file = std::make_shared<File>();
+  file->path = seg->path;
+  file->fd = ::open(seg->path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (file->fd < 0) throw IoError("cannot create the segment", seg->path);
+  const int fd = file->fd;
   // Written through a buffer of at most kMaxRunBytes: a spill costs no copy of itself.
   std::vector<char> buf;
   buf.reserve(static_cast<size_t>(std::min(kHeaderBytes + n * record_bytes_, kMaxRunBytes)));
@@ -93,12 +101,12 @@ int32_t SegmentStore::Write(const RecordBatch& batch, const std::vector<int64_t>
     const char* p = buf.data();
     size_t left = buf.size();
     while (left > 0) {
-      const ssize_t w = ::write(seg->fd, p, left);
+      const ssize_t w = ::write(fd, p, left);
       if (w < 0 && errno == EINTR) continue;
       if (w <= 0) {
         if (w == 0) errno = EIO;
         const std::runtime_error error = IoError("cannot write the segment", seg->path);
-        ::close(seg->fd);
+        file.reset();  // closes it
         ::unlink(seg->path.c_str());
         throw error;
       }
@@ -128,88 +136,119 @@ int32_t SegmentStore::Write(const RecordBatch& batch, const std::vector<int64_t>
   bytes_written_ += bytes;
   disk_bytes_ += bytes;
   live_rows_ += n;
+  seg->file = std::move(file);
   if (id == static_cast<int32_t>(segs_.size())) segs_.emplace_back();
   segs_[id] = std::move(seg);
   return id;
 }
 
-void SegmentStore::Pread(const Segment& s, char* buf, int64_t bytes, int64_t offset) {
+void SegmentStore::Pread(const File& f, char* buf, int64_t bytes, int64_t offset) {
   int64_t done = 0;
   while (done < bytes) {
-    const ssize_t r = ::pread(s.fd, buf + done, static_cast<size_t>(bytes - done), offset + done);
+    const ssize_t r = ::pread(f.fd, buf + done, static_cast<size_t>(bytes - done), offset + done);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) {
       if (r == 0) errno = EIO;  // shorter than written: the file was cut
-      throw IoError("cannot read the segment", s.path);
+      throw IoError("cannot read the segment", f.path);
     }
     done += r;
   }
-  bytes_read_ += bytes;
-  ++read_calls_;
+}
+
+SegmentStore::Read SegmentStore::PlanRead(const std::vector<Request>& requests) const {
+  Read read;
+  read.record_bytes = record_bytes_;
+  read.group_records = group_records_;
+  std::vector<Read::Want>& wants = read.wants;
+  std::vector<int32_t> segment_of;
+  wants.reserve(requests.size());
+  for (int64_t q = 0; q < static_cast<int64_t>(requests.size()); ++q) {
+    const Request& r = requests[q];
+    const Segment* s = r.segment >= 0 && r.segment < static_cast<int32_t>(segs_.size())
+                           ? segs_[r.segment].get()
+                           : nullptr;
+    if (s == nullptr || s->fences.empty() || r.key < s->fences.front()) continue;
+    const int64_t g =
+        std::upper_bound(s->fences.begin(), s->fences.end(), r.key) - s->fences.begin() - 1;
+    wants.push_back({q, g});
+  }
+  auto seg = [&](const Read::Want& w) { return requests[w.request].segment; };
+  std::sort(wants.begin(), wants.end(), [&](const Read::Want& a, const Read::Want& b) {
+    return seg(a) != seg(b) ? seg(a) < seg(b) : a.group < b.group;
+  });
+  const int64_t max_groups = std::max<int64_t>(1, kMaxRunBytes / (group_records_ * record_bytes_));
+  for (size_t a = 0; a < wants.size();) {
+    // A run: groups of one segment, each at most one past the last, within kMaxRunBytes.
+    const int32_t id = seg(wants[a]);
+    const Segment& s = *segs_[id];
+    const int64_t first = wants[a].group;
+    size_t b = a + 1;
+    while (b < wants.size() && seg(wants[b]) == id && wants[b].group <= wants[b - 1].group + 1 &&
+           wants[b].group - first < max_groups)
+      ++b;
+    const int64_t last = wants[b - 1].group;
+    read.runs.push_back({s.file, id, s.number, first * group_records_,
+                         std::min(s.count, (last + 1) * group_records_), a, b});
+    a = b;
+  }
+  return read;
+}
+
+void SegmentStore::RunRead(const std::vector<Request>& requests, Read* read) {
+  const int64_t rb = read->record_bytes, gr = read->group_records;
+  read->rows.width = (rb - 20) / 4;
+  // Kept per thread: a fresh buffer per batch would fault its pages in each time.
+  thread_local std::vector<char> buf;
+  for (const Read::Run& run : read->runs) {
+    buf.resize(static_cast<size_t>((run.end - run.begin) * rb));
+    Pread(*run.file, buf.data(), (run.end - run.begin) * rb, kHeaderBytes + run.begin * rb);
+    read->bytes_read += (run.end - run.begin) * rb;
+    ++read->read_calls;
+    for (size_t w = run.first_want; w < run.end_want; ++w) {
+      const Read::Want& want = read->wants[w];
+      const int64_t key_wanted = requests[want.request].key;
+      int64_t lo = want.group * gr - run.begin;
+      int64_t hi = std::min(run.end, (want.group + 1) * gr) - run.begin;
+      while (lo < hi) {  // first record with key >= key_wanted
+        const int64_t mid = (lo + hi) / 2;
+        int64_t k;
+        std::memcpy(&k, buf.data() + mid * rb, 8);
+        if (k < key_wanted) lo = mid + 1; else hi = mid;
+      }
+      if (lo >= run.end - run.begin) continue;
+      int64_t key, step;
+      uint32_t freq;
+      const float* row;
+      ParseRecord(buf.data() + lo * rb, &key, &step, &freq, &row);
+      if (key != key_wanted) continue;
+      read->hits.push_back({want.request, run.segment, run.number, run.begin + lo});
+      read->rows.Add(key, step, freq, row);
+    }
+  }
+}
+
+bool SegmentStore::Live(int32_t segment, uint64_t number, int64_t record) const {
+  if (segment < 0 || segment >= static_cast<int32_t>(segs_.size())) return false;
+  const Segment* s = segs_[segment].get();
+  return s != nullptr && s->number == number && !IsDead(*s, record);
 }
 
 void SegmentStore::ReadMany(std::vector<Request>* requests, RecordBatch* into,
                             std::vector<int64_t>* found_at) {
-  struct Want {
-    int32_t segment;
-    int64_t group;
-    int64_t request;
-  };
-  std::vector<Want> wants;
-  wants.reserve(requests->size());
-  for (int64_t q = 0; q < static_cast<int64_t>(requests->size()); ++q) {
-    Request& r = (*requests)[q];
-    r.record = -1;
-    const Segment* s = r.segment < static_cast<int32_t>(segs_.size()) ? segs_[r.segment].get()
-                                                                        : nullptr;
-    if (s == nullptr || s->fences.empty() || r.key < s->fences.front()) continue;
-    const int64_t g =
-        std::upper_bound(s->fences.begin(), s->fences.end(), r.key) - s->fences.begin() - 1;
-    wants.push_back({r.segment, g, q});
+  for (Request& r : *requests) r.record = -1;
+  Read read = PlanRead(*requests);
+  RunRead(*requests, &read);
+  Count(read);
+  const int64_t width = read.rows.width;
+  into->width = width;
+  for (size_t h = 0; h < read.hits.size(); ++h) {
+    const Read::Hit& hit = read.hits[h];
+    if (!Live(hit.segment, hit.number, hit.record)) continue;
+    (*requests)[hit.request].record = hit.record;
+    found_at->push_back(hit.request);
+    into->Add(read.rows.keys[h], read.rows.steps[h], read.rows.freqs[h],
+              read.rows.rows.data() + h * width);
   }
-  std::sort(wants.begin(), wants.end(), [](const Want& a, const Want& b) {
-    return a.segment != b.segment ? a.segment < b.segment : a.group < b.group;
-  });
-  std::vector<char>& buf = read_buf_;
-  std::vector<std::pair<int64_t, int64_t>> hits;  // (request, record)
-  const int64_t max_groups = std::max<int64_t>(1, kMaxRunBytes / (group_records_ * record_bytes_));
-  for (size_t a = 0; a < wants.size();) {
-    // A run: groups of one segment, each at most one past the last, within kMaxRunBytes.
-    const Segment& s = *segs_[wants[a].segment];
-    const int64_t first = wants[a].group;
-    size_t b = a + 1;
-    while (b < wants.size() && wants[b].segment == wants[a].segment &&
-           wants[b].group <= wants[b - 1].group + 1 && wants[b].group - first < max_groups)
-      ++b;
-    const int64_t last = wants[b - 1].group;
-    const int64_t begin = first * group_records_;
-    const int64_t end = std::min(s.count, (last + 1) * group_records_);
-    buf.resize(static_cast<size_t>((end - begin) * record_bytes_));
-    Pread(s, buf.data(), (end - begin) * record_bytes_, kHeaderBytes + begin * record_bytes_);
-    for (size_t w = a; w < b; ++w) {
-      Request& r = (*requests)[wants[w].request];
-      int64_t lo = wants[w].group * group_records_ - begin;
-      int64_t hi = std::min(end, (wants[w].group + 1) * group_records_) - begin;
-      while (lo < hi) {  // first record with key >= r.key
-        const int64_t mid = (lo + hi) / 2;
-        int64_t k;
-        std::memcpy(&k, buf.data() + mid * record_bytes_, 8);
-        if (k < r.key) lo = mid + 1; else hi = mid;
-      }
-      if (lo >= end - begin) continue;
-      int64_t key, step;
-      uint32_t freq;
-      const float* row;
-      ParseRecord(buf.data() + lo * record_bytes_, &key, &step, &freq, &row);
-      if (key != r.key || IsDead(s, begin + lo)) continue;
-      r.record = begin + lo;
-      hits.emplace_back(wants[w].request, r.record);
-      into->Add(key, step, freq, row);
-    }
-    a = b;
-  }
-  // Rows were appended in disk order; found_at says whose each is.
-  for (const auto& hit : hits) found_at->push_back(hit.first);
 }
 
 void SegmentStore::MarkDead(int32_t segment, int64_t record) {
@@ -225,8 +264,7 @@ void SegmentStore::MarkDead(int32_t segment, int64_t record) {
 void SegmentStore::Drop(int32_t segment) {
   std::unique_ptr<Segment>& s = segs_[segment];
   if (s == nullptr) return;
-  ::close(s->fd);
-  ::unlink(s->path.c_str());
+  ::unlink(s->path.c_str());  // a read in flight keeps the file open until it ends
   live_rows_ -= s->live;
   disk_bytes_ -= kHeaderBytes + s->count * record_bytes_;
   s.reset();

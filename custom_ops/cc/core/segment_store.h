@@ -12,7 +12,8 @@
 //
 // Errors (a directory that cannot be written, a full disk) throw std::runtime_error
 // naming the file and the system's reason; a failed write leaves no segment behind.
-// Not thread-safe: the tiered table's lock guards it.
+// Not thread-safe: the tiered table's lock guards it (RunRead excepted: it touches
+// nothing of the store).
 
 #ifndef TFPSX_CORE_SEGMENT_STORE_H_
 #define TFPSX_CORE_SEGMENT_STORE_H_
@@ -60,10 +61,58 @@ class SegmentStore {
     int32_t segment;
     int64_t record = -1;   // out
   };
-  // Finds every request's record; found rows are appended to `into` in request order
-  // (and `found_at` gets the request's index).
+  // Finds every request's record; found rows are appended to `into` in disk order
+  // (and `found_at` gets each one's request index).
   void ReadMany(std::vector<Request>* requests, RecordBatch* into,
                 std::vector<int64_t>* found_at);
+
+  // An open segment file. A read holds it: a segment dropped during a read keeps its
+  // file open (unlinked) until the read lets go.
+  struct File {
+    int fd = -1;
+    std::string path;
+    ~File();
+  };
+  // A batch read in three parts, so that its I/O can run without the table's lock
+  // (a prefetch): PlanRead (under the lock) finds the groups to read and holds their
+  // files; RunRead (any thread, nothing shared) reads them and finds the requests'
+  // records, live or not; the caller then keeps, under the lock again, the hits that
+  // are still Live (a record killed, or its segment dropped, meanwhile is not).
+  struct Read {
+    struct Run {
+      std::shared_ptr<const File> file;
+      int32_t segment;
+      uint64_t number;               // the segment's file number (ids are reused)
+      int64_t begin, end;            // records [begin, end)
+      size_t first_want, end_want;   // wants[first_want, end_want)
+    };
+    struct Want {
+      int64_t request;
+      int64_t group;
+    };
+    struct Hit {
+      int64_t request;
+      int32_t segment;
+      uint64_t number;
+      int64_t record;
+    };
+    std::vector<Run> runs;
+    std::vector<Want> wants;
+    int64_t record_bytes = 0, group_records = 0;
+    std::vector<Hit> hits;  // RunRead's, in disk order; their rows are rows'
+    RecordBatch rows;
+    int64_t bytes_read = 0, read_calls = 0;
+  };
+  Read PlanRead(const std::vector<Request>& requests) const;
+  // Throws std::runtime_error naming the file when a read fails.
+  static void RunRead(const std::vector<Request>& requests, Read* read);
+  // Whether `record` of the segment `segment` with file number `number` is still live.
+  bool Live(int32_t segment, uint64_t number, int64_t record) const;
+  // Adds a read's I/O to the store's counters.
+  void Count(const Read& read) {
+    bytes_read_ += read.bytes_read;
+    read_calls_ += read.read_calls;
+  }
 
   // Every live record of `segment`, read sequentially: fn(record, key, step, freq, row).
   template <typename Fn>
@@ -90,20 +139,21 @@ class SegmentStore {
  private:
   struct Segment {
     std::string path;
-    int fd = -1;
+    std::shared_ptr<const File> file;
+    uint64_t number = 0;  // the file's number, seg_<number>.dat
     int64_t count = 0, live = 0;
     std::vector<int64_t> fences;  // first key of each group
     std::vector<uint64_t> dead;   // bit per record
   };
-  void Pread(const Segment& s, char* buf, int64_t bytes, int64_t offset);
+  // Reads bytes at offset, whole; throws std::runtime_error naming the file.
+  static void Pread(const File& f, char* buf, int64_t bytes, int64_t offset);
   bool IsDead(const Segment& s, int64_t r) const { return s.dead[r >> 6] >> (r & 63) & 1; }
-  void ParseRecord(const char* p, int64_t* key, int64_t* step, uint32_t* freq,
-                   const float** row) const;
+  static void ParseRecord(const char* p, int64_t* key, int64_t* step, uint32_t* freq,
+                          const float** row);
 
   const std::string directory_;
   const int64_t width_, record_bytes_, group_records_;
   std::vector<std::unique_ptr<Segment>> segs_;  // by id; null: free id
-  std::vector<char> read_buf_;  // kept: a fresh one per batch would fault its pages in
   uint64_t next_file_ = 0;
   int64_t live_rows_ = 0, disk_bytes_ = 0;
   int64_t bytes_written_ = 0, bytes_read_ = 0, read_calls_ = 0;
@@ -117,7 +167,9 @@ void SegmentStore::Scan(int32_t segment, Fn&& fn) {
   for (int64_t first = 0; first < s.count; first += per_read) {
     const int64_t n = std::min(per_read, s.count - first);
     buf.resize(static_cast<size_t>(n * record_bytes_));
-    Pread(s, buf.data(), n * record_bytes_, kHeaderBytes + first * record_bytes_);
+    Pread(*s.file, buf.data(), n * record_bytes_, kHeaderBytes + first * record_bytes_);
+    bytes_read_ += n * record_bytes_;
+    ++read_calls_;
     for (int64_t i = 0; i < n; ++i) {
       if (IsDead(s, first + i)) continue;
       int64_t key, step;

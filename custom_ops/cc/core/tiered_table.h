@@ -90,8 +90,31 @@ class TieredTable {
     return std::max<int64_t>(1, room / (RecordBytes() + 8));
   }
   // Moves rows to disk when over the high-water mark; compacts. The rows of keys[n] (the
-  // operation's own, just used) stay: a lookup's rows are the next apply's.
+  // operation's own, just used) stay: a lookup's rows are the next apply's. So do the
+  // last prefetch's.
   void Settle(const int64_t* keys = nullptr, int64_t n = 0);
+
+  // Prefetch: the disk rows of a coming batch brought into RAM ahead of its step, the
+  // reads done without the table's lock, so that they overlap the operations of the
+  // step before (another thread, another core). In three calls:
+  //   PlanPrefetch  (under the lock) which keys are not in RAM, where their rows are;
+  //   ReadPrefetch  (no lock) the reads;
+  //   PlacePrefetch (under the lock) the rows still live on disk go to RAM (a row an
+  //                 operation brought back meanwhile, or one that moved, is skipped);
+  //                 returns how many; then Settle(prefetch.keys).
+  // At most KeysPerPiece() keys of a batch are prefetched (a prefetch is a hint: the
+  // rest come in with their operation). The rows placed stay in RAM through Settle
+  // until the next prefetch. Throws std::runtime_error on an I/O error (nothing moved).
+  struct Prefetch {
+    std::vector<int64_t> keys;  // the keys not in RAM, sorted
+    std::vector<SegmentStore::Request> requests;
+    SegmentStore::Read read;
+  };
+  Prefetch PlanPrefetch(const int64_t* keys, int64_t n);
+  static void ReadPrefetch(Prefetch* prefetch) {
+    SegmentStore::RunRead(prefetch->requests, &prefetch->read);
+  }
+  int64_t PlacePrefetch(Prefetch* prefetch);
 
   // The table's operations over every row, RAM and disk together.
   int64_t Size() const { return hot_->Size() + store_.live_rows(); }
@@ -146,6 +169,7 @@ class TieredTable {
   std::unordered_set<int64_t> dirty_on_disk_;
   // Disk rows evicted since the last checkpoint export (its "removed").
   std::unordered_set<int64_t> removed_on_disk_;
+  std::vector<int64_t> prefetched_;  // the last prefetch's keys, sorted: Settle keeps them
   bool tracking_ = false;  // a full checkpoint export armed incremental ones
   int64_t evicted_ = 0;
   std::string warning_;

@@ -144,6 +144,39 @@ class RemoveOp : public TableOpKernel {
   }
 };
 
+// Not a TableOpKernel: the lock is held only to plan the reads and to place their rows,
+// not during the reads (tiered_table.h's Prefetch).
+class PrefetchOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> table;
+    OP_REQUIRES_OK(ctx, GetTable(ctx, &table));
+    const Tensor& keys = ctx->input(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = 0;
+    TieredTable* tier = table->tier();
+    if (tier == nullptr) return;
+    TieredTable::Prefetch prefetch;
+    {
+      std::lock_guard<std::mutex> lock(table->tier_mu());
+      OP_REQUIRES_OK(ctx, TierStep(*table, [&] {
+        prefetch = tier->PlanPrefetch(keys.flat<int64_t>().data(), keys.NumElements());
+      }));
+    }
+    if (prefetch.keys.empty()) return;
+    OP_REQUIRES_OK(ctx, TierStep(*table, [&] { TieredTable::ReadPrefetch(&prefetch); }));
+    std::lock_guard<std::mutex> lock(table->tier_mu());
+    OP_REQUIRES_OK(ctx, TierStep(*table, [&] {
+      out->scalar<int64_t>()() = tier->PlacePrefetch(&prefetch);
+      tier->Settle(prefetch.keys.data(), static_cast<int64_t>(prefetch.keys.size()));
+    }));
+    const std::string warning = tier->TakeWarning();
+    if (!warning.empty()) LOG(WARNING) << "tfpsx tiered table '" << table->name() << "': " << warning;
+  }
+};
+
 class SizeOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
@@ -162,6 +195,7 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableFindOrInsert").Device(DEVICE_CPU), F
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableInsert").Device(DEVICE_CPU), WriteOp<false>);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableAccumulate").Device(DEVICE_CPU), WriteOp<true>);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableRemove").Device(DEVICE_CPU), RemoveOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTablePrefetch").Device(DEVICE_CPU), PrefetchOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableSize").Device(DEVICE_CPU), SizeOp);
 
 }  // namespace tfpsx

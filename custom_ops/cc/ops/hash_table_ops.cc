@@ -130,6 +130,19 @@ REGISTER_OP("TfpsxHashTableRemove")
     .Output("removed: int64")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
+REGISTER_OP("TfpsxHashTablePrefetch")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Output("placed: int64")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+A tiered table: brings the disk rows of keys into RAM ahead of the step that uses them,
+the reads done without the table's lock (they overlap the operations running meanwhile).
+placed: the rows brought back. At most a piece of keys that fits above the high-water
+mark is prefetched; the rest come in with their operation. 0 on a table all in RAM.
+)doc");
+
 REGISTER_OP("TfpsxHashTableSize")
     .SetIsStateful()
     .Input("handle: resource")
