@@ -41,7 +41,7 @@ OP_SOURCES := $(shell find custom_ops -name '*.cc' -o -name '*.h' 2>/dev/null)
 # in place, and one tree holds one build).
 ALT_DIR := .tf$(TF)
 
-.PHONY: setup build test test-all test-fast docs native-test native-asan cuda-check cuda-core-check \
+.PHONY: setup build test test-all test-fast docs native-test native-asan native-tsan tier-peer cuda-check cuda-core-check \
     cuda-native-test cuda-bench demo bench bazel \
     proto clean
 
@@ -91,6 +91,10 @@ native-asan:
 	$(MAKE) native-test NATIVE_DIR=build/native-asan \
 	    NATIVE_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=undefined"
+
+# The same tests under ThreadSanitizer (the tier's prefetch reads without the table's lock).
+native-tsan:
+	$(MAKE) native-test NATIVE_DIR=build/native-tsan NATIVE_CXXFLAGS="-O1 -g -fsanitize=thread"
 
 # CUDA. nvcc is looked for on PATH, then at /usr/local/cuda/bin; NVCC=... overrides.
 NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))
@@ -178,7 +182,22 @@ demo: setup
 	    examples/criteo/train.py --train_data '$(DEMO_DATA)/train-*' \
 	    --eval_data $(DEMO_DATA)/eval.txt --mode geo --k_steps 50 --epochs 2
 
-bench: setup
+# The disk tier's store against RocksDB behind the same interface (the tier benchmark's
+# peer, benchmarks/tiered_store_peer.cc). Debian's librocksdb-dev is installed for it
+# when missing (root only); without it the peer runs ours against RAM alone. Nothing of
+# tfpsx links RocksDB.
+ROCKSDB_H := /usr/include/rocksdb/db.h
+tier-peer:
+	@test -f $(ROCKSDB_H) || { apt-get update -qq && apt-get install -y -qq librocksdb-dev; } \
+	    >/dev/null 2>&1 || echo "librocksdb-dev not installed: the peer runs without RocksDB"
+	@$(MAKE) --no-print-directory $(NATIVE_DIR)/tiered_store_peer
+
+$(NATIVE_DIR)/tiered_store_peer: benchmarks/tiered_store_peer.cc $(NATIVE_CORE_OBJS)
+	$(CXX) $(NATIVE_CXXFLAGS) -pthread -std=c++17 -I. \
+	    $(if $(wildcard $(ROCKSDB_H)),-DTFPSX_PEER_ROCKSDB) $^ \
+	    $(if $(wildcard $(ROCKSDB_H)),-lrocksdb) -o $@
+
+bench: setup tier-peer
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/time_to_auc.py --networks 1ms --modes sync,async,geo10,geo100,geo400,\
 	geo10_earlier,geo100_earlier,geo100_bf16,async_cache,async_cache_ceiling,geo100_cache,local

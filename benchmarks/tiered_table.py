@@ -5,9 +5,12 @@ One process per (backend, dim), the same work in each (side by side, interleaved
 --rounds): a one-shard table with Adagrad is filled with --fill x ram_bytes of rows
 (keys scrambled, so that no order of the keys helps the disk), then trained by lookup +
 apply steps of --batch ids from two streams:
-- "zipf": Zipf(1.1) ranks over the filled ids, 1% of each batch new ids (a CTR stream);
+- "zipf": Zipf(1.1) ranks over the filled ids (truncated to them), 1% of each batch new
+  ids (a CTR stream);
 - "uniform": ids uniform over the filled ones (the worst case: every row equally cold).
 Then a full export of the table (a checkpoint's rows) and an import of it (a restore).
+Last, the store against RocksDB behind the same interface (tiered_store_peer.cc, built by
+`make tier-peer`), in the table core: the same steps, RAM table and policy.
 
 Reported per stream: steps/s (tiered / in RAM: the ratio), the table's resident memory
 (the process's peak RSS less its RSS before the table existed, against ram_bytes), disk
@@ -20,6 +23,7 @@ counters); the export and import times against the disk's own sequential bandwid
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -50,7 +54,7 @@ def child(args):
     record = 20 + 4 * 2 * args.dim  # key, step, freq, value, Adagrad's slot
     ram = args.ram_mb << 20
     rows = int(args.fill * ram / record)
-    backend = (E.TieredBackend(args.dir, ram_bytes=ram) if args.backend == "tiered" else None)
+    backend = (E.TieredBackend(args.dir, ram_bytes=ram) if args.backend != "ram" else None)
     table = E.DynamicTable("bench", args.dim, optimizer=E.Adagrad(0.05), devices=[None],
                            initializer=E.normal(stddev=0.01), backend=backend)
     step = tf.compat.v1.train.get_or_create_global_step()
@@ -59,6 +63,8 @@ def child(args):
     grads = 0.01 * tf.sin(looked.unique_rows)
     with tf.control_dependencies([table.apply_gradients(looked, grads, step=step)]):
         train = step.assign_add(1)
+    ahead = tf.compat.v1.placeholder(tf.int64, [None])
+    prefetch = table.prefetch(ahead) if backend else None
     exported = table.export()
     feed = {k: tf.compat.v1.placeholder(v.dtype, v.shape) for k, v in exported.items()}
     restore = table.import_rows(feed, clear=True)
@@ -70,10 +76,15 @@ def child(args):
     rng = np.random.default_rng(7)
     fresh = [rows]
 
+    # Zipf(1.1) over the filled ids: the inverse of its CDF on the finite support
+    # (numpy's zipf draws from an unbounded one, and its draws past the last id, ~20% at
+    # 2M ids, wrapped modulo the ids would make a fifth of the stream uniform).
+    cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -1.1)
+
     def batch(stream):
         if stream == "uniform":
             return scrambled(rng.integers(0, rows, args.batch))
-        ranks = (rng.zipf(1.1, args.batch) - 1) % rows
+        ranks = np.searchsorted(cdf, rng.random(args.batch) * cdf[-1])
         new = args.batch // 100
         ranks[:new] = np.arange(fresh[0], fresh[0] + new)  # ids never seen
         fresh[0] += new
@@ -82,6 +93,7 @@ def child(args):
     # Every feed made before the table: their memory is not the table's.
     feeds = {stream: [batch(stream) for _ in range(20 + args.steps)]
              for stream in ("zipf", "uniform")}
+    cdf = None  # freed before the table: its memory is not the table's
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         sess.run(train, {ids: scrambled(np.arange(rows, rows + 16))})  # TF's first-run costs
@@ -98,9 +110,23 @@ def child(args):
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM from here: the stream's peak
             before = sess.run(tier)
+            stream_feeds = feeds[stream][20:]
             t0 = time.perf_counter()
-            for f in feeds[stream][20:]:
-                sess.run(train, {ids: f})
+            if args.backend == "prefetch":
+                # The next batch's rows asked for while this one trains (another thread:
+                # a session runs ops of concurrent calls in parallel), as a worker's
+                # input pipeline or a GEO round that knows its next keys would.
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    sess.run(prefetch, {ahead: stream_feeds[0]})
+                    for i, f in enumerate(stream_feeds):
+                        coming = (pool.submit(sess.run, prefetch, {ahead: stream_feeds[i + 1]})
+                                  if i + 1 < len(stream_feeds) else None)
+                        sess.run(train, {ids: f})
+                        if coming is not None:
+                            coming.result()
+            else:
+                for f in stream_feeds:
+                    sess.run(train, {ids: f})
             took = time.perf_counter() - t0
             delta = dict(zip(bindings.TIER_STATS_FIELDS, (sess.run(tier) - before).tolist()))
             out["streams"][stream] = {
@@ -138,6 +164,64 @@ def run_child(backend, dim, args):
                        f"{proc.stderr[-3000:]}")
 
 
+PEER_STORES = ("ours", "ours_prefetch", "rocksdb", "ram")
+
+
+def run_peer(store, dim, args):
+    """One run of the store peer (tiered_store_peer.cc): ours, rocksdb or ram; None when
+    the binary was built without RocksDB."""
+    directory = os.path.join(args.dir, f"peer_{store}_{dim}")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    cmd = [args.peer, store, directory, str(args.ram_mb), str(args.fill), str(dim),
+           str(args.steps), str(args.batch)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    shutil.rmtree(directory, ignore_errors=True)
+    if proc.returncode == 2 and "unknown store" in proc.stderr:
+        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"peer {store} dim {dim} failed (rc {proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
+
+
+def peer_lines(args, dims):
+    """The store against RocksDB behind the same interface, and the RAM table alone."""
+    if not os.path.exists(args.peer):
+        return ["", f"(No store peer: {args.peer} is not built; `make tier-peer` builds it.)"]
+    results = {}
+    for _ in range(args.rounds):
+        for dim in dims:
+            for store in PEER_STORES:
+                results.setdefault((store, dim), []).append(run_peer(store, dim, args))
+    lines = ["", "The store against RocksDB, in the table core without TensorFlow "
+             "(benchmarks/tiered_store_peer.cc: the same RAM table, steps and spill policy; "
+             "only where the rows go differs; the same Zipf stream; ours_prefetch: the next "
+             "batch prefetched by a second thread, its reads without the table's lock):", "",
+             "| dim | store | steps/s | / in RAM | rows faulted a step | rows in RAM | "
+             "store's RAM count / ram_bytes | peak RSS / ram_bytes | written / spilled |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for dim in dims:
+        base = statistics.median(r["steps_per_s"] for r in results[("ram", dim)])
+        for store in PEER_STORES:
+            runs = [r for r in results[(store, dim)] if r is not None]
+            if not runs:
+                lines.append(f"| {dim} | {store} | not built with RocksDB (librocksdb-dev) "
+                             "| | | | | | |")
+                continue
+            sps = statistics.median(r["steps_per_s"] for r in runs)
+            last = runs[-1]
+            ram = args.ram_mb << 20
+            tier = store != "ram"
+            lines.append(
+                f"| {dim} | {store} | {sps:.1f} | {sps / base:.2f} | "
+                f"{last['faulted_per_step']:.0f} | {last['ram_rows']} | "
+                + (f"{last['tier_ram_bytes'] / ram:.2f} | {last['peak_rss_kb'] * 1024 / ram:.2f} "
+                   f"| {last['written_per_spilled']:.2f} |" if tier else "| | |"))
+    return lines
+
+
 def disk_bandwidth(directory, mb=1024):
     """(write MB/s with fdatasync, read MB/s with O_DIRECT) of `directory`'s disk."""
     os.makedirs(directory, exist_ok=True)
@@ -166,6 +250,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--dir", default=os.path.join(ROOT, "build", "bench", "tier"))
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench", "tiered_table.md"))
+    p.add_argument("--peer", default=os.path.join(ROOT, "build", "native", "tiered_store_peer"),
+                   help="the store peer's binary (make tier-peer)")
     args = p.parse_args(argv)
     if args.child:
         return child(args)
@@ -173,7 +259,7 @@ def main(argv=None):
     results = {}
     for _ in range(args.rounds):
         for dim in [int(d) for d in args.dims.split(",")]:
-            for backend in ("ram", "tiered"):
+            for backend in ("ram", "tiered", "prefetch"):
                 results.setdefault((backend, dim), []).append(run_child(backend, dim, args))
     lines = [f"# Tiered table vs all in RAM ({time.strftime('%Y-%m-%d')})", "",
              f"ram_bytes {args.ram_mb} MiB per shard, table {args.fill:g}x that, batch "
@@ -183,22 +269,27 @@ def main(argv=None):
              "RSS: the process's peak during the stream less its RSS before the table "
              "existed (after TF's first run); in RAM the same, over the table's rows' bytes.",
              "",
-             "| dim | stream | steps/s RAM | steps/s tiered | ratio | tiered peak RSS / "
+             "Prefetch: the next batch's rows asked for (table.prefetch) while a step "
+             "trains, from another thread.", "",
+             "| dim | stream | steps/s RAM | steps/s tiered | ratio | with prefetch | ratio | "
+             "tiered peak RSS / "
              "ram_bytes | tier's own count / ram_bytes | RAM's peak RSS / rows' bytes | "
              "written / spilled | read per step | read calls per step | written per step |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: |"]
+             "| ---: | ---: | ---: |"]
     ckpt = []
     for dim in [int(d) for d in args.dims.split(",")]:
         ram, tiered = results[("ram", dim)], results[("tiered", dim)]
+        ahead = results[("prefetch", dim)]
         for stream in ("zipf", "uniform"):
             r = statistics.median(x["streams"][stream]["steps_per_s"] for x in ram)
             t = statistics.median(x["streams"][stream]["steps_per_s"] for x in tiered)
+            a = statistics.median(x["streams"][stream]["steps_per_s"] for x in ahead)
             last = tiered[-1]["streams"][stream]
             io = last["tier"]
             steps = args.steps
             lines.append(
-                f"| {dim} | {stream} | {r:.1f} | {t:.1f} | {t / r:.2f} | "
+                f"| {dim} | {stream} | {r:.1f} | {t:.1f} | {t / r:.2f} | {a:.1f} | {a / r:.2f} | "
                 f"{last['peak_kb'] * 1024 / (args.ram_mb << 20):.2f} | "
                 f"{last['accounted'] / (args.ram_mb << 20):.2f} | "
                 f"{ram[-1]['streams'][stream]['peak_kb'] * 1024 / ram[-1]['table_bytes']:.2f} | "
@@ -216,6 +307,7 @@ def main(argv=None):
               "| dim | rows | export RAM | export tiered | import RAM | import tiered | "
               "rows on disk after | index bytes per disk row |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] + ckpt
+    lines += peer_lines(args, [int(d) for d in args.dims.split(",")])
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
