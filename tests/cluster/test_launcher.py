@@ -313,16 +313,19 @@ def test_max_restarts_starts_a_lost_worker_again_in_place(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("tiered", [False, True], ids=["ram", "tiered"])
 def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path, tiered):
-    """Deterministic GEO with a table, the server killed mid-training, --max_restarts 1:
-    every process starts again, the chief resumes from its last checkpoint (the table
-    from an incremental chain: a full part every 3 saves, deltas between), and the job
-    ends with exactly the model of an uninterrupted job started from that checkpoint
-    (nothing of the restart leaks into the model). Tiered: the table on the server's disk
-    beyond its RAM budget (TieredBackend); the restarted server discards the files the
-    killed one left and restores the checkpoint's rows."""
+    """Deterministic GEO with a table, the server killed with SIGKILL twice at random
+    moments of training, --max_restarts 2: every process starts again, the chief resumes
+    from its last checkpoint (the table from an incremental chain: a full part every 3
+    saves, deltas between), and the job ends with exactly the model of an uninterrupted
+    job started from the last restart's checkpoint (nothing of a restart leaks into the
+    model). Tiered: the tables on the server's disk beyond their RAM budget
+    (TieredBackend), a wide table of ~30k ids with rows on disk at each kill; the
+    restarted server discards the files the killed one left and restores the
+    checkpoint's rows (the final eval reads them, from RAM and disk)."""
+    import random
     import shutil
 
     import psutil
@@ -331,7 +334,7 @@ def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path
     def job(logs, ckpt, restarts):
         return subprocess.Popen(
             RUN + ["--log_dir", str(logs), "--server_num", "1", "--worker_num", "2",
-                   "--max_restarts", str(restarts), "--timeout", "200",
+                   "--max_restarts", str(restarts), "--timeout", "300",
                    os.path.join(SCRIPTS, "training_job.py"), "--mode", "geo", "--k_steps", "5",
                    "--deterministic", "--syncs", "30", "--step_delay", "0.03",
                    "--checkpoint_dir", str(ckpt), "--save_steps", "20", "--table",
@@ -339,50 +342,66 @@ def test_max_restarts_geo_equals_a_run_resumed_from_the_same_checkpoint(tmp_path
             env=_env(TFPSX_HEARTBEAT_INTERVAL="0.5"), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=str(tmp_path))
 
+    def disk_files():  # the wide table's segment files on the server's disk
+        part = tier_dir / "wide" / "part_0"
+        return [n for n in os.listdir(part) if n.startswith("seg_")] if part.exists() else []
+
     tier_dir = tmp_path / "tables"
     tier = ["--table_ram_bytes", "2000000", "--table_dir", str(tier_dir)] if tiered else []
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    launcher = job(logs, ckpt, 1)
+    seed = random.randrange(10 ** 6)
+    moments = random.Random(seed)
+    print(f"kill moments from seed {seed}")
+    launcher = job(logs, ckpt, 2)
     snapshot = tmp_path / "snapshot"
     try:
-        deadline = time.monotonic() + 120
-        while _saved_step(ckpt) < 40:
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        server = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                  if p.environ().get("TFPSX_ROLE") == "server"]
-        assert len(server) == 1
-        server[0].kill()
-        # Every old process is gone once the launcher marks the logs; the new chief is
-        # still starting: the checkpoints now are what it will resume from.
-        while "===== tfpsx-run: restart 1 of 1" not in _read(logs / "workerlog.0"):
-            assert launcher.poll() is None and time.monotonic() < deadline + 60
-            time.sleep(0.02)
+        deadline, after = time.monotonic() + 240, 20
+        for restart in (1, 2):
+            # A random moment: past a random checkpoint, a random time into the steps.
+            target = after + moments.randrange(10, 40)
+            while _saved_step(ckpt) < target or (tiered and not disk_files()):
+                assert launcher.poll() is None and time.monotonic() < deadline, target
+                time.sleep(0.05)
+            time.sleep(moments.uniform(0, 0.5))
+            server = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                      if p.environ().get("TFPSX_ROLE") == "server"]
+            assert len(server) == 1
+            server[0].kill()
+            # Every old process is gone once the launcher marks the logs; the new chief
+            # is still starting: the checkpoints now are what it will resume from.
+            while f"===== tfpsx-run: restart {restart} of 2" not in _read(logs / "workerlog.0"):
+                assert launcher.poll() is None and time.monotonic() < deadline + 60
+                time.sleep(0.02)
+            after = _saved_step(ckpt)
         shutil.copytree(ckpt, snapshot)
         state = snapshot / "checkpoint"  # TF's state file names absolute paths
         state.write_text(state.read_text().replace(str(ckpt), str(snapshot)))
-        out, err = launcher.communicate(timeout=200)
+        out, err = launcher.communicate(timeout=300)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert launcher.returncode == 0, out[-3000:] + err
-    assert re.search(r"server 0 exited with code -9 \(killed by SIGKILL; see .*serverlog\.0\); "
-                     r"restarting the job \(1 of 1\)", err), err
-    assert "restart 1 of 1 after server 0 exited with code -9" in _read(logs / "serverlog.0")
+    for restart in (1, 2):
+        assert re.search(r"server 0 exited with code -9 \(killed by SIGKILL; see "
+                         rf".*serverlog\.0\); restarting the job \({restart} of 2\)", err), err
+        assert (f"restart {restart} of 2 after server 0 exited with code -9"
+                in _read(logs / "serverlog.0"))
     resumed = [r for r in tfpsx.metrics.read(str(logs), "worker", 0, "resumed")
                if r["checkpoint"] is not None]
-    assert len(resumed) == 1 and resumed[0]["global_step"] >= 40, resumed
+    assert len(resumed) == 2 and resumed[0]["global_step"] >= 30, resumed
+    assert resumed[1]["global_step"] > resumed[0]["global_step"], resumed
     chief = _read(logs / "workerlog.0")
     assert re.search(r"checkpoint .*model\.ckpt-\d+: tables delta \(\d+ rows", chief), chief[-3000:]
     assert re.search(r"restored .*model\.ckpt-\d+: tables from \d part\(s\)", chief), chief[-3000:]
-    if tiered:  # the restarted server's shard, in its folder; the killed one's files gone
+    if tiered:  # the restarted server's shards, in their folders; the killed one's gone
         assert os.listdir(tier_dir / "bias") == ["part_0"]
+        assert os.listdir(tier_dir / "wide") == ["part_0"]
     again = job(tmp_path / "logs_again", snapshot, 0)
     out, err = again.communicate(timeout=200)
     assert again.returncode == 0, out[-3000:] + err
     start = tfpsx.metrics.read(str(tmp_path / "logs_again"), "worker", 0, "resumed")[0]
-    assert start["global_step"] == resumed[0]["global_step"], (start, resumed)
+    assert start["global_step"] == resumed[-1]["global_step"], (start, resumed)
     for i in range(2):
         a = tfpsx.metrics.read(str(logs), "worker", i, "training")[-1]
         b = tfpsx.metrics.read(str(tmp_path / "logs_again"), "worker", i, "training")[-1]

@@ -44,6 +44,14 @@ def geo_rule_configs(args) -> dict:
 
 DIM, BATCH, LR = 6, 16, 0.05
 W_TRUE = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
+WIDE_SCALE = 0.1
+
+
+def wide_ids(x):
+    """With a tiered table (--table_ram_bytes): an id per feature value (to 1/1000), per
+    feature: ~30k ids over a job, the "wide" table's rows."""
+    return (tf.cast(tf.floor(x * 1000.0), tf.int64)
+            + tf.range(DIM, dtype=tf.int64) * 10 ** 7)
 
 
 def batches(worker: int, count: int):
@@ -95,7 +103,8 @@ def main(argv):
     p.add_argument("--table", action="store_true",
                    help="add a per-id bias from a DynamicTable (id: the sign of x[0])")
     p.add_argument("--table_ram_bytes", type=int, default=0,
-                   help="with --table: the table on the PS's disk beyond this RAM")
+                   help="with --table: the tables on the PS's disk beyond this RAM, and a "
+                        "wide table of ~30k ids beside the bias table (most rows on disk)")
     p.add_argument("--table_dir", default="", help="with --table_ram_bytes: its folder")
     p.add_argument("--export", default=None)
     p.add_argument("--abort_once_at", type=int, default=None)
@@ -129,20 +138,29 @@ def main(argv):
             b = tf.compat.v1.get_variable("b", [], initializer=tf.zeros_initializer())
             w_value = tf.convert_to_tensor(w) if args.partitioned else w
             pred = tf.squeeze(tf.matmul(x, w_value), 1) + b
+            tier = (tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
+                    if args.table and args.table_ram_bytes else None)
             if args.table:
                 emb = tfpsx.embedding.DynamicTable(
                     "bias", 1, initializer=tfpsx.embedding.zeros(),
-                    optimizer=tfpsx.embedding.SGD(LR),
-                    backend=(tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
-                             if args.table_ram_bytes else None))
+                    optimizer=tfpsx.embedding.SGD(LR), backend=tier)
                 looked = emb.lookup_unique(tf.cast(x[:, 0] > 0, tf.int64))
                 pred += tf.squeeze(looked.embeddings, 1)
+            if tier:  # a wide table of ~30k ids: more rows than its shard's RAM, most on disk
+                wide = tfpsx.embedding.DynamicTable(
+                    "wide", 8, initializer=tfpsx.embedding.zeros(),
+                    optimizer=tfpsx.embedding.Adagrad(LR), backend=tier)
+                looked_wide = wide.lookup_unique(wide_ids(x))
+                pred += WIDE_SCALE * tf.reduce_sum(
+                    tf.reshape(looked_wide.embeddings, [-1, DIM * 8]), 1)
             loss = tf.reduce_mean(tf.square(pred - y))
             opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
                                               strategy)
             train_op = opt.minimize(loss, global_step=global_step)
             if args.table:
                 train_op = tf.group(train_op, emb.minimize(loss, [looked]))
+            if tier:
+                train_op = tf.group(train_op, wide.minimize(loss, [looked_wide]))
         placement = {v.op.name: v.device for v in tf.compat.v1.global_variables()
                      + tf.compat.v1.local_variables()}
         eval_x, eval_y = next(batches(99, 1))
@@ -184,6 +202,9 @@ def main(argv):
             if args.table:  # the model's per-id bias, from the table's PS shards
                 eval_ids = tf.constant((eval_x[:, 0] > 0).astype(np.int64))
                 eval_pred += tf.squeeze(emb.lookup(eval_ids), 1)
+            if tier:
+                eval_pred += WIDE_SCALE * tf.reduce_sum(tf.reshape(
+                    wide.lookup(wide_ids(tf.constant(eval_x))), [-1, DIM * 8]), 1)
             eval_loss = s.run(tf.reduce_mean(tf.square(eval_pred - eval_y)))
             if args.export and me == 0:
                 os.makedirs(args.export, exist_ok=True)
