@@ -279,6 +279,35 @@ def hot_keys(keys: np.ndarray, hot_fields, hot_count: int) -> np.ndarray:
     return unique[counts >= hot_count]
 
 
+class RoundDamping:
+    """``--alpha`` (an experiment, deterministic rounds, shared slots): a row that c
+    workers pushed in a round moves by the sum of their deltas / c**alpha (alpha 0: the
+    sum, the rule; 1: their mean); its optimizer slots stay summed."""
+
+    def __init__(self, table, geos, alpha: float):
+        self.table, self.alpha = table, alpha
+        counts: Dict[int, int] = {}
+        for t in geos:
+            local, old = t.local.export(), t.old.export()
+            lk, ok = local["keys"].numpy(), old["keys"].numpy()
+            ov = dict(zip(ok.tolist(), old["values"].numpy()))
+            lv = local["values"].numpy()
+            for i, key in enumerate(lk.tolist()):
+                prev = ov.get(key)
+                if prev is None or np.any(lv[i] != prev):
+                    counts[key] = counts.get(key, 0) + 1
+        self.keys = np.array([k for k, c in counts.items() if c > 1], np.int64)
+        self.c = np.array([counts[k] for k in self.keys.tolist()], np.float32)
+        self.base = (table.lookup(tf.constant(self.keys)).numpy() if len(self.keys) else None)
+
+    def after_pushes(self):
+        if not len(self.keys):
+            return
+        now = self.table.lookup(tf.constant(self.keys)).numpy()
+        scale = self.c[:, None] ** -self.alpha
+        self.table.insert(tf.constant(self.keys), self.base + (now - self.base) * scale)
+
+
 def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             dense_rule: str) -> Dict[str, float]:
     r = Run(args, data, n, f"geo_{rule}_n{n}_k{k}_l{latency}")
@@ -404,6 +433,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             def parts(t, pairs):
                 return (pairs if dense_due else []), ([t] if tables_due and t else [])
 
+            damp = (RoundDamping(r.global_table, [w[0] for w in workers], args.alpha)
+                    if args.alpha and tables_due and shared and not latency else None)
             for w, (t, _, pairs, _) in enumerate(workers):
                 if w in pending:
                     # One communicator runs one round at a time: the round in flight
@@ -416,6 +447,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                     geo.push_ops(moment_pairs[w], [], float(n), r.step)
                 if latency:
                     pending[w] = local_steps + latency
+            if damp is not None:
+                damp.after_pushes()
             if outer is not None and dense_due:
                 outer()
             if not latency:
@@ -455,6 +488,10 @@ def main(argv=None) -> int:
                    f"{', '.join(DENSE_RULES)}")
     p.add_argument("--outer_lr", type=float, default=0.7, help="--dense outer's")
     p.add_argument("--outer_momentum", type=float, default=0.9, help="--dense outer's")
+    p.add_argument("--alpha", type=float, default=0.0,
+                   help="an experiment (deterministic rounds, --rules shared): a row that "
+                        "c workers pushed in a round moves by the sum of their deltas / "
+                        "c**alpha")
     p.add_argument("--dense_k", type=int, default=0,
                    help="the dense part's rounds every this many steps (0: k's)")
     p.add_argument("--hot_vocab", type=int, default=0,
