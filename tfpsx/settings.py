@@ -244,6 +244,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_TABLE_HUGE_PAGES", "bool", False,
             "transparent huge pages for table rows (off: slower in a TF process on these VMs)",
             "runtime", read_by="the C++ table core"),
+    Setting("TFPSX_TIER_IO_URING", "bool", True,
+            "a tiered table's batch reads go to the kernel in one io_uring submission where "
+            "the kernel allows (off, or no ring: one pread per read)", "runtime",
+            read_by="the C++ table core"),
     # build
     Setting("TFPSX_BUILD_JOBS", "count", None,
             "parallel compiler processes (default: the CPU count)", "build", read_by="setup.py"),

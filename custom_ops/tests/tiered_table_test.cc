@@ -2,6 +2,7 @@
 // table driven through the same operations as an all-in-RAM one must hold the same rows
 // (values, slots, frequencies, steps) at every check, within its RAM budget.
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "custom_ops/cc/core/batch_reader.h"
 #include "custom_ops/cc/core/hash_table.h"
 #include "custom_ops/cc/core/key_index.h"
 #include "custom_ops/cc/core/optimizer_registry.h"
@@ -93,6 +95,52 @@ std::vector<int64_t> ZipfBatch(std::mt19937_64& rng, int64_t n, int64_t universe
     k = (static_cast<int64_t>(x) - 1) * 2654435761LL;
   }
   return keys;
+}
+
+void TestBatchReader() {
+  // 600 reads at scattered offsets (more than a ring's 256) come back whole, through
+  // io_uring and through pread alike; a read past the end names the file.
+  const std::string path = TempDir("reads");
+  std::vector<char> data(1 << 20);
+  std::mt19937_64 rng(5);
+  for (char& c : data) c = static_cast<char>(rng());
+  FILE* f = std::fopen(path.c_str(), "wb");
+  CHECK(f != nullptr && std::fwrite(data.data(), 1, data.size(), f) == data.size());
+  std::fclose(f);
+  for (const char* setting : {"1", "0"}) {
+    ::setenv("TFPSX_TIER_IO_URING", setting, 1);
+    std::thread reader([&] {  // a thread's first batch reads the setting
+      const int fd = ::open(path.c_str(), O_RDONLY);
+      CHECK(fd >= 0);
+      std::vector<tfpsx::FileRead> ops;
+      std::vector<std::vector<char>> bufs(600);
+      for (size_t i = 0; i < bufs.size(); ++i) {
+        const int64_t bytes = 1 + static_cast<int64_t>(rng() % 9000);
+        const int64_t offset = static_cast<int64_t>(rng() % (data.size() - bytes));
+        bufs[i].resize(static_cast<size_t>(bytes));
+        ops.push_back({fd, &path, bufs[i].data(), bytes, offset});
+      }
+      const int64_t submissions = tfpsx::ReadAll(ops.data(), static_cast<int64_t>(ops.size()));
+      CHECK(submissions == (tfpsx::BatchReadsUseIoUring() ? 3 : 600));
+      if (setting[0] == '0') CHECK(!tfpsx::BatchReadsUseIoUring());
+      for (size_t i = 0; i < ops.size(); ++i)
+        CHECK(std::equal(bufs[i].begin(), bufs[i].end(), data.begin() + ops[i].offset));
+      std::vector<char> tail(100);
+      tfpsx::FileRead past{fd, &path, tail.data(), 100, static_cast<int64_t>(data.size()) - 10};
+      bool named = false;
+      try {
+        tfpsx::ReadAll(&past, 1);
+      } catch (const std::runtime_error& e) {
+        named = std::string(e.what()).find(path) != std::string::npos;
+      }
+      CHECK(named);
+      ::close(fd);
+    });
+    reader.join();
+  }
+  ::unsetenv("TFPSX_TIER_IO_URING");
+  std::printf("batch reads: io_uring %s here\n",
+              tfpsx::BatchReadsUseIoUring() ? "used" : "not used");
 }
 
 void TestKeyIndex() {
@@ -307,6 +355,7 @@ void TestErrors() {
 }  // namespace
 
 int main() {
+  TestBatchReader();
   TestKeyIndex();
   TestTrainsAsInRam();
   TestPrefetch();

@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "custom_ops/cc/core/batch_reader.h"
+
 namespace tfpsx {
 namespace {
 
@@ -199,31 +201,56 @@ void SegmentStore::RunRead(const std::vector<Request>& requests, Read* read) {
   read->rows.width = (rb - 20) / 4;
   // Kept per thread: a fresh buffer per batch would fault its pages in each time.
   thread_local std::vector<char> buf;
-  for (const Read::Run& run : read->runs) {
-    buf.resize(static_cast<size_t>((run.end - run.begin) * rb));
-    Pread(*run.file, buf.data(), (run.end - run.begin) * rb, kHeaderBytes + run.begin * rb);
-    read->bytes_read += (run.end - run.begin) * rb;
-    ++read->read_calls;
-    for (size_t w = run.first_want; w < run.end_want; ++w) {
-      const Read::Want& want = read->wants[w];
-      const int64_t key_wanted = requests[want.request].key;
-      int64_t lo = want.group * gr - run.begin;
-      int64_t hi = std::min(run.end, (want.group + 1) * gr) - run.begin;
-      while (lo < hi) {  // first record with key >= key_wanted
-        const int64_t mid = (lo + hi) / 2;
-        int64_t k;
-        std::memcpy(&k, buf.data() + mid * rb, 8);
-        if (k < key_wanted) lo = mid + 1; else hi = mid;
-      }
-      if (lo >= run.end - run.begin) continue;
-      int64_t key, step;
-      uint32_t freq;
-      const float* row;
-      ParseRecord(buf.data() + lo * rb, &key, &step, &freq, &row);
-      if (key != key_wanted) continue;
-      read->hits.push_back({want.request, run.segment, run.number, run.begin + lo});
-      read->rows.Add(key, step, freq, row);
+  std::vector<FileRead> ops;
+  std::vector<int64_t> at;  // each run's place in buf
+  // Windows of runs, each at most kMaxRunBytes (the buffer's bound) and one submission.
+  for (size_t first = 0; first < read->runs.size();) {
+    size_t end = first;
+    int64_t bytes = 0;
+    ops.clear();
+    at.clear();
+    while (end < read->runs.size()) {
+      const Read::Run& run = read->runs[end];
+      const int64_t b = (run.end - run.begin) * rb;
+      if (end > first && bytes + b > kMaxRunBytes) break;
+      at.push_back(bytes);
+      bytes += b;
+      ++end;
     }
+    buf.resize(static_cast<size_t>(bytes));
+    for (size_t r = first; r < end; ++r) {
+      const Read::Run& run = read->runs[r];
+      ops.push_back({run.file->fd, &run.file->path, buf.data() + at[r - first],
+                     (run.end - run.begin) * rb, kHeaderBytes + run.begin * rb});
+    }
+    ReadAll(ops.data(), static_cast<int64_t>(ops.size()));
+    read->bytes_read += bytes;
+    read->read_calls += static_cast<int64_t>(ops.size());
+    for (size_t r = first; r < end; ++r) {
+      const Read::Run& run = read->runs[r];
+      const char* data = buf.data() + at[r - first];
+      for (size_t w = run.first_want; w < run.end_want; ++w) {
+        const Read::Want& want = read->wants[w];
+        const int64_t key_wanted = requests[want.request].key;
+        int64_t lo = want.group * gr - run.begin;
+        int64_t hi = std::min(run.end, (want.group + 1) * gr) - run.begin;
+        while (lo < hi) {  // first record with key >= key_wanted
+          const int64_t mid = (lo + hi) / 2;
+          int64_t k;
+          std::memcpy(&k, data + mid * rb, 8);
+          if (k < key_wanted) lo = mid + 1; else hi = mid;
+        }
+        if (lo >= run.end - run.begin) continue;
+        int64_t key, step;
+        uint32_t freq;
+        const float* row;
+        ParseRecord(data + lo * rb, &key, &step, &freq, &row);
+        if (key != key_wanted) continue;
+        read->hits.push_back({want.request, run.segment, run.number, run.begin + lo});
+        read->rows.Add(key, step, freq, row);
+      }
+    }
+    first = end;
   }
 }
 
