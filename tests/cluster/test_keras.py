@@ -158,13 +158,18 @@ def test_worker_caches_are_fed_by_fits_input_pipeline(make_cluster, mode, extra)
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
     """The async job on 2 PS + 2 workers that the next tests read: weights of 512 bytes or
-    more cut over both servers, the chief's saved model (model.save) and its serving
-    export (tfpsx.export_serving) written after fit. (c, folder of the saved files)"""
+    more cut over both servers, the users' table tiered, the chief's saved model
+    (model.save) and its serving export (tfpsx.export_serving) written after fit. (c,
+    folder of the saved files)"""
     out = tmp_path_factory.mktemp("keras_two_servers_out")
+    # The users' table on the servers' disk beyond 2 MB a shard (TieredBackend): async,
+    # a shard on each server, saved with model.save and served from the export.
     with scenario(tmp_path_factory, "keras_two_servers", 2, 2, script="keras_job.py",
                   env=FAST, timeout=300,
                   args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
-                        "--save", str(out / "saved"), "--export", str(out / "export")]) as c:
+                        "--save", str(out / "saved"), "--export", str(out / "export"),
+                        "--table_ram_bytes", "2000000",
+                        "--table_dir", str(out / "tables")]) as c:
         yield c, out
 
 
@@ -190,6 +195,10 @@ def test_two_servers_share_the_model(two_servers):
     assert max(r["iterations"] for r in got.values()) == steps, got
     for i in range(2):  # each server holds a share of the weights and the tables' shards
         assert "serving at" in c.log("server", i)
+    # the users' table: a tiered shard on each server, in its folder, within its budget
+    tier = got[0]["tiers"]["user_emb"]
+    assert 0 < tier["ram_bytes"] <= 2 * 2_000_000, got[0]["tiers"]
+    assert sorted(os.listdir(two_servers[1] / "tables" / "user_emb")) == ["part_0", "part_1"]
     cut = got[0]["partitioned"]
     assert cut, "no weight was partitioned"
     for path, devices in cut.items():  # each weight's slices are on both servers
