@@ -121,7 +121,9 @@ void TestBatchReader() {
         ops.push_back({fd, &path, bufs[i].data(), bytes, offset});
       }
       const int64_t submissions = tfpsx::ReadAll(ops.data(), static_cast<int64_t>(ops.size()));
-      CHECK(submissions == (tfpsx::BatchReadsUseIoUring() ? 3 : 600));
+      // 3 through a ring (256 a submission); a kernel that refuses the ring, or its
+      // read opcode after the first submission, reads the rest one pread each.
+      CHECK(tfpsx::BatchReadsUseIoUring() ? submissions == 3 : submissions >= 345);
       if (setting[0] == '0') CHECK(!tfpsx::BatchReadsUseIoUring());
       for (size_t i = 0; i < ops.size(); ++i)
         CHECK(std::equal(bufs[i].begin(), bufs[i].end(), data.begin() + ops[i].offset));

@@ -57,8 +57,9 @@ def finish(c, timeout=200):
                  id="geo-rule-for-many"),
     # Nothing named, k_steps="auto": at 2 workers tfpsx chooses the earlier rule (averaged
     # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
+    # The users' table tiered on the PS (2 MB): GEO's pushes and pulls go through it.
     pytest.param("geo", ["--k_steps", "auto", "--step_delay", "0.02", "--geo_rule",
-                         "default"], id="geo"),
+                         "default", "--table_ram_bytes", "2000000"], id="geo"),
     # The users' table tiered on its PS here too (TieredBackend, 2 MB).
     pytest.param("staleness", ["--max_staleness", "2", "--table_ram_bytes", "2000000"],
                  id="staleness")])
