@@ -44,6 +44,16 @@ void PreadRest(const FileRead& r, int64_t done) {
 }
 
 #if TFPSX_IO_URING
+// The rings' indexes are shared with the kernel: read with acquire, written with release.
+unsigned LoadAcquire(unsigned* p) {
+  return std::atomic_load_explicit(reinterpret_cast<std::atomic<unsigned>*>(p),
+                                   std::memory_order_acquire);
+}
+void StoreRelease(unsigned* p, unsigned v) {
+  std::atomic_store_explicit(reinterpret_cast<std::atomic<unsigned>*>(p), v,
+                             std::memory_order_release);
+}
+
 // One io_uring: its submission and completion rings mapped into this process.
 class Ring {
  public:
@@ -78,8 +88,7 @@ class Ring {
       sq_array_[at] = at;
       ++tail;
     }
-    std::atomic_store_explicit(reinterpret_cast<std::atomic<unsigned>*>(sq_tail_), tail,
-                               std::memory_order_release);
+    StoreRelease(sq_tail_, tail);
     unsigned submitted = 0, completed = 0;
     bool refused = false;
     while (completed < n) {
@@ -92,8 +101,7 @@ class Ring {
       }
       submitted += static_cast<unsigned>(got);
       unsigned head = *cq_head_;
-      const unsigned end = std::atomic_load_explicit(
-          reinterpret_cast<std::atomic<unsigned>*>(cq_tail_), std::memory_order_acquire);
+      const unsigned end = LoadAcquire(cq_tail_);
       for (; head != end; ++head, ++completed) {
         const io_uring_cqe& cqe = cqes_[head & *cq_mask_];
         FileRead& r = reads[cqe.user_data];
@@ -101,16 +109,14 @@ class Ring {
           refused = true;  // a kernel without IORING_OP_READ: pread does it
           PreadRest(r, 0);
         } else if (cqe.res < 0 && cqe.res != -EINTR && cqe.res != -EAGAIN) {
-          std::atomic_store_explicit(reinterpret_cast<std::atomic<unsigned>*>(cq_head_),
-                                     head + 1, std::memory_order_release);
+          StoreRelease(cq_head_, head + 1);
           Drain(n - submitted, n - completed - 1);
           throw ReadError(*r.path, -cqe.res);
         } else {
           PreadRest(r, cqe.res > 0 ? cqe.res : 0);  // a short read's rest
         }
       }
-      std::atomic_store_explicit(reinterpret_cast<std::atomic<unsigned>*>(cq_head_), head,
-                                 std::memory_order_release);
+      StoreRelease(cq_head_, head);
     }
     return !refused;
   }
@@ -160,11 +166,9 @@ class Ring {
       if (got > 0) unsubmitted -= std::min<unsigned>(unsubmitted, static_cast<unsigned>(got));
       if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) return;
       unsigned head = *cq_head_;
-      const unsigned end = std::atomic_load_explicit(
-          reinterpret_cast<std::atomic<unsigned>*>(cq_tail_), std::memory_order_acquire);
+      const unsigned end = LoadAcquire(cq_tail_);
       for (; head != end && left > 0; ++head) --left;
-      std::atomic_store_explicit(reinterpret_cast<std::atomic<unsigned>*>(cq_head_), head,
-                                 std::memory_order_release);
+      StoreRelease(cq_head_, head);
     }
   }
 

@@ -40,16 +40,11 @@ std::vector<int64_t> KeyOrder(const RecordBatch& batch) {
   return order;
 }
 
-}  // namespace
-
-namespace {
-
 // The key index's first level: about as many entries as RAM holds rows (rounded down to
-// a power of two of buckets), never fewer than KeyIndex's default. A table whose disk
-// holds a few times its RAM rows then has 2-3 levels, where levels growing from the
-// default's 16k entries took 9 at 10x, and every lookup asks every level (two cache
-// lines each); filled, the levels hold 4-5 bytes a disk key instead of ~7.5. What it
-// costs up front: 4 bytes per row that fits in RAM (3-5% of ram_bytes at dim 8-16).
+// a power of two of buckets), never fewer than KeyIndex's default. Every lookup asks
+// every level (two cache lines each): a table of 10x ram_bytes then has 5 levels, where
+// levels growing from the default's 16k entries took 9. What it costs up front: 4 bytes
+// per row that fits in RAM (3-5% of ram_bytes at dim 8-16).
 int64_t FirstBuckets(int64_t ram_bytes, int64_t record) {
   const int64_t rows = ram_bytes / (record + 8);
   int64_t buckets = KeyIndex::kFirstBuckets;
@@ -179,13 +174,26 @@ void TieredTable::ReadOut(const std::vector<int64_t>& missing, RecordBatch* rows
   rows->width = hot_->row_width();
   std::vector<SegmentStore::Request> requests = Lookups(missing.data(), static_cast<int64_t>(missing.size()));
   if (requests.empty()) return;
-  std::vector<int64_t> found_at;
-  store_.ReadMany(&requests, rows, &found_at);
-  for (int64_t q : found_at) {
-    const SegmentStore::Request& r = requests[q];
-    store_.MarkDead(r.segment, r.record);
-    index_.Erase(r.key, r.segment);
-    dirty->push_back(dirty_on_disk_.erase(r.key) > 0 ? 1 : 0);
+  SegmentStore::Read read = store_.PlanRead(requests);
+  SegmentStore::RunRead(requests, &read);
+  TakeLive(&read, rows, dirty);
+}
+
+void TieredTable::TakeLive(SegmentStore::Read* read, RecordBatch* rows,
+                           std::vector<uint8_t>* dirty) {
+  store_.Count(*read);
+  rows->width = hot_->row_width();
+  const int64_t width = rows->width;
+  for (size_t h = 0; h < read->hits.size(); ++h) {
+    const SegmentStore::Read::Hit& hit = read->hits[h];
+    // Live: a row is in RAM or live on disk, never both; one brought back (or compacted
+    // away) since the read was planned is not taken again.
+    if (!store_.Live(hit.segment, hit.number, hit.record)) continue;
+    const int64_t key = read->rows.keys[h];
+    rows->Add(key, read->rows.steps[h], read->rows.freqs[h], read->rows.rows.data() + h * width);
+    store_.MarkDead(hit.segment, hit.record);
+    index_.Erase(key, hit.segment);
+    dirty->push_back(dirty_on_disk_.erase(key) > 0 ? 1 : 0);
   }
 }
 
@@ -200,23 +208,9 @@ TieredTable::Prefetch TieredTable::PlanPrefetch(const int64_t* keys, int64_t n) 
 }
 
 int64_t TieredTable::PlacePrefetch(Prefetch* p) {
-  store_.Count(p->read);
-  SegmentStore::Read& read = p->read;
-  const int64_t width = hot_->row_width();
   RecordBatch rows;
-  rows.width = width;
   std::vector<uint8_t> dirty;
-  for (size_t h = 0; h < read.hits.size(); ++h) {
-    const SegmentStore::Read::Hit& hit = read.hits[h];
-    // Live: not brought back by an operation meanwhile (a row is in RAM or live on
-    // disk, never both), its segment not compacted away.
-    if (!store_.Live(hit.segment, hit.number, hit.record)) continue;
-    const int64_t key = read.rows.keys[h];
-    rows.Add(key, read.rows.steps[h], read.rows.freqs[h], read.rows.rows.data() + h * width);
-    store_.MarkDead(hit.segment, hit.record);
-    index_.Erase(key, hit.segment);
-    dirty.push_back(dirty_on_disk_.erase(key) > 0 ? 1 : 0);
-  }
+  TakeLive(&p->read, &rows, &dirty);
   hot_->PutRows(rows, dirty);
   rows_faulted_ += rows.size();
   prefetched_ = p->keys;

@@ -148,6 +148,9 @@ class TieredTable {
   // there; dirty flags beside them.
   void ReadOut(const std::vector<int64_t>& missing, RecordBatch* rows,
                std::vector<uint8_t>* dirty);
+  // The hits of a finished read (ReadOut's, a prefetch's) still live on disk: appended
+  // to rows (dirty flags beside) and killed there.
+  void TakeLive(SegmentStore::Read* read, RecordBatch* rows, std::vector<uint8_t>* dirty);
   void Spill(int64_t target_bytes, const int64_t* keep, int64_t n_keep);
   void Compact();
   // Every live disk row (fn(key, step, freq, row) per segment, in each one's key order).

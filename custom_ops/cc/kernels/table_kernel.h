@@ -108,6 +108,12 @@ inline absl::Status TierStep(const TableResource& table, Fn&& fn) {
   return absl::OkStatus();
 }
 
+// Logs the tier's warning (RAM over budget), once, naming the table; under its lock.
+inline void LogTierWarning(TableResource& table) {
+  const std::string warning = table.tier()->TakeWarning();
+  if (!warning.empty()) LOG(WARNING) << "tfpsx tiered table '" << table.name() << "': " << warning;
+}
+
 // Runs fn(begin, end) (an absl::Status) over [0, n) of an op's keys. On a tiered table,
 // in pieces whose rows fit in RAM above its high-water mark, each piece's disk rows
 // brought back first and rows moved out after it: a batch of any size (a GEO round's
@@ -148,8 +154,7 @@ class TableOpKernel : public OpKernel {
     OP_REQUIRES_OK(ctx, TierStep(*table, [&] { ComputeOn(ctx, *table); }));
     if (!ctx->status().ok()) return;
     OP_REQUIRES_OK(ctx, TierStep(*table, [&] { tier->Settle(); }));
-    const std::string warning = tier->TakeWarning();
-    if (!warning.empty()) LOG(WARNING) << "tfpsx tiered table '" << table->name() << "': " << warning;
+    LogTierWarning(*table);
   }
 
  protected:

@@ -172,8 +172,7 @@ class PrefetchOp : public OpKernel {
       out->scalar<int64_t>()() = tier->PlacePrefetch(&prefetch);
       tier->Settle(prefetch.keys.data(), static_cast<int64_t>(prefetch.keys.size()));
     }));
-    const std::string warning = tier->TakeWarning();
-    if (!warning.empty()) LOG(WARNING) << "tfpsx tiered table '" << table->name() << "': " << warning;
+    LogTierWarning(*table);
   }
 };
 
