@@ -323,6 +323,55 @@ void TestCheckpointsAndEviction() {
   CHECK(p.tier.Stats().disk_rows > 0);
 }
 
+// A paged export (a full checkpoint, a serving export) reads the table in key ranges:
+// the pages together are the export, each about max_rows rows, none moved; a paged full
+// checkpoint is the base of the next delta as a whole one is.
+void TestPagedExport() {
+  Pair p(1000 * 1000);
+  std::mt19937_64 rng(5);
+  for (int64_t step = 1; step <= 60; ++step) p.Step(ZipfBatch(rng, 512, 200000), step);
+  CHECK(p.tier.Stats().disk_rows > 2 * p.hot.Size());  // most rows on disk
+  const tfpsx::TierStats before = p.tier.Stats();
+  const int64_t max_rows = 2000;
+  p.tier.ArmTracking();
+  p.ref.ArmTracking();
+  const std::vector<int64_t> bounds = p.tier.PageBounds(max_rows);
+  CHECK(static_cast<int64_t>(bounds.size()) + 1 >= p.tier.Size() / max_rows);
+  CHECK(std::is_sorted(bounds.begin(), bounds.end()));
+  CHECK(std::adjacent_find(bounds.begin(), bounds.end()) == bounds.end());
+  tfpsx::ExportedRows all;
+  const int64_t slack = before.segments * 28 + max_rows / 64;  // a group a segment, a sample
+  int64_t largest = 0;
+  for (size_t page = 0; page <= bounds.size(); ++page) {
+    const int64_t lo = page == 0 ? INT64_MIN : bounds[page - 1];
+    const int64_t hi = page == bounds.size() ? INT64_MAX : bounds[page] - 1;
+    const tfpsx::ExportedRows rows = p.tier.ExportRange(lo, hi);
+    largest = std::max<int64_t>(largest, static_cast<int64_t>(rows.keys.size()));
+    CHECK(rows.keys.empty() || (rows.keys.front() >= lo && rows.keys.back() <= hi));
+    all.keys.insert(all.keys.end(), rows.keys.begin(), rows.keys.end());
+    all.values.insert(all.values.end(), rows.values.begin(), rows.values.end());
+    all.slots.insert(all.slots.end(), rows.slots.begin(), rows.slots.end());
+    all.freq.insert(all.freq.end(), rows.freq.begin(), rows.freq.end());
+    all.step.insert(all.step.end(), rows.step.begin(), rows.step.end());
+  }
+  CHECK(largest <= max_rows + slack);
+  CHECK(SameRows(all, p.ref.Export()));
+  CHECK(p.tier.Stats().rows_faulted == before.rows_faulted);  // nothing came back to RAM
+  CHECK(p.tier.Stats().disk_rows == before.disk_rows);
+  CHECK(p.tier.ExportRange(5, 4).keys.empty());
+  // The RAM table alone: whole when not asked to page, by range as the tier.
+  CHECK(SameRows(p.ref.ExportRange(INT64_MIN, INT64_MAX), p.ref.Export()));
+  // Training after the pages (and between them: the same marks) lands in the next delta.
+  for (int64_t step = 61; step <= 80; ++step) p.Step(ZipfBatch(rng, 512, 200000), step);
+  std::vector<int64_t> gone = ZipfBatch(rng, 300, 200000);
+  CHECK(p.tier.Remove(gone.data(), 300) == p.ref.Remove(gone.data(), 300));
+  tfpsx::CheckpointRows delta = p.tier.CheckpointExport(false);
+  CHECK(delta.complete);
+  CHECK(SameRows(Apply(all, delta), p.ref.Export()));
+  // One page where the table fits in one.
+  CHECK(p.tier.PageBounds(p.tier.Size()).empty());
+}
+
 void TestErrors() {
   tfpsx::HashTable hot(Opts(16));
   bool threw = false;
@@ -362,6 +411,7 @@ int main() {
   TestTrainsAsInRam();
   TestPrefetch();
   TestCheckpointsAndEviction();
+  TestPagedExport();
   TestErrors();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);

@@ -47,6 +47,7 @@ class Model:
         self.size = self.table.stats()["size"]
         self.tier = [s.tier_stats() for s in self.table.shards] if backend else []
         self.saver = IncrementalSaver(full_every=full_every, max_to_keep=10)
+        self.saves = []
 
     def rows(self, sess):
         got = sess.run(self.export)
@@ -86,6 +87,7 @@ def drive(model, sess, seed, rounds, directory=None):
         if directory:
             path = model.saver.save(sess, os.path.join(directory, "model"),
                                     global_step=model.step)
+            model.saves.append(dict(model.saver.last_save))
         rows = model.rows(sess)
         # A read of more rows than the budget's room for one batch: the rows on disk
         # are read where they are.
@@ -111,7 +113,7 @@ def test_a_tiered_table_holds_the_rows_of_the_same_table_in_ram_and_restores_exa
     def inspect(model, sess):
         seen["tier"] = model.tier_stats(sess)
         seen["size"] = sess.run(model.size)
-        seen["kind"] = model.saver.last_save["kind"]
+        seen["saves"] = model.saves
         seen["prefetched"] = model.prefetched
 
     backend = E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM)
@@ -131,21 +133,29 @@ def test_a_tiered_table_holds_the_rows_of_the_same_table_in_ram_and_restores_exa
         assert shard["bytes_written"] <= 3 * shard["bytes_spilled"], shard
     for name in os.listdir(tmp_path / "tier"):
         assert sorted(os.listdir(tmp_path / "tier" / name)) == ["part_0", "part_1"]
-    # The last save is a delta over a full one: restored into a fresh tiered table and
-    # into one in RAM (a session of its own: the tables of a restarted job), bit-exact.
-    path, want = tiered[-1][1], dict(tiered[-1][0])
-    del want["read"]
-    assert seen["kind"] == "delta"
-    for restore_backend in (E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM), None):
-        with tf.Graph().as_default():
-            model = Model(prefix, restore_backend)
-            with tf.compat.v1.Session() as sess:
-                sess.run(tf.compat.v1.global_variables_initializer())
-                sess.run(model.train, {model.ids: [10 ** 12, 10 ** 12 + 1]})  # replaced
-                model.saver.restore(sess, path)
-                assert model.rows(sess) == want
-                if restore_backend:
-                    assert all(s["disk_rows"] > 0 for s in model.tier_stats(sess))
+    # The first save is a full part, read from the shards in pages of a 32nd of RAM's
+    # rows (so neither the servers nor the saver held the table at once); the last is a
+    # delta over it. Each restored into a fresh tiered table (in pages too) and into one
+    # in RAM (a session of its own: the tables of a restarted job), bit-exact.
+    first, last = seen["saves"][0], seen["saves"][-1]
+    assert first["kind"] == "full" and first["pages"] > 20, first
+    assert first["rows"] == len(tiered[0][0]["keys"]) // 8
+    assert last["kind"] == "delta" and last["pages"] == 0, last
+    for (want, path) in (tiered[0], tiered[-1]):
+        want = dict(want)
+        del want["read"]
+        for restore_backend in (E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM), None):
+            with tf.Graph().as_default():
+                model = Model(prefix, restore_backend)
+                with tf.compat.v1.Session() as sess:
+                    sess.run(tf.compat.v1.global_variables_initializer())
+                    sess.run(model.train, {model.ids: [10 ** 12, 10 ** 12 + 1]})  # replaced
+                    model.saver.restore(sess, path)
+                    assert model.rows(sess) == want
+                    if restore_backend:
+                        stats = model.tier_stats(sess)
+                        assert all(s["disk_rows"] > 0 and s["ram_bytes"] <= RAM
+                                   for s in stats), stats
 
 
 def test_bad_tier_input_is_a_clear_error_and_any_batch_fits(tmp_path):
@@ -184,6 +194,7 @@ def test_bad_tier_input_is_a_clear_error_and_any_batch_fits(tmp_path):
 def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path):
     import keras
 
+    import tfpsx
     import tfpsx.keras
 
     backend = E.TieredBackend(str(tmp_path / "tier"), ram_bytes=RAM)
@@ -206,4 +217,21 @@ def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path):
     twin = loaded.layers[1]
     assert isinstance(twin.backend, E.TieredBackend) and twin.backend.ram_bytes == RAM
     np.testing.assert_allclose(loaded.predict(x[:512], verbose=0),
+                               model.predict(x[:512], verbose=0), rtol=1e-6, atol=1e-6)
+    # An incremental checkpoint's full part is read in pages too, and restores in pages.
+    ckpt = tfpsx.keras.IncrementalCheckpoint(str(tmp_path / "ckpt"))
+    ckpt.save(model)
+    assert ckpt.last_save["kind"] == "full" and ckpt.last_save["pages"] > 10, ckpt.last_save
+    assert ckpt.last_save["rows"] == int(emb.table.size())
+    loaded.layers[1].table.insert(np.array([7, 8]), np.ones([2, DIM]))  # replaced
+    ckpt.restore(loaded)
+    np.testing.assert_array_equal(loaded.predict(x[:512], verbose=0),
+                                  model.predict(x[:512], verbose=0))
+    # The serving export reads the shard in pages (a 32nd of RAM's rows each), moving no
+    # row back to RAM; the SavedModel serves what the model predicts.
+    served = tf.saved_model.load(tfpsx.export_serving(model, str(tmp_path / "served")))
+    after = dict(zip(bindings.TIER_STATS_FIELDS, emb.table.shards[0].tier_stats().numpy()))
+    assert after["rows_faulted"] == stats["rows_faulted"] and after["ram_bytes"] <= RAM
+    out = served.signatures["serving_default"](tf.constant(x[:512]))
+    np.testing.assert_allclose(next(iter(out.values())).numpy(),
                                model.predict(x[:512], verbose=0), rtol=1e-6, atol=1e-6)

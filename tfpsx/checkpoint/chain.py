@@ -12,9 +12,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from tfpsx import settings
-from tfpsx.checkpoint import parts
+from tfpsx.checkpoint import pages, parts
 
-Rows = Dict[str, Dict[str, np.ndarray]]  # table name -> field -> array
+Rows = Dict[str, Dict[str, np.ndarray]]  # table name -> field -> array (or pages.Pages)
 
 
 class ChainWriter:
@@ -42,7 +42,7 @@ class ChainWriter:
         full = (self._chain is None or self._deltas + 1 >= self.full_every or
                 os.path.exists(part))
         try:
-            rows = export(full)
+            rows = export(full)  # a table with a disk tier: its full part in pages
             if not full and not all(bool(r["complete"]) for r in rows.values()):
                 full = True  # a restarted server (or a clearing import) since the base
                 rows = export(True)
@@ -55,8 +55,9 @@ class ChainWriter:
         self._chain = [name] if full else self._chain + [name]
         self._deltas = 0 if full else self._deltas + 1
         self.last = {"kind": kind, "part": part, "chain": list(self._chain),
-                     "rows": sum(len(r["keys"]) for r in rows.values()),
-                     "removed": sum(len(r["removed"]) for r in rows.values()),
+                     "rows": sum(pages.rows_of(r) for r in rows.values()),
+                     "removed": sum(pages.removed_of(r) for r in rows.values()),
+                     "pages": sum(r.pages for r in rows.values() if isinstance(r, pages.Pages)),
                      "seconds": time.monotonic() - started}
         return self.last
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, Iterable, List, Optional
+import struct
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -57,7 +58,9 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
 
     Args:
       path: the part's directory (``part_path(prefix)``); must not exist yet.
-      tables: table name -> field -> array (FIELDS, and "removed" for a delta).
+      tables: table name -> field -> array (FIELDS, and "removed" for a delta), or for
+        a full part the table's pages (an iterable of such field dicts: a
+        ``pages.Pages``), each written as it comes.
       kind: FULL or DELTA.
       step: the global step of the save.
       chain: the basenames of the parts before this one in its chain (empty for FULL).
@@ -78,6 +81,12 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
              "chain": list(chain) + [name or os.path.basename(path)], "tables": {}}
     for t, (name, fields) in enumerate(sorted(tables.items())):
         stem = f"t{t}"
+        if not isinstance(fields, Mapping):
+            if kind != FULL:
+                raise ValueError(f"table {name!r}: only a full part is written in pages")
+            rows = _write_pages(os.path.join(tmp, stem), fields)
+            index["tables"][name] = {"file": stem, "rows": rows, "removed": 0}
+            continue
         index["tables"][name] = {"file": stem, "rows": int(len(fields["keys"])),
                                  "removed": int(len(fields.get("removed", ())))}
         for field in (DELTA_FIELDS if kind == DELTA else FIELDS):
@@ -99,6 +108,46 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
     _sync(tmp)
     os.rename(tmp, path)
     _sync(os.path.dirname(os.path.abspath(path)))
+
+
+# A .npy file written page by page starts with a header of this many bytes, room for any
+# row count, rewritten with the final shape at the end (format 1.0: magic, version, a
+# 2-byte length, the header's text padded with spaces to a 64-byte boundary).
+_STREAM_HEADER = 128
+
+
+def _write_pages(stem: str, pages: Iterable[Mapping[str, np.ndarray]]) -> int:
+    """Writes a table's pages as its FIELDS' .npy files (``stem.<field>.npy``), each
+    page appended as it comes; returns the rows written."""
+    files = {f: open(f"{stem}.{f}.npy", "wb") for f in FIELDS}
+    shapes: Dict[str, Tuple[np.dtype, tuple]] = {}
+    rows = 0
+    try:
+        for f in files.values():
+            f.write(b"\0" * _STREAM_HEADER)
+        for page in pages:
+            for field, f in files.items():
+                array = np.ascontiguousarray(page[field])
+                kind = (array.dtype, array.shape[1:])
+                if shapes.setdefault(field, kind) != kind:
+                    raise ValueError(f"checkpoint pages of {field!r} differ: {kind} after "
+                                     f"{shapes[field]}")
+                f.write(array.tobytes())
+            rows += len(page["keys"])
+        for field, f in files.items():
+            dtype, tail = shapes.get(field, (np.dtype(np.int64), ()))
+            text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                         "shape": (rows,) + tuple(tail)}).encode("latin1")
+            pad = _STREAM_HEADER - 10 - len(text) - 1
+            f.seek(0)
+            f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", _STREAM_HEADER - 10) + text +
+                    b" " * pad + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
+    return rows
 
 
 def read_index(path: str) -> dict:
@@ -136,15 +185,48 @@ def chain(path: str) -> List[str]:
     return parts
 
 
-def load_table(path: str, index: dict, name: str) -> Dict[str, np.ndarray]:
-    """One table's fields of part ``path`` (its index given)."""
+def table_pages(path: str, index: dict, name: str,
+                page_rows: Optional[int]) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
+    """One table's part in pages of ``page_rows`` rows (None: one page), read from the
+    files as they are needed: ``(kind, fields)`` to apply in order. The first page is of
+    the part's kind (a full one clears the table first; a delta's removals go with it);
+    the rest are deltas of rows alone, so a restore never holds more than a page."""
     entry = index["tables"][name]
-    fields = DELTA_FIELDS if index["kind"] == DELTA else FIELDS
-    out = {f: np.load(os.path.join(path, f"{entry['file']}.{f}.npy"), allow_pickle=False)
-           for f in fields}
-    if "removed" not in out:
-        out["removed"] = np.zeros([0], np.int64)
-    return out
+    stem = os.path.join(path, entry["file"])
+    removed = (np.load(f"{stem}.removed.npy", allow_pickle=False) if index["kind"] == DELTA
+               else np.zeros([0], np.int64))
+    # Read page by page from the files (not mapped: mapped pages would count in the
+    # process's resident memory until the whole part had been read).
+    files = {f: open(f"{stem}.{f}.npy", "rb") for f in FIELDS}
+    try:
+        heads = {f: _npy_header(fh) for f, fh in files.items()}
+        n = heads["keys"][0][0]
+        step = max(1, page_rows or n)
+        for start in range(0, max(n, 1), step):
+            page = {}
+            for f, fh in files.items():
+                shape, dtype = heads[f]
+                rows = min(step, n - start)
+                per_row = int(np.prod(shape[1:], dtype=np.int64))
+                page[f] = np.fromfile(fh, dtype, count=rows * per_row).reshape(
+                    (rows,) + tuple(shape[1:]))
+            first = start == 0
+            page["removed"] = removed if first else removed[:0]
+            yield (index["kind"] if first else DELTA), page
+    finally:
+        for fh in files.values():
+            fh.close()
+
+
+def _npy_header(f) -> Tuple[tuple, np.dtype]:
+    """(shape, dtype) of the .npy file open at its start; leaves it at its data."""
+    version = np.lib.format.read_magic(f)
+    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+            else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read(f)
+    if fortran:
+        raise ValueError(f"checkpoint file {f.name}: Fortran order, expected C order")
+    return shape, dtype
 
 
 def load_extra(path: str) -> Dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfpsx.checkpoint import parts
+from tfpsx.checkpoint import pages, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.embedding.saveable import TableSaveable
 
@@ -43,6 +43,14 @@ class _TableOps:
         self.table = table
         self.shape = (table.dim, table.num_slots)
         self.export = table.checkpoint_export(full)
+        # A table with a disk tier saves its full parts in pages (pages.py).
+        self.paged = table.paged
+        if self.paged:
+            self.bounds = table.page_bounds(True)
+            self.lo = tf.compat.v1.placeholder(tf.int64, [])
+            self.hi = tf.compat.v1.placeholder(tf.int64, [])
+            self.page = [table.export_range(i, self.lo, self.hi)
+                         for i in range(table.num_shards)]
         dim, slots = self.shape
         ph = tf.compat.v1.placeholder
         self.feeds = {"keys": ph(tf.int64, [None]), "values": ph(tf.float32, [None, dim]),
@@ -90,7 +98,8 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
 
     @property
     def last_save(self) -> Dict[str, object]:
-        """What the last save wrote: kind, part, chain, rows, removed, seconds."""
+        """What the last save wrote: kind, part, chain, rows, removed, pages (of a full
+        part of tables with a disk tier), seconds."""
         return self._writer.last
 
     # ------------------------------------------------------------------ save
@@ -101,8 +110,14 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
         prefix = save_path if global_step is None else f"{save_path}-{int(global_step)}"
 
         def export(full: bool):
-            fetches = {name: ops.export for name, ops in self._tables.items()}
-            return sess.run(fetches, feed_dict={self._full_flag: full}) if fetches else {}
+            paged = {n: ops for n, ops in self._tables.items() if full and ops.paged}
+            fetches = ({n: ops.export for n, ops in self._tables.items() if n not in paged},
+                       {n: ops.bounds for n, ops in paged.items()})
+            rows, bounds = sess.run(fetches, feed_dict={self._full_flag: full})
+            for name, ops in paged.items():
+                rows[name] = pages.Pages(bounds[name], lambda i, lo, hi, ops=ops: sess.run(
+                    ops.page[i], feed_dict={ops.lo: lo, ops.hi: hi}))
+            return rows
 
         info = self._writer.save(parts.part_path(prefix), export, int(global_step or 0))
         try:
@@ -133,9 +148,10 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
             super().restore(sess, save_path)
             for path, index in steps:
                 for name, ops in self._tables.items():
-                    data = parts.load_table(path, index, name)
-                    sess.run(ops.apply[index["kind"]],
-                             feed_dict={ops.feeds[f]: data[f] for f in ops.feeds})
+                    for kind, data in parts.table_pages(path, index, name,
+                                                        ops.table.page_rows):
+                        sess.run(ops.apply[kind],
+                                 feed_dict={ops.feeds[f]: data[f] for f in ops.feeds})
             logger.info("restored %s: tables from %d part(s) (%s)", save_path, len(steps),
                         ", ".join(os.path.basename(p) for p, _ in steps))
         else:

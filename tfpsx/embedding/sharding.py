@@ -358,6 +358,33 @@ class ShardedTable:
         out["complete"] = tf.reduce_all(tf.stack([p[-1] for p in parts]))
         return out
 
+    # A paged export (tfpsx.checkpoint.pages): shards with a disk tier export in key
+    # ranges, so that a full checkpoint or a serving export takes a page of their RAM.
+    @property
+    def paged(self) -> bool:
+        """Whether this table's shards export in pages (a disk tier: TieredBackend)."""
+        return all(hasattr(s, "page_bounds") for s in self.shards)
+
+    def page_bounds(self, arm) -> List[tf.Tensor]:
+        """Per shard, int64 ``[m]``: the keys splitting it into m + 1 pages (a 32nd of its
+        ``ram_bytes`` of rows each). ``arm``: a paged full checkpoint starts (each shard
+        tracks its writes from now on; :meth:`checkpoint_export`'s ``full``)."""
+        arm = tf.convert_to_tensor(arm, tf.bool)
+        return self.on_shards(lambda i, s: s.page_bounds(arm))
+
+    def export_range(self, shard: int, lo, hi) -> Dict[str, tf.Tensor]:
+        """Shard ``shard``'s rows with ``lo <= key <= hi`` (one page), as :meth:`export`."""
+        self._before_shard_ops()
+        with on_device(self.shards[shard].device):
+            rows = self.shards[shard].export_range(lo, hi)
+        return dict(zip(EXPORT_FIELDS, rows))
+
+    @property
+    def page_rows(self) -> Optional[int]:
+        """Rows a restore imports at a time (a page of the smallest shard's), or None
+        (all at once) for a table in RAM."""
+        return min(s.page_rows() for s in self.shards) if self.paged else None
+
     def apply_checkpoint(self, rows: Dict[str, tf.Tensor], full: bool):
         """Applies one part of :meth:`checkpoint_export`: a full one replaces the
         table's rows; a delta removes ``rows["removed"]``, then writes its rows."""

@@ -250,6 +250,24 @@ class TieredStorage(HashTableStorage):
         the shard's lock; int64 scalar: the rows brought back."""
         return self._run(bindings.table_prefetch, keys)
 
+    # A paged export (a full checkpoint, a serving export): the shard's rows in key
+    # ranges of a 32nd of ram_bytes, so that exporting it takes a page of RAM, not the
+    # shard's size (tfpsx.checkpoint.pages).
+    def page_bounds(self, arm: bool, max_rows: int = 0) -> tf.Tensor:
+        """int64 [m]: keys splitting the shard into m + 1 pages of about ``max_rows``
+        rows (0: a 32nd of ram_bytes of rows); ``arm``: a paged full checkpoint starts
+        (the shard tracks its writes from now on, as after a full checkpoint export)."""
+        return self._run(bindings.table_page_bounds, max_rows, arm)
+
+    def export_range(self, lo, hi) -> Sequence[tf.Tensor]:
+        """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``."""
+        return self._run(bindings.table_export_range, lo, hi)
+
+    def page_rows(self) -> int:
+        """Rows of a page (as the op's default: a 32nd of ram_bytes of records)."""
+        record = 20 + 4 * self.spec.dim * (1 + len(self.spec.slot_init))
+        return max(1, self._tier[1] // 32 // record)
+
     def cache_find(self, keys, step):
         raise ValueError(f"table shard {self.spec.shared_name!r} has a disk tier "
                          "(TieredBackend): it cannot hold a worker cache, which keeps its "

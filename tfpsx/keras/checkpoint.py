@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx import compat, settings
-from tfpsx.checkpoint import evaluation, parts
+from tfpsx.checkpoint import evaluation, pages, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.checkpoint.parts import STATE, latest_state
 from tfpsx.keras.layers import DynamicEmbedding
@@ -82,7 +82,8 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
 
     @property
     def last_save(self) -> Dict[str, object]:
-        """What the last save wrote: kind, part, chain, rows, removed, seconds."""
+        """What the last save wrote: kind, part, chain, rows, removed, pages (of a full
+        part of tables with a disk tier), seconds."""
         return self._writer.last
 
     # ------------------------------------------------------------------ callback
@@ -123,8 +124,16 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         part = parts.part_path(os.path.join(self.directory, name))
 
         def export(full: bool):
-            return {n: {k: v.numpy() for k, v in t.checkpoint_export(full).items()}
-                    for n, t in tables.items()}
+            out = {}
+            for n, t in tables.items():
+                if full and t.paged:  # a disk tier: its full part in pages (pages.py)
+                    out[n] = pages.Pages([b.numpy() for b in t.page_bounds(True)],
+                                         lambda i, lo, hi, t=t: {
+                                             k: v.numpy()
+                                             for k, v in t.export_range(i, lo, hi).items()})
+                else:
+                    out[n] = {k: v.numpy() for k, v in t.checkpoint_export(full).items()}
+            return out
 
         dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}
         info = self._writer.save(part, export, step, extra=dense)
@@ -182,9 +191,9 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
             raise ValueError(f"checkpoint {part}: weights of other shapes: {wrong}")
         for path, index in steps:
             for n, t in tables.items():
-                data = parts.load_table(path, index, n)
-                t.apply_checkpoint({k: tf.constant(v) for k, v in data.items()},
-                                   full=index["kind"] == parts.FULL)
+                for kind, data in parts.table_pages(path, index, n, t.page_rows):
+                    t.apply_checkpoint({k: tf.constant(v) for k, v in data.items()},
+                                       full=kind == parts.FULL)
         for key, v in weights.items():
             v.assign(dense[key])
         self._writer.reset()

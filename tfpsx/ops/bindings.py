@@ -150,6 +150,18 @@ def table_export(handle, since_step):
     return load_ops().tfpsx_hash_table_export(handle, since_step)
 
 
+def table_page_bounds(handle, max_rows, arm):
+    """int64 [m]: keys splitting the table into m + 1 pages of about ``max_rows`` rows
+    (0: a tiered table's default; a table in RAM is then one page); ``arm``: a paged
+    full checkpoint starts (tracking armed as by a full checkpoint export)."""
+    return load_ops().tfpsx_hash_table_page_bounds(handle, max_rows, arm)
+
+
+def table_export_range(handle, lo, hi):
+    """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``, sorted."""
+    return load_ops().tfpsx_hash_table_export_range(handle, lo, hi)
+
+
 def table_checkpoint_export(handle, full):
     """(keys, values, slots, freq, step, removed, complete): all rows when ``full`` (and
     tracking armed), else the rows written and keys removed since the previous call;

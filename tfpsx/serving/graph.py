@@ -30,11 +30,12 @@ from tensorflow.core.framework import graph_pb2
 from tfpsx import compat
 from tfpsx.compat import gen_resource_variable_ops
 
+from tfpsx.checkpoint.pages import page_ranges
 from tfpsx.embedding.initializers import Initializer
 from tfpsx.ops import bindings
 from tfpsx.serving import export as _export
 from tfpsx.serving import signature
-from tfpsx.serving.table import INT64_MIN, ServingTable
+from tfpsx.serving.table import ServingTable
 
 HANDLE = "TfpsxHashTableHandleOp"
 READS = ("TfpsxHashTableFind", "TfpsxHashTableFindOrInsert")
@@ -194,15 +195,24 @@ def _read_values(session, cut: _Cut):
                 with tf.compat.v1.colocate_with(tensor.op):
                     fetches[name] = gen_resource_variable_ops.read_variable_op(
                         tensor, tensor.op.get_attr("dtype"))
+        # Each shard in pages (a tiered one: a 32nd of its ram_bytes; one in RAM: one
+        # page), so that its server holds a page of rows at a time, not the shard.
+        lo = tf.compat.v1.placeholder(tf.int64, [])
+        hi = tf.compat.v1.placeholder(tf.int64, [])
         exports = {}
         for handle in sorted(set(cut.handles.values())):
             op = graph.get_operation_by_name(handle)
             with tf.compat.v1.device(op.device):
-                keys, rows = bindings.table_export(op.outputs[0],
-                                                   tf.constant(INT64_MIN, tf.int64))[:2]
-            exports[handle] = (keys, rows)
+                bounds = bindings.table_page_bounds(op.outputs[0], tf.constant(0, tf.int64),
+                                                    tf.constant(False))
+                keys, rows = bindings.table_export_range(op.outputs[0], lo, hi)[:2]
+            exports[handle] = (bounds, keys, rows)
     values = session.run(fetches) if fetches else {}
-    shards = {h: session.run(t) for h, t in exports.items()}  # one shard per run
+    shards = {}
+    for h, (bounds, keys, rows) in exports.items():
+        got = [session.run((keys, rows), feed_dict={lo: a, hi: b})
+               for a, b in page_ranges(session.run(bounds))]
+        shards[h] = (np.concatenate([k for k, _ in got]), np.concatenate([r for _, r in got]))
     return values, shards
 
 

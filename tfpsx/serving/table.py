@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfpsx.checkpoint.pages import page_ranges
 from tfpsx.embedding.storage import on_device
 from tfpsx.serving.initializers import initial_rows
 
@@ -144,6 +145,21 @@ class ServingTable(tf.Module):
         return rows, found
 
 
+def _shard_rows(table, i: int, since):
+    """(keys, values) of shard ``i``, as arrays; a shard with a disk tier is read in pages
+    (tfpsx.checkpoint.pages), so that its server holds a page of rows, not the shard."""
+    shard = table.shards[i]
+    if not hasattr(shard, "page_bounds"):
+        with on_device(shard.device):
+            keys, values = shard.export(since)[:2]
+        return keys.numpy(), values.numpy()
+    with on_device(shard.device):
+        bounds = shard.page_bounds(False).numpy()
+    got = [table.export_range(i, lo, hi) for lo, hi in page_ranges(bounds)]
+    return (np.concatenate([p["keys"].numpy() for p in got]),
+            np.concatenate([p["values"].numpy() for p in got]))
+
+
 def from_trained(table, source: Optional[object] = None) -> ServingTable:
     """A :class:`ServingTable` of a tfpsx table's rows, exported shard by shard.
 
@@ -157,9 +173,7 @@ def from_trained(table, source: Optional[object] = None) -> ServingTable:
     count = source.num_shards
     since = tf.constant(INT64_MIN, tf.int64)
     for i, shard in enumerate(source.shards):
-        with on_device(shard.device):
-            keys, values = shard.export(since)[:2]
-        keys = keys.numpy()
+        keys, values = _shard_rows(source, i, since)
         if count > 1 and keys.size and not np.all(np.mod(keys, count) == i):
             raise ValueError(f"table {table.name!r}: shard {i} of {count} holds keys that "
                              "are not its own (key mod shards); cannot serve it shard by shard")

@@ -423,6 +423,60 @@ CheckpointRows HashTable::CheckpointExport(bool full) {
 
 ExportedRows HashTable::Export() const { return ExportSince(INT64_MIN); }
 
+ExportedRows HashTable::ExportRange(int64_t lo, int64_t hi) const {
+  ExportedRows raw;
+  for (int i = 0; i < store_.num_stripes(); ++i) {
+    const Stripe& s = store_.stripe(i);
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    for (int64_t r = 0; r < s.size(); ++r) {
+      const int64_t key = s.rows.key(r);
+      if (key >= lo && key <= hi) AppendRow(s, r, raw);
+    }
+  }
+  return SortedByKey(std::move(raw));
+}
+
+std::vector<int64_t> HashTable::Keys(int64_t stride) const {
+  std::vector<int64_t> keys;
+  int64_t seen = 0;
+  for (int i = 0; i < store_.num_stripes(); ++i) {
+    const Stripe& s = store_.stripe(i);
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    for (int64_t r = 0; r < s.size(); ++r) {
+      if (seen++ % stride == 0) keys.push_back(s.rows.key(r));
+    }
+  }
+  return keys;
+}
+
+std::vector<int64_t> PageBounds(std::vector<std::pair<int64_t, int64_t>> marks,
+                                int64_t max_rows) {
+  std::sort(marks.begin(), marks.end());
+  std::vector<int64_t> bounds;
+  int64_t rows = 0;
+  for (size_t i = 0; i < marks.size(); ++i) {
+    const int64_t key = marks[i].first;
+    // A page ends before a key, never between two marks of one key.
+    if (rows > 0 && rows + marks[i].second > max_rows && key != INT64_MIN &&
+        key != marks[i - 1].first) {
+      bounds.push_back(key);
+      rows = 0;
+    }
+    rows += marks[i].second;
+  }
+  return bounds;
+}
+
+void HashTable::ArmTracking() {
+  for (int i = 0; i < store_.num_stripes(); ++i) {
+    std::unique_lock<std::shared_mutex> lock(store_.stripe(i).mu);
+    StripeState& st = stripe_state_[i];
+    st.tracked = true;
+    std::fill(st.dirty.begin(), st.dirty.end(), 0);
+    st.removed.clear();
+  }
+}
+
 std::string HashTable::Import(const int64_t* keys, int64_t n, const float* values,
                               const float* slots, int64_t slots_len, const int64_t* freq,
                               const int64_t* step, bool clear_first) {

@@ -72,6 +72,13 @@ struct ExportedRows {
 };
 
 // A checkpoint export (HashTable::CheckpointExport).
+// A paged export's page bounds from where the rows lie: marks of (key, rows from that
+// key on), in any order. Returns b_1 < ... < b_m (above INT64_MIN), which split the keys
+// into the pages (-inf, b_1), [b_1, b_2), ..., [b_m, +inf) of about max_rows rows each
+// (a mark's rows are counted whole in the page its key falls in).
+std::vector<int64_t> PageBounds(std::vector<std::pair<int64_t, int64_t>> marks,
+                                int64_t max_rows);
+
 struct CheckpointRows {
   ExportedRows rows;             // sorted by key
   // Sorted: keys removed since the previous export and absent now (a key removed that
@@ -172,6 +179,10 @@ class HashTable {
   ExportedRows Export() const;
   // Only rows whose last update step is >= since_step.
   ExportedRows ExportSince(int64_t since_step) const;
+  // Only rows with lo <= key <= hi (a page of a paged export), sorted by key.
+  ExportedRows ExportRange(int64_t lo, int64_t hi) const;
+  // Every `stride`-th row's key in storage order (a sample of the keys), unsorted.
+  std::vector<int64_t> Keys(int64_t stride = 1) const;
 
   // Replaces (clear_first) or merges rows. Sizes must match n, n*dim, n*num_slots*dim
   // (slots may be empty: slots then start from slot_init). Returns "" or an error.
@@ -185,6 +196,11 @@ class HashTable {
   // Either way the marks are cleared, stripe by stripe under its lock, so each write
   // lands in exactly one export.
   CheckpointRows CheckpointExport(bool full);
+  // What a full CheckpointExport does to the marks, without its rows: a paged full
+  // export (its rows then read by key range, ExportRange) is the next delta's base. A
+  // row written after this is in the next delta (and perhaps in a page too: applying
+  // it twice is harmless).
+  void ArmTracking();
 
   // Keys changed since `reader`'s previous call (change_log.h).
   std::vector<int64_t> TakeChanged(int64_t reader) { return changes_.Take(reader); }

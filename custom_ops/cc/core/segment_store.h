@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "custom_ops/cc/core/record_batch.h"
@@ -116,7 +117,22 @@ class SegmentStore {
 
   // Every live record of `segment`, read sequentially: fn(record, key, step, freq, row).
   template <typename Fn>
-  void Scan(int32_t segment, Fn&& fn);
+  void Scan(int32_t segment, Fn&& fn) {
+    ScanRecords(segment, 0, segs_[segment]->count,
+                [&](int64_t record, int64_t key, int64_t step, uint32_t freq,
+                    const float* row) {
+                  fn(record, key, step, freq, row);
+                  return true;
+                });
+  }
+  // The live records of `segment` with lo <= key <= hi, in key order: only the groups
+  // their fences say may hold such keys are read (a page of a paged export).
+  template <typename Fn>
+  void ScanRange(int32_t segment, int64_t lo, int64_t hi, Fn&& fn);
+  // fn(first key, records) of every group of every segment: where the disk's keys lie,
+  // from RAM alone (a paged export's page bounds).
+  template <typename Fn>
+  void ForEachGroup(Fn&& fn) const;
 
   void MarkDead(int32_t segment, int64_t record);
   // Removes the segment's file and state.
@@ -147,6 +163,10 @@ class SegmentStore {
   };
   // Reads bytes at offset, whole; throws std::runtime_error naming the file.
   static void Pread(const File& f, char* buf, int64_t bytes, int64_t offset);
+  // The live records of [begin, end) of `segment`, read sequentially:
+  // fn(record, key, step, freq, row) returns false to stop.
+  template <typename Fn>
+  void ScanRecords(int32_t segment, int64_t begin, int64_t end, Fn&& fn);
   bool IsDead(const Segment& s, int64_t r) const { return s.dead[r >> 6] >> (r & 63) & 1; }
   static void ParseRecord(const char* p, int64_t* key, int64_t* step, uint32_t* freq,
                           const float** row);
@@ -160,12 +180,12 @@ class SegmentStore {
 };
 
 template <typename Fn>
-void SegmentStore::Scan(int32_t segment, Fn&& fn) {
+void SegmentStore::ScanRecords(int32_t segment, int64_t begin, int64_t end, Fn&& fn) {
   const Segment& s = *segs_[segment];
   const int64_t per_read = std::max<int64_t>(1, kMaxRunBytes / record_bytes_);
   std::vector<char> buf;
-  for (int64_t first = 0; first < s.count; first += per_read) {
-    const int64_t n = std::min(per_read, s.count - first);
+  for (int64_t first = begin; first < end; first += per_read) {
+    const int64_t n = std::min(per_read, end - first);
     buf.resize(static_cast<size_t>(n * record_bytes_));
     Pread(*s.file, buf.data(), n * record_bytes_, kHeaderBytes + first * record_bytes_);
     bytes_read_ += n * record_bytes_;
@@ -176,7 +196,36 @@ void SegmentStore::Scan(int32_t segment, Fn&& fn) {
       uint32_t freq;
       const float* row;
       ParseRecord(buf.data() + i * record_bytes_, &key, &step, &freq, &row);
-      fn(first + i, key, step, freq, row);
+      if (!fn(first + i, key, step, freq, row)) return;
+    }
+  }
+}
+
+template <typename Fn>
+void SegmentStore::ScanRange(int32_t segment, int64_t lo, int64_t hi, Fn&& fn) {
+  const Segment& s = *segs_[segment];
+  if (lo > hi || s.fences.empty() || hi < s.fences.front()) return;
+  // Groups from the one lo falls in to the one hi falls in.
+  const auto first = std::upper_bound(s.fences.begin(), s.fences.end(), lo);
+  const int64_t g0 = std::max<int64_t>(0, first - s.fences.begin() - 1);
+  const int64_t g1 = std::upper_bound(s.fences.begin(), s.fences.end(), hi) -
+                     s.fences.begin();  // one past the last
+  ScanRecords(segment, g0 * group_records_, std::min(s.count, g1 * group_records_),
+              [&](int64_t record, int64_t key, int64_t step, uint32_t freq,
+                  const float* row) {
+                if (key > hi) return false;  // sorted: nothing further is in range
+                if (key >= lo) fn(record, key, step, freq, row);
+                return true;
+              });
+}
+
+template <typename Fn>
+void SegmentStore::ForEachGroup(Fn&& fn) const {
+  for (const auto& s : segs_) {
+    if (s == nullptr) continue;
+    for (size_t g = 0; g < s->fences.size(); ++g) {
+      const int64_t first = static_cast<int64_t>(g) * group_records_;
+      fn(s->fences[g], std::min(group_records_, s->count - first));
     }
   }
 }

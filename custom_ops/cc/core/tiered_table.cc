@@ -409,6 +409,37 @@ void TieredTable::PeekRows(const std::vector<int64_t>& keys, ExportedRows* out) 
   AppendRows(SortedByKey(rows), out);
 }
 
+std::vector<int64_t> TieredTable::PageBounds(int64_t max_rows) const {
+  if (max_rows <= 0) max_rows = PageRows();
+  if (Size() <= max_rows) return {};
+  std::vector<std::pair<int64_t, int64_t>> marks;
+  store_.ForEachGroup([&](int64_t key, int64_t rows) { marks.emplace_back(key, rows); });
+  // RAM's keys sampled, each standing for `stride` rows: a few marks a page.
+  const int64_t stride = std::max<int64_t>(1, max_rows / 64);
+  for (int64_t key : hot_->Keys(stride)) marks.emplace_back(key, stride);
+  return tfpsx::PageBounds(std::move(marks), max_rows);
+}
+
+ExportedRows TieredTable::ExportRange(int64_t lo, int64_t hi) {
+  RecordBatch disk;
+  disk.width = hot_->row_width();
+  for (int32_t seg : store_.segments()) {
+    store_.ScanRange(seg, lo, hi, [&](int64_t, int64_t key, int64_t step, uint32_t freq,
+                                      const float* row) { disk.Add(key, step, freq, row); });
+  }
+  ExportedRows cold;
+  AppendRows(SortedByKey(disk), &cold);
+  return MergeByKey(hot_->ExportRange(lo, hi), std::move(cold), hot_->dim(),
+                    hot_->options().num_slots);
+}
+
+void TieredTable::ArmTracking() {
+  hot_->ArmTracking();
+  tracking_ = true;
+  dirty_on_disk_.clear();
+  removed_on_disk_.clear();
+}
+
 CheckpointRows TieredTable::CheckpointExport(bool full) {
   CheckpointRows hot = hot_->CheckpointExport(full);
   const int64_t dim = hot_->dim();

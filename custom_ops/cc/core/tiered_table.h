@@ -60,6 +60,9 @@ struct TierStats {
 class TieredTable {
  public:
   static constexpr int64_t kSpillBytes = int64_t{1} << 20;
+  // A page of a paged export holds about this fraction of ram_bytes of rows (its copies
+  // on the way out take a few times that).
+  static constexpr int64_t kPageFraction = 32;
 
   // `hot` outlives this. Throws std::invalid_argument for unusable options.
   TieredTable(HashTable* hot, TierOptions options);
@@ -120,6 +123,18 @@ class TieredTable {
   int64_t Size() const { return hot_->Size() + store_.live_rows(); }
   ExportedRows ExportSince(int64_t since_step);
   CheckpointRows CheckpointExport(bool full);
+  // A paged export, so that a full checkpoint or a serving export of a shard larger than
+  // its RAM needs a page of RAM, not the shard's size: PageBounds splits the keys into
+  // pages of about max_rows rows (PageBounds in hash_table.h; 0: PageRows()), from the
+  // segments' fences and a sample of RAM's keys; ExportRange is one page's rows (lo <=
+  // key <= hi), RAM's and disk's, sorted by key, moving none. ArmTracking does what a
+  // full CheckpointExport does to the marks, without its rows (a paged full checkpoint).
+  int64_t PageRows() const {
+    return std::max<int64_t>(1, options_.ram_bytes / kPageFraction / RecordBytes());
+  }
+  std::vector<int64_t> PageBounds(int64_t max_rows) const;
+  ExportedRows ExportRange(int64_t lo, int64_t hi);
+  void ArmTracking();
   std::string Import(const int64_t* keys, int64_t n, const float* values, const float* slots,
                      int64_t slots_len, const int64_t* freq, const int64_t* step,
                      bool clear_first);

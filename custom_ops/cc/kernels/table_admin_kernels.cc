@@ -44,6 +44,40 @@ class ExportOp : public TableOpKernel {
   }
 };
 
+// A paged export's bounds (tiered_table.h); `arm`: a paged full checkpoint starts, its
+// marks taken as a full CheckpointExport takes them.
+class PageBoundsOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t max_rows = 0;
+    bool arm = false;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "max_rows", &max_rows));
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "arm", &arm));
+    OP_REQUIRES(ctx, max_rows >= 0,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': a page's max_rows must be >= 0 (0: ",
+                    "the table's default), got ", max_rows)));
+    if (arm) table.ArmTracking();
+    const std::vector<int64_t> bounds = table.PageBounds(max_rows);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(bounds.size())}), &out));
+    std::copy(bounds.begin(), bounds.end(), out->flat<int64_t>().data());
+  }
+};
+
+class ExportRangeOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t lo = 0, hi = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "lo", &lo));
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "hi", &hi));
+    OutputRows(ctx, table.table(), table.ExportRange(lo, hi), 0);
+  }
+};
+
 class CheckpointExportOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
@@ -204,6 +238,8 @@ class TierStatsOp : public TableOpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExport").Device(DEVICE_CPU), ExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableImport").Device(DEVICE_CPU), ImportOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTablePageBounds").Device(DEVICE_CPU), PageBoundsOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExportRange").Device(DEVICE_CPU), ExportRangeOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCheckpointExport").Device(DEVICE_CPU),
                         CheckpointExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);

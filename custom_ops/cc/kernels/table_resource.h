@@ -58,6 +58,25 @@ class TableResource : public ::tensorflow::ResourceBase {
   CheckpointRows CheckpointExport(bool full) {
     return tier_ ? tier_->CheckpointExport(full) : table_->CheckpointExport(full);
   }
+  // A paged export (tiered_table.h): a table all in RAM pages only when asked to
+  // (max_rows > 0), from its keys.
+  std::vector<int64_t> PageBounds(int64_t max_rows) const {
+    if (tier_) return tier_->PageBounds(max_rows);
+    if (max_rows <= 0 || table_->Size() <= max_rows) return {};
+    std::vector<std::pair<int64_t, int64_t>> marks;
+    for (int64_t key : table_->Keys()) marks.emplace_back(key, 1);
+    return tfpsx::PageBounds(std::move(marks), max_rows);
+  }
+  ExportedRows ExportRange(int64_t lo, int64_t hi) {
+    return tier_ ? tier_->ExportRange(lo, hi) : table_->ExportRange(lo, hi);
+  }
+  void ArmTracking() {
+    if (tier_) {
+      tier_->ArmTracking();
+    } else {
+      table_->ArmTracking();
+    }
+  }
   std::string Import(const int64_t* keys, int64_t n, const float* values, const float* slots,
                      int64_t slots_len, const int64_t* freq, const int64_t* step, bool clear) {
     return tier_ ? tier_->Import(keys, n, values, slots, slots_len, freq, step, clear)

@@ -158,18 +158,46 @@ REGISTER_OP("TfpsxHashTableExport")
     .Output("slots: float")
     .Output("freq: int64")
     .Output("step: int64")
-    .SetShapeFn([](InferenceContext* c) {
-      DimensionHandle n = c->UnknownDim();
-      c->set_output(0, c->Vector(n));
-      c->set_output(1, c->Matrix(n, c->UnknownDim()));
-      c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
-      c->set_output(3, c->Vector(n));
-      c->set_output(4, c->Vector(n));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(tfpsx::shape_fns::ExportedRows)
     .Doc(R"doc(
 Rows whose last update step is >= since_step (all rows for the int64 minimum), sorted
 by key: values [n, dim], slots [n, num_slots, dim], frequency and last-update step.
+)doc");
+
+REGISTER_OP("TfpsxHashTablePageBounds")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("max_rows: int64")
+    .Input("arm: bool")
+    .Output("bounds: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A paged export, so that exporting a table larger than its RAM (a tiered one) takes a
+page of RAM, not the table's size. bounds b_1 < ... < b_m split the keys into the pages
+(-inf, b_1), [b_1, b_2), ..., [b_m, +inf) of about max_rows rows each (0: a tiered
+table's default, a 32nd of its ram_bytes; a table all in RAM is then one page); read each
+with ExportRange. arm: a paged full checkpoint starts here (the table tracks its writes
+from now on, as after a full CheckpointExport; a row written meanwhile is in the next
+delta).
+)doc");
+
+REGISTER_OP("TfpsxHashTableExportRange")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("lo: int64")
+    .Input("hi: int64")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("freq: int64")
+    .Output("step: int64")
+    .SetShapeFn(tfpsx::shape_fns::ExportedRows)
+    .Doc(R"doc(
+The rows with lo <= key <= hi (a page of PageBounds), sorted by key, as Export gives
+them; a tiered table reads only the disk groups that may hold such keys and moves no row.
 )doc");
 
 REGISTER_OP("TfpsxHashTableCheckpointExport")

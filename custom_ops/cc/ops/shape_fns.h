@@ -28,6 +28,18 @@ inline absl::Status RowsAndFound(InferenceContext* c) {
 
 inline absl::Status NoOutputs(InferenceContext*) { return absl::OkStatus(); }
 
+// Exported rows from output 0 on: keys [n], values [n, dim], slots [n, num_slots, dim],
+// freq [n], step [n].
+inline absl::Status ExportedRows(InferenceContext* c) {
+  const auto n = c->UnknownDim();
+  c->set_output(0, c->Vector(n));
+  c->set_output(1, c->Matrix(n, c->UnknownDim()));
+  c->set_output(2, c->MakeShape({n, c->UnknownDim(), c->UnknownDim()}));
+  c->set_output(3, c->Vector(n));
+  c->set_output(4, c->Vector(n));
+  return absl::OkStatus();
+}
+
 }  // namespace shape_fns
 }  // namespace tfpsx
 
