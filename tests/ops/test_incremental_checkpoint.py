@@ -43,12 +43,16 @@ class Model:
         self.exports = {t.name: t.export() for t in (self.a, self.b)}
         self.saver = IncrementalSaver(full_every=full_every, max_to_keep=20, **saver_kw)
 
-    def state(self, sess):
-        """Every table's rows (bytes) and the dense values: what a restore must give."""
+    def rows(self, sess):
+        """Every table's rows (bytes, by key)."""
         got = sess.run(self.exports)
         by_key = {name: np.argsort(rows["keys"], kind="stable") for name, rows in got.items()}
-        return ({name: {f: v[by_key[name]].tobytes() for f, v in rows.items()}
-                 for name, rows in got.items()},
+        return {name: {f: v[by_key[name]].tobytes() for f, v in rows.items()}
+                for name, rows in got.items()}
+
+    def state(self, sess):
+        """Every table's rows and the dense values: what a restore must give."""
+        return (self.rows(sess),
                 tuple(np.asarray(v).tobytes() for v in sess.run([self.w, self.step])))
 
 
@@ -103,6 +107,37 @@ def test_full_and_delta_chain_restores_bit_exact(tmp_path):
         [s[1] for s in saved]
     for path, info, want in saved[2:4] + saved[7:]:  # full + 3 deltas among them
         assert restored_state(prefix, path) == want, (path, info)
+
+
+def test_the_tables_are_restored_before_the_variables_that_free_the_other_workers(
+        tmp_path, monkeypatch):
+    """The other workers of a MonitoredTrainingSession start once the chief's variables
+    are initialized: by then every table must hold the checkpoint's rows (before, a
+    worker of a resumed GEO job trained on tables still being imported, and two jobs
+    resumed from one checkpoint ended apart: tests/cluster/test_launcher.py's
+    max_restarts test)."""
+    prefix = f"inc{next(_names)}"
+    with tf.Graph().as_default():
+        model = Model(prefix)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saved = saved_rounds(model, sess, np.random.default_rng(5), 2, str(tmp_path))
+    path, _, (want_rows, _) = saved[-1]
+    seen = []
+    plain_restore = tf.compat.v1.train.Saver.restore
+
+    def restore_variables(saver, sess, save_path):
+        if isinstance(saver, IncrementalSaver):  # what the tables hold at that moment
+            seen.append(model.rows(sess))
+        return plain_restore(saver, sess, save_path)
+
+    monkeypatch.setattr(tf.compat.v1.train.Saver, "restore", restore_variables)
+    with tf.Graph().as_default():
+        model = Model(prefix)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.variables_initializer([model.step]))  # not w yet
+            model.saver.restore(sess, path)
+    assert seen == [want_rows]
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):

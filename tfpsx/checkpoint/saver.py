@@ -135,8 +135,13 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
 
     # ------------------------------------------------------------------ restore
     def restore(self, sess, save_path):
-        """Restores as ``Saver.restore`` does, then the tables from the chain of
-        ``<save_path>.tables`` (or, for a checkpoint without one, from TF's checkpoint).
+        """Restores the tables from the chain of ``<save_path>.tables`` (or, for a
+        checkpoint without one, from TF's checkpoint), then as ``Saver.restore`` does.
+
+        The tables first: the other workers of a job wait for the chief's variables (a
+        MonitoredTrainingSession's readiness), so none trains before every table holds
+        the checkpoint's rows (measured before this order: a worker trained on tables
+        still being imported, and two jobs resumed from one checkpoint ended apart).
 
         Raises:
           CheckpointError: a part of the chain is missing (naming it), before any table
@@ -145,17 +150,17 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
         part = parts.part_path(save_path)
         if self._tables and os.path.exists(part):
             steps = plan(part, {n: ops.shape for n, ops in self._tables.items()})
-            super().restore(sess, save_path)
             for path, index in steps:
                 for name, ops in self._tables.items():
                     for kind, data in parts.table_pages(path, index, name,
                                                         ops.table.page_rows):
                         sess.run(ops.apply[kind],
                                  feed_dict={ops.feeds[f]: data[f] for f in ops.feeds})
+            super().restore(sess, save_path)
             logger.info("restored %s: tables from %d part(s) (%s)", save_path, len(steps),
                         ", ".join(os.path.basename(p) for p, _ in steps))
         else:
-            super().restore(sess, save_path)
             if self._plain is not None:
                 self._plain.restore(sess, save_path)
+            super().restore(sess, save_path)
         self._writer.reset()  # the tables were replaced: the next save is a full one
