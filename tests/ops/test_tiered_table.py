@@ -191,7 +191,7 @@ def test_bad_tier_input_is_a_clear_error_and_any_batch_fits(tmp_path):
         ok.shards[0].cache_find(tf.constant([1], tf.int64), 0)
 
 
-def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path):
+def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path, caplog):
     import keras
 
     import tfpsx
@@ -212,7 +212,9 @@ def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path):
     assert stats["ram_bytes"] <= RAM, stats
     assert emb.get_config()["backend"] == {"directory": str(tmp_path / "tier"), "ram_bytes": RAM}
     path = str(tmp_path / "m.keras")
-    model.save(path)
+    with caplog.at_level("WARNING", logger="tfpsx"):
+        model.save(path)  # TF's own saver: the table whole, with a warning that says so
+    assert "model.save takes it whole" in caplog.text and emb.table.name in caplog.text
     loaded = keras.models.load_model(path)
     twin = loaded.layers[1]
     assert isinstance(twin.backend, E.TieredBackend) and twin.backend.ram_bytes == RAM

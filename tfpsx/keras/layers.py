@@ -250,6 +250,7 @@ class DynamicEmbedding(keras.layers.Layer):
             self.table.flush_cache()  # the worker cache's updates reach the table first
         for i, var in enumerate(self._keras_variables()):
             store[str(i)] = var.numpy()
+        self.table.warn_if_saved_whole("model.save")
         for name, value in self.table.export().items():
             store[f"table_{name}"] = value.numpy()
 
