@@ -237,3 +237,39 @@ def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path, caplog
     out = served.signatures["serving_default"](tf.constant(x[:512]))
     np.testing.assert_allclose(next(iter(out.values())).numpy(),
                                model.predict(x[:512], verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def test_pages_hold_the_extreme_keys_and_an_empty_table_saves_as_one_page(tmp_path):
+    """The pages' key ranges cover every int64 (the first from the minimum, the last to
+    the maximum), and a tiered table with no row saves and restores as one empty page."""
+    prefix = f"edge{next(_names)}"
+    keys = np.concatenate([[np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max],
+                           np.arange(1, 8001) * 2654435761 * 1000003])  # both signs
+    with tf.Graph().as_default():
+        full = E.DynamicTable(f"{prefix}f", DIM, backend=E.TieredBackend(
+            str(tmp_path / "tier"), ram_bytes=RAM))
+        empty = E.DynamicTable(f"{prefix}e", DIM, backend=E.TieredBackend(
+            str(tmp_path / "tier"), ram_bytes=RAM))
+        fill = full.insert(keys, np.arange(len(keys) * DIM, dtype=np.float32).reshape(-1, DIM))
+        exports = {t.name: t.export() for t in (full, empty)}
+        tf.compat.v1.train.get_or_create_global_step()  # TF's part of the checkpoint
+        saver = IncrementalSaver(full_every=1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(fill)
+            want = sess.run(exports)
+            path = saver.save(sess, str(tmp_path / "ckpt" / "m"), global_step=1)
+            assert saver.last_save["pages"] > 5 and saver.last_save["rows"] == len(keys)
+    with tf.Graph().as_default():
+        twins = [E.DynamicTable(f"{prefix}{s}", DIM) for s in "fe"]  # in RAM, restored
+        exports = {t.name: t.export() for t in twins}
+        tf.compat.v1.train.get_or_create_global_step()
+        saver = IncrementalSaver(full_every=1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.restore(sess, path)
+            got = sess.run(exports)
+    for name in want:
+        for field in want[name]:
+            np.testing.assert_array_equal(got[name][field], want[name][field])
+    assert len(got[f"{prefix}e"]["keys"]) == 0
