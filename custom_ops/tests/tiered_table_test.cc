@@ -323,6 +323,14 @@ void TestCheckpointsAndEviction() {
   CHECK(p.tier.Stats().disk_rows > 0);
 }
 
+void Append(const tfpsx::ExportedRows& from, tfpsx::ExportedRows* to) {
+  to->keys.insert(to->keys.end(), from.keys.begin(), from.keys.end());
+  to->values.insert(to->values.end(), from.values.begin(), from.values.end());
+  to->slots.insert(to->slots.end(), from.slots.begin(), from.slots.end());
+  to->freq.insert(to->freq.end(), from.freq.begin(), from.freq.end());
+  to->step.insert(to->step.end(), from.step.begin(), from.step.end());
+}
+
 // A paged export (a full checkpoint, a serving export) reads the table in key ranges:
 // the pages together are the export, each about max_rows rows, none moved; a paged full
 // checkpoint is the base of the next delta as a whole one is.
@@ -348,11 +356,7 @@ void TestPagedExport() {
     const tfpsx::ExportedRows rows = p.tier.ExportRange(lo, hi);
     largest = std::max<int64_t>(largest, static_cast<int64_t>(rows.keys.size()));
     CHECK(rows.keys.empty() || (rows.keys.front() >= lo && rows.keys.back() <= hi));
-    all.keys.insert(all.keys.end(), rows.keys.begin(), rows.keys.end());
-    all.values.insert(all.values.end(), rows.values.begin(), rows.values.end());
-    all.slots.insert(all.slots.end(), rows.slots.begin(), rows.slots.end());
-    all.freq.insert(all.freq.end(), rows.freq.begin(), rows.freq.end());
-    all.step.insert(all.step.end(), rows.step.begin(), rows.step.end());
+    Append(rows, &all);
   }
   CHECK(largest <= max_rows + slack);
   CHECK(SameRows(all, p.ref.Export()));
@@ -372,11 +376,7 @@ void TestPagedExport() {
     const tfpsx::ExportedRows rows = p.tier.ExportRange(
         page == 0 ? INT64_MIN : again[page - 1],
         page == again.size() ? INT64_MAX : again[page] - 1);
-    paged.keys.insert(paged.keys.end(), rows.keys.begin(), rows.keys.end());
-    paged.values.insert(paged.values.end(), rows.values.begin(), rows.values.end());
-    paged.slots.insert(paged.slots.end(), rows.slots.begin(), rows.slots.end());
-    paged.freq.insert(paged.freq.end(), rows.freq.begin(), rows.freq.end());
-    paged.step.insert(paged.step.end(), rows.step.begin(), rows.step.end());
+    Append(rows, &paged);
     if (page % 3 == 0) p.Step(ZipfBatch(rng, 512, 200000), step++);
     if (page % 7 == 0) {
       std::vector<int64_t> gone = ZipfBatch(rng, 100, 200000);
@@ -387,6 +387,24 @@ void TestPagedExport() {
   tfpsx::CheckpointRows delta = p.tier.CheckpointExport(false);
   CHECK(delta.complete);
   CHECK(SameRows(Apply(paged, delta), p.ref.Export()));
+  // A paged delta, training between its pages too: it and the next delta restore exactly.
+  const tfpsx::ExportedRows base = Apply(paged, delta);
+  for (int64_t end = step + 10; step < end; ++step) p.Step(ZipfBatch(rng, 512, 200000), step);
+  tfpsx::CheckpointRows paged_delta = p.tier.BeginDelta();
+  CHECK(paged_delta.complete && paged_delta.rows.keys.empty());
+  const std::vector<int64_t> delta_bounds = p.tier.DeltaBounds(300);
+  CHECK(delta_bounds.size() >= 3);
+  for (size_t page = 0; page <= delta_bounds.size(); ++page) {
+    const tfpsx::ExportedRows rows = p.tier.DeltaRange(
+        page == 0 ? INT64_MIN : delta_bounds[page - 1],
+        page == delta_bounds.size() ? INT64_MAX : delta_bounds[page] - 1);
+    CHECK(static_cast<int64_t>(rows.keys.size()) <= 300);
+    Append(rows, &paged_delta.rows);
+    if (page % 2 == 0) p.Step(ZipfBatch(rng, 512, 200000), step++);
+  }
+  const tfpsx::CheckpointRows last = p.tier.CheckpointExport(false);
+  CHECK(last.complete);
+  CHECK(SameRows(Apply(Apply(base, paged_delta), last), p.ref.Export()));
   // One page where the table fits in one.
   CHECK(p.tier.PageBounds(p.tier.Size()).empty());
 }

@@ -43,7 +43,7 @@ class ChainWriter:
                 os.path.exists(part))
         try:
             rows = export(full)  # a table with a disk tier: its full part in pages
-            if not full and not all(bool(r["complete"]) for r in rows.values()):
+            if not full and not all(pages.complete_of(r) for r in rows.values()):
                 full = True  # a restarted server (or a clearing import) since the base
                 rows = export(True)
             kind = parts.FULL if full else parts.DELTA

@@ -12,12 +12,14 @@ holds more than a page. A restore imports the part in pages of the same size
 What a paged full part holds: every row, each as it was when its page was read. A row
 trained between the first page and its own is in the next delta too (tracking was
 armed before the first page), so the chain restores exactly; the full part alone is a
-moment per page, as a full export of a table in RAM is a moment per lock stripe.
+moment per page, as a full export of a table in RAM is a moment per lock stripe. A
+delta goes in pages too (``ShardedTable.delta_begin``): its marks taken at once, the
+keys written since the last save kept, their rows read a page at a time where they are.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,17 +36,22 @@ def page_ranges(bounds: Sequence[int]) -> List[Tuple[int, int]]:
 
 
 class Pages:
-    """One table's rows of a full checkpoint part, read page by page as they are
-    written: per shard (in shard order), each of its pages.
+    """One table's rows of a checkpoint part, read page by page as they are written: per
+    shard (in shard order), each of its pages.
 
     Args:
-      bounds: per shard, its page bounds (``ShardedTable.page_bounds``, run).
+      bounds: per shard, its page bounds (``ShardedTable.page_bounds`` or, of a delta,
+        ``delta_begin``'s, run).
       read: ``read(shard, lo, hi)`` -> the page's fields as arrays (``export_range``).
+      removed, complete: of a delta (``delta_begin``'s); a full part has neither.
     """
 
     def __init__(self, bounds: Sequence[np.ndarray],
-                 read: Callable[[int, int, int], Dict[str, np.ndarray]]):
+                 read: Callable[[int, int, int], Dict[str, np.ndarray]],
+                 removed: Optional[np.ndarray] = None, complete: bool = True):
         self.bounds, self._read = list(bounds), read
+        self.removed = np.zeros([0], np.int64) if removed is None else removed
+        self.complete = bool(complete)
         self.rows = 0    # rows read so far
         self.pages = 0   # pages read so far
 
@@ -63,4 +70,10 @@ def rows_of(table_rows) -> int:
 
 
 def removed_of(table_rows) -> int:
-    return 0 if isinstance(table_rows, Pages) else len(table_rows["removed"])
+    return len(table_rows.removed if isinstance(table_rows, Pages) else table_rows["removed"])
+
+
+def complete_of(table_rows) -> bool:
+    """Whether a delta of one table has a base (``complete``), pages or fields."""
+    return bool(table_rows.complete if isinstance(table_rows, Pages)
+                else table_rows["complete"])

@@ -58,9 +58,9 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
 
     Args:
       path: the part's directory (``part_path(prefix)``); must not exist yet.
-      tables: table name -> field -> array (FIELDS, and "removed" for a delta), or for
-        a full part the table's pages (an iterable of such field dicts: a
-        ``pages.Pages``), each written as it comes.
+      tables: table name -> field -> array (FIELDS, and "removed" for a delta), or the
+        table's pages (a ``pages.Pages``: field dicts, each written as it comes, and a
+        delta's ``removed``).
       kind: FULL or DELTA.
       step: the global step of the save.
       chain: the basenames of the parts before this one in its chain (empty for FULL).
@@ -81,20 +81,17 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
              "chain": list(chain) + [name or os.path.basename(path)], "tables": {}}
     for t, (name, fields) in enumerate(sorted(tables.items())):
         stem = f"t{t}"
-        if not isinstance(fields, Mapping):
-            if kind != FULL:
-                raise ValueError(f"table {name!r}: only a full part is written in pages")
+        if not isinstance(fields, Mapping):  # pages; a delta's removed keys beside them
             rows = _write_pages(os.path.join(tmp, stem), fields)
-            index["tables"][name] = {"file": stem, "rows": rows, "removed": 0}
+            removed = getattr(fields, "removed", np.zeros([0], np.int64))
+            index["tables"][name] = {"file": stem, "rows": rows, "removed": len(removed)}
+            if kind == DELTA:
+                _save(os.path.join(tmp, f"{stem}.removed.npy"), removed)
             continue
         index["tables"][name] = {"file": stem, "rows": int(len(fields["keys"])),
                                  "removed": int(len(fields.get("removed", ())))}
         for field in (DELTA_FIELDS if kind == DELTA else FIELDS):
-            file = os.path.join(tmp, f"{stem}.{field}.npy")
-            with open(file, "wb") as f:
-                np.save(f, np.ascontiguousarray(fields[field]), allow_pickle=False)
-                f.flush()
-                os.fsync(f.fileno())
+            _save(os.path.join(tmp, f"{stem}.{field}.npy"), fields[field])
     if extra is not None:
         index["extra"] = sorted(extra)
         with open(os.path.join(tmp, EXTRA), "wb") as f:
@@ -108,6 +105,13 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
     _sync(tmp)
     os.rename(tmp, path)
     _sync(os.path.dirname(os.path.abspath(path)))
+
+
+def _save(file: str, array) -> None:
+    with open(file, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # A .npy file written page by page starts with a header of this many bytes, room for any

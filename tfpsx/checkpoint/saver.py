@@ -42,15 +42,18 @@ class _TableOps:
     def __init__(self, table, full: tf.Tensor):
         self.table = table
         self.shape = (table.dim, table.num_slots)
-        self.export = table.checkpoint_export(full)
-        # A table with a disk tier saves its full parts in pages (pages.py).
+        # A table with a disk tier saves in pages (pages.py): full parts and deltas.
         self.paged = table.paged
-        if self.paged:
+        if not self.paged:
+            self.export = table.checkpoint_export(full)
+        else:
             self.bounds = table.page_bounds(True)
+            self.delta = table.delta_begin()
             self.lo = tf.compat.v1.placeholder(tf.int64, [])
             self.hi = tf.compat.v1.placeholder(tf.int64, [])
-            self.page = [table.export_range(i, self.lo, self.hi)
-                         for i in range(table.num_shards)]
+            self.page = {delta: [table.export_range(i, self.lo, self.hi, delta=delta)
+                                 for i in range(table.num_shards)]
+                         for delta in (False, True)}
         dim, slots = self.shape
         ph = tf.compat.v1.placeholder
         self.feeds = {"keys": ph(tf.int64, [None]), "values": ph(tf.float32, [None, dim]),
@@ -58,6 +61,17 @@ class _TableOps:
                       "step": ph(tf.int64, [None]), "removed": ph(tf.int64, [None])}
         self.apply = {parts.FULL: table.apply_checkpoint(self.feeds, full=True),
                       parts.DELTA: table.apply_checkpoint(self.feeds, full=False)}
+
+    def paged_rows(self, sess, begun, full: bool) -> pages.Pages:
+        """This table's part in pages, from what its begin op returned (run)."""
+        page = self.page[not full]
+
+        def read(i, lo, hi):
+            return sess.run(page[i], feed_dict={self.lo: lo, self.hi: hi})
+
+        if full:
+            return pages.Pages(begun, read)
+        return pages.Pages(begun["bounds"], read, begun["removed"], begun["complete"])
 
 
 class IncrementalSaver(tf.compat.v1.train.Saver):
@@ -98,8 +112,8 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
 
     @property
     def last_save(self) -> Dict[str, object]:
-        """What the last save wrote: kind, part, chain, rows, removed, pages (of a full
-        part of tables with a disk tier), seconds."""
+        """What the last save wrote: kind, part, chain, rows, removed, pages (the parts of
+        tables with a disk tier, read page by page), seconds."""
         return self._writer.last
 
     # ------------------------------------------------------------------ save
@@ -110,13 +124,12 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
         prefix = save_path if global_step is None else f"{save_path}-{int(global_step)}"
 
         def export(full: bool):
-            paged = {n: ops for n, ops in self._tables.items() if full and ops.paged}
+            paged = {n: ops for n, ops in self._tables.items() if ops.paged}
             fetches = ({n: ops.export for n, ops in self._tables.items() if n not in paged},
-                       {n: ops.bounds for n, ops in paged.items()})
-            rows, bounds = sess.run(fetches, feed_dict={self._full_flag: full})
+                       {n: ops.bounds if full else ops.delta for n, ops in paged.items()})
+            rows, begun = sess.run(fetches, feed_dict={self._full_flag: full})
             for name, ops in paged.items():
-                rows[name] = pages.Pages(bounds[name], lambda i, lo, hi, ops=ops: sess.run(
-                    ops.page[i], feed_dict={ops.lo: lo, ops.hi: hi}))
+                rows[name] = ops.paged_rows(sess, begun[name], full)
             return rows
 
         info = self._writer.save(parts.part_path(prefix), export, int(global_step or 0))

@@ -372,12 +372,23 @@ class ShardedTable:
         arm = tf.convert_to_tensor(arm, tf.bool)
         return self.on_shards(lambda i, s: s.page_bounds(arm))
 
-    def export_range(self, shard: int, lo, hi) -> Dict[str, tf.Tensor]:
-        """Shard ``shard``'s rows with ``lo <= key <= hi`` (one page), as :meth:`export`."""
+    def export_range(self, shard: int, lo, hi, delta: bool = False) -> Dict[str, tf.Tensor]:
+        """Shard ``shard``'s rows with ``lo <= key <= hi`` (one page), as :meth:`export`;
+        ``delta``: of the delta :meth:`delta_begin` began."""
         self._before_shard_ops()
         with on_device(self.shards[shard].device):
-            rows = self.shards[shard].export_range(lo, hi)
+            shard_ = self.shards[shard]
+            rows = shard_.delta_range(lo, hi) if delta else shard_.export_range(lo, hi)
         return dict(zip(EXPORT_FIELDS, rows))
+
+    def delta_begin(self) -> Dict[str, object]:
+        """A delta checkpoint in pages begins (:meth:`checkpoint_export` with ``full``
+        false, its rows read afterwards by ``export_range(..., delta=True)``): removed
+        (all shards), complete, and per shard its page bounds."""
+        got = self.on_shards(lambda i, s: s.delta_begin())
+        return {"removed": tf.concat([g[0] for g in got], axis=0),
+                "complete": tf.reduce_all(tf.stack([g[1] for g in got])),
+                "bounds": [g[2] for g in got]}
 
     @property
     def page_rows(self) -> Optional[int]:

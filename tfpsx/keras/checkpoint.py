@@ -82,8 +82,8 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
 
     @property
     def last_save(self) -> Dict[str, object]:
-        """What the last save wrote: kind, part, chain, rows, removed, pages (of a full
-        part of tables with a disk tier), seconds."""
+        """What the last save wrote: kind, part, chain, rows, removed, pages (the parts of
+        tables with a disk tier, read page by page), seconds."""
         return self._writer.last
 
     # ------------------------------------------------------------------ callback
@@ -126,13 +126,20 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         def export(full: bool):
             out = {}
             for n, t in tables.items():
-                if full and t.paged:  # a disk tier: its full part in pages (pages.py)
-                    out[n] = pages.Pages([b.numpy() for b in t.page_bounds(True)],
-                                         lambda i, lo, hi, t=t: {
-                                             k: v.numpy()
-                                             for k, v in t.export_range(i, lo, hi).items()})
-                else:
+                if not t.paged:
                     out[n] = {k: v.numpy() for k, v in t.checkpoint_export(full).items()}
+                    continue
+
+                def read(i, lo, hi, t=t):  # a disk tier: its part in pages (pages.py)
+                    return {k: v.numpy()
+                            for k, v in t.export_range(i, lo, hi, delta=not full).items()}
+
+                if full:
+                    out[n] = pages.Pages([b.numpy() for b in t.page_bounds(True)], read)
+                else:
+                    begun = t.delta_begin()
+                    out[n] = pages.Pages([b.numpy() for b in begun["bounds"]], read,
+                                         begun["removed"].numpy(), begun["complete"].numpy())
             return out
 
         dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}

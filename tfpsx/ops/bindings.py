@@ -162,6 +162,17 @@ def table_export_range(handle, lo, hi):
     return load_ops().tfpsx_hash_table_export_range(handle, lo, hi)
 
 
+def table_delta_begin(handle, max_rows):
+    """(removed, complete, bounds): a tiered table's delta checkpoint in pages begins
+    (its marks taken, the written keys kept); read each page with table_delta_range."""
+    return load_ops().tfpsx_hash_table_delta_begin(handle, max_rows)
+
+
+def table_delta_range(handle, lo, hi):
+    """(keys, values, slots, freq, step): the delta's rows with ``lo <= key <= hi``."""
+    return load_ops().tfpsx_hash_table_delta_range(handle, lo, hi)
+
+
 def table_checkpoint_export(handle, full):
     """(keys, values, slots, freq, step, removed, complete): all rows when ``full`` (and
     tracking armed), else the rows written and keys removed since the previous call;

@@ -386,22 +386,22 @@ void HashTable::RemoveTrackedRow(Stripe& s, int64_t r, bool as_removal) {
   s.RemoveRow(r);
 }
 
-CheckpointRows HashTable::CheckpointExport(bool full) {
+template <typename Emit>
+CheckpointRows HashTable::CheckpointPass(bool full, Emit&& emit) {
   CheckpointRows out;
-  ExportedRows raw;
   for (int i = 0; i < store_.num_stripes(); ++i) {
     Stripe& s = store_.stripe(i);
     std::unique_lock<std::shared_mutex> lock(s.mu);
     StripeState& st = stripe_state_[i];
     if (full) {
-      for (int64_t r = 0; r < s.size(); ++r) AppendRow(s, r, raw);
+      for (int64_t r = 0; r < s.size(); ++r) emit(s, r);
     } else if (!st.tracked) {
       out.complete = false;
     } else {
       for (size_t w = 0; w < st.dirty.size(); ++w) {
         for (uint64_t bits = st.dirty[w]; bits != 0; bits &= bits - 1) {
           const int64_t r = static_cast<int64_t>(w * 64) + __builtin_ctzll(bits);
-          if (r < s.size()) AppendRow(s, r, raw);
+          if (r < s.size()) emit(s, r);
         }
       }
       for (int64_t key : st.removed) {
@@ -416,8 +416,28 @@ CheckpointRows HashTable::CheckpointExport(bool full) {
     out.removed.clear();
     return out;
   }
-  out.rows = SortedByKey(std::move(raw));
   std::sort(out.removed.begin(), out.removed.end());
+  return out;
+}
+
+CheckpointRows HashTable::CheckpointExport(bool full) {
+  ExportedRows raw;
+  CheckpointRows out = CheckpointPass(full, [&](const Stripe& s, int64_t r) {
+    AppendRow(s, r, raw);
+  });
+  if (out.complete) out.rows = SortedByKey(std::move(raw));
+  return out;
+}
+
+CheckpointRows HashTable::CheckpointDeltaKeys() {
+  std::vector<int64_t> keys;
+  CheckpointRows out = CheckpointPass(false, [&](const Stripe& s, int64_t r) {
+    keys.push_back(s.rows.key(r));
+  });
+  if (out.complete) {
+    std::sort(keys.begin(), keys.end());
+    out.rows.keys = std::move(keys);
+  }
   return out;
 }
 
@@ -433,6 +453,15 @@ ExportedRows HashTable::ExportRange(int64_t lo, int64_t hi) const {
       if (key >= lo && key <= hi) AppendRow(s, r, raw);
     }
   }
+  return SortedByKey(std::move(raw));
+}
+
+ExportedRows HashTable::ExportKeys(const int64_t* keys, int64_t n) const {
+  ExportedRows raw;
+  store_.ForEachByStripe<false>(keys, n, nullptr, 0, [&](const Stripe& s, int64_t i, uint64_t h) {
+    const int64_t r = s.FindRow(keys[i], h);
+    if (r >= 0) AppendRow(s, r, raw);
+  });
   return SortedByKey(std::move(raw));
 }
 

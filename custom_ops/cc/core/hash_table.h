@@ -181,6 +181,8 @@ class HashTable {
   ExportedRows ExportSince(int64_t since_step) const;
   // Only rows with lo <= key <= hi (a page of a paged export), sorted by key.
   ExportedRows ExportRange(int64_t lo, int64_t hi) const;
+  // The rows of keys[n] that are present, sorted by key.
+  ExportedRows ExportKeys(const int64_t* keys, int64_t n) const;
   // Every `stride`-th row's key in storage order (a sample of the keys), unsorted.
   std::vector<int64_t> Keys(int64_t stride = 1) const;
 
@@ -196,6 +198,9 @@ class HashTable {
   // Either way the marks are cleared, stripe by stripe under its lock, so each write
   // lands in exactly one export.
   CheckpointRows CheckpointExport(bool full);
+  // A paged delta (tiered_table.h): CheckpointExport(false), with only the keys of the
+  // rows written (rows.keys, sorted), not their rows.
+  CheckpointRows CheckpointDeltaKeys();
   // What a full CheckpointExport does to the marks, without its rows: a paged full
   // export (its rows then read by key range, ExportRange) is the next delta's base. A
   // row written after this is in the next delta (and perhaps in a page too: applying
@@ -283,6 +288,10 @@ class HashTable {
   void RemoveTrackedRow(Stripe& s, int64_t r, bool as_removal = true);
   // Appends row r of s to `out`.
   void AppendRow(const Stripe& s, int64_t r, ExportedRows& out) const;
+  // CheckpointExport's pass over the stripes (its marks taken): emit(stripe, row) for
+  // each row it exports; returns removed and complete.
+  template <typename Emit>
+  CheckpointRows CheckpointPass(bool full, Emit&& emit);
   // `raw` ordered by key.
   ExportedRows SortedByKey(ExportedRows raw) const;
 

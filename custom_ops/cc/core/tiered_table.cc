@@ -441,20 +441,28 @@ void TieredTable::ArmTracking() {
 }
 
 CheckpointRows TieredTable::CheckpointExport(bool full) {
-  CheckpointRows hot = hot_->CheckpointExport(full);
-  const int64_t dim = hot_->dim();
-  const int slots = hot_->options().num_slots;
-  if (full) {
-    tracking_ = true;
-    dirty_on_disk_.clear();
-    removed_on_disk_.clear();
-    hot.rows = MergeByKey(std::move(hot.rows), DiskRowsSince(INT64_MIN), dim, slots);
-    return hot;
+  if (!full) {
+    CheckpointRows delta = BeginDelta();
+    if (delta.complete) delta.rows = DeltaRange(INT64_MIN, INT64_MAX);
+    delta_keys_.clear();
+    return delta;
   }
+  CheckpointRows hot = hot_->CheckpointExport(true);
+  tracking_ = true;
+  dirty_on_disk_.clear();
+  removed_on_disk_.clear();
+  hot.rows = MergeByKey(std::move(hot.rows), DiskRowsSince(INT64_MIN), hot_->dim(),
+                        hot_->options().num_slots);
+  return hot;
+}
+
+CheckpointRows TieredTable::BeginDelta() {
+  CheckpointRows hot = hot_->CheckpointDeltaKeys();
   std::vector<int64_t> dirty(dirty_on_disk_.begin(), dirty_on_disk_.end());
   std::vector<int64_t> evicted(removed_on_disk_.begin(), removed_on_disk_.end());
   dirty_on_disk_.clear();
   removed_on_disk_.clear();
+  delta_keys_.clear();
   if (!hot.complete || !tracking_) {
     hot.complete = false;
     hot.removed.clear();
@@ -462,9 +470,10 @@ CheckpointRows TieredTable::CheckpointExport(bool full) {
     return hot;
   }
   std::sort(dirty.begin(), dirty.end());
-  ExportedRows cold;
-  PeekRows(dirty, &cold);
-  hot.rows = MergeByKey(std::move(hot.rows), std::move(cold), dim, slots);
+  std::merge(hot.rows.keys.begin(), hot.rows.keys.end(), dirty.begin(), dirty.end(),
+             std::back_inserter(delta_keys_));
+  delta_keys_.erase(std::unique(delta_keys_.begin(), delta_keys_.end()), delta_keys_.end());
+  hot.rows = ExportedRows();
   // RAM's "removed" counts a key that left it; one that is live on disk now is not gone.
   ExportedRows on_disk;
   PeekRows(hot.removed, &on_disk);
@@ -476,6 +485,29 @@ CheckpointRows TieredTable::CheckpointExport(bool full) {
   removed.erase(std::unique(removed.begin(), removed.end()), removed.end());
   hot.removed = std::move(removed);
   return hot;
+}
+
+std::vector<int64_t> TieredTable::DeltaBounds(int64_t max_rows) const {
+  if (max_rows <= 0) max_rows = PageRows();
+  std::vector<int64_t> bounds;
+  for (size_t i = static_cast<size_t>(max_rows); i < delta_keys_.size();
+       i += static_cast<size_t>(max_rows)) {
+    bounds.push_back(delta_keys_[i]);  // sorted, unique, above the first key
+  }
+  return bounds;
+}
+
+ExportedRows TieredTable::DeltaRange(int64_t lo, int64_t hi) {
+  const auto first = std::lower_bound(delta_keys_.begin(), delta_keys_.end(), lo);
+  const auto last = std::upper_bound(first, delta_keys_.end(), hi);
+  const std::vector<int64_t> keys(first, last);
+  ExportedRows ram = hot_->ExportKeys(keys.data(), static_cast<int64_t>(keys.size()));
+  std::vector<int64_t> cold;  // the rest: on disk, or removed since (then in no row)
+  std::set_difference(keys.begin(), keys.end(), ram.keys.begin(), ram.keys.end(),
+                      std::back_inserter(cold));
+  ExportedRows disk;
+  PeekRows(cold, &disk);
+  return MergeByKey(std::move(ram), std::move(disk), hot_->dim(), hot_->options().num_slots);
 }
 
 std::string TieredTable::Import(const int64_t* keys, int64_t n, const float* values,

@@ -135,6 +135,15 @@ class TieredTable {
   std::vector<int64_t> PageBounds(int64_t max_rows) const;
   ExportedRows ExportRange(int64_t lo, int64_t hi);
   void ArmTracking();
+  // A paged delta checkpoint: BeginDelta takes CheckpointExport(false)'s marks and
+  // returns its removed keys and complete flag, keeping the keys of the rows written
+  // since the last export (no rows); DeltaBounds splits those keys into pages of
+  // max_rows (0: PageRows()); DeltaRange is one page's rows (lo <= key <= hi), read where
+  // they are now, in RAM or on disk. A row written again meanwhile is in the next delta
+  // too. CheckpointExport(false) is the three in one step.
+  CheckpointRows BeginDelta();
+  std::vector<int64_t> DeltaBounds(int64_t max_rows) const;
+  ExportedRows DeltaRange(int64_t lo, int64_t hi);
   std::string Import(const int64_t* keys, int64_t n, const float* values, const float* slots,
                      int64_t slots_len, const int64_t* freq, const int64_t* step,
                      bool clear_first);
@@ -188,6 +197,7 @@ class TieredTable {
   // Disk rows evicted since the last checkpoint export (its "removed").
   std::unordered_set<int64_t> removed_on_disk_;
   std::vector<int64_t> prefetched_;  // the last prefetch's keys, sorted: Settle keeps them
+  std::vector<int64_t> delta_keys_;  // BeginDelta's written keys, sorted, for DeltaRange
   bool tracking_ = false;  // a full checkpoint export armed incremental ones
   int64_t evicted_ = 0;
   std::string warning_;

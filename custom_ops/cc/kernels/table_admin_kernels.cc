@@ -78,6 +78,46 @@ class ExportRangeOp : public TableOpKernel {
   }
 };
 
+// A tiered table's paged delta (tiered_table.h): begin, then its pages.
+class DeltaBeginOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t max_rows = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "max_rows", &max_rows));
+    OP_REQUIRES(ctx, table.tier() != nullptr && max_rows >= 0,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': a delta in pages needs a table with ",
+                    "a disk tier and max_rows >= 0, got ",
+                    table.tier() ? "one" : "a table all in RAM", " and max_rows ", max_rows)));
+    const CheckpointRows got = table.tier()->BeginDelta();
+    const std::vector<int64_t> bounds = table.tier()->DeltaBounds(max_rows);
+    Tensor *removed = nullptr, *complete = nullptr, *out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(got.removed.size())}), &removed));
+    std::copy(got.removed.begin(), got.removed.end(), removed->flat<int64_t>().data());
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &complete));
+    complete->scalar<bool>()() = got.complete;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            2, TensorShape({static_cast<int64_t>(bounds.size())}), &out));
+    std::copy(bounds.begin(), bounds.end(), out->flat<int64_t>().data());
+  }
+};
+
+class DeltaRangeOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t lo = 0, hi = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "lo", &lo));
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "hi", &hi));
+    OP_REQUIRES(ctx, table.tier() != nullptr,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': a delta in pages needs a disk tier")));
+    OutputRows(ctx, table.table(), table.tier()->DeltaRange(lo, hi), 0);
+  }
+};
+
 class CheckpointExportOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
@@ -240,6 +280,8 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExport").Device(DEVICE_CPU), ExportO
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableImport").Device(DEVICE_CPU), ImportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTablePageBounds").Device(DEVICE_CPU), PageBoundsOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExportRange").Device(DEVICE_CPU), ExportRangeOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableDeltaBegin").Device(DEVICE_CPU), DeltaBeginOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableDeltaRange").Device(DEVICE_CPU), DeltaRangeOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCheckpointExport").Device(DEVICE_CPU),
                         CheckpointExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);

@@ -184,6 +184,41 @@ from now on, as after a full CheckpointExport; a row written meanwhile is in the
 delta).
 )doc");
 
+REGISTER_OP("TfpsxHashTableDeltaBegin")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("max_rows: int64")
+    .Output("removed: int64")
+    .Output("complete: bool")
+    .Output("bounds: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Scalar());
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A tiered table's incremental checkpoint in pages: CheckpointExport(full=false)'s marks
+taken, its removed keys and complete flag returned, the keys of the rows written since
+the last export kept (not their rows); bounds split those keys into pages of max_rows
+(0: a 32nd of ram_bytes of rows), read each with DeltaRange.
+)doc");
+
+REGISTER_OP("TfpsxHashTableDeltaRange")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("lo: int64")
+    .Input("hi: int64")
+    .Output("keys: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("freq: int64")
+    .Output("step: int64")
+    .SetShapeFn(tfpsx::shape_fns::ExportedRows)
+    .Doc(R"doc(
+The rows of DeltaBegin's keys with lo <= key <= hi, read where they are now (RAM or disk).
+)doc");
+
 REGISTER_OP("TfpsxHashTableExportRange")
     .SetIsStateful()
     .Input("handle: resource")
