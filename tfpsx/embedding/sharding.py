@@ -377,8 +377,7 @@ class ShardedTable:
         ``delta``: of the delta :meth:`delta_begin` began."""
         self._before_shard_ops()
         with on_device(self.shards[shard].device):
-            shard_ = self.shards[shard]
-            rows = shard_.delta_range(lo, hi) if delta else shard_.export_range(lo, hi)
+            rows = self.shards[shard].export_range(lo, hi, delta=delta)
         return dict(zip(EXPORT_FIELDS, rows))
 
     def delta_begin(self) -> Dict[str, object]:

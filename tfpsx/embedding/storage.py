@@ -259,19 +259,16 @@ class TieredStorage(HashTableStorage):
         (the shard tracks its writes from now on, as after a full checkpoint export)."""
         return self._run(bindings.table_page_bounds, max_rows, arm)
 
-    def export_range(self, lo, hi) -> Sequence[tf.Tensor]:
-        """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``."""
-        return self._run(bindings.table_export_range, lo, hi)
+    def export_range(self, lo, hi, delta: bool = False) -> Sequence[tf.Tensor]:
+        """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``;
+        ``delta``: of the delta :meth:`delta_begin` began, read where they are now."""
+        return self._run(bindings.table_export_range, lo, hi, delta=delta)
 
     def delta_begin(self, max_rows: int = 0) -> Sequence[tf.Tensor]:
         """(removed, complete, bounds): a delta checkpoint in pages begins (as
         ``checkpoint_export(False)``, its rows left where they are); ``bounds`` split the
         written keys into pages of ``max_rows`` (0: a 32nd of ram_bytes of rows)."""
         return self._run(bindings.table_delta_begin, max_rows)
-
-    def delta_range(self, lo, hi) -> Sequence[tf.Tensor]:
-        """(keys, values, slots, freq, step) of the delta's rows with ``lo <= key <= hi``."""
-        return self._run(bindings.table_delta_range, lo, hi)
 
     def page_rows(self) -> int:
         """Rows of a page (as the op's default: a 32nd of ram_bytes of records)."""

@@ -157,20 +157,17 @@ def table_page_bounds(handle, max_rows, arm):
     return load_ops().tfpsx_hash_table_page_bounds(handle, max_rows, arm)
 
 
-def table_export_range(handle, lo, hi):
-    """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``, sorted."""
-    return load_ops().tfpsx_hash_table_export_range(handle, lo, hi)
+def table_export_range(handle, lo, hi, delta: bool = False):
+    """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``, sorted;
+    ``delta``: of the keys of the delta ``table_delta_begin`` began."""
+    return load_ops().tfpsx_hash_table_export_range(handle, lo, hi, delta=delta)
 
 
 def table_delta_begin(handle, max_rows):
     """(removed, complete, bounds): a tiered table's delta checkpoint in pages begins
-    (its marks taken, the written keys kept); read each page with table_delta_range."""
+    (its marks taken, the written keys kept); read each page with
+    ``table_export_range(..., delta=True)``."""
     return load_ops().tfpsx_hash_table_delta_begin(handle, max_rows)
-
-
-def table_delta_range(handle, lo, hi):
-    """(keys, values, slots, freq, step): the delta's rows with ``lo <= key <= hi``."""
-    return load_ops().tfpsx_hash_table_delta_range(handle, lo, hi)
 
 
 def table_checkpoint_export(handle, full):

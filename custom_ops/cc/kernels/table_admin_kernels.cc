@@ -16,6 +16,14 @@
 namespace tfpsx {
 namespace {
 
+// Writes keys to output `index` as an int64 vector.
+void OutputKeys(OpKernelContext* ctx, int index, const std::vector<int64_t>& keys) {
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                          index, TensorShape({static_cast<int64_t>(keys.size())}), &out));
+  std::copy(keys.begin(), keys.end(), out->flat<int64_t>().data());
+}
+
 // Writes rows to outputs first..first+4 (keys, values, slots, freq, step).
 void OutputRows(OpKernelContext* ctx, const HashTable& t, const ExportedRows& rows, int first) {
   const int64_t n = static_cast<int64_t>(rows.keys.size()), dim = t.dim(),
@@ -59,23 +67,31 @@ class PageBoundsOp : public TableOpKernel {
                     "tfpsx table '", table.name(), "': a page's max_rows must be >= 0 (0: ",
                     "the table's default), got ", max_rows)));
     if (arm) table.ArmTracking();
-    const std::vector<int64_t> bounds = table.PageBounds(max_rows);
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({static_cast<int64_t>(bounds.size())}), &out));
-    std::copy(bounds.begin(), bounds.end(), out->flat<int64_t>().data());
+    OutputKeys(ctx, 0, table.PageBounds(max_rows));
   }
 };
 
 class ExportRangeOp : public TableOpKernel {
  public:
-  using TableOpKernel::TableOpKernel;
+  explicit ExportRangeOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("delta", &delta_));
+  }
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t lo = 0, hi = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "lo", &lo));
     OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "hi", &hi));
-    OutputRows(ctx, table.table(), table.ExportRange(lo, hi), 0);
+    if (!delta_) {
+      OutputRows(ctx, table.table(), table.ExportRange(lo, hi), 0);
+      return;
+    }
+    OP_REQUIRES(ctx, table.tier() != nullptr,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': a delta in pages needs a disk tier")));
+    OutputRows(ctx, table.table(), table.tier()->DeltaRange(lo, hi), 0);
   }
+
+ private:
+  bool delta_ = false;
 };
 
 // A tiered table's paged delta (tiered_table.h): begin, then its pages.
@@ -91,30 +107,11 @@ class DeltaBeginOp : public TableOpKernel {
                     "a disk tier and max_rows >= 0, got ",
                     table.tier() ? "one" : "a table all in RAM", " and max_rows ", max_rows)));
     const CheckpointRows got = table.tier()->BeginDelta();
-    const std::vector<int64_t> bounds = table.tier()->DeltaBounds(max_rows);
-    Tensor *removed = nullptr, *complete = nullptr, *out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({static_cast<int64_t>(got.removed.size())}), &removed));
-    std::copy(got.removed.begin(), got.removed.end(), removed->flat<int64_t>().data());
+    OutputKeys(ctx, 0, got.removed);
+    Tensor* complete = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &complete));
     complete->scalar<bool>()() = got.complete;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            2, TensorShape({static_cast<int64_t>(bounds.size())}), &out));
-    std::copy(bounds.begin(), bounds.end(), out->flat<int64_t>().data());
-  }
-};
-
-class DeltaRangeOp : public TableOpKernel {
- public:
-  using TableOpKernel::TableOpKernel;
-  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
-    int64_t lo = 0, hi = 0;
-    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "lo", &lo));
-    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "hi", &hi));
-    OP_REQUIRES(ctx, table.tier() != nullptr,
-                absl::InvalidArgumentError(absl::StrCat(
-                    "tfpsx table '", table.name(), "': a delta in pages needs a disk tier")));
-    OutputRows(ctx, table.table(), table.tier()->DeltaRange(lo, hi), 0);
+    OutputKeys(ctx, 2, table.tier()->DeltaBounds(max_rows));
   }
 };
 
@@ -127,10 +124,8 @@ class CheckpointExportOp : public TableOpKernel {
     const CheckpointRows got = table.CheckpointExport(full);
     OutputRows(ctx, table.table(), got.rows, 0);
     if (!ctx->status().ok()) return;
-    Tensor* removed = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            5, TensorShape({static_cast<int64_t>(got.removed.size())}), &removed));
-    std::copy(got.removed.begin(), got.removed.end(), removed->flat<int64_t>().data());
+    OutputKeys(ctx, 5, got.removed);
+    if (!ctx->status().ok()) return;
     Tensor* complete = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(6, TensorShape({}), &complete));
     complete->scalar<bool>()() = got.complete;
@@ -191,11 +186,7 @@ class TakeChangedOp : public TableOpKernel {
   void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
     int64_t reader = 0;
     OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "reader", &reader));
-    const std::vector<int64_t> keys = table.table().TakeChanged(reader);
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({static_cast<int64_t>(keys.size())}), &out));
-    std::copy(keys.begin(), keys.end(), out->flat<int64_t>().data());
+    OutputKeys(ctx, 0, table.table().TakeChanged(reader));
   }
 };
 class EvictOp : public TableOpKernel {
@@ -281,7 +272,6 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableImport").Device(DEVICE_CPU), ImportO
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTablePageBounds").Device(DEVICE_CPU), PageBoundsOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableExportRange").Device(DEVICE_CPU), ExportRangeOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableDeltaBegin").Device(DEVICE_CPU), DeltaBeginOp);
-REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableDeltaRange").Device(DEVICE_CPU), DeltaRangeOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCheckpointExport").Device(DEVICE_CPU),
                         CheckpointExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);

@@ -201,22 +201,7 @@ REGISTER_OP("TfpsxHashTableDeltaBegin")
 A tiered table's incremental checkpoint in pages: CheckpointExport(full=false)'s marks
 taken, its removed keys and complete flag returned, the keys of the rows written since
 the last export kept (not their rows); bounds split those keys into pages of max_rows
-(0: a 32nd of ram_bytes of rows), read each with DeltaRange.
-)doc");
-
-REGISTER_OP("TfpsxHashTableDeltaRange")
-    .SetIsStateful()
-    .Input("handle: resource")
-    .Input("lo: int64")
-    .Input("hi: int64")
-    .Output("keys: int64")
-    .Output("values: float")
-    .Output("slots: float")
-    .Output("freq: int64")
-    .Output("step: int64")
-    .SetShapeFn(tfpsx::shape_fns::ExportedRows)
-    .Doc(R"doc(
-The rows of DeltaBegin's keys with lo <= key <= hi, read where they are now (RAM or disk).
+(0: a 32nd of ram_bytes of rows), read each with ExportRange(delta=true).
 )doc");
 
 REGISTER_OP("TfpsxHashTableExportRange")
@@ -224,6 +209,7 @@ REGISTER_OP("TfpsxHashTableExportRange")
     .Input("handle: resource")
     .Input("lo: int64")
     .Input("hi: int64")
+    .Attr("delta: bool = false")
     .Output("keys: int64")
     .Output("values: float")
     .Output("slots: float")
@@ -233,6 +219,7 @@ REGISTER_OP("TfpsxHashTableExportRange")
     .Doc(R"doc(
 The rows with lo <= key <= hi (a page of PageBounds), sorted by key, as Export gives
 them; a tiered table reads only the disk groups that may hold such keys and moves no row.
+delta: of DeltaBegin's keys only, read where they are now (RAM or disk).
 )doc");
 
 REGISTER_OP("TfpsxHashTableCheckpointExport")
