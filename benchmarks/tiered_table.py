@@ -68,7 +68,7 @@ def child(args):
     prefetch = table.prefetch(ahead) if backend else None
     # A checkpoint as a job takes one: a full part of IncrementalSaver (a tiered table's
     # read in pages, a table in RAM whole), and its restore.
-    saver = IncrementalSaver(full_every=1, tables=[table])
+    saver = IncrementalSaver(full_every=2, tables=[table])
     tier = table.shards[0].tier_stats() if backend else tf.zeros([11], tf.int64)
 
     def scrambled(i):
@@ -150,7 +150,14 @@ def child(args):
             lambda: saver.save(sess, prefix, global_step=0))
         out["table_bytes"] = int(saver.last_save["rows"] * record)
         out["pages"] = saver.last_save["pages"]
-        out["import_s"], out["import_peak_kb"] = timed(lambda: saver.restore(sess, prefix + "-0"))
+        # A delta after 50 Zipf steps (a tiered table's in pages too), then a restore of
+        # the chain (the full part and the delta).
+        for f in feeds["zipf"][20:70]:
+            sess.run(train, {ids: f})
+        out["delta_s"], out["delta_peak_kb"] = timed(
+            lambda: saver.save(sess, prefix, global_step=1))
+        out["delta_rows"], out["delta_pages"] = saver.last_save["rows"], saver.last_save["pages"]
+        out["import_s"], out["import_peak_kb"] = timed(lambda: saver.restore(sess, prefix + "-1"))
         out["end_tier"] = dict(zip(bindings.TIER_STATS_FIELDS, sess.run(tier).tolist()))
         out["peak_kb"] = status_kb("VmHWM") - base_kb
     print("RESULT " + json.dumps(out))
@@ -306,7 +313,7 @@ def main(argv=None):
                 f"{io['bytes_written'] / steps / 1e3:.0f} kB |")
         tr, rr = tiered[-1], ram[-1]
         mb = tr["table_bytes"] / 1e6
-        ram_b = args.ram_mb << 20
+        ram_b, record = args.ram_mb << 20, 20 + 4 * 2 * dim
         ckpt.append(f"| {dim} | {mb:.0f} MB | {rr['export_s']:.1f} s | {tr['export_s']:.1f} s "
                     f"({mb / tr['export_s']:.0f} MB/s, {tr['pages']} pages) | "
                     f"{rr['export_peak_kb'] * 1024 / tr['table_bytes']:.2f} | "
@@ -314,17 +321,25 @@ def main(argv=None):
                     f"{tr['import_s']:.1f} s ({mb / tr['import_s']:.0f} MB/s) | "
                     f"{rr['import_peak_kb'] * 1024 / tr['table_bytes']:.2f} | "
                     f"{tr['import_peak_kb'] * 1024 / ram_b:.2f} | "
+                    f"{tr['delta_rows']} rows: {rr['delta_s']:.2f} s / {tr['delta_s']:.2f} s "
+                    f"({tr['delta_pages']} pages) | "
+                    f"{rr['delta_peak_kb'] * 1024 / max(1, rr['delta_rows'] * record):.2f} | "
+                    f"{tr['delta_peak_kb'] * 1024 / ram_b:.2f} | "
                     f"{tr['end_tier']['disk_rows']} of {tr['rows']} | "
                     f"{tr['end_tier']['index_bytes'] / max(1, tr['end_tier']['disk_rows']):.1f} |")
-    lines += ["", "Checkpoint (a full part of IncrementalSaver: a tiered table's read in pages) "
-              "and restore (the part imported, in pages for the tiered table); 'added peak': "
+    lines += ["", "Checkpoint (a full part of IncrementalSaver: a tiered table's read in pages), "
+              "then, after 50 Zipf steps, a delta (in pages too), and a restore of the chain "
+              "(full part and delta, imported in pages for the tiered table); 'added peak': "
               "the process's peak RSS during it less its RSS before, against the table's "
-              "bytes (in RAM) and against ram_bytes (tiered):", "",
+              "bytes (in RAM; for the delta, its rows' bytes) and against ram_bytes "
+              "(tiered):", "",
               "| dim | rows | save RAM | save tiered | added peak, RAM / table | added peak, "
               "tiered / ram_bytes | restore RAM | restore tiered | added peak, RAM / table | "
-              "added peak, tiered / ram_bytes | rows on disk after | index bytes per disk row |",
+              "added peak, tiered / ram_bytes | delta: rows, RAM / tiered | delta added peak, "
+              "RAM / its rows | delta added peak, tiered / ram_bytes | rows on disk after | "
+              "index bytes per disk row |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-              "---: |"] + ckpt
+              "---: | ---: | ---: | ---: |"] + ckpt
     lines += peer_lines(args, [int(d) for d in args.dims.split(",")])
     text = "\n".join(lines) + "\n"
     print(text)
