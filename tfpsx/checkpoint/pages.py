@@ -55,6 +55,14 @@ class Pages:
         self.rows = 0    # rows read so far
         self.pages = 0   # pages read so far
 
+    @classmethod
+    def begun(cls, begun, read: Callable[[int, int, int], Dict[str, np.ndarray]]) -> "Pages":
+        """From what a part's begin returned, run: ``page_bounds``' list (a full part)
+        or ``delta_begin``'s dict (a delta)."""
+        if isinstance(begun, dict):
+            return cls(begun["bounds"], read, begun["removed"], begun["complete"])
+        return cls(begun, read)
+
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         for shard, bounds in enumerate(self.bounds):
             for lo, hi in page_ranges(bounds):

@@ -83,10 +83,10 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
         stem = f"t{t}"
         if not isinstance(fields, Mapping):  # pages; a delta's removed keys beside them
             rows = _write_pages(os.path.join(tmp, stem), fields)
-            removed = getattr(fields, "removed", np.zeros([0], np.int64))
-            index["tables"][name] = {"file": stem, "rows": rows, "removed": len(removed)}
+            index["tables"][name] = {"file": stem, "rows": rows,
+                                     "removed": len(fields.removed)}
             if kind == DELTA:
-                _save(os.path.join(tmp, f"{stem}.removed.npy"), removed)
+                _save(os.path.join(tmp, f"{stem}.removed.npy"), fields.removed)
             continue
         index["tables"][name] = {"file": stem, "rows": int(len(fields["keys"])),
                                  "removed": int(len(fields.get("removed", ())))}

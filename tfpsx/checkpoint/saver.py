@@ -65,13 +65,8 @@ class _TableOps:
     def paged_rows(self, sess, begun, full: bool) -> pages.Pages:
         """This table's part in pages, from what its begin op returned (run)."""
         page = self.page[not full]
-
-        def read(i, lo, hi):
-            return sess.run(page[i], feed_dict={self.lo: lo, self.hi: hi})
-
-        if full:
-            return pages.Pages(begun, read)
-        return pages.Pages(begun["bounds"], read, begun["removed"], begun["complete"])
+        return pages.Pages.begun(begun, lambda i, lo, hi: sess.run(
+            page[i], feed_dict={self.lo: lo, self.hi: hi}))
 
 
 class IncrementalSaver(tf.compat.v1.train.Saver):

@@ -362,8 +362,9 @@ class ShardedTable:
     # ranges, so that a full checkpoint or a serving export takes a page of their RAM.
     @property
     def paged(self) -> bool:
-        """Whether this table's shards export in pages (a disk tier: TieredBackend)."""
-        return all(hasattr(s, "page_bounds") for s in self.shards)
+        """Whether this table's checkpoints read its shards in pages (a disk tier:
+        TieredBackend)."""
+        return all(s.paged for s in self.shards)
 
     def page_bounds(self, arm) -> List[tf.Tensor]:
         """Per shard, int64 ``[m]``: the keys splitting it into m + 1 pages (a 32nd of its

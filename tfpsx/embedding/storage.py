@@ -105,6 +105,18 @@ class TableStorage(abc.ABC):
         """(keys, values, slots, freq, step) of the rows updated at ``since_step`` or later."""
 
     @abc.abstractmethod
+    def page_bounds(self, arm: bool, max_rows: int = 0) -> tf.Tensor:
+        """int64 [m]: keys splitting the shard into m + 1 pages for ``export_range``
+        (tfpsx.checkpoint.pages); ``arm``: a paged full checkpoint starts."""
+
+    @abc.abstractmethod
+    def export_range(self, lo, hi, delta: bool = False) -> Sequence[tf.Tensor]:
+        """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``."""
+
+    # Whether full checkpoints and deltas read this shard in pages (a disk tier's do).
+    paged = False
+
+    @abc.abstractmethod
     def checkpoint_export(self, full) -> Sequence[tf.Tensor]:
         """(keys, values, slots, freq, step, removed, complete): every row (``full``), or
         the rows written and keys removed since the previous call, for incremental
@@ -208,6 +220,19 @@ class HashTableStorage(TableStorage):
     def export(self, since_step):
         return self._run(bindings.table_export, since_step)
 
+    def page_bounds(self, arm: bool, max_rows: int = 0) -> tf.Tensor:
+        """int64 [m]: keys splitting the shard into m + 1 pages of about ``max_rows``
+        rows (0: a 32nd of ``ram_bytes`` of rows for a shard with a disk tier; one in RAM
+        is one page); ``arm``: a paged full checkpoint starts (the shard tracks its
+        writes from now on, as after a full checkpoint export)."""
+        return self._run(bindings.table_page_bounds, max_rows, arm)
+
+    def export_range(self, lo, hi, delta: bool = False):
+        """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``;
+        ``delta``: of the delta a disk tier's ``delta_begin`` began, read where they are
+        now."""
+        return self._run(bindings.table_export_range, lo, hi, delta=delta)
+
     def checkpoint_export(self, full):
         return self._run(bindings.table_checkpoint_export, full)
 
@@ -234,6 +259,11 @@ class HashTableBackend(Backend):
 HASH_TABLE = HashTableBackend()
 
 
+# A page of a paged checkpoint: this fraction of a tiered shard's ram_bytes of rows
+# (TieredTable::kPageFraction in the core).
+PAGE_FRACTION = 32
+
+
 class TieredStorage(HashTableStorage):
     """A shard whose rows beyond a RAM budget live on its server's local disk."""
 
@@ -250,19 +280,9 @@ class TieredStorage(HashTableStorage):
         the shard's lock; int64 scalar: the rows brought back."""
         return self._run(bindings.table_prefetch, keys)
 
-    # A paged export (a full checkpoint, a serving export): the shard's rows in key
-    # ranges of a 32nd of ram_bytes, so that exporting it takes a page of RAM, not the
-    # shard's size (tfpsx.checkpoint.pages).
-    def page_bounds(self, arm: bool, max_rows: int = 0) -> tf.Tensor:
-        """int64 [m]: keys splitting the shard into m + 1 pages of about ``max_rows``
-        rows (0: a 32nd of ram_bytes of rows); ``arm``: a paged full checkpoint starts
-        (the shard tracks its writes from now on, as after a full checkpoint export)."""
-        return self._run(bindings.table_page_bounds, max_rows, arm)
-
-    def export_range(self, lo, hi, delta: bool = False) -> Sequence[tf.Tensor]:
-        """(keys, values, slots, freq, step) of the rows with ``lo <= key <= hi``;
-        ``delta``: of the delta :meth:`delta_begin` began, read where they are now."""
-        return self._run(bindings.table_export_range, lo, hi, delta=delta)
+    # A paged checkpoint (tfpsx.checkpoint.pages): a shard's rows in key ranges of a 32nd
+    # of ram_bytes, so that saving it takes a page of RAM, not the shard's size.
+    paged = True
 
     def delta_begin(self, max_rows: int = 0) -> Sequence[tf.Tensor]:
         """(removed, complete, bounds): a delta checkpoint in pages begins (as
@@ -271,9 +291,10 @@ class TieredStorage(HashTableStorage):
         return self._run(bindings.table_delta_begin, max_rows)
 
     def page_rows(self) -> int:
-        """Rows of a page (as the op's default: a 32nd of ram_bytes of records)."""
+        """Rows of a page, as the ops' default (TieredTable::PageRows: a
+        ``PAGE_FRACTION``-th of ram_bytes of records)."""
         record = 20 + 4 * self.spec.dim * (1 + len(self.spec.slot_init))
-        return max(1, self._tier[1] // 32 // record)
+        return max(1, self._tier[1] // PAGE_FRACTION // record)
 
     def cache_find(self, keys, step):
         raise ValueError(f"table shard {self.spec.shared_name!r} has a disk tier "

@@ -134,12 +134,9 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                     return {k: v.numpy()
                             for k, v in t.export_range(i, lo, hi, delta=not full).items()}
 
-                if full:
-                    out[n] = pages.Pages([b.numpy() for b in t.page_bounds(True)], read)
-                else:
-                    begun = t.delta_begin()
-                    out[n] = pages.Pages([b.numpy() for b in begun["bounds"]], read,
-                                         begun["removed"].numpy(), begun["complete"].numpy())
+                begun = t.page_bounds(True) if full else t.delta_begin()
+                out[n] = pages.Pages.begun(tf.nest.map_structure(lambda x: x.numpy(), begun),
+                                           read)
             return out
 
         dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}

@@ -17,11 +17,10 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfpsx.checkpoint.pages import page_ranges
+from tfpsx.checkpoint.pages import INT64_MIN, page_ranges
 from tfpsx.embedding.storage import on_device
 from tfpsx.serving.initializers import initial_rows
 
-INT64_MIN = -(2 ** 63)
 _MAX_LOAD = 0.8  # DenseHashTable's default max_load_factor: it rehashes above it
 
 
@@ -145,14 +144,11 @@ class ServingTable(tf.Module):
         return rows, found
 
 
-def _shard_rows(table, i: int, since):
-    """(keys, values) of shard ``i``, as arrays; a shard with a disk tier is read in pages
-    (tfpsx.checkpoint.pages), so that its server holds a page of rows, not the shard."""
+def _shard_rows(table, i: int):
+    """(keys, values) of shard ``i``, as arrays, read in pages (a shard with a disk tier:
+    a 32nd of its ram_bytes; one in RAM: one page), so that its server holds a page of
+    rows at a time, not the shard."""
     shard = table.shards[i]
-    if not hasattr(shard, "page_bounds"):
-        with on_device(shard.device):
-            keys, values = shard.export(since)[:2]
-        return keys.numpy(), values.numpy()
     with on_device(shard.device):
         bounds = shard.page_bounds(False).numpy()
     got = [table.export_range(i, lo, hi) for lo, hi in page_ranges(bounds)]
@@ -171,9 +167,8 @@ def from_trained(table, source: Optional[object] = None) -> ServingTable:
     source = table if source is None else source
     served = ServingTable(table.name, table.dim, source.initializer, source.seed)
     count = source.num_shards
-    since = tf.constant(INT64_MIN, tf.int64)
-    for i, shard in enumerate(source.shards):
-        keys, values = _shard_rows(source, i, since)
+    for i in range(count):
+        keys, values = _shard_rows(source, i)
         if count > 1 and keys.size and not np.all(np.mod(keys, count) == i):
             raise ValueError(f"table {table.name!r}: shard {i} of {count} holds keys that "
                              "are not its own (key mod shards); cannot serve it shard by shard")

@@ -58,14 +58,9 @@ class TableResource : public ::tensorflow::ResourceBase {
   CheckpointRows CheckpointExport(bool full) {
     return tier_ ? tier_->CheckpointExport(full) : table_->CheckpointExport(full);
   }
-  // A paged export (tiered_table.h): a table all in RAM pages only when asked to
-  // (max_rows > 0), from its keys.
+  // A paged export (tiered_table.h); a table all in RAM is one page.
   std::vector<int64_t> PageBounds(int64_t max_rows) const {
-    if (tier_) return tier_->PageBounds(max_rows);
-    if (max_rows <= 0 || table_->Size() <= max_rows) return {};
-    std::vector<std::pair<int64_t, int64_t>> marks;
-    for (int64_t key : table_->Keys()) marks.emplace_back(key, 1);
-    return tfpsx::PageBounds(std::move(marks), max_rows);
+    return tier_ ? tier_->PageBounds(max_rows) : std::vector<int64_t>{};
   }
   ExportedRows ExportRange(int64_t lo, int64_t hi) {
     return tier_ ? tier_->ExportRange(lo, hi) : table_->ExportRange(lo, hi);

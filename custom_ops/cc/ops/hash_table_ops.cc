@@ -178,7 +178,7 @@ REGISTER_OP("TfpsxHashTablePageBounds")
 A paged export, so that exporting a table larger than its RAM (a tiered one) takes a
 page of RAM, not the table's size. bounds b_1 < ... < b_m split the keys into the pages
 (-inf, b_1), [b_1, b_2), ..., [b_m, +inf) of about max_rows rows each (0: a tiered
-table's default, a 32nd of its ram_bytes; a table all in RAM is then one page); read each
+table's default, a 32nd of its ram_bytes; a table all in RAM is one page); read each
 with ExportRange. arm: a paged full checkpoint starts here (the table tracks its writes
 from now on, as after a full CheckpointExport; a row written meanwhile is in the next
 delta).
