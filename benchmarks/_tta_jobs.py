@@ -69,6 +69,8 @@ class CriteoJob:
         # k_steps="auto" at 2 workers before K x N <= 20 (background rounds): K = 20.
         "geo20": ["--mode", "geo", "--k_steps", "20"],
         "geo10_earlier": ["--mode", "geo", "--k_steps", "10"] + EARLIER_GEO,
+        # The rule without its hot rows by contention (geo_hot_per_round=0).
+        "geo10_uncontended": ["--mode", "geo", "--k_steps", "10", "--geo_hot_per_round", "0"],
         "geo100_earlier": ["--mode", "geo", "--k_steps", "100"] + EARLIER_GEO,
         # The rule's parts alone (what each costs a step, what each buys).
         "geo10_dense_async": ["--mode", "geo", "--k_steps", "10", "--geo_table_rule",

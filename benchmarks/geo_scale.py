@@ -62,6 +62,7 @@ import tensorflow as tf  # noqa: E402
 from tfpsx import embedding  # noqa: E402
 from tfpsx.embedding import geo_rule  # noqa: E402
 from tfpsx.embedding.geo_rule import GeoTable, table_readers  # noqa: E402
+from tfpsx.embedding.contention import Contention  # noqa: E402
 from tfpsx.embedding.sharding import ShardedTable  # noqa: E402
 from tfpsx.modes import geo  # noqa: E402
 
@@ -356,11 +357,19 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     # geo_hot_count): a batch's hot ids read and trained on the PS, applied after every
     # worker's step read the same snapshot (as the async peer's); --hot_rule sync: they
     # train in the copy, pushed and pulled after every step.
-    hot_on_ps = bool(args.hot_count) and args.hot_rule == "ps" and not async_tables
+    # --hot_per_round B: with them the rows too contended for a round (the product's
+    # geo_hot_per_round, tfpsx.embedding.contention: N x how many of the worker's
+    # last K batches held the row >= B), on the PS.
+    per_round = (geo.auto_kn(deterministic=not latency) if args.hot_per_round == "auto"
+                 else int(args.hot_per_round))
+    hot_on_ps = ((bool(args.hot_count) and args.hot_rule == "ps" or per_round > 0)
+                 and not async_tables)
 
     def make_step(t, dense, adam):
+        contention = (Contention(f"w{t.reader}", DEVICE, n, lambda: k, per_round)
+                      if per_round else None)
         table = (r.global_table if async_tables else
-                 geo_rule.HotRows(t, args.hot_count) if hot_on_ps else t.local)
+                 geo_rule.HotRows(t, args.hot_count, contention) if hot_on_ps else t.local)
         dense = r.global_dense if async_dense else dense
 
         @tf.function(input_signature=batch_spec())
@@ -498,6 +507,11 @@ def main(argv=None) -> int:
                    help="rows of fields with at most this many values sync every step")
     p.add_argument("--hot_count", type=int, default=0,
                    help="rows seen at least this often in a worker's batch sync every step")
+    p.add_argument("--hot_per_round", default="0",
+                   help="rows the N workers would train this often in a round (N x how many "
+                        "of a worker's last K batches held them) are read and trained on "
+                        "the PS (the product's geo_hot_per_round; 'auto': 40 in "
+                        "deterministic rounds, 20 in background ones; 0: never)")
     p.add_argument("--hot_rule", default="ps", choices=["ps", "sync"],
                    help="hot rows: read and trained on the PS (the product's geo_hot_count) "
                         "or trained in the copy and synced every step")

@@ -27,6 +27,9 @@ class GraphState:
     table_handles: Dict[Any, tf.Tensor] = dataclasses.field(default_factory=dict)
     #: worker cache name -> its worker-local variables in this graph.
     cache_variables: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    #: table name -> its GEO contention estimate's worker-local variables in this graph
+    #: (tfpsx.embedding.contention).
+    contention_variables: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     #: The worker caches that built ops in this graph, in order (their driver's list).
     worker_caches: List[Any] = dataclasses.field(default_factory=list)
     # tfpsx.training.staging.RowStager: its hook runs before the caches' final flush

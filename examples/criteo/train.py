@@ -73,6 +73,9 @@ flags.DEFINE_enum("geo_dense", None, ["copies", "async"],
                   "k_steps (default: tfpsx's choice by the worker count)")
 flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch train on "
                      "the PS (0: none; default: tfpsx's choice by the worker count)")
+flags.DEFINE_integer("geo_hot_per_round", None, "geo: ids the workers would train this "
+                     "often in a round train on the PS (0: none; default: tfpsx's choice by "
+                     "the worker count)")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
 flags.DEFINE_integer("table_ram_bytes", 0, "RAM of each table shard on its server; rows "
                      "beyond it live on the server's disk under --table_dir (0: all in RAM)")
@@ -103,7 +106,8 @@ PROGRESS = "progress.json"
 
 
 def strategy_for(mode: str):
-    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_dense", "geo_hot_count")
+    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_dense", "geo_hot_count",
+                                                 "geo_hot_per_round")
             if getattr(FLAGS, key) is not None}  # unnamed: tfpsx's defaults
     configs = {"geo": {"k_steps": k_steps(), "geo_wire_dtype": FLAGS.geo_wire_dtype,
                        **rule},

@@ -48,6 +48,9 @@ flags.DEFINE_enum("geo_table_rule", None, ["average", "shared_slots"],
                   "choice by the worker count; docs/modes.md)")
 flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch train on "
                      "the PS (0: none; default: tfpsx's choice by the worker count)")
+flags.DEFINE_integer("geo_hot_per_round", None, "geo: ids the workers would train this "
+                     "often in a round train on the PS (0: none; default: tfpsx's choice by "
+                     "the worker count)")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
 flags.DEFINE_integer("steps", 1000, "local steps per worker (sync: global steps)")
 flags.DEFINE_integer("batch_size", 512, "(center, context) pairs per step")
@@ -188,7 +191,7 @@ def main(argv):
     corpus = Corpus(FLAGS.corpus, FLAGS.window)
     rng = np.random.default_rng(FLAGS.seed + me)
     k_steps = FLAGS.k_steps if FLAGS.mode == "geo" else 0
-    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_hot_count")
+    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_hot_count", "geo_hot_per_round")
             if k_steps and getattr(FLAGS, key) is not None}  # unnamed: tfpsx's choice
     strategy = tfpsx.DistributedStrategy(a_sync=FLAGS.mode != "sync",
                                          a_sync_configs={"k_steps": k_steps, **rule})

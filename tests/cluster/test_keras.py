@@ -51,9 +51,11 @@ def finish(c, timeout=200):
     # on the PS, the ids seen 4+ times in a batch (tags of 100 values) read and trained
     # there. The tags' table has a worker cache of 60 rows, which follows the rule (its
     # rows travel with their slots, its hot ids train on the PS); the users' table has
-    # none.
+    # none. geo_hot_per_round=4 (K x N = 16 steps of a row a round, over it): the ids
+    # the workers would train 4+ times in a round train on the PS too.
     pytest.param("geo", ["--k_steps", "8", "--step_delay", "0.02", "--geo_rule", "many",
-                         "--cache_size", "60", "--cache_table", "tags_emb"],
+                         "--cache_size", "60", "--cache_table", "tags_emb",
+                         "--geo_hot_per_round", "4"],
                  id="geo-rule-for-many"),
     # Nothing named, k_steps="auto": at 2 workers tfpsx chooses the earlier rule (averaged
     # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
@@ -105,6 +107,9 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
         if many:
             assert "GEO: k_steps=8 leaves 4 round(s) in an epoch of 32 local steps" in c.log(
                 "worker", 0)
+            for table in ("user_emb", "tags_emb"):  # both tables, the cached one too
+                assert (f"{table}/geo_contention_w0: a round sums up to K x N = 8 x 2 = 16 "
+                        "steps of a row, over geo_hot_per_round=4") in c.log("worker", 0)
         else:
             assert "GEO: k_steps='auto' is 4 (8 rounds in an epoch of 32 local steps" in \
                 c.log("worker", 0)

@@ -390,18 +390,28 @@ def hot_geo_reference(k: int, syncs: int, hot_count: int):
 
 
 @pytest.mark.timeout(240)
-def test_graph_geo_trains_hot_rows_and_dense_weights_on_the_ps(make_cluster):
+@pytest.mark.parametrize("per_round", [
+    0,
+    # geo_hot_per_round=1 at K x N = 3: every row a batch holds would be trained more
+    # often in a round than that, so every id trains on the PS (the replay's hot_count 1).
+    pytest.param(1, id="contended")])
+def test_graph_geo_trains_hot_rows_and_dense_weights_on_the_ps(make_cluster, per_round):
     """GEO's rule at many workers in graph mode, one worker (deterministic): ids seen
-    twice or more in a batch are read and trained on the PS (geo_hot_count=2), the rest
-    in the copy, and a dense bias trains async on the PS (geo_dense="async"): the PS's
-    rows and bias equal the numpy replay of that rule. Its own cluster: the rule is a
-    strategy of its own (no scenario trains with it), one worker so the replay is exact."""
+    twice or more in a batch are read and trained on the PS (geo_hot_count=2), and so
+    are those too contended for a round (geo_hot_per_round), the rest in the copy, and a
+    dense bias trains async on the PS (geo_dense="async"): the PS's rows and bias equal
+    the numpy replay of that rule. Its own cluster: the rule is a strategy of its own
+    (no scenario trains with it), one worker so the replay is exact."""
     k, syncs = 3, 4
     c = make_cluster(2, 1, script="sparse_job.py", env=FAST,
                      args=["--k_steps", str(k), "--syncs", str(syncs), "--geo_hot_count", "2",
+                           "--geo_hot_per_round", str(per_round),
                            "--dense_bias", "--geo_dense", "async"]).start()
     finish(c)
-    want, want_bias = hot_geo_reference(k, syncs, 2)
+    if per_round:
+        assert "geo_hot_per_round=1: the rows the workers would train 1+ times" in c.log(
+            "worker", 0)
+    want, want_bias = hot_geo_reference(k, syncs, 1 if per_round else 2)
     (r,) = reports(c, 1, "sparse").values()
     assert r["bias_device"].startswith("/job:ps/"), r["bias_device"]
     np.testing.assert_allclose(r["bias"], want_bias, rtol=1e-5, atol=1e-6)

@@ -1,13 +1,18 @@
-"""GEO's hot rows (tfpsx.embedding.geo_rule.HotRows, a strategy's geo_hot_count), in
-one process: an id seen at least hot_count times in a worker's batch is read from and
-trained on the PS (async), the rest of the batch trains the worker's copy, and the
-copy's next pull brings the PS's async moves."""
+"""GEO's hot rows (tfpsx.embedding.geo_rule.HotRows, a strategy's geo_hot_count and
+geo_hot_per_round), in one process: an id seen at least hot_count times in a worker's
+batch, or one the N workers would train too often in a round
+(tfpsx.embedding.contention), is read from and trained on the PS (async), the rest of
+the batch trains the worker's copy, and the copy's next pull brings the PS's async
+moves."""
+
+import pytest
 
 import numpy as np
 import tensorflow as tf
 
 from tfpsx import embedding as E
 from tfpsx.embedding import geo_rule
+from tfpsx.embedding.contention import Contention
 from tfpsx.embedding.sharding import ShardedTable
 
 DIM = 2
@@ -90,7 +95,7 @@ def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
     class Mode:
         worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 4
-        named = frozenset()
+        hot_per_round, named = 0, frozenset()
 
     table = E.DynamicTable("hot_cached", DIM, optimizer=E.Adagrad(0.1), cache_size=16)
     updater = GeoTableUpdater(Mode())
@@ -101,3 +106,114 @@ def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
     source = updater.lookup_source(table)
     assert isinstance(source, geo_rule.HotRows) and source.hot_count == 4
     assert source.geo.local is updater.cache
+
+
+def _contention(worker_num=8, k=10, bound=40, name=None):
+    return Contention(name or f"c{next(_names)}", None, worker_num, lambda: k, bound,
+                      width=1 << 12)
+
+
+def test_rows_too_contended_for_a_round_train_on_the_ps_and_the_long_tail_in_the_copy():
+    """8 workers, K=10: a round would sum up to 80 steps of a row, twice the bound (40).
+    Until a row's rate shows, it counts as hot (the job's first steps train on the PS);
+    then a row in every batch stays hot (8 x ~10 of the last 10 batches), and an id seen
+    once goes to the copy, as the rest of the long tail; the count rule still holds."""
+    t, _ = geo_pair(hot_count=3)
+    hot = geo_rule.HotRows(t, 3, _contention())
+    first = hot.lookup_unique(tf.constant([7, 1000], tf.int64), train=True, step=1)
+    assert first.hot.numpy().tolist() == [True, True]  # nothing measured yet
+    for step in range(2, 40):
+        looked = hot.lookup_unique(tf.constant([7, 1000 + step, 55, 55, 55], tf.int64),
+                                   train=True, step=step)
+    # 7 in every batch; 1039 new; 55 thrice in this batch (the count rule), new too
+    assert looked.unique_keys.numpy().tolist() == [7, 1039, 55]
+    assert looked.hot.numpy().tolist() == [True, False, True]
+    # Where the batch's rows come from: 7's and 55's from the PS, 1039's from the copy.
+    t.global_.insert(tf.constant([7], tf.int64), tf.constant([[3., 3.]]))
+    t.local.insert(tf.constant([1039], tf.int64), tf.constant([[-4., -4.]]))
+    again = hot.lookup_unique(tf.constant([7, 1039], tf.int64), train=True, step=40)
+    assert again.hot.numpy().tolist() == [True, False]
+    np.testing.assert_allclose(again.unique_rows.numpy(), [[3., 3.], [-4., -4.]])
+
+
+def test_a_row_leaves_the_ps_once_its_batches_thin_out():
+    """The estimate is the last ~K batches': a row that stops coming cools down within a
+    few rounds, and one that comes in every other batch (8 x ~5 = 40) sits at the
+    bound."""
+    c = _contention()
+    keys = tf.constant([7, 8], tf.int64)
+    for _ in range(60):
+        c.hot(keys)
+    assert c.hot(keys).numpy().tolist() == [True, True]
+    for step in range(60):
+        out = c.hot(tf.constant([8] if step % 2 else [9], tf.int64))
+    assert c.hot(tf.constant([7, 8, 9], tf.int64)).numpy().tolist() == [False, True, True]
+    for _ in range(60):
+        c.hot(tf.constant([9], tf.int64))
+    assert c.hot(tf.constant([8, 9], tf.int64)).numpy().tolist() == [False, True]
+    del out
+
+
+def test_no_row_is_too_contended_where_k_x_n_keeps_the_bound():
+    """K x N <= the bound (what k_steps="auto" keeps): the estimate builds nothing and
+    HotRows keeps its count rule alone."""
+    c = _contention(worker_num=8, k=5, bound=40)
+    assert not c.active() and c.hot(tf.constant([1, 2], tf.int64)) is None
+    t, _ = geo_pair()
+    looked = geo_rule.HotRows(t, 2, c).lookup_unique(tf.constant([1, 1, 2], tf.int64),
+                                                     train=True, step=1)
+    assert looked.hot.numpy().tolist() == [True, False]
+
+
+def test_the_estimate_is_worker_local_in_graph_mode():
+    """In a TF1 graph its counters are local variables (every worker initializes its
+    own; the chief's Saver neither saves nor restores them)."""
+    with tf.Graph().as_default() as g:
+        c = _contention(name="graph_contention")
+        hot = c.hot(tf.constant([5, 6], tf.int64))
+        again = c.hot(tf.constant([5, 6], tf.int64))  # the same variables
+        made = g.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+        assert sorted(v.op.name.split("/")[-1] for v in made) == [
+            "tfpsx_contention_age", "tfpsx_contention_clock", "tfpsx_contention_ema"]
+        assert not g.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.local_variables_initializer())
+            assert sess.run(hot).tolist() == [True, True]
+            sess.run(again)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(bound=0), ["bound", ">= 1", "0"]),
+    (dict(width=1000), ["width", "power of two", "1000"]),
+])
+def test_a_bad_bound_or_width_is_a_clear_error(kwargs, words):
+    args = dict(name="bad", device=None, worker_num=8, k_steps=lambda: 10, bound=40)
+    with pytest.raises(ValueError) as e:
+        Contention(**dict(args, **kwargs))
+    assert all(w in str(e.value) for w in words), e.value
+
+
+def test_geos_updater_gives_a_table_the_estimate_under_the_rule():
+    """GEO's updater builds a table's estimate when the rule has geo_hot_per_round, with
+    the mode's N and its K as a step being built runs it."""
+    from tfpsx.modes.geo import GeoTableUpdater
+
+    class Mode:
+        worker_index, worker_num, worker_device = 1, 8, "/job:localhost/replica:0/task:0"
+        tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 0
+        hot_per_round, named = 40, frozenset()
+
+        def round_steps(self):
+            return 10
+
+    updater = GeoTableUpdater(Mode())
+    table = E.DynamicTable("hot_contended", DIM, optimizer=E.Adagrad(0.1))
+    updater.attach(table)
+    source = updater.lookup_source(table)
+    assert isinstance(source, geo_rule.HotRows) and source.hot_count == 0
+    c = source.contention
+    assert (c.worker_num, c.k_steps(), c.bound, c.active()) == (8, 10, 40, True)
+    Mode.hot_per_round = 0
+    off = GeoTableUpdater(Mode())
+    off.attach(E.DynamicTable("hot_not_contended", DIM, optimizer=E.Adagrad(0.1)))
+    assert off.lookup_source(None) is Mode.tables[-1].local

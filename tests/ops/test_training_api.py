@@ -35,14 +35,26 @@ def test_strategy_modes():
     geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10})
     assert (geo.geo_table_rule, geo.geo_dense, geo.geo_hot_count) == (None, None, None)
     assert repr(geo) == "DistributedStrategy(mode='geo', k_steps=10, max_staleness=0)"
-    many = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4}
-    earlier = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0}
+    many = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4,
+            "geo_hot_per_round": "auto"}
+    earlier = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0,
+               "geo_hot_per_round": 0}
     assert rule_for(geo, 2) == earlier and rule_for(geo, 3) == rule_for(geo, 32) == many
     assert rule_for(hybrid, 8) == dict(many, geo_dense="copies")  # dense all-reduced
     named = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_hot_count": 0})
     assert rule_for(named, 8) == dict(many, geo_hot_count=0) and rule_for(named, 2) == earlier
     assert named.geo_explicit == {"geo_hot_count"} and "geo_hot_count=0" in repr(named)
     assert named.key() != geo.key()
+    # geo_hot_per_round: "auto" is the bound k_steps="auto" keeps, by the rounds' kind
+    from tfpsx.modes.geo import hot_per_round
+    assert hot_per_round(geo, 8) == 20 and hot_per_round(geo, 2) == 0
+    inline = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10,
+                                                       "geo_sync_in_train_thread": True})
+    assert hot_per_round(inline, 8) == 40
+    per_round = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10,
+                                                          "geo_hot_per_round": 16})
+    assert hot_per_round(per_round, 2) == hot_per_round(per_round, 8) == 16
+    assert "geo_hot_per_round=16" in repr(per_round) and per_round.key() != geo.key()
     auto = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": "auto"})
     assert auto.mode == "geo" and auto.k_auto and auto.k_steps == 10
     assert "k_steps='auto'" in repr(auto) and auto.key() != geo.key()
@@ -77,6 +89,11 @@ def test_strategy_modes():
     ({"a_sync_configs": {"k_steps": 5, "geo_hot_count": 2.5}},
      ["geo_hot_count", "int >= 0", "2.5"]),
     ({"a_sync_configs": {"geo_hot_count": 4}}, ["geo_hot_count", "applies to GEO"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_hot_per_round": "many"}},
+     ["geo_hot_per_round", "int >= 0", "'auto'", "'many'"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_hot_per_round": -1}},
+     ["geo_hot_per_round", "int >= 0", "-1"]),
+    ({"a_sync_configs": {"geo_hot_per_round": "auto"}}, ["geo_hot_per_round", "applies to GEO"]),
 ])
 def test_bad_strategy_is_a_clear_error(kwargs, words):
     with pytest.raises(ValueError) as e:

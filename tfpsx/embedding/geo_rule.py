@@ -61,7 +61,10 @@ steps computed from one stale value, which no combine gets right (the sum oversh
 the mean undershoots), while async's per-step traffic for a few hot rows is small. The
 PS marks the async update changed for every reader, this worker's too: its next pull
 brings it (``local += global - old`` then holds the global value plus the copy's own
-unpushed delta, as for any row).
+unpushed delta, as for any row). An id is hot by contention too (a strategy's
+``geo_hot_per_round``, :mod:`tfpsx.embedding.contention`): when the N workers would
+train it more often in a round than a round's sum stays right for, whatever its count in
+one batch.
 
 GEO mode copies every row the worker looks up (``cached=False``): the pull brings every
 changed row. A cache holds a bounded set (``cached=True``): the pull brings only the rows
@@ -80,6 +83,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tfpsx.embedding.contention import Contention
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 
 
@@ -105,11 +109,20 @@ class GeoTable:
 
 class HotRows:
     """The rows a GEO worker's training step looks up and trains: an id seen at least
-    ``hot_count`` times in the batch on the PS (async), the others in the copy (see the
-    module doc). The table's ``lookup_source`` in GEO with ``geo_hot_count``."""
+    ``hot_count`` times in the batch (0: no such rule), or one that ``contention`` finds
+    too contended for a round, on the PS (async); the others in the copy (see the module
+    doc). The table's ``lookup_source`` in GEO with ``geo_hot_count`` or
+    ``geo_hot_per_round``."""
 
-    def __init__(self, t: GeoTable, hot_count: int):
-        self.geo, self.hot_count = t, hot_count
+    def __init__(self, t: GeoTable, hot_count: int, contention: Optional[Contention] = None):
+        self.geo, self.hot_count, self.contention = t, hot_count, contention
+
+    def _hot(self, unique, counts) -> tf.Tensor:
+        """Which of a batch's unique keys (seen ``counts`` times) train on the PS."""
+        hot = (counts >= self.hot_count if self.hot_count
+               else tf.zeros(tf.shape(counts), tf.bool))
+        contended = self.contention.hot(unique) if self.contention else None
+        return hot if contended is None else tf.logical_or(hot, contended)
 
     def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
         if not train:  # evaluation reads the copy, as GEO's lookups do
@@ -117,7 +130,7 @@ class HotRows:
         local, global_ = self.geo.local, self.geo.global_
         keys = local._keys(ids)
         unique, index, counts = tf.unique_with_counts(tf.reshape(keys, [-1]))
-        hot = counts >= self.hot_count
+        hot = self._hot(unique, counts)
         at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
         at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
         hot_rows = ShardedTable.rows(global_, tf.gather(unique, at_hot), True, step)

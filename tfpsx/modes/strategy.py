@@ -29,6 +29,11 @@ _CONFIG_KEYS = {
     "geo_hot_count": "GEO: an id seen at least this many times in a worker's batch trains "
                      "its row on the parameter servers, async (0: never); default: by the "
                      "worker count",
+    "geo_hot_per_round": "GEO: an id the workers would train at least this many times in "
+                         "one round (the worker count x how many of this worker's last "
+                         "k_steps batches held it) trains its row on the parameter servers, "
+                         "async (0: never; 'auto': 40 in deterministic rounds, 20 in "
+                         "background ones); default: by the worker count",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 _GEO_TABLE_RULES = ("average", "shared_slots")
@@ -55,10 +60,14 @@ class DistributedStrategy:
         on the parameter servers, async, and only the tables run GEO's rounds;
         "copies": each worker trains a copy, averaged every K steps), ``geo_hot_count``
         (GEO: an id seen at least this many times in a worker's batch is read and
-        trained on the parameter servers, async, not in the worker's copy; 0: never).
+        trained on the parameter servers, async, not in the worker's copy; 0: never),
+        ``geo_hot_per_round`` (GEO: the same for an id the workers would train at least
+        this many times in one round, estimated as the worker count x how many of this
+        worker's last K batches held it; "auto": the bound that ``k_steps="auto"``
+        keeps, 40 in deterministic rounds, 20 in background ones; 0: never).
         A key left unnamed is chosen by the job's worker count: from 3 workers GEO's
-        rule for many workers ("shared_slots", "async", 4), which keeps async's quality
-        at any N; at 1-2 workers the earlier rule ("average", "copies", 0), as good
+        rule for many workers ("shared_slots", "async", 4, "auto"), which keeps async's
+        quality at any N; at 1-2 workers the earlier rule ("average", "copies", 0, 0), as good
         there and faster (docs/modes.md, "GEO at N workers"). A table with a worker
         cache keeps the earlier rule and the hybrid mode all-reduces its dense weights,
         unless the key is named (then the combination is an error),
@@ -139,6 +148,9 @@ class DistributedStrategy:
                              f"of {list(_GEO_DENSE)}, got {self.geo_dense!r}")
         self.geo_hot_count = (_int_config(configs, "geo_hot_count", 0)
                               if "geo_hot_count" in configs else None)
+        self.geo_hot_per_round = configs.get("geo_hot_per_round")
+        if self.geo_hot_per_round != "auto" and "geo_hot_per_round" in configs:
+            self.geo_hot_per_round = _int_config(configs, "geo_hot_per_round", 0)
         for key in sorted(self.geo_explicit):
             if not self.k_steps:
                 raise ValueError(f"DistributedStrategy: a_sync_configs['{key}'] applies to "
@@ -180,7 +192,8 @@ class DistributedStrategy:
         return (self.a_sync, self.k_steps, self.k_auto, self.max_staleness,
                 self.geo_sync_in_train_thread,
                 self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense,
-                self.geo_table_rule, self.geo_dense, self.geo_hot_count)
+                self.geo_table_rule, self.geo_dense, self.geo_hot_count,
+                self.geo_hot_per_round)
 
     def __repr__(self):
         if self.collective:
@@ -191,7 +204,7 @@ class DistributedStrategy:
         if self.mode == "geo" and self.geo_wire_dtype != "float32":
             extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
         if self.mode == "geo":
-            for key in ("geo_table_rule", "geo_dense", "geo_hot_count"):
+            for key in ("geo_table_rule", "geo_dense", "geo_hot_count", "geo_hot_per_round"):
                 if key in self.geo_explicit:
                     extra += f", {key}={getattr(self, key)!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:

@@ -87,6 +87,10 @@ class KerasGeo(KerasMode):
     def local_train_op(self, op) -> None:
         """(Local steps are counted by the step itself, ``after_step``.)"""
 
+    def round_steps(self) -> int:
+        # k_steps="auto": chosen by the first fit, before its step is built (which holds it)
+        return self.schedule.k_steps
+
     def steps(self) -> tf.Variable:
         if self._steps is None:
             with tf.device(self.worker_device):

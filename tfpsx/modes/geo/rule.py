@@ -94,6 +94,25 @@ def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
                      [r * (8 + size * dim) for r, dim, size in counts]))
 
 
+# The most steps of one row a round may sum (docs/modes.md, "GEO at N workers"):
+# k_steps="auto" keeps K x N within it for every row, and GEO's hot rows by contention
+# (geo_hot_per_round) train on the PS the rows for which a user's K does not. In
+# deterministic rounds GEO_AUTO_KN (word2vec in the harness: within 1% of async's loss up
+# to K x N = 40, 2% over at 80; the Criteo job held further), in background ones
+# GEO_AUTO_KN_BACKGROUND, whose pull lands up to K steps after its push, so that a copy
+# trains on rows up to 2K steps old (word2vec at that latency: 1.4% over at K x N = 40,
+# at most 0.6% at 20).
+GEO_AUTO_KN = 40
+GEO_AUTO_KN_BACKGROUND = 20
+
+
+def auto_kn(deterministic: bool) -> int:
+    """The most steps of a row a round may sum (K x N for ``k_steps="auto"``):
+    :data:`GEO_AUTO_KN` in deterministic rounds, :data:`GEO_AUTO_KN_BACKGROUND` in
+    background ones."""
+    return GEO_AUTO_KN if deterministic else GEO_AUTO_KN_BACKGROUND
+
+
 # GEO's rule for many workers (docs/modes.md, "GEO at N workers"): its keys' values. A
 # key left unnamed is chosen by the job's worker count: this rule from GEO_MANY_WORKERS
 # workers on, the earlier rule (GEO_EARLIER) below, where it kept async's quality and is
@@ -101,13 +120,15 @@ def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
 # all-reduced dense weights keep their own unless the key is named (then a combination
 # that does not apply is an error).
 GEO_MANY_WORKERS = 3
-GEO_FOR_MANY = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4}
-GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0}
+GEO_FOR_MANY = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4,
+                "geo_hot_per_round": "auto"}
+GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0,
+               "geo_hot_per_round": 0}
 
 
 def rule_for(options, worker_num: int) -> Dict[str, object]:
     """GEO's rule for a job of ``worker_num`` workers: ``geo_table_rule``, ``geo_dense``,
-    ``geo_hot_count``. A key the user named keeps its value; the others come from the
+    ``geo_hot_count``, ``geo_hot_per_round``. A key the user named keeps its value; the others come from the
     rule for many workers at ``GEO_MANY_WORKERS`` workers or more, else from the
     earlier rule (docs/modes.md, "GEO at N workers"). The hybrid mode's dense weights
     are all-reduced: its ``geo_dense`` is "copies" (unused)."""
@@ -137,6 +158,16 @@ def hot_count(options, worker_num: int) -> int:
     return int(rule_for(options, worker_num)["geo_hot_count"] or 0)
 
 
+def hot_per_round(options, worker_num: int) -> int:
+    """The most steps of one row a round may sum before GEO trains the row on the PS
+    (``geo_hot_per_round``; 0: never; "auto": :func:`auto_kn` of the rounds' kind;
+    :func:`rule_for`)."""
+    value = rule_for(options, worker_num)["geo_hot_per_round"]
+    if value == "auto":
+        return auto_kn(options.geo_sync_in_train_thread)
+    return int(value or 0)
+
+
 def named_rule_keys(options) -> frozenset:
     """The GEO rule's keys the user named (a default gives way where it does not apply)."""
     return getattr(options, "geo_explicit", frozenset())
@@ -160,11 +191,13 @@ _LOGGED_RULES: set = set()
 def adopt_rule(state, options, worker_num: int) -> None:
     """A front-end's GEO state (``GeoState``) takes the job's rule from ``options``: how
     rounds run (``in_train_thread``), the wire dtype, the table rule (``share_slots``,
-    ``hot_count``) and the keys the user named; the rule is logged (once)."""
+    ``hot_count``, ``hot_per_round``) and the keys the user named; the rule is logged
+    (once)."""
     state.in_train_thread = options.geo_sync_in_train_thread
     state.wire_dtype = wire_dtype(options)
     state.share_slots = shares_slots(options, worker_num)
     state.hot_count = hot_count(options, worker_num)
+    state.hot_per_round = hot_per_round(options, worker_num)
     state.named = named_rule_keys(options)
     log_rule(options, worker_num)
 

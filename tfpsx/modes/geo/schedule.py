@@ -37,29 +37,16 @@ from typing import Callable, Optional, Tuple
 from tfpsx import errors, settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.modes.geo.round import GeoCounters, round_phases
+from tfpsx.modes.geo.rule import auto_kn
 from tfpsx.waits import bounded_wait
 
 # GEO's quality holds only with at least this many rounds in an epoch (docs/modes.md,
 # "GEO at N workers": with fewer, no table rule kept async's AUC at 4 workers or more).
 MIN_ROUNDS_PER_EPOCH = 8
-# k_steps="auto" (docs/modes.md, "GEO at N workers"): K = the epoch's local steps //
-# MIN_ROUNDS_PER_EPOCH, and K x N at most GEO_AUTO_KN in deterministic rounds (word2vec in
-# the harness: within 1% of async's loss up to K x N = 40, 2% over at 80; the Criteo job
-# held further), GEO_AUTO_KN_BACKGROUND in background ones, whose pull lands up to K
-# steps after its push, so that a copy trains on rows up to 2K steps old (word2vec at
-# that latency: 1.4% over at K x N = 40, at most 0.6% at 20); where no epoch length is
-# known (graph mode), GEO_K_WITHOUT_EPOCH within the same bound.
-GEO_AUTO_KN = 40
-GEO_AUTO_KN_BACKGROUND = 20
+# k_steps="auto" where no epoch length is known (graph mode): within auto_kn's bound.
 GEO_K_WITHOUT_EPOCH = 10
 
 logger = logging.getLogger("tfpsx")
-
-
-def auto_kn(deterministic: bool) -> int:
-    """The most K x N that ``k_steps="auto"`` takes: :data:`GEO_AUTO_KN` in deterministic
-    rounds, :data:`GEO_AUTO_KN_BACKGROUND` in background ones."""
-    return GEO_AUTO_KN if deterministic else GEO_AUTO_KN_BACKGROUND
 
 
 def auto_k_steps(epoch_steps: Optional[int], worker_num: int, *, deterministic: bool) -> int:

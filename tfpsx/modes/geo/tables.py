@@ -9,6 +9,7 @@ from typing import List, Optional, Protocol
 import tensorflow as tf
 
 from tfpsx.embedding.cache import WorkerCache
+from tfpsx.embedding.contention import Contention
 from tfpsx.embedding.geo_rule import GeoTable, HotRows, combine_for
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
@@ -26,10 +27,15 @@ class GeoState(Protocol):
     in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
     share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
     hot_count: int  # ids seen this often in a batch train on the PS (0: none)
+    # ids the N workers would train more often in a round train on the PS (0: none)
+    hot_per_round: int
     named: frozenset  # the rule's keys the user named (named_rule_keys)
 
     def local_train_op(self, op) -> None:
         """A table's local training op was built (graph mode counts local steps by it)."""
+
+    def round_steps(self) -> int:
+        """K, the local steps between rounds, as a step being built runs it."""
 
 
 class GeoTableUpdater(TableUpdater):
@@ -45,12 +51,17 @@ class GeoTableUpdater(TableUpdater):
         self._mode = mode
         self._geo: Optional[GeoTable] = None
         self._hot = 0  # this table's hot count (geo_hot_count; 0: none)
+        self._contention: Optional[Contention] = None  # geo_hot_per_round's estimate
 
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
         options = getattr(table, "cache_options", None)
         share, hot = mode.share_slots, mode.hot_count
         self._hot = hot
+        if mode.hot_per_round:
+            self._contention = Contention(f"{table.name}/geo_contention_w{me}",
+                                          mode.worker_device, mode.worker_num,
+                                          mode.round_steps, mode.hot_per_round)
         if options is not None:
             # A worker cache follows the same rule: its rows travel with their slots
             # when shared, and HotRows reads the hot ids from the PS, the rest through
@@ -74,8 +85,8 @@ class GeoTableUpdater(TableUpdater):
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
-        if self._hot:
-            return HotRows(self._geo, self._hot)
+        if self._hot or self._contention is not None:
+            return HotRows(self._geo, self._hot, self._contention)
         return self._geo.local
 
     def rows_source(self, table):

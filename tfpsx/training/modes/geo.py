@@ -100,6 +100,9 @@ class GeoMode(Mode):
     def local_train_op(self, op) -> None:
         self.train_ops.append(op)
 
+    def round_steps(self) -> int:
+        return self.k_steps
+
 
 class GeoAsyncDenseMode(GeoMode):
     """GEO's tables (each worker's copy, synced every K steps) with the dense weights
