@@ -205,9 +205,13 @@ bench: setup tier-peer
 	$(PY) benchmarks/cluster_ready.py
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules mean
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules shared --async_part dense \
-	    --hot_count 4 --no_async
+	    --hot_count 4 --hot_per_round auto --no_async
 	$(PY) benchmarks/geo_scale.py --job word2vec --workers 1,4,8 --k 5 --dim 16 \
 	    --table_lr 0.1 --rules mean,shared --hot_count 4
+	$(PY) benchmarks/geo_scale.py --job word2vec --workers 8 --k 10 --dim 16 \
+	    --table_lr 0.1 --rules shared --hot_count 4 --hot_per_round 0
+	$(PY) benchmarks/geo_scale.py --job word2vec --workers 8 --k 10 --dim 16 \
+	    --table_lr 0.1 --rules shared --hot_count 4 --hot_per_round auto --no_async
 	$(PY) benchmarks/embedding_ops.py
 	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/tiered_table.py --ram_mb 64 --fill 10 --dims 16,64 --steps 200

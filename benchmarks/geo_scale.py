@@ -22,9 +22,11 @@ Schedules:
   and its pull lands L steps later, while it trains on (the communicator's round trip).
 
 GEO's rule for many workers (docs/modes.md, "GEO at N workers") is ``--rules shared
---async_part dense --hot_count 4``: tables by shared slots, the dense part trained as
-async trains it (``geo_dense="async"``), the ids seen 4+ times in a worker's batch read
-and trained on the PS through the product's ``geo_rule.HotRows`` (``geo_hot_count``).
+--async_part dense --hot_count 4 --hot_per_round auto``: tables by shared slots, the
+dense part trained as async trains it (``geo_dense="async"``), the ids seen 4+ times in a
+worker's batch and the rows too contended for a round read and trained on the PS
+through the product's ``geo_rule.HotRows`` (``geo_hot_count``) and
+``tfpsx.embedding.contention`` (``geo_hot_per_round``).
 
 Jobs (``--job``): ``criteo`` (below) and ``word2vec`` (skip-gram with negative sampling
 over the word2vec example's planted-topic corpus, one table of input and output vectors,
@@ -36,7 +38,7 @@ that 32 copies of the table fit in memory). Deterministic: the same seed gives t
 numbers. Prints one line per run and, with ``--json``, writes them.
 
   python benchmarks/geo_scale.py --workers 2,4,8,16,32 --k 10 --rules shared \
-      --async_part dense --hot_count 4
+      --async_part dense --hot_count 4 --hot_per_round auto
 """
 
 from __future__ import annotations
@@ -562,6 +564,8 @@ def main(argv=None) -> int:
                     part = {"async_part": args.async_part} if args.async_part else {}
                     if args.min_rounds:
                         part.update(k_max=k_max, min_rounds=args.min_rounds)
+                    if args.hot_per_round != "0":
+                        part.update(hot_per_round=args.hot_per_round)
                     report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
                            latency=latency, rounds=(args.rows // (args.batch * n)) // k,
                            **run_geo(args, data, data_eval, n, k, rule, latency,

@@ -22,6 +22,8 @@ def label(run: dict) -> str:
     parts.append("dense async" if run.get("async_part") == "dense" else f"dense {run['dense']}")
     if run.get("hot_share") is not None:
         parts.append("hot ids on the PS")
+    if run.get("hot_per_round"):
+        parts.append(f"rows over {run['hot_per_round']} steps a round on the PS")
     if run.get("latency"):
         parts.append(f"background (pull {run['latency']} steps late)")
     return ", ".join(parts)
