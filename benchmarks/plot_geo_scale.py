@@ -23,7 +23,9 @@ def label(run: dict) -> str:
     if run.get("hot_share") is not None:
         parts.append("hot ids on the PS")
     if run.get("hot_per_round"):
-        parts.append(f"rows over {run['hot_per_round']} steps a round on the PS")
+        bound = run["hot_per_round"]
+        parts.append("contended rows on the PS" if bound == "auto" else
+                     f"rows over {bound} steps a round on the PS")
     if run.get("latency"):
         parts.append(f"background (pull {run['latency']} steps late)")
     return ", ".join(parts)
