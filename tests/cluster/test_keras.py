@@ -99,7 +99,7 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
         where = "/job:ps/" if many else "/job:worker/"
         if not many:
             assert "GEO at 2 worker(s): geo_table_rule='average', geo_dense='copies', " \
-                   "geo_hot_count=0 (by the worker count" in c.log("worker", 0)
+                   "geo_hot_count=0, geo_hot_per_round=0 (by the worker count" in c.log("worker", 0)
         assert chief["kernel_device"].startswith(where), chief["kernel_device"]
         # 32 local steps an epoch. K = 8: 4 rounds, and fit says they are too few; "auto":
         # K = 4, 8 rounds.
