@@ -117,7 +117,7 @@ def test_at_eight_workers_and_k_10_the_rows_too_contended_for_a_round_keep_async
     (without,) = [r for r in runs if r["mode"] == "geo"]
     (rule,) = _runs(tmp_path, *data, "--hot_per_round", "auto", "--no_async")
     assert rule["rounds"] == without["rounds"] == 12
-    # Measured: async 2.6332, the rule 2.6501 (+0.6%), without its contended rows 2.6759
+    # Measured: async 2.6332, the rule 2.6534 (+0.8%), without its contended rows 2.6759
     # (+1.6%); 6 ln 2 = 4.159 untrained.
     assert base["loss"] < 3.0, base  # it learned
     assert rule["loss"] < base["loss"] * 1.01, (rule, base)

@@ -11,9 +11,9 @@ K=10), diverging at 320. ``k_steps="auto"`` keeps K x N within that bound for ev
 with a K of the user's, :class:`Contention` finds the rows for which it does not hold
 and GEO trains them on the PS (async), the rest in the copy.
 
-The estimate: the number of this worker's last ~K batches that held the row (an
-exponential moving average with a window of K lookups, one counter per hash bucket),
-times N (the other workers draw from the same stream). A batch that holds an id several
+The estimate: the number of this worker's last ~K batches before this one that held
+the row (an exponential moving average with a window of K lookups, one counter per hash
+bucket), times N (the other workers draw from the same stream). A batch that holds an id several
 times is one step of its row (``geo_hot_count`` is the rule for those). A row is hot when the estimate reaches
 ``bound``. Before a worker has seen a row's rate it counts as hot: every counter starts
 at twice the bound and fades over the window, so a job's first ~K steps train on the PS
@@ -94,17 +94,26 @@ class Contention:
         now = clock.assign_add(1)
         keep = 1.0 - 1.0 / self.k_steps()
         idle = tf.cast(now - tf.gather(age, buckets), tf.float32)
-        value = tf.gather(ema, buckets) * tf.pow(keep, idle) + added
-        stored = [ema.scatter_update(tf.IndexedSlices(value, buckets)),
-                  age.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(buckets), now), buckets))]
+        # The estimate is the count before this batch: the batch holds the row on this
+        # worker, which says nothing of how often the others' batches do (counted in, a
+        # row seen once would weigh N, and from N >= bound every row would be hot).
+        before = tf.gather(ema, buckets) * tf.pow(keep, idle)
+        with tf.control_dependencies([before]):  # graph mode: read both, then write
+            stored = [ema.scatter_update(tf.IndexedSlices(before + added, buckets)),
+                      age.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(buckets), now),
+                                                          buckets))]
+        # before / keep: a row in a fraction p of the batches has (K - 1) p before, K p
+        # after its batch: N x K p (K = 1 keeps no history: none is hot by it)
+        scale = float(self.worker_num) / keep if keep > 0 else 0.0
         with tf.control_dependencies(stored if not tf.executing_eagerly() else []):
-            return tf.gather(value, at) * float(self.worker_num) >= float(self.bound)
+            return tf.gather(before, at) * scale >= float(self.bound)
 
     def bucket(self, keys) -> tf.Tensor:
-        """Each key's bucket: the top bits of key x 2^64 / golden ratio (int64 wraps)."""
+        """Each key's bucket: the top bits of key x 2^64 / golden ratio (int64 wraps; the
+        shift is arithmetic, the mask drops the sign's copies)."""
         bits = int(math.log2(self.width))
         mixed = tf.cast(keys, tf.int64) * tf.constant(_MIX, tf.int64)
-        return tf.bitwise.bitwise_and(tf.bitwise.right_shift(mixed, 63 - bits),
+        return tf.bitwise.bitwise_and(tf.bitwise.right_shift(mixed, 64 - bits),
                                       tf.constant(self.width - 1, tf.int64))
 
     def _vars(self) -> tuple:

@@ -85,8 +85,11 @@ class GeoTableUpdater(TableUpdater):
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
-        if self._hot or self._contention is not None:
-            return HotRows(self._geo, self._hot, self._contention)
+        # (an estimate that cannot find a row, K x N within its bound, adds nothing)
+        contention = (self._contention if self._contention is not None
+                      and self._contention.active() else None)
+        if self._hot or contention is not None:
+            return HotRows(self._geo, self._hot, contention)
         return self._geo.local
 
     def rows_source(self, table):
