@@ -13,8 +13,11 @@ and GEO trains them on the PS (async), the rest in the copy.
 
 The estimate: the number of this worker's last ~K batches before this one that held
 the row (an exponential moving average with a window of K lookups, one counter per hash
-bucket), times N (the other workers draw from the same stream). A batch that holds an id several
-times is one step of its row (``geo_hot_count`` is the rule for those). A row is hot when the estimate reaches
+bucket), scaled to K batches (a row in a fraction p of them has (K - 1) p there) and
+times N (the other workers draw from the same stream). The batch at hand is left out:
+that it holds the row says nothing of the others' batches (counted in, a row seen once
+would weigh N). A batch that holds an id several times is one step of its row
+(``geo_hot_count`` is the rule for those). A row is hot when the estimate reaches
 ``bound``. Before a worker has seen a row's rate it counts as hot: every counter starts
 at twice the bound and fades over the window, so a job's first ~K steps train on the PS
 (measured: without that start, the first rounds' sums of large early steps cost 1.4% of
