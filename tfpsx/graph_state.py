@@ -11,8 +11,9 @@ graph, it goes when the graph goes. No Python objects go into graph collections
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -52,3 +53,31 @@ def peek(graph: Optional[tf.Graph] = None) -> Optional[GraphState]:
     """The state of ``graph`` if tfpsx made one, else None (nothing is made)."""
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     return getattr(graph, _ATTR, None)
+
+
+def worker_local(owner: Any, registry: str, name: str, device: Optional[str],
+                 make: Callable[[Optional[list]], Any],
+                 made: Optional[Callable[[Optional[GraphState]], None]] = None) -> Any:
+    """Variables on this worker, local (every worker initializes its own; no Saver
+    takes them), made by ``make(collections)`` on ``device``: one set for eager code and
+    ``tf.function`` s (kept on ``owner._eager_locals``), one per graph in graph mode (in
+    the graph state's dict ``registry`` under ``name``, in ``LOCAL_VARIABLES``; a
+    ``tf.cond`` branch of that graph finds its graph's). ``made(state)`` runs once a set
+    is made: with the graph's state, or None for the eager set."""
+    with tf.init_scope():
+        place = tf.device(device) if device else contextlib.nullcontext()
+        if tf.executing_eagerly():
+            if getattr(owner, "_eager_locals", None) is None:
+                with place:
+                    owner._eager_locals = make(None)
+                if made is not None:
+                    made(None)
+            return owner._eager_locals
+        state = of()
+        store = getattr(state, registry)
+        if name not in store:
+            with place:
+                store[name] = make([tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+            if made is not None:
+                made(state)
+        return store[name]

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
 from tfpsx import graph_state
-from tfpsx.embedding.storage import on_device
 
 logger = logging.getLogger("tfpsx")
 
@@ -67,7 +66,6 @@ class Contention:
             raise ValueError(f"Contention: width must be a power of two >= 2, got {width!r}")
         self.name, self.device, self.worker_num = name, device, int(worker_num)
         self.k_steps, self.bound, self.width = k_steps, int(bound), int(width)
-        self._eager: Optional[tuple] = None
         self._told = False  # the log line, once
 
     def active(self) -> bool:
@@ -120,20 +118,10 @@ class Contention:
                                       tf.constant(self.width - 1, tf.int64))
 
     def _vars(self) -> tuple:
-        """(ema, age, clock): worker-local variables, one set for eager code and
-        ``tf.function`` s, one per graph in graph mode (local: every worker initializes
-        its own; not saved)."""
-        with tf.init_scope():
-            if tf.executing_eagerly():
-                if self._eager is None:
-                    with on_device(self.device):
-                        self._eager = self._make(None)
-                return self._eager
-            made: Dict[str, tuple] = graph_state.of().contention_variables
-            if self.name not in made:
-                with on_device(self.device):
-                    made[self.name] = self._make([tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-            return made[self.name]
+        """(ema, age, clock): worker-local variables (``graph_state.worker_local``; not
+        saved)."""
+        return graph_state.worker_local(self, "contention_variables", self.name, self.device,
+                                        self._make)
 
     def _make(self, collections) -> tuple:
         start = 2.0 * self.bound / self.worker_num  # every row hot until its rate shows

@@ -135,7 +135,6 @@ class WorkerCache(ShardedTable):
         self.sketch = AdmissionSketch(options.size) if options.admit_after > 1 else None
         self.schedule = FlushSchedule(options.flush_steps, own=flush_in_step)
         self._row_bytes = 8 + (4 if wire is None else wire.size) * self._width
-        self._eager_vars = None
         self._eager_registered = False
         self.apply_ops = []  # the update ops built in graphs
         # Staged by an input pipeline (tfpsx.keras's RowFeeder): training lookups find
@@ -149,23 +148,14 @@ class WorkerCache(ShardedTable):
     # ------------------------------------------------------------------ state
     def _vars(self):
         """(state [registered, clock, updates, sketched], counters, the admission sketch
-        or None): variables on this worker, local (every worker initializes its own): one
-        set for eager code and ``tf.function`` s, one per graph in graph mode (a
-        ``tf.cond`` branch of that graph finds its graph's)."""
-        with tf.init_scope():
-            if tf.executing_eagerly():
-                if self._eager_vars is None:
-                    with on_device(self.device):
-                        self._eager_vars = self._make_vars(None)
-                    track_eager(self)
-                return self._eager_vars
-            state = graph_state.of()
-            if self.name not in state.cache_variables:
-                with on_device(self.device):
-                    state.cache_variables[self.name] = self._make_vars(
-                        [tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        or None): worker-local variables (``graph_state.worker_local``)."""
+        def made(state):
+            if state is None:
+                track_eager(self)
+            else:
                 state.worker_caches.append(self)
-            return state.cache_variables[self.name]
+        return graph_state.worker_local(self, "cache_variables", self.name, self.device,
+                                        self._make_vars, made)
 
     def _make_vars(self, collections):
         made = [tf.compat.v1.Variable(tf.zeros([n], tf.int64), trainable=False,

@@ -34,7 +34,8 @@ from tfpsx.modes.geo.tables import GeoState, GeoTableUpdater
 __all__ = [
     "BARRIER", "PULL", "PUSH", "GeoCounters", "caches_locked", "count_round", "dense_size",
     "round_phases", "adopt_rule", "GEO_EARLIER", "GEO_FOR_MANY", "GEO_MANY_WORKERS", "GeoVariable",
-    "dense_async", "dense_pull", "dense_push", "hot_count", "hot_per_round", "log_rule", "named_rule_keys",
+    "dense_async", "dense_pull", "dense_push", "hot_count", "hot_per_round", "log_rule",
+    "named_rule_keys",
     "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "shares_slots", "wire_dtype",
     "GEO_AUTO_KN", "GEO_AUTO_KN_BACKGROUND", "GEO_K_WITHOUT_EPOCH", "MIN_ROUNDS_PER_EPOCH",
     "GeoSchedule", "auto_k_steps", "auto_kn", "few_rounds", "GeoState", "GeoTableUpdater",
