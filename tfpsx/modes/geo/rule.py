@@ -130,9 +130,8 @@ def rule_for(options, worker_num: int) -> Dict[str, object]:
     """GEO's rule for a job of ``worker_num`` workers: ``geo_table_rule``, ``geo_dense``,
     ``geo_hot_count``, ``geo_hot_per_round``. A key the user named keeps its value; the
     others come from the rule for many workers at ``GEO_MANY_WORKERS`` workers or more,
-    else from the
-    earlier rule (docs/modes.md, "GEO at N workers"). The hybrid mode's dense weights
-    are all-reduced: its ``geo_dense`` is "copies" (unused)."""
+    else from the earlier rule (docs/modes.md, "GEO at N workers"). The hybrid mode's
+    dense weights are all-reduced: its ``geo_dense`` is "copies" (unused)."""
     base = GEO_FOR_MANY if worker_num >= GEO_MANY_WORKERS else GEO_EARLIER
     rule = {key: getattr(options, key, None) for key in base}
     rule = {key: base[key] if value is None else value for key, value in rule.items()}
