@@ -163,6 +163,8 @@ def test_the_export_serves_without_tfpsx_and_tensorboard_has_the_traffic(tmp_pat
     import criteo_data
 
     rows, _ = criteo_data.dataset(str(data / "eval.txt"), 1000, flag="eval_data")
+    # No autotuning thread, whose sleep held fit's return in a cluster (criteo_data.py).
+    assert rows.options().autotune.enabled is False
     features, labels = [], []
     for x, y in rows:
         features.append({k: v.numpy() for k, v in x.items()})
