@@ -362,7 +362,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     # --hot_per_round B: with them the rows too contended for a round (the product's
     # geo_hot_per_round, tfpsx.embedding.contention: N x how many of the worker's
     # last K batches held the row >= B), on the PS.
-    per_round = (geo.auto_kn(deterministic=not latency) if args.hot_per_round == "auto"
+    per_round = (geo.auto_hot_per_round(deterministic=not latency)
+                 if args.hot_per_round == "auto"
                  else int(args.hot_per_round))
     hot_on_ps = ((bool(args.hot_count) and args.hot_rule == "ps" or per_round > 0)
                  and not async_tables)
@@ -513,7 +514,7 @@ def main(argv=None) -> int:
                    help="rows the N workers would train this often in a round (N x how many "
                         "of a worker's last K batches held them) are read and trained on "
                         "the PS (the product's geo_hot_per_round; 'auto': 40 in "
-                        "deterministic rounds, 20 in background ones; 0: never)")
+                        "deterministic rounds, 10 in background ones; 0: never)")
     p.add_argument("--hot_rule", default="ps", choices=["ps", "sync"],
                    help="hot rows: read and trained on the PS (the product's geo_hot_count) "
                         "or trained in the copy and synced every step")

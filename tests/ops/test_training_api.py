@@ -45,9 +45,10 @@ def test_strategy_modes():
     assert rule_for(named, 8) == dict(many, geo_hot_count=0) and rule_for(named, 2) == earlier
     assert named.geo_explicit == {"geo_hot_count"} and "geo_hot_count=0" in repr(named)
     assert named.key() != geo.key()
-    # geo_hot_per_round: "auto" is the bound k_steps="auto" keeps, by the rounds' kind
+    # geo_hot_per_round: "auto" is the bound k_steps="auto" keeps in deterministic
+    # rounds, half of it in background ones
     from tfpsx.modes.geo import hot_per_round
-    assert hot_per_round(geo, 8) == 20 and hot_per_round(geo, 2) == 0
+    assert hot_per_round(geo, 8) == 10 and hot_per_round(geo, 2) == 0
     inline = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10,
                                                        "geo_sync_in_train_thread": True})
     assert hot_per_round(inline, 8) == 40

@@ -9,7 +9,8 @@ holds at most ``bound`` = 40 of a row's steps (deterministic rounds; 20 in backg
 ones, whose pull lands up to K steps late), 2.2% above it at 80 (word2vec, 8 workers,
 K=10), diverging at 320. ``k_steps="auto"`` keeps K x N within that bound for every row;
 with a K of the user's, :class:`Contention` finds the rows for which it does not hold
-and GEO trains them on the PS (async), the rest in the copy.
+and GEO trains them on the PS (async), the rest in the copy. In background rounds the
+strategy's "auto" bound is 10, half of K x N's (``tfpsx.modes.geo.auto_hot_per_round``).
 
 The estimate: the number of this worker's last ~K batches before this one that held
 the row (an exponential moving average with a window of K lookups, one counter per hash

@@ -32,7 +32,7 @@ _CONFIG_KEYS = {
     "geo_hot_per_round": "GEO: an id the workers would train at least this many times in "
                          "one round (the worker count x how many of this worker's last "
                          "k_steps batches held it) trains its row on the parameter servers, "
-                         "async (0: never; 'auto': 40 in deterministic rounds, 20 in "
+                         "async (0: never; 'auto': 40 in deterministic rounds, 10 in "
                          "background ones); default: by the worker count",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -63,8 +63,9 @@ class DistributedStrategy:
         trained on the parameter servers, async, not in the worker's copy; 0: never),
         ``geo_hot_per_round`` (GEO: the same for an id the workers would train at least
         this many times in one round, estimated as the worker count x how many of this
-        worker's last K batches held it; "auto": the bound that ``k_steps="auto"``
-        keeps, 40 in deterministic rounds, 20 in background ones; 0: never).
+        worker's last K batches held it; "auto": 40 in deterministic rounds, the
+        bound that ``k_steps="auto"`` keeps, 10 in background ones, half of it; 0:
+        never).
         A key left unnamed is chosen by the job's worker count: from 3 workers GEO's
         rule for many workers ("shared_slots", "async", 4, "auto"), which keeps async's
         quality at any N; at 1-2 workers the earlier rule ("average", "copies", 0, 0), as good

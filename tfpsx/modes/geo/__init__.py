@@ -22,9 +22,10 @@ front-ends. A table joins GEO through :class:`GeoTableUpdater` (:mod:`.tables`).
 from tfpsx.modes.geo.round import (BARRIER, PULL, PUSH, GeoCounters, caches_locked,
                                    count_round, dense_size, round_phases)
 from tfpsx.modes.geo.rule import (GEO_AUTO_KN, GEO_AUTO_KN_BACKGROUND, GEO_EARLIER,
-                                  GEO_FOR_MANY, GEO_MANY_WORKERS, GeoVariable, adopt_rule,
-                                  auto_kn, dense_async, dense_pull, dense_push, hot_count,
-                                  hot_per_round, log_rule,
+                                  GEO_FOR_MANY, GEO_HOT_PER_ROUND_BACKGROUND,
+                                  GEO_MANY_WORKERS, GeoVariable, adopt_rule,
+                                  auto_hot_per_round, auto_kn, dense_async, dense_pull,
+                                  dense_push, hot_count, hot_per_round, log_rule,
                                   named_rule_keys, pull_ops, push_ops, rows_and_bytes,
                                   rule_for, shares_slots, wire_dtype)
 from tfpsx.modes.geo.schedule import (GEO_K_WITHOUT_EPOCH, MIN_ROUNDS_PER_EPOCH, GeoSchedule,
@@ -37,6 +38,7 @@ __all__ = [
     "dense_async", "dense_pull", "dense_push", "hot_count", "hot_per_round", "log_rule",
     "named_rule_keys",
     "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "shares_slots", "wire_dtype",
-    "GEO_AUTO_KN", "GEO_AUTO_KN_BACKGROUND", "GEO_K_WITHOUT_EPOCH", "MIN_ROUNDS_PER_EPOCH",
+    "GEO_AUTO_KN", "GEO_AUTO_KN_BACKGROUND", "GEO_HOT_PER_ROUND_BACKGROUND",
+    "auto_hot_per_round", "GEO_K_WITHOUT_EPOCH", "MIN_ROUNDS_PER_EPOCH",
     "GeoSchedule", "auto_k_steps", "auto_kn", "few_rounds", "GeoState", "GeoTableUpdater",
 ]

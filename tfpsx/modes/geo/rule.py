@@ -113,6 +113,22 @@ def auto_kn(deterministic: bool) -> int:
     return GEO_AUTO_KN if deterministic else GEO_AUTO_KN_BACKGROUND
 
 
+# geo_hot_per_round="auto" in background rounds: half of GEO_AUTO_KN_BACKGROUND. The
+# contention estimate sees a row's rate in one worker's last K batches, scaled by N;
+# rows that pass under it still sum up to the bound's steps in a round, and in
+# background rounds a copy trains on them up to 2K steps old (the harness, word2vec, N=8,
+# K=10: 1.6% over async's loss at 20, 0.9% at 10; every cell of both jobs within 0.002
+# AUC / 1% at 10: K=10 at N=2-8, "auto" at N=2-32, K=100 at N=8). In deterministic
+# rounds the bound is GEO_AUTO_KN's (within target at N=2-32, K=10, and N=8, K=100).
+GEO_HOT_PER_ROUND_BACKGROUND = GEO_AUTO_KN_BACKGROUND // 2
+
+
+def auto_hot_per_round(deterministic: bool) -> int:
+    """``geo_hot_per_round="auto"``: :data:`GEO_AUTO_KN` in deterministic rounds,
+    :data:`GEO_HOT_PER_ROUND_BACKGROUND` in background ones."""
+    return GEO_AUTO_KN if deterministic else GEO_HOT_PER_ROUND_BACKGROUND
+
+
 # GEO's rule for many workers (docs/modes.md, "GEO at N workers"): its keys' values. A
 # key left unnamed is chosen by the job's worker count: this rule from GEO_MANY_WORKERS
 # workers on, the earlier rule (GEO_EARLIER) below, where it kept async's quality and is
@@ -160,11 +176,11 @@ def hot_count(options, worker_num: int) -> int:
 
 def hot_per_round(options, worker_num: int) -> int:
     """The most steps of one row a round may sum before GEO trains the row on the PS
-    (``geo_hot_per_round``; 0: never; "auto": :func:`auto_kn` of the rounds' kind;
-    :func:`rule_for`)."""
+    (``geo_hot_per_round``; 0: never; "auto": :func:`auto_hot_per_round` of the
+    rounds' kind; :func:`rule_for`)."""
     value = rule_for(options, worker_num)["geo_hot_per_round"]
     if value == "auto":
-        return auto_kn(options.geo_sync_in_train_thread)
+        return auto_hot_per_round(options.geo_sync_in_train_thread)
     return int(value or 0)
 
 
