@@ -103,8 +103,8 @@ def dataset(patterns: str, batch_size: int, workers: int = 1, index: int = 0,
     # No autotuning thread: in a worker process connected to its cluster, TF 2.21 let the
     # deletion of fit's iterator wait out that thread's sleep (up to 60 s, not woken by
     # the iterator's cancellation), so fit returned up to a minute after its last step
-    # (measured: a 4-worker job's fit 145 s against 88 s, in 6 of 11 runs; none in 3
-    # runs without it, at the same steps/s: AUTOTUNE keeps TF's defaults, untuned).
+    # (measured: a 4-worker job's fit 145-149 s against 82-99 s, in 6 of 11 runs; none
+    # in 3 runs without it, at the same steps/s: AUTOTUNE keeps TF's defaults, untuned).
     options = tf.data.Options()
     options.autotune.enabled = False
     return batches.with_options(options), steps

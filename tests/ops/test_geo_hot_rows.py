@@ -155,10 +155,13 @@ def test_a_row_leaves_the_ps_once_its_batches_thin_out():
 
 
 def test_no_row_is_too_contended_where_k_x_n_keeps_the_bound():
-    """K x N <= the bound (what k_steps="auto" keeps): the estimate builds nothing and
-    HotRows keeps its count rule alone."""
+    """K x N <= the bound (what k_steps="auto" keeps in deterministic rounds), or rounds
+    of one step (no batch before the one at hand to count): the estimate builds nothing
+    and HotRows keeps its count rule alone."""
     c = _contention(worker_num=8, k=5, bound=40)
     assert not c.active() and c.hot(tf.constant([1, 2], tf.int64)) is None
+    one_step = _contention(worker_num=32, k=1, bound=10)
+    assert not one_step.active() and one_step.hot(tf.constant([1, 2], tf.int64)) is None
     t, _ = geo_pair()
     looked = geo_rule.HotRows(t, 2, c).lookup_unique(tf.constant([1, 1, 2], tf.int64),
                                                      train=True, step=1)

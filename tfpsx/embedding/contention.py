@@ -10,7 +10,9 @@ ones, whose pull lands up to K steps late), 2.2% above it at 80 (word2vec, 8 wor
 K=10), diverging at 320. ``k_steps="auto"`` keeps K x N within that bound for every row;
 with a K of the user's, :class:`Contention` finds the rows for which it does not hold
 and GEO trains them on the PS (async), the rest in the copy. In background rounds the
-strategy's "auto" bound is 10, half of K x N's (``tfpsx.modes.geo.auto_hot_per_round``).
+strategy's "auto" bound is 10, half the K x N = 20 that ``k_steps="auto"`` keeps there
+(``tfpsx.modes.geo.auto_hot_per_round``), so an "auto" job builds the estimate too
+from K x N > 10 (K > 1).
 
 The estimate: the number of this worker's last ~K batches before this one that held
 the row (an exponential moving average with a window of K lookups, one counter per hash
@@ -70,8 +72,11 @@ class Contention:
         self._told = False  # the log line, once
 
     def active(self) -> bool:
-        """Whether a round can sum more than ``bound`` steps of a row (K x N > bound)."""
-        return self.k_steps() * self.worker_num > self.bound
+        """Whether a round can sum more than ``bound`` steps of a row (K x N > bound)
+        and the estimate can see it: a round of one step (K = 1) keeps no batches
+        before the one at hand, so no row is hot by it and nothing is built."""
+        k = self.k_steps()
+        return k > 1 and k * self.worker_num > self.bound
 
     def hot(self, unique_keys) -> Optional[tf.Tensor]:
         """Counts a step of this lookup's ``unique_keys`` (int64) and returns which of

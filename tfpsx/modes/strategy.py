@@ -63,9 +63,9 @@ class DistributedStrategy:
         trained on the parameter servers, async, not in the worker's copy; 0: never),
         ``geo_hot_per_round`` (GEO: the same for an id the workers would train at least
         this many times in one round, estimated as the worker count x how many of this
-        worker's last K batches held it; "auto": 40 in deterministic rounds, the
-        bound that ``k_steps="auto"`` keeps, 10 in background ones, half of it; 0:
-        never).
+        worker's last K batches held it; "auto": 40 in deterministic rounds (the K x
+        N that ``k_steps="auto"`` keeps there), 10 in background ones (half its 20);
+        0: never).
         A key left unnamed is chosen by the job's worker count: from 3 workers GEO's
         rule for many workers ("shared_slots", "async", 4, "auto"), which keeps async's
         quality at any N; at 1-2 workers the earlier rule ("average", "copies", 0, 0), as good

@@ -96,7 +96,8 @@ def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
 
 # The most steps of one row a round may sum (docs/modes.md, "GEO at N workers"):
 # k_steps="auto" keeps K x N within it for every row, and GEO's hot rows by contention
-# (geo_hot_per_round) train on the PS the rows for which a user's K does not. In
+# (geo_hot_per_round) train on the PS the rows for which a user's K does not (in
+# background rounds those above GEO_HOT_PER_ROUND_BACKGROUND, below). In
 # deterministic rounds GEO_AUTO_KN (word2vec in the harness: within 1% of async's loss up
 # to K x N = 40, 2% over at 80; the Criteo job held further), in background ones
 # GEO_AUTO_KN_BACKGROUND, whose pull lands up to K steps after its push, so that a copy
