@@ -84,9 +84,9 @@ class Contention:
         training lookup."""
         if not self.active():
             return None
+        k = self.k_steps()
         if not self._told:
             self._told = True
-            k = self.k_steps()
             logger.info("GEO: %s: a round sums up to K x N = %d x %d = %d steps of a row, over "
                         "geo_hot_per_round=%d: the rows the workers would train %d+ times "
                         "in a round (estimated on this worker) train on the PS, async",
@@ -99,7 +99,7 @@ class Contention:
         added = tf.math.unsorted_segment_sum(tf.ones(tf.shape(at), tf.float32), at,
                                              tf.size(buckets))
         now = clock.assign_add(1)
-        keep = 1.0 - 1.0 / self.k_steps()
+        keep = 1.0 - 1.0 / k  # > 0: active() holds K > 1
         idle = tf.cast(now - tf.gather(age, buckets), tf.float32)
         # The estimate is the count before this batch: the batch holds the row on this
         # worker, which says nothing of how often the others' batches do (counted in, a
@@ -110,8 +110,8 @@ class Contention:
                       age.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(buckets), now),
                                                           buckets))]
         # before / keep: a row in a fraction p of the batches has (K - 1) p before, K p
-        # after its batch: N x K p (K = 1 keeps no history: none is hot by it)
-        scale = float(self.worker_num) / keep if keep > 0 else 0.0
+        # after its batch: N x K p
+        scale = float(self.worker_num) / keep
         with tf.control_dependencies(stored if not tf.executing_eagerly() else []):
             return tf.gather(before, at) * scale >= float(self.bound)
 
