@@ -11,9 +11,11 @@ void ChangeLog::Mark(const int64_t* keys, int64_t n, int64_t skip_reader, bool p
   for (auto& entry : readers_) {
     if (entry.first == skip_reader) continue;
     Reader& reader = entry.second;
+    reader.keys.insert(reader.keys.end(), keys, keys + n);
+    if (reader.keys.size() >= reader.compact_at) Compact(reader);
+    if (!push) continue;
     for (int64_t i = 0; i < n; ++i) {
-      Marked& marked = reader.keys[keys[i]];
-      if (!push) continue;
+      Marked& marked = reader.pushed[keys[i]];
       ++marked.pushes;
       if (moved == nullptr) continue;
       if (marked.moved < 0) {
@@ -34,8 +36,8 @@ void ChangeLog::Pushes(int64_t reader, const int64_t* keys, int64_t n, int32_t* 
   for (int64_t i = 0; i < n; ++i) {
     pushes[i] = 0;
     if (it == readers_.end()) continue;
-    auto found = it->second.keys.find(keys[i]);
-    if (found == it->second.keys.end()) continue;
+    auto found = it->second.pushed.find(keys[i]);
+    if (found == it->second.pushed.end()) continue;
     pushes[i] = found->second.pushes;
     if (moved != nullptr && found->second.moved >= 0) {
       std::copy_n(it->second.moved.data() + found->second.moved, dim, moved + i * dim);
@@ -44,20 +46,31 @@ void ChangeLog::Pushes(int64_t reader, const int64_t* keys, int64_t n, int32_t* 
 }
 
 std::vector<int64_t> ChangeLog::Take(int64_t reader) {
-  std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
-  auto it = readers_.find(reader);
-  if (it == readers_.end()) {
-    readers_[reader];  // registered from now on
-    active_.store(true, std::memory_order_release);
-    return out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = readers_.find(reader);
+    if (it == readers_.end()) {
+      readers_[reader];  // registered from now on
+      active_.store(true, std::memory_order_release);
+      return out;
+    }
+    Reader& r = it->second;
+    out.swap(r.keys);
+    r.compact_at = kMinCompact;
+    r.pushed.clear();
+    r.moved.clear();
   }
-  out.reserve(it->second.keys.size());
-  for (const auto& changed : it->second.keys) out.push_back(changed.first);
+  // Outside the lock: the writers marking meanwhile do not wait for the sort.
   std::sort(out.begin(), out.end());
-  it->second.keys.clear();
-  it->second.moved.clear();
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+void ChangeLog::Compact(Reader& reader) {
+  std::sort(reader.keys.begin(), reader.keys.end());
+  reader.keys.erase(std::unique(reader.keys.begin(), reader.keys.end()), reader.keys.end());
+  reader.compact_at = std::max(kMinCompact, 2 * reader.keys.size());
 }
 
 }  // namespace tfpsx
