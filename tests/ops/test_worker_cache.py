@@ -160,6 +160,25 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
         moved = [k for k in want if not np.array_equal(local_before.get(k), want[k])]
         assert 0 < len(moved) <= int(late), (len(moved), int(late))
 
+    # An evaluate or predict after fit takes again, the copy untrained since: the rows
+    # the other worker pushed meanwhile come over, into local and old, and no other.
+    assert first.local_is_old
+    ps_before = global_rows(g)
+    for ids in data[0][:4]:
+        train_step(other.local, ids)
+    again = int(geo_rule.table_push(other, 1.0, None)[1])
+    local_before = global_rows(first.local)
+    geo_rule.take_global(first)
+    want = global_rows(g)
+    changed = {k for k in want if not np.array_equal(ps_before.get(k), want[k])}
+    assert 0 < len(changed) <= again, (len(changed), again)
+    for table in (first.local, first.old):
+        got = global_rows(table)
+        for key in changed:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"key {key}")
+        for key in set(want) - changed:  # as the first take left them
+            np.testing.assert_array_equal(got[key], local_before[key], err_msg=f"key {key}")
+
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_cached_geo_equals_uncached_geo(workers):

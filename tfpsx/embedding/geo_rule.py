@@ -101,6 +101,10 @@ class GeoTable:
     # The rows travel with their optimizer slots ([value | slots], summed on the PS;
     # ``old`` then holds row_width floats a row): the workers share the optimizer state.
     share_slots: bool = False
+    # Every row of ``local`` equals ``old``'s: take_global made them so, and the copy has
+    # not trained since (the front-end clears it before the copy trains again). The
+    # next take_global then moves only the rows changed on the PS.
+    local_is_old: bool = False
 
     def __post_init__(self):
         if self.share_slots:  # shared slots add every push whole (the module doc)
@@ -297,7 +301,9 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     (a wire dtype's pulls brought rounded rows; rows evicted on the PS). Copying the
     whole PS table with its slots on every worker instead was about three quarters of a
     GEO job's bytes (measured: benchmarks/time_to_auc.py's Criteo job). A cache holds a
-    bounded set of rows: those, read fresh."""
+    bounded set of rows: those, read fresh. When ``t.local_is_old`` (a take since which
+    the copy did not train: an ``evaluate`` or ``predict`` after ``fit``), only the rows
+    changed on the PS come over, into both."""
     me = tf.constant(t.reader, tf.int64)
 
     def fresh(keys):
@@ -325,12 +331,13 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
             rows = tf.concat([r for _, r in parts], 0)
     with tf.device(t.device):
         set_rows(t, t.old, keys, rows)
-        if not (t.cached or refresh_all):
+        if not (t.cached or refresh_all or t.local_is_old):
             snapshot = t.old.export()
             keys, rows = snapshot["keys"], snapshot["values"]
             if t.share_slots:
                 rows = local_rows(t.old, keys, True)
         set_rows(t, t.local, keys, rows)  # with share_slots the slots too
+    t.local_is_old = not t.cached
 
 
 def table_readers(t: GeoTable) -> list:

@@ -241,6 +241,8 @@ class KerasGeo(KerasMode):
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
         self._start()
+        for t in self.tables:  # the copy trains: its next take copies every row again
+            t.local_is_old = False
         self._fits += 1
         self._in_fit = True
         self.schedule.start(int(self.steps().read_value()))
