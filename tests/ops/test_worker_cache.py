@@ -179,6 +179,21 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
         for key in set(want) - changed:  # as the first take left them
             np.testing.assert_array_equal(got[key], local_before[key], err_msg=f"key {key}")
 
+    # Once the copy trains (a fit: KerasGeo.begin_fit clears the mark), local and old
+    # differ on rows the PS did not change: the take copies every row again.
+    first.local_is_old = False
+    for ids in data[0][:4]:
+        train_step(first.local, ids)
+    old_rows = global_rows(first.old)
+    trained = {k for k, row in global_rows(first.local).items()
+               if not np.array_equal(row, old_rows[k])}
+    assert trained
+    geo_rule.take_global(first)
+    assert first.local_is_old
+    old_rows = global_rows(first.old)
+    for key, row in global_rows(first.local).items():
+        np.testing.assert_array_equal(row, old_rows[key], err_msg=f"key {key}")
+
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_cached_geo_equals_uncached_geo(workers):

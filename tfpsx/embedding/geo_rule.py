@@ -305,6 +305,9 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     the copy did not train: an ``evaluate`` or ``predict`` after ``fit``), only the rows
     changed on the PS come over, into both."""
     me = tf.constant(t.reader, tf.int64)
+    # Cleared until this take completes: one stopped part way (an error) leaves rows of
+    # local and old apart whose PS changes it consumed; the next take copies all again.
+    only_changed, t.local_is_old = t.local_is_old, False
 
     def fresh(keys):
         if not t.share_slots:
@@ -331,7 +334,7 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
             rows = tf.concat([r for _, r in parts], 0)
     with tf.device(t.device):
         set_rows(t, t.old, keys, rows)
-        if not (t.cached or refresh_all or t.local_is_old):
+        if not (t.cached or refresh_all or only_changed):
             snapshot = t.old.export()
             keys, rows = snapshot["keys"], snapshot["values"]
             if t.share_slots:

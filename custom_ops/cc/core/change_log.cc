@@ -57,6 +57,8 @@ std::vector<int64_t> ChangeLog::Take(int64_t reader) {
     }
     Reader& r = it->second;
     out.swap(r.keys);
+    r.keys.reserve(out.size());  // the next round's marks, about as many
+    r.sorted = 0;
     r.compact_at = kMinCompact;
     r.pushed.clear();
     r.moved.clear();
@@ -67,10 +69,20 @@ std::vector<int64_t> ChangeLog::Take(int64_t reader) {
   return out;
 }
 
+int64_t ChangeLog::Held(int64_t reader) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = readers_.find(reader);
+  return it == readers_.end() ? 0 : static_cast<int64_t>(it->second.keys.size());
+}
+
 void ChangeLog::Compact(Reader& reader) {
-  std::sort(reader.keys.begin(), reader.keys.end());
-  reader.keys.erase(std::unique(reader.keys.begin(), reader.keys.end()), reader.keys.end());
-  reader.compact_at = std::max(kMinCompact, 2 * reader.keys.size());
+  auto& keys = reader.keys;
+  const auto prefix = keys.begin() + static_cast<std::ptrdiff_t>(reader.sorted);
+  std::sort(prefix, keys.end());
+  std::inplace_merge(keys.begin(), prefix, keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  reader.sorted = keys.size();
+  reader.compact_at = std::max(kMinCompact, 2 * keys.size());
 }
 
 }  // namespace tfpsx

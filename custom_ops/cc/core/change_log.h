@@ -9,13 +9,16 @@
 // since the reader last pulled it). Other writes, such as a lookup inserting a row, an
 // optimizer's update or a summed push, mark without counting.
 //
-// A reader's marked keys are an append-only list, made unique by Take (and in place
-// when it grows past twice its unique size at the last compaction, so that a reader
-// that takes rarely holds at most about twice its distinct keys). A mark is then a copy
-// per reader, not a hash-set insert per key and reader: on a GEO parameter server every
-// write marks for N readers, and the per-reader sets were its largest cost (12% of the
-// PS's CPU, plus their allocations, at 1 PS + 4 workers, measured with perf). Only the
-// counted pushes keep a per-key map.
+// A reader's marked keys are an append-only list, made unique by Take. Mark compacts
+// it when it reaches twice the size of its sorted, unique prefix (sorting only the keys
+// appended since and merging them in, linear in the list), so that a reader that takes
+// rarely holds at most about twice its distinct keys (or 65,536), 8 bytes each (the
+// vector's capacity up to twice that), not one hash node per key. A mark without counting is then a copy per reader, not a hash-set
+// insert per key and reader: on a GEO parameter server every write marks for N readers,
+// and the per-reader sets were its largest cost (12% of the PS's CPU, plus their
+// allocations, at 1 PS + 4 workers under GEO's rule for many workers, whose pushes are
+// summed, measured with perf). Counted pushes (the earlier rule's "mean" / "scaled"
+// combines) also keep a per-key map of their counts and increments.
 //
 // Thread safety: every method may be called concurrently.
 
@@ -46,6 +49,9 @@ class ChangeLog {
   // of the increments they gave (zeros when none).
   void Pushes(int64_t reader, const int64_t* keys, int64_t n, int32_t* pushes,
               float* moved = nullptr, int64_t dim = 0);
+  // The keys the reader's list holds now, repeats included (0 for a reader not
+  // registered): what its marks cost in memory, 8 bytes each.
+  int64_t Held(int64_t reader);
 
  private:
   struct Marked {
@@ -53,13 +59,16 @@ class ChangeLog {
     int64_t moved = -1;  // offset of the increments' sum in Reader::moved (-1: none)
   };
   struct Reader {
-    std::vector<int64_t> keys;  // marked since the last Take, in order, with repeats
+    std::vector<int64_t> keys;  // marked since the last Take: a sorted unique prefix,
+                                // then the keys marked since, with repeats
+    size_t sorted = 0;          // the prefix's length
     size_t compact_at = kMinCompact;  // keys.size() that makes Mark compact them
     std::unordered_map<int64_t, Marked> pushed;  // the counted pushes' keys
     std::vector<float> moved;  // dim floats per key with increments, cleared by Take
   };
   static constexpr size_t kMinCompact = size_t{1} << 16;
-  // Sorts and dedups reader.keys in place; the next compaction comes at twice the size.
+  // Makes reader.keys sorted and unique in place (the new keys sorted, then merged into
+  // the prefix); the next compaction comes at twice the size.
   static void Compact(Reader& reader);
   std::atomic<bool> active_{false};
   std::mutex mu_;
