@@ -27,21 +27,22 @@ void HashTable::AppendRow(const Stripe& s, int64_t r, ExportedRows& out) const {
 
 ExportedRows HashTable::SortedByKey(ExportedRows raw) const {
   const int64_t dim = options_.dim, slots = options_.num_slots;
-  // Sorted by key so that exports (and so checkpoints) are deterministic.
-  std::vector<int64_t> order(raw.keys.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](int64_t a, int64_t b) { return raw.keys[a] < raw.keys[b]; });
+  // Sorted by key so that exports (and so checkpoints) are deterministic. The pairs
+  // (key, position) sort in place, without an indirect comparison's cache misses (the
+  // sort was a quarter of a 1.9M-row export's time).
+  const int64_t n = static_cast<int64_t>(raw.keys.size());
+  std::vector<std::pair<int64_t, int64_t>> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = {raw.keys[i], i};
+  std::sort(order.begin(), order.end());
   ExportedRows out;
-  const int64_t n = static_cast<int64_t>(order.size());
   out.keys.resize(n);
   out.values.resize(n * dim);
   out.slots.resize(n * slots * dim);
   out.freq.resize(n);
   out.step.resize(n);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t o = order[i];
-    out.keys[i] = raw.keys[o];
+    const int64_t o = order[i].second;
+    out.keys[i] = order[i].first;
     std::memcpy(&out.values[i * dim], &raw.values[o * dim], dim * sizeof(float));
     if (slots)
       std::memcpy(&out.slots[i * slots * dim], &raw.slots[o * slots * dim],
@@ -54,6 +55,14 @@ ExportedRows HashTable::SortedByKey(ExportedRows raw) const {
 
 ExportedRows HashTable::ExportSince(int64_t since_step) const {
   ExportedRows raw;
+  if (since_step == INT64_MIN) {  // every row: room for them, not a growth's copies
+    const int64_t n = Size();
+    raw.keys.reserve(n);
+    raw.values.reserve(n * options_.dim);
+    raw.slots.reserve(n * (row_width_ - options_.dim));
+    raw.freq.reserve(n);
+    raw.step.reserve(n);
+  }
   for (int i = 0; i < store_.num_stripes(); ++i) {
     const Stripe& s = store_.stripe(i);
     std::shared_lock<std::shared_mutex> lock(s.mu);
