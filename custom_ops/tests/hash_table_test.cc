@@ -519,6 +519,16 @@ void TestRowsWithSlots() {
   float values[4];
   t.Find(keys, 2, values, nullptr);
   CHECK(values[0] == rows[0] && values[1] == rows[1] && values[2] == rows[4]);
+  // Rows written whole with their slots: a present key and a new one, exactly.
+  const int64_t put[2] = {8, 9};
+  const float whole[8] = {3.f, -3.f, 0.75f, 2.5f, 1e-7f, 7.f, 0.f, 9.f};
+  t.InsertWithSlots(put, 2, whole, 6);
+  t.FindWithSlots(put, 2, rows, found);
+  CHECK(found[0] && found[1]);
+  for (int j = 0; j < 8; ++j) CHECK(rows[j] == whole[j]);
+  changed = t.TakeChanged(3);
+  std::sort(changed.begin(), changed.end());
+  CHECK(changed == std::vector<int64_t>({8, 9}));
 }
 
 int main() {

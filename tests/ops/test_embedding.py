@@ -147,6 +147,25 @@ def test_rows_travel_with_their_optimizer_slots_on_every_shard():
     np.testing.assert_array_equal(full(), before)
 
 
+def test_a_shard_takes_rows_whole_with_their_slots():
+    """insert(with_slots) writes [value | slots] exactly, a present key's and a new one's
+    (what a GEO copy takes from the PS under shared slots); a row of the wrong width is
+    refused and changes nothing."""
+    t = table(dim=2, shards=1, initializer=E.constant(1.0),
+              optimizer=E.Adagrad(0.1, initial_accumulator_value=0.1))
+    shard, step = t.shards[0], tf.constant(0, tf.int64)
+    keys = tf.constant([4, 7], tf.int64)
+    t.apply(keys[:1], [[0.5, -1.0]])  # key 4 present, with its own accumulator
+    rows = np.array([[3, -3, 0.75, 2.5], [1e-7, 7, 0, 9]], np.float32)
+    shard.insert(keys, rows, step, with_slots=True)
+    np.testing.assert_array_equal(shard.find(keys, with_slots=True)[0].numpy(), rows)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"values must have shape \[2,4\] \(keys' shape \+ \[dim \* "
+                             r"\(1 \+ num_slots\) = 2 \* 2\]\), got \[2,2\]"):
+        shard.insert(keys, rows[:, :2] + 1, step, with_slots=True)
+    np.testing.assert_array_equal(shard.find(keys, with_slots=True)[0].numpy(), rows)
+
+
 def _dense_reference(tf_optimizer, init, grads_per_step):
     """The same update by TF's own optimizer on a dense variable."""
     with tf.Graph().as_default():

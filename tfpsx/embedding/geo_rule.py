@@ -176,17 +176,10 @@ def local_rows(table: ShardedTable, keys, with_slots: bool = False):
 
 def set_rows(t: GeoTable, table: ShardedTable, keys, rows, step=None):
     """The rows of ``keys`` in a worker table (``t.local`` or ``t.old``) become ``rows``
-    (as they travel: with the slots when ``t.share_slots``), stamped with ``step`` (a
-    cache's clock; default 0). Not marked for the table's own reader 0: a row set so is
-    not trained."""
-    step = as_step(step)
-    if not t.share_slots:
-        return table.shards[0].insert(keys, rows, step)
-    # The value exactly (and a new row counted as an insert counts it), then the slots.
-    inserted = table.shards[0].insert(keys, rows[:, :table.dim], step)
-    with tf.control_dependencies([] if tf.executing_eagerly() else [inserted]):
-        return table.shards[0].accumulate(keys, rows - local_rows(table, keys, True), step,
-                                          skip_reader=0, with_slots=True)
+    (as they travel: with the slots when ``t.share_slots``), exactly, stamped with
+    ``step`` (a cache's clock; default 0). A table's changed-key readers see them as
+    an insert's rows."""
+    return table.shards[0].insert(keys, rows, as_step(step), with_slots=t.share_slots)
 
 
 def global_rows(t: GeoTable, keys, train: bool, step=None):
@@ -337,8 +330,9 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
         if not (t.cached or refresh_all or only_changed):
             snapshot = t.old.export()
             keys, rows = snapshot["keys"], snapshot["values"]
-            if t.share_slots:
-                rows = local_rows(t.old, keys, True)
+            if t.share_slots:  # [value | slots], as find(with_slots) reads them
+                slots = snapshot["slots"]
+                rows = tf.concat([rows, tf.reshape(slots, [tf.shape(slots)[0], -1])], 1)
         set_rows(t, t.local, keys, rows)  # with share_slots the slots too
     t.local_is_old = not t.cached
 

@@ -67,8 +67,9 @@ class TableStorage(abc.ABC):
         """Rows, inserting missing keys (subject to admission) and counting frequencies."""
 
     @abc.abstractmethod
-    def insert(self, keys, values, step):
-        """Sets the rows of ``keys``."""
+    def insert(self, keys, values, step, with_slots: bool = False):
+        """Sets the rows of ``keys``; ``with_slots``: rows of ``[value | optimizer
+        slots]``, written whole."""
 
     @abc.abstractmethod
     def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum",
@@ -193,8 +194,8 @@ class HashTableStorage(TableStorage):
     def find_or_insert(self, keys, step):
         return self._run(bindings.table_find_or_insert, keys, step)
 
-    def insert(self, keys, values, step):
-        return self._run(bindings.table_insert, keys, values, step)
+    def insert(self, keys, values, step, with_slots: bool = False):
+        return self._run(bindings.table_insert, keys, values, step, with_slots=with_slots)
 
     def accumulate(self, keys, deltas, step, skip_reader: int = -1, combine: str = "sum",
                    with_slots: bool = False):

@@ -76,8 +76,9 @@ def table_find_or_insert(handle, keys, step):
     return load_ops().tfpsx_hash_table_find_or_insert(handle, keys, step)
 
 
-def table_insert(handle, keys, values, step):
-    return load_ops().tfpsx_hash_table_insert(handle, keys, values, step)
+def table_insert(handle, keys, values, step, with_slots: bool = False):
+    return load_ops().tfpsx_hash_table_insert(handle, keys, values, step,
+                                              with_slots=with_slots)
 
 
 def table_accumulate(handle, keys, deltas, step, skip_reader: int = -1, combine: str = "sum",

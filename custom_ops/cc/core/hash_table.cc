@@ -215,6 +215,15 @@ void HashTable::Insert(const int64_t* keys, int64_t n, const float* values, int6
   });
 }
 
+void HashTable::InsertWithSlots(const int64_t* keys, int64_t n, const float* rows,
+                                int64_t step) {
+  const int64_t width = row_width_;
+  UpdateRows(keys, n, nullptr, step, /*init_value=*/false, [&](float* row, int64_t i) {
+    if (row != nullptr) std::memcpy(row, rows + i * width, width * sizeof(float));
+    return true;
+  });
+}
+
 void HashTable::Accumulate(const int64_t* keys, int64_t n, const float* deltas, int64_t step,
                            int64_t skip_reader, Combine combine) {
   const int64_t dim = options_.dim;

@@ -131,6 +131,10 @@ class HashTable {
 
   // Sets the rows of keys[n] to values[n*dim], inserting missing keys.
   void Insert(const int64_t* keys, int64_t n, const float* values, int64_t step);
+  // Like Insert, with each row's optimizer slots: rows[n*row_width()] hold [value | slots]
+  // per key, written whole (a GEO copy takes the PS's rows with their shared optimizer
+  // state exactly, in one pass).
+  void InsertWithSlots(const int64_t* keys, int64_t n, const float* rows, int64_t step);
 
   // How Accumulate adds the deltas several writers push to one row (GEO's workers push
   // the deltas of their local copies; `skip_reader` is then the pusher's reader). The

@@ -80,6 +80,7 @@ template <bool kAccumulate>
 class WriteOp : public TableOpKernel {
  public:
   explicit WriteOp(OpKernelConstruction* ctx) : TableOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_slots", &with_slots_));
     if (!kAccumulate) return;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_reader", &skip_reader_));
     std::string combine;
@@ -92,7 +93,6 @@ class WriteOp : public TableOpKernel {
                     "TfpsxHashTableAccumulate: combine='", combine, "' counts the other "
                     "pushes since the pusher's last take_changed, so it needs the pusher's "
                     "reader as skip_reader (>= 0), got ", skip_reader_)));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_slots", &with_slots_));
     OP_REQUIRES(ctx, !with_slots_ || combine_ == HashTable::Combine::kSum,
                 absl::InvalidArgumentError(absl::StrCat(
                     "TfpsxHashTableAccumulate: with_slots adds every delta whole; combine='",
@@ -117,6 +117,8 @@ class WriteOp : public TableOpKernel {
           t.AccumulateWithSlots(kk, e - b, rr, step, skip_reader_);
         } else if (kAccumulate) {
           t.Accumulate(kk, e - b, rr, step, skip_reader_, combine_);
+        } else if (with_slots_) {
+          t.InsertWithSlots(kk, e - b, rr, step);
         } else {
           t.Insert(kk, e - b, rr, step);
         }

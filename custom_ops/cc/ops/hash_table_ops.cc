@@ -101,8 +101,10 @@ REGISTER_OP("TfpsxHashTableInsert")
     .Input("keys: int64")
     .Input("values: float")
     .Input("step: int64")
+    .Attr("with_slots: bool = false")
     .SetShapeFn(NoOutputs)
-    .Doc("Sets the rows of `keys` (values: keys' shape + [dim]).");
+    .Doc("Sets the rows of `keys` (values: keys' shape + [dim]; with_slots: [dim * (1 + "
+         "num_slots)], each row with its optimizer slots, written whole).");
 
 REGISTER_OP("TfpsxHashTableAccumulate")
     .SetIsStateful()
