@@ -109,16 +109,18 @@ def run_cached_geo(workers, k, syncs, vocab, batch, size, policy="lfu"):
     return global_rows(g), caches
 
 
-@pytest.mark.parametrize("wire,refresh", [(None, False), (tf.bfloat16, True),
-                                          (tf.bfloat16, False)])
-def test_take_global_makes_a_copy_the_global_table(wire, refresh):
+@pytest.mark.parametrize("wire,refresh,tracked", [
+    (None, False, False), (None, False, True), (tf.bfloat16, True, False),
+    (tf.bfloat16, False, True)])
+def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     """After its last round (push, pull) a worker's copy takes the global table
     (geo_rule.take_global, what GEO does when fit ends): every row the PS holds,
     also those the other worker pushed after that pull and those this worker never
     looked up, equals the PS's exactly in local and old (bfloat16 rows on the wire: with
     ``refresh_all``, every value comes over; without, the rows the pulls brought
     are the PS's as bfloat16 carried them); without a wire dtype only the rows that
-    differ have to."""
+    differ have to. ``tracked`` (Keras GEO's copies): the snapshot's changed-key reader
+    says which rows the copy takes from it, not an export of every row."""
     g = shared_table()
     copies = []
     for i in range(2):
@@ -126,6 +128,8 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
         t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
                               ShardedTable(name("o"), DIM, **copy), None, i + 1, wire=wire)
         geo_rule.table_readers(t)
+        if tracked:
+            geo_rule.track_snapshot(t)
         copies.append(t)
     # Worker 0 sees ids 0-39, worker 1 ids 20-79: rows of both, and rows of one only.
     data = {0: worker_batches(0, 12, 40, 10), 1: [b + 20 for b in worker_batches(1, 16, 60, 10)]}
@@ -180,14 +184,19 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh):
             np.testing.assert_array_equal(got[key], local_before[key], err_msg=f"key {key}")
 
     # Once the copy trains (a fit: KerasGeo.begin_fit clears the mark), local and old
-    # differ on rows the PS did not change: the take copies every row again.
+    # differ on rows the PS did not change: the take copies them again (untracked: every
+    # row; tracked: those written into old, which a fit's last round does for every
+    # row it trained, as here).
     first.local_is_old = False
-    for ids in data[0][:4]:
+    for ids in data[0][4:8]:
         train_step(first.local, ids)
     old_rows = global_rows(first.old)
     trained = {k for k, row in global_rows(first.local).items()
                if not np.array_equal(row, old_rows[k])}
     assert trained
+    if tracked:
+        geo_rule.table_push(first, 1.0, None)
+        geo_rule.table_pull(first)
     geo_rule.take_global(first)
     assert first.local_is_old
     old_rows = global_rows(first.old)

@@ -105,6 +105,9 @@ class GeoTable:
     # not trained since (the front-end clears it before the copy trains again). The
     # next take_global then moves only the rows changed on the PS.
     local_is_old: bool = False
+    # ``old`` has a changed-key reader (:func:`track_snapshot`): take_global copies into
+    # the copy only the rows written into the snapshot since its last take, not all.
+    old_tracked: bool = False
 
     def __post_init__(self):
         if self.share_slots:  # shared slots add every push whole (the module doc)
@@ -328,13 +331,30 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     with tf.device(t.device):
         set_rows(t, t.old, keys, rows)
         if not (t.cached or refresh_all or only_changed):
-            snapshot = t.old.export()
-            keys, rows = snapshot["keys"], snapshot["values"]
-            if t.share_slots:  # [value | slots], as find(with_slots) reads them
-                slots = snapshot["slots"]
-                rows = tf.concat([rows, tf.reshape(slots, [tf.shape(slots)[0], -1])], 1)
+            if t.old_tracked:  # the rows written into old since the last take
+                written = t.old.shards[0].take_changed(tf.constant(0, tf.int64))
+                keys = tf.unique(tf.concat([keys, written], 0))[0]
+                rows = local_rows(t.old, keys, t.share_slots)
+            else:
+                snapshot = t.old.export()
+                keys, rows = snapshot["keys"], snapshot["values"]
+                if t.share_slots:  # [value | slots], as find(with_slots) reads them
+                    slots = snapshot["slots"]
+                    rows = tf.concat([rows, tf.reshape(slots, [tf.shape(slots)[0], -1])], 1)
         set_rows(t, t.local, keys, rows)  # with share_slots the slots too
     t.local_is_old = not t.cached
+
+
+def track_snapshot(t: GeoTable) -> None:
+    """Registers a changed-key reader (0) on ``t.old``, eagerly, when ``t.local`` and
+    ``t.old`` hold the same rows (a fresh copy, or one just imported from the PS). The
+    copy can then differ from its snapshot only on rows written into the snapshot since
+    (pushes and pulls write both), so take_global copies those rows, not every row: on a
+    copy of 1.9M rows the export of the whole snapshot took 1.0-1.2 s of the 1.7-2.0 s
+    take. The reader's list costs up to ~16 bytes a row written, until the next take."""
+    with tf.device(t.device):
+        t.old.shards[0].take_changed(tf.constant(0, tf.int64))
+    t.old_tracked = True
 
 
 def table_readers(t: GeoTable) -> list:

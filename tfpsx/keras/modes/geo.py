@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import table_readers, take_global
+from tfpsx.embedding.geo_rule import table_readers, take_global, track_snapshot
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
@@ -212,6 +212,8 @@ class KerasGeo(KerasMode):
                                   dict(rows, slots=tf.zeros([0], tf.float32)), clear=True)
                 with tf.device(t.device):  # the import is not this worker's change
                     t.local.shards[0].take_changed(tf.constant(0, tf.int64))
+            if not t.cached:  # local and old are the same rows here
+                track_snapshot(t)
             self._evicted[t.global_.name] = self._ps_evictions(t)
         self._registered = True
 
