@@ -105,9 +105,13 @@ class GeoTable:
     # not trained since (the front-end clears it before the copy trains again). The
     # next take_global then moves only the rows changed on the PS.
     local_is_old: bool = False
-    # ``old`` has a changed-key reader (:func:`track_snapshot`): take_global copies into
-    # the copy only the rows written into the snapshot since its last take, not all.
+    # ``old`` has a changed-key reader (:func:`track_snapshot`), and it holds every row
+    # written into the snapshot since the last take: take_global copies into the copy
+    # only those rows (and the copy's unpushed ones), not all. The front-end clears it
+    # when a fit fails (a round that failed part way may have written one side only);
+    # the next take then copies every row and trusts the reader again.
     old_tracked: bool = False
+    snapshot_reader: bool = False  # track_snapshot registered the reader
 
     def __post_init__(self):
         if self.share_slots:  # shared slots add every push whole (the module doc)
@@ -182,7 +186,9 @@ def set_rows(t: GeoTable, table: ShardedTable, keys, rows, step=None):
     (as they travel: with the slots when ``t.share_slots``), exactly, stamped with
     ``step`` (a cache's clock; default 0). A table's changed-key readers see them as
     an insert's rows."""
-    return table.shards[0].insert(keys, rows, as_step(step), with_slots=t.share_slots)
+    if not t.share_slots:
+        return table.shards[0].insert(keys, rows, as_step(step))
+    return table.shards[0].insert(keys, rows, as_step(step), with_slots=True)
 
 
 def global_rows(t: GeoTable, keys, train: bool, step=None):
@@ -331,9 +337,13 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     with tf.device(t.device):
         set_rows(t, t.old, keys, rows)
         if not (t.cached or refresh_all or only_changed):
-            if t.old_tracked:  # the rows written into old since the last take
-                written = t.old.shards[0].take_changed(tf.constant(0, tf.int64))
-                keys = tf.unique(tf.concat([keys, written], 0))[0]
+            if t.old_tracked:
+                # The rows written into old since the last take, and those the copy
+                # trained since its last push (none after a fit's final round).
+                zero = tf.constant(0, tf.int64)
+                written = t.old.shards[0].take_changed(zero)
+                trained = t.local.shards[0].take_changed(zero)
+                keys = tf.unique(tf.concat([keys, written, trained], 0))[0]
                 rows = local_rows(t.old, keys, t.share_slots)
             else:
                 snapshot = t.old.export()
@@ -342,6 +352,13 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
                     slots = snapshot["slots"]
                     rows = tf.concat([rows, tf.reshape(slots, [tf.shape(slots)[0], -1])], 1)
         set_rows(t, t.local, keys, rows)  # with share_slots the slots too
+        if t.snapshot_reader:
+            # local = old on every row now: nothing is pending for the next take, nor
+            # for the next push (the inserts above marked their rows for both readers).
+            zero = tf.constant(0, tf.int64)
+            t.old.shards[0].take_changed(zero)
+            t.local.shards[0].take_changed(zero)
+            t.old_tracked = True
     t.local_is_old = not t.cached
 
 
@@ -349,12 +366,14 @@ def track_snapshot(t: GeoTable) -> None:
     """Registers a changed-key reader (0) on ``t.old``, eagerly, when ``t.local`` and
     ``t.old`` hold the same rows (a fresh copy, or one just imported from the PS). The
     copy can then differ from its snapshot only on rows written into the snapshot since
-    (pushes and pulls write both), so take_global copies those rows, not every row: on a
+    (pushes and pulls write both) or trained since the last push (the copy's own reader
+    0), so take_global copies those rows, not every row: on a
     copy of 1.9M rows the export of the whole snapshot took 1.0-1.2 s of the 1.7-2.0 s
-    take. The reader's list costs up to ~16 bytes a row written, until the next take."""
+    take. The reader's list costs up to ~32 bytes a distinct row written (it compacts at
+    twice its distinct keys; a vector's capacity up to twice that), until the next take."""
     with tf.device(t.device):
         t.old.shards[0].take_changed(tf.constant(0, tf.int64))
-    t.old_tracked = True
+    t.old_tracked = t.snapshot_reader = True
 
 
 def table_readers(t: GeoTable) -> list:

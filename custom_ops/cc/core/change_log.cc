@@ -57,7 +57,6 @@ std::vector<int64_t> ChangeLog::Take(int64_t reader) {
     }
     Reader& r = it->second;
     out.swap(r.keys);
-    r.keys.reserve(out.size());  // the next round's marks, about as many
     r.sorted = 0;
     r.compact_at = kMinCompact;
     r.pushed.clear();

@@ -270,12 +270,30 @@ class KerasGeo(KerasMode):
         if self.schedule.running:
             self.schedule.step_done(int(self._steps.read_value()), steps_left)
 
+    def _distrust_snapshots(self) -> None:
+        """A fit failed: a round may have failed part way (a push's rows taken from the
+        copy's reader, their snapshot write cancelled), so the next take copies every
+        row into the copy, not only those its snapshot's reader holds."""
+        for t in self.tables:
+            t.old_tracked = t.local_is_old = False
+
+    def after_fit(self, model, failed: bool) -> None:
+        super().after_fit(model, failed)
+        if failed:  # a step raised (end_fit ran all the same, and may have taken)
+            self._distrust_snapshots()
+
     def end_fit(self, model) -> None:
         # The last local steps reach the PS before fit returns; then the model is the
         # global one (what model.save writes, what a restarted job resumes from).
         self._in_fit = False
         steps = int(self._steps.read_value()) if self._steps is not None else 0
-        failed = not self.schedule.end(steps)  # raises a communicator's failure
+        try:
+            failed = not self.schedule.end(steps)  # raises a communicator's failure
+        except BaseException:
+            self._distrust_snapshots()
+            raise
+        if failed:
+            self._distrust_snapshots()
         if not failed:
             if self.in_train_thread:
                 # Every final push is in before any copy takes the global model: the PS
