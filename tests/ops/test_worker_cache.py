@@ -188,7 +188,7 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     # that failed (rows trained, not pushed: they take old's values) and after one that
     # ended with its last round (every trained row pushed, then pulled).
     for pushed in (False, True):
-        first.local_is_old = False
+        geo_rule.copy_trains(first)
         for ids in data[0][4:8] if pushed else data[0][8:12]:
             train_step(first.local, ids)
         old_rows = global_rows(first.old)
@@ -205,12 +205,11 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     if tracked:
         # A round that failed part way: the push took the copy's rows from its reader,
         # their write into old was cancelled. The fit failed, so the front-end distrusts
-        # the snapshot's reader (KerasGeo._distrust_snapshots): the next take copies
-        # every row, then trusts the reader again.
+        # the snapshot's reader: the next take copies every row, then trusts it again.
         for ids in data[0][:2]:
             train_step(first.local, ids)
         first.local.shards[0].take_changed(tf.constant(0, tf.int64))
-        first.old_tracked = first.local_is_old = False
+        geo_rule.distrust_snapshot(first)
         geo_rule.take_global(first)
         assert first.old_tracked and first.local_is_old
         old_rows = global_rows(first.old)

@@ -306,7 +306,7 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
     bounded set of rows: those, read fresh. When ``t.local_is_old`` (a take since which
     the copy did not train: an ``evaluate`` or ``predict`` after ``fit``), only the rows
     changed on the PS come over, into both."""
-    me = tf.constant(t.reader, tf.int64)
+    me, zero = tf.constant(t.reader, tf.int64), tf.constant(0, tf.int64)
     # Cleared until this take completes: one stopped part way (an error) leaves rows of
     # local and old apart whose PS changes it consumed; the next take copies all again.
     only_changed, t.local_is_old = t.local_is_old, False
@@ -340,7 +340,6 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
             if t.old_tracked:
                 # The rows written into old since the last take, and those the copy
                 # trained since its last push (none after a fit's final round).
-                zero = tf.constant(0, tf.int64)
                 written = t.old.shards[0].take_changed(zero)
                 trained = t.local.shards[0].take_changed(zero)
                 keys = tf.unique(tf.concat([keys, written, trained], 0))[0]
@@ -355,7 +354,6 @@ def take_global(t: GeoTable, refresh_all: bool = False) -> None:
         if t.snapshot_reader:
             # local = old on every row now: nothing is pending for the next take, nor
             # for the next push (the inserts above marked their rows for both readers).
-            zero = tf.constant(0, tf.int64)
             t.old.shards[0].take_changed(zero)
             t.local.shards[0].take_changed(zero)
             t.old_tracked = True
@@ -374,6 +372,19 @@ def track_snapshot(t: GeoTable) -> None:
     with tf.device(t.device):
         t.old.shards[0].take_changed(tf.constant(0, tf.int64))
     t.old_tracked = t.snapshot_reader = True
+
+
+def copy_trains(t: GeoTable) -> None:
+    """The copy is about to train (a fit starts): the next take_global copies the rows
+    where it can differ from its snapshot, not only the PS's changes."""
+    t.local_is_old = False
+
+
+def distrust_snapshot(t: GeoTable) -> None:
+    """A fit failed: a round may have failed part way (a push's rows taken from the
+    copy's reader, their write into the snapshot cancelled), so the next take_global
+    copies every row, then trusts the snapshot's reader again."""
+    t.old_tracked = t.local_is_old = False
 
 
 def table_readers(t: GeoTable) -> list:

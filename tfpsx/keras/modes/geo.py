@@ -20,7 +20,8 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import table_readers, take_global, track_snapshot
+from tfpsx.embedding.geo_rule import (copy_trains, distrust_snapshot, table_readers,
+                                     take_global, track_snapshot)
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
@@ -243,8 +244,8 @@ class KerasGeo(KerasMode):
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
         self._start()
-        for t in self.tables:  # the copy trains: its next take copies every row again
-            t.local_is_old = False
+        for t in self.tables:
+            copy_trains(t)
         self._fits += 1
         self._in_fit = True
         self.schedule.start(int(self.steps().read_value()))
@@ -271,11 +272,9 @@ class KerasGeo(KerasMode):
             self.schedule.step_done(int(self._steps.read_value()), steps_left)
 
     def _distrust_snapshots(self) -> None:
-        """A fit failed: a round may have failed part way (a push's rows taken from the
-        copy's reader, their snapshot write cancelled), so the next take copies every
-        row into the copy, not only those its snapshot's reader holds."""
+        """A fit failed (geo_rule.distrust_snapshot)."""
         for t in self.tables:
-            t.old_tracked = t.local_is_old = False
+            distrust_snapshot(t)
 
     def after_fit(self, model, failed: bool) -> None:
         super().after_fit(model, failed)
@@ -294,7 +293,7 @@ class KerasGeo(KerasMode):
             raise
         if failed:
             self._distrust_snapshots()
-        if not failed:
+        else:
             if self.in_train_thread:
                 # Every final push is in before any copy takes the global model: the PS
                 # counts the pushes a worker has not pulled, and its next fit's first
