@@ -145,42 +145,73 @@ void TestBatchReader() {
               tfpsx::BatchReadsUseIoUring() ? "used" : "not used");
 }
 
+// The candidates of one key: (segment, slot) pairs.
+std::vector<std::pair<int32_t, int32_t>> Places(const tfpsx::KeyIndex& index, int64_t key) {
+  std::vector<tfpsx::KeyIndex::Candidate> c;
+  index.Candidates(&key, 1, &c);
+  std::vector<std::pair<int32_t, int32_t>> out;
+  for (const auto& x : c) out.emplace_back(x.segment, x.slot);
+  return out;
+}
+
 void TestKeyIndex() {
-  tfpsx::KeyIndex index(1 << 8);
   const int64_t n = 400000;
-  for (int64_t k = 0; k < n; ++k) index.Insert(k * 7919, k % 1000);
+  // Sized for n at the rebuild's load, as TieredTable's rebuild does: it fills to 95%.
+  tfpsx::KeyIndex index(tfpsx::KeyIndex::BucketsFor(n));
+  auto place = [](int64_t k) { return std::make_pair<int32_t, int32_t>(k % 1000, k % 32); };
+  for (int64_t k = 0; k < n; ++k) CHECK(index.Insert(k * 7919, k % 1000, k % 32));
   CHECK(index.size() == n);
-  std::vector<int32_t> segs;
   int64_t missing = 0, extra = 0;
   for (int64_t k = 0; k < n; ++k) {
-    segs.clear();
-    index.Candidates(k * 7919, &segs);
-    if (std::find(segs.begin(), segs.end(), k % 1000) == segs.end()) ++missing;
-    extra += static_cast<int64_t>(segs.size()) - 1;
+    const auto got = Places(index, k * 7919);
+    if (std::find(got.begin(), got.end(), place(k)) == got.end()) ++missing;
+    extra += static_cast<int64_t>(got.size()) - 1;
   }
   CHECK(missing == 0);
   CHECK(extra < n / 100);  // fingerprint collisions: a read each, rare
-  int64_t never = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    segs.clear();
-    index.Candidates(-k - 1, &segs);
-    never += static_cast<int64_t>(segs.size());
+  // Candidates of many keys at once: the same as one by one.
+  std::vector<int64_t> keys;
+  for (int64_t k = 0; k < 1000; ++k) keys.push_back(k * 7919);
+  std::vector<tfpsx::KeyIndex::Candidate> many;
+  index.Candidates(keys.data(), static_cast<int64_t>(keys.size()), &many);
+  std::vector<std::pair<int32_t, int32_t>> one_by_one, together;
+  for (int64_t key : keys) {
+    const auto got = Places(index, key);
+    one_by_one.insert(one_by_one.end(), got.begin(), got.end());
   }
+  for (const auto& c : many) together.emplace_back(c.segment, c.slot);
+  CHECK(together == one_by_one && together.size() >= keys.size());
+  int64_t never = 0;
+  for (int64_t k = 0; k < n; ++k) never += static_cast<int64_t>(Places(index, -k - 1).size());
   CHECK(never < n / 100);  // a key never stored costs (almost) no read
   const double bytes_per_key = static_cast<double>(index.bytes()) / n;
-  std::printf("key index: %d levels, %.2f bytes/key, %.4f%% false candidates\n",
-              index.levels(), bytes_per_key, 100.0 * never / n);
-  CHECK(bytes_per_key <= 8.5);
-  for (int64_t k = 0; k < n; k += 2) CHECK(index.Erase(k * 7919, k % 1000));
+  std::printf("key index: %.2f bytes/key at %.0f%% load, %.4f%% false candidates\n",
+              bytes_per_key, 100.0 * n / (index.buckets() * tfpsx::KeyIndex::kWays),
+              100.0 * never / n);
+  CHECK(bytes_per_key <= 6.8);
+  // Full at 95%: Insert refuses, nothing changes; the owner rebuilds it larger.
+  int64_t k = n;
+  while (index.Insert(k * 7919, 1, 1)) ++k;
+  const int64_t full = index.size();
+  CHECK(full >= static_cast<int64_t>(0.94 * index.buckets() * tfpsx::KeyIndex::kWays));
+  CHECK(!index.Insert(-5, 1, 1) && index.size() == full);
+  for (int64_t j = n; j < k; ++j) CHECK(index.Erase(j * 7919, 1, 1));
+  // Erase and Relabel match the whole entry: a key's other place is not touched.
+  for (int64_t j = 0; j < n; j += 2) CHECK(index.Erase(j * 7919, j % 1000, j % 32));
+  CHECK(!index.Erase(0, 0, 0));
   CHECK(index.size() == n / 2);
-  // Freed slots are reused: inserting again does not grow it.
-  const int64_t before = index.bytes();
-  for (int64_t k = 0; k < n; k += 2) index.Insert(k * 7919, 5);
-  CHECK(index.bytes() == before);
-  CHECK(index.Relabel(0, 5, 6));
-  segs.clear();
-  index.Candidates(0, &segs);
-  CHECK(std::find(segs.begin(), segs.end(), 6) != segs.end());
+  CHECK(index.Insert(7919, 1, 1) && index.Insert(7919, 1, 2));  // two places of one key
+  CHECK(index.Relabel(7919, 1, 2, 6, 7));
+  auto got = Places(index, 7919);
+  CHECK(std::find(got.begin(), got.end(), std::make_pair(1, 1)) != got.end());
+  CHECK(std::find(got.begin(), got.end(), std::make_pair(6, 7)) != got.end());
+  CHECK(std::find(got.begin(), got.end(), std::make_pair(1, 2)) == got.end());
+  // Reset empties it at the new size; bad places are named errors.
+  index.Reset(100);
+  CHECK(index.size() == 0 && index.buckets() == 100 && Places(index, 7919).empty());
+  bool threw = false;
+  try { index.Insert(1, 0, 32); } catch (const std::out_of_range&) { threw = true; }
+  CHECK(threw);
 }
 
 void TestTrainsAsInRam() {
@@ -193,13 +224,15 @@ void TestTrainsAsInRam() {
   }
   const tfpsx::TierStats st = p.tier.Stats();
   std::printf("tiered: %ld rows (%ld on disk), RAM %ld of %ld (max %ld), %ld segments, "
-              "%ld faulted, %ld spilled, written %ld for %ld spilled bytes\n",
+              "%ld faulted, %ld spilled, written %ld for %ld spilled bytes, index rebuilt %ld "
+              "times\n",
               static_cast<long>(p.tier.Size()), static_cast<long>(st.disk_rows),
               static_cast<long>(st.ram_bytes), 1200L * 1000, static_cast<long>(p.max_ram),
               static_cast<long>(st.segments), static_cast<long>(st.rows_faulted),
               static_cast<long>(st.rows_spilled), static_cast<long>(st.bytes_written),
-              static_cast<long>(st.bytes_spilled));
+              static_cast<long>(st.bytes_spilled), static_cast<long>(st.index_rebuilds));
   CHECK(st.disk_rows > p.hot.Size());  // most rows live on disk
+  CHECK(st.index_rebuilds > 0);  // it grew with the disk's rows, rebuilt from them
   CHECK(st.rows_faulted > 0);
   CHECK(p.max_ram <= 1200 * 1000);
   CHECK(p.tier.Size() == p.ref.Size());

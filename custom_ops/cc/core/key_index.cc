@@ -1,8 +1,9 @@
 #include "custom_ops/cc/core/key_index.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
-#include <utility>
+#include <string>
 
 #include "custom_ops/cc/core/initializer.h"
 
@@ -10,38 +11,53 @@ namespace tfpsx {
 namespace {
 
 constexpr int kMaxKicks = 500;
+constexpr uint32_t kFpMask = (1u << 11) - 1;
+
+// [0, m) from 32 bits of hash, without a division (Lemire's multiply-shift).
+inline uint64_t Range(uint64_t hash32, uint64_t m) { return (hash32 * m) >> 32; }
 
 }  // namespace
 
-KeyIndex::KeyIndex(int64_t first_buckets) {
-  if (first_buckets < 1 || (first_buckets & (first_buckets - 1)) != 0)
-    throw std::invalid_argument("KeyIndex: first_buckets must be a power of two");
-  Level level;
-  level.slots.assign(static_cast<size_t>(first_buckets * kWays), 0);
-  level.mask = static_cast<uint64_t>(first_buckets - 1);
-  levels_.push_back(std::move(level));
+KeyIndex::KeyIndex(int64_t buckets) { Reset(buckets); }
+
+void KeyIndex::Reset(int64_t buckets) {
+  if (buckets < 1 || buckets >= (int64_t{1} << 32))
+    throw std::invalid_argument("KeyIndex: buckets must be in [1, 2^32), got " +
+                                std::to_string(buckets));
+  std::vector<uint32_t>().swap(slots_);  // the old level's memory goes first
+  slots_.assign(static_cast<size_t>(buckets * kWays), 0);
+  buckets_ = buckets;
+  size_ = 0;
 }
 
-KeyIndex::Where KeyIndex::Locate(int64_t key) {
+int64_t KeyIndex::BucketsFor(int64_t keys, int64_t at_least) {
+  const int64_t want = static_cast<int64_t>(std::ceil(keys / (kWays * kRebuildLoad)));
+  return std::max(want, at_least);
+}
+
+KeyIndex::Where KeyIndex::Locate(int64_t key) const {
   // A hash of its own (not the RAM table's HashKey), so that a key's place here does
   // not correlate with its stripe there.
   const uint64_t h = Mix(static_cast<uint64_t>(key) ^ 0x5bd1e9955bd1e995ULL);
-  uint32_t fp = static_cast<uint32_t>(h >> 48);
+  uint32_t fp = static_cast<uint32_t>(h) & kFpMask;
   if (fp == 0) fp = 1;  // 0 marks an empty slot
-  return {h, fp};
+  return {Range(h >> 32, static_cast<uint64_t>(buckets_)), fp};
 }
 
-uint64_t KeyIndex::Alternate(uint64_t bucket, uint32_t fp, uint64_t mask) {
-  return (bucket ^ Mix(fp)) & mask;
+uint64_t KeyIndex::Alternate(uint64_t bucket, uint32_t fp) const {
+  // (c - bucket) mod buckets, c from the fingerprint alone: its own inverse, for any
+  // number of buckets (the xor of power-of-two filters would need one).
+  const uint64_t m = static_cast<uint64_t>(buckets_);
+  const uint64_t c = Range(Mix(fp) >> 32, m);
+  return c >= bucket ? c - bucket : c + m - bucket;
 }
 
-bool KeyIndex::Place(Level& level, uint32_t entry, uint64_t bucket) {
-  const uint64_t mask = level.mask;
-  const uint32_t fp = entry >> 16;
-  const uint64_t other = Alternate(bucket, fp, mask);
+bool KeyIndex::Place(uint32_t entry, uint64_t bucket) {
+  const uint32_t fp = entry >> 21;
+  const uint64_t other = Alternate(bucket, fp);
   for (uint64_t b : {bucket, other}) {
     for (int w = 0; w < kWays; ++w) {
-      uint32_t& slot = level.slots[b * kWays + w];
+      uint32_t& slot = slots_[b * kWays + w];
       if (slot == 0) {
         slot = entry;
         return true;
@@ -56,139 +72,90 @@ bool KeyIndex::Place(Level& level, uint32_t entry, uint64_t bucket) {
   for (int kick = 0; kick < kMaxKicks; ++kick) {
     kick_state_ = kick_state_ * 6364136223846793005ULL + 1442695040888963407ULL;
     const size_t at = b * kWays + ((kick_state_ >> 33) & (kWays - 1));
-    std::swap(hand, level.slots[at]);
+    std::swap(hand, slots_[at]);
     path.push_back(at);
-    b = Alternate(b, hand >> 16, mask);
+    b = Alternate(b, hand >> 21);
     for (int w = 0; w < kWays; ++w) {
-      uint32_t& slot = level.slots[b * kWays + w];
+      uint32_t& slot = slots_[b * kWays + w];
       if (slot == 0) {
         slot = hand;
         return true;
       }
     }
   }
-  for (auto it = path.rbegin(); it != path.rend(); ++it) std::swap(hand, level.slots[*it]);
+  for (auto it = path.rbegin(); it != path.rend(); ++it) std::swap(hand, slots_[*it]);
   return false;  // hand == entry again
 }
 
-void KeyIndex::Insert(int64_t key, int64_t segment) {
+bool KeyIndex::Insert(int64_t key, int64_t segment, int64_t slot) {
   if (segment < 0 || segment >= kMaxSegments)
-    throw std::out_of_range("KeyIndex: segment id out of range");
+    throw std::out_of_range("KeyIndex: segment id " + std::to_string(segment) +
+                            " out of range [0, " + std::to_string(kMaxSegments) + ")");
+  if (slot < 0 || slot > kMaxSlot)
+    throw std::out_of_range("KeyIndex: slot " + std::to_string(slot) + " out of range [0, " +
+                            std::to_string(kMaxSlot) + "]");
+  if (size_ + 1 > static_cast<int64_t>(kMaxLoad * static_cast<double>(slots_.size())))
+    return false;
   const Where w = Locate(key);
-  const uint32_t entry = Entry(w.fp, segment);
-  // A free slot in an earlier level first: the rows that leave the disk free theirs, and
-  // reusing them keeps the index the size of what the disk holds.
-  for (size_t l = 0; l + 1 < levels_.size(); ++l) {
-    Level& level = levels_[l];
-    // A level more than 90% full rarely has a free slot in the key's two buckets.
-    if (level.count * 10 > static_cast<int64_t>(level.slots.size()) * 9) continue;
-    const uint64_t b1 = w.h & level.mask, b2 = Alternate(b1, w.fp, level.mask);
-    for (uint64_t b : {b1, b2}) {
-      for (int i = 0; i < kWays; ++i) {
-        uint32_t& slot = level.slots[b * kWays + i];
-        if (slot == 0) {
-          slot = entry;
-          ++level.count;
-          ++size_;
-          return;
-        }
-      }
-    }
-  }
-  Level* level = &levels_.back();
-  if (!Place(*level, entry, w.h & level->mask)) {
-    Level next;
-    next.mask = level->mask * 2 + 1;
-    next.slots.assign(static_cast<size_t>((next.mask + 1) * kWays), 0);
-    levels_.push_back(std::move(next));
-    level = &levels_.back();
-    if (!Place(*level, entry, w.h & level->mask))
-      throw std::length_error("KeyIndex: a fresh level took no entry");
-  }
-  ++level->count;
+  if (!Place(Entry(w.fp, segment, slot), w.bucket)) return false;
   ++size_;
+  return true;
 }
 
-void KeyIndex::Candidates(int64_t key, std::vector<int32_t>* out) const {
-  const Where w = Locate(key);
-  for (const Level& level : levels_) {
-    const uint64_t b1 = w.h & level.mask, b2 = Alternate(b1, w.fp, level.mask);
+void KeyIndex::Candidates(const int64_t* keys, int64_t n, std::vector<Candidate>* out) const {
+  constexpr int64_t kAhead = 8;
+  auto prefetch = [&](int64_t key) {
+    const Where w = Locate(key);
+    __builtin_prefetch(&slots_[w.bucket * kWays]);
+    __builtin_prefetch(&slots_[Alternate(w.bucket, w.fp) * kWays]);
+  };
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(keys[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch(keys[i + kAhead]);
+    const Where w = Locate(keys[i]);
+    const uint64_t b1 = w.bucket, b2 = Alternate(b1, w.fp);
     for (uint64_t b : {b1, b2}) {
-      for (int i = 0; i < kWays; ++i) {
-        const uint32_t e = level.slots[b * kWays + i];
-        if (e != 0 && (e >> 16) == w.fp) out->push_back(static_cast<int32_t>(e & 0xffff));
+      for (int j = 0; j < kWays; ++j) {
+        const uint32_t e = slots_[b * kWays + j];
+        if (e != 0 && (e >> 21) == w.fp)
+          out->push_back({keys[i], static_cast<int32_t>((e >> 5) & 0xffff),
+                          static_cast<int32_t>(e & 31)});
       }
       if (b2 == b1) break;
     }
   }
 }
 
-void KeyIndex::Candidates(const int64_t* keys, int64_t n,
-                          std::vector<std::pair<int64_t, int32_t>>* out) const {
-  constexpr int64_t kAhead = 8;
-  auto prefetch = [&](int64_t key) {
-    const Where w = Locate(key);
-    for (const Level& level : levels_) {
-      const uint64_t b1 = w.h & level.mask;
-      __builtin_prefetch(&level.slots[b1 * kWays]);
-      __builtin_prefetch(&level.slots[Alternate(b1, w.fp, level.mask) * kWays]);
-    }
-  };
-  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(keys[i]);
-  std::vector<int32_t> segments;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch(keys[i + kAhead]);
-    segments.clear();
-    Candidates(keys[i], &segments);
-    for (int32_t seg : segments) out->emplace_back(keys[i], seg);
-  }
-}
-
-std::pair<uint32_t*, KeyIndex::Level*> KeyIndex::FindEntry(int64_t key, int64_t segment) {
+uint32_t* KeyIndex::FindEntry(int64_t key, uint32_t segment_and_slot) {
   const Where w = Locate(key);
-  const uint32_t entry = Entry(w.fp, segment);
-  // The largest level first: it holds about half the entries (a lookup of a stored key
-  // then touches ~2 levels, not all of them).
-  for (auto it = levels_.rbegin(); it != levels_.rend(); ++it) {
-    Level& level = *it;
-    const uint64_t b1 = w.h & level.mask, b2 = Alternate(b1, w.fp, level.mask);
-    for (uint64_t b : {b1, b2}) {
-      for (int i = 0; i < kWays; ++i) {
-        uint32_t& e = level.slots[b * kWays + i];
-        if (e == entry) return {&e, &level};
-      }
+  const uint32_t entry = w.fp << 21 | segment_and_slot;
+  const uint64_t b1 = w.bucket, b2 = Alternate(b1, w.fp);
+  for (uint64_t b : {b1, b2}) {
+    for (int i = 0; i < kWays; ++i) {
+      uint32_t& e = slots_[b * kWays + i];
+      if (e == entry) return &e;
     }
   }
-  return {nullptr, nullptr};
+  return nullptr;
 }
 
-bool KeyIndex::Erase(int64_t key, int64_t segment) {
-  auto [e, level] = FindEntry(key, segment);
+bool KeyIndex::Erase(int64_t key, int64_t segment, int64_t slot) {
+  uint32_t* e = FindEntry(key, Entry(0, segment, slot));
   if (e == nullptr) return false;
   *e = 0;
-  --level->count;
   --size_;
   return true;
 }
 
-bool KeyIndex::Relabel(int64_t key, int64_t from, int64_t to) {
-  uint32_t* e = FindEntry(key, from).first;
+bool KeyIndex::Relabel(int64_t key, int64_t from, int64_t from_slot, int64_t to,
+                       int64_t to_slot) {
+  if (to < 0 || to >= kMaxSegments || to_slot < 0 || to_slot > kMaxSlot)
+    throw std::out_of_range("KeyIndex: relabel to segment " + std::to_string(to) + " slot " +
+                            std::to_string(to_slot) + " out of range");
+  uint32_t* e = FindEntry(key, Entry(0, from, from_slot));
   if (e == nullptr) return false;
-  *e = Entry(*e >> 16, to);
+  *e = Entry(*e >> 21, to, to_slot);
   return true;
-}
-
-void KeyIndex::Clear() {
-  levels_.resize(1);
-  std::fill(levels_[0].slots.begin(), levels_[0].slots.end(), 0);
-  levels_[0].count = 0;
-  size_ = 0;
-}
-
-int64_t KeyIndex::bytes() const {
-  int64_t total = 0;
-  for (const Level& level : levels_) total += static_cast<int64_t>(level.slots.capacity()) * 4;
-  return total;
 }
 
 }  // namespace tfpsx

@@ -48,7 +48,8 @@ SegmentStore::SegmentStore(std::string directory, int64_t width)
     : directory_(std::move(directory)),
       width_(width),
       record_bytes_(20 + 4 * width),
-      group_records_(std::max<int64_t>(kGroupRecords, kGroupBytes / (20 + 4 * width))) {}
+      group_records_(std::max<int64_t>(
+          kMinGroupRecords, std::min<int64_t>(kGroupRecords, kGroupBytes / (20 + 4 * width)))) {}
 
 SegmentStore::~SegmentStore() { DropAll(); }
 
@@ -160,9 +161,7 @@ void SegmentStore::Pread(const File& f, char* buf, int64_t bytes, int64_t offset
 SegmentStore::Read SegmentStore::PlanRead(const std::vector<Request>& requests) const {
   Read read;
   read.record_bytes = record_bytes_;
-  read.group_records = group_records_;
   std::vector<Read::Want>& wants = read.wants;
-  std::vector<int32_t> segment_of;
   wants.reserve(requests.size());
   for (int64_t q = 0; q < static_cast<int64_t>(requests.size()); ++q) {
     const Request& r = requests[q];
@@ -170,34 +169,38 @@ SegmentStore::Read SegmentStore::PlanRead(const std::vector<Request>& requests) 
                            ? segs_[r.segment].get()
                            : nullptr;
     if (s == nullptr || s->fences.empty() || r.key < s->fences.front()) continue;
+    // The key's group (its fences), then the index's place in it.
     const int64_t g =
         std::upper_bound(s->fences.begin(), s->fences.end(), r.key) - s->fences.begin() - 1;
-    wants.push_back({q, g});
+    const int64_t record = g * group_records_ + r.slot;
+    if (r.slot < 0 || r.slot >= group_records_ || record >= s->count || IsDead(*s, record))
+      continue;
+    wants.push_back({q, record});
   }
   auto seg = [&](const Read::Want& w) { return requests[w.request].segment; };
   std::sort(wants.begin(), wants.end(), [&](const Read::Want& a, const Read::Want& b) {
-    return seg(a) != seg(b) ? seg(a) < seg(b) : a.group < b.group;
+    return seg(a) != seg(b) ? seg(a) < seg(b) : a.record < b.record;
   });
-  const int64_t max_groups = std::max<int64_t>(1, kMaxRunBytes / (group_records_ * record_bytes_));
+  const int64_t gap = std::max<int64_t>(1, kMergeGapBytes / record_bytes_);
+  const int64_t max_records = std::max<int64_t>(1, kMaxRunBytes / record_bytes_);
   for (size_t a = 0; a < wants.size();) {
-    // A run: groups of one segment, each at most one past the last, within kMaxRunBytes.
+    // A run: records of one segment, each at most `gap` past the last, within
+    // kMaxRunBytes (two candidates of one record share it).
     const int32_t id = seg(wants[a]);
     const Segment& s = *segs_[id];
-    const int64_t first = wants[a].group;
+    const int64_t first = wants[a].record;
     size_t b = a + 1;
-    while (b < wants.size() && seg(wants[b]) == id && wants[b].group <= wants[b - 1].group + 1 &&
-           wants[b].group - first < max_groups)
+    while (b < wants.size() && seg(wants[b]) == id &&
+           wants[b].record <= wants[b - 1].record + gap && wants[b].record - first < max_records)
       ++b;
-    const int64_t last = wants[b - 1].group;
-    read.runs.push_back({s.file, id, s.number, first * group_records_,
-                         std::min(s.count, (last + 1) * group_records_), a, b});
+    read.runs.push_back({s.file, id, s.number, first, wants[b - 1].record + 1, a, b});
     a = b;
   }
   return read;
 }
 
 void SegmentStore::RunRead(const std::vector<Request>& requests, Read* read) {
-  const int64_t rb = read->record_bytes, gr = read->group_records;
+  const int64_t rb = read->record_bytes;
   read->rows.width = (rb - 20) / 4;
   // Kept per thread: a fresh buffer per batch would fault its pages in each time.
   thread_local std::vector<char> buf;
@@ -231,22 +234,13 @@ void SegmentStore::RunRead(const std::vector<Request>& requests, Read* read) {
       const char* data = buf.data() + at[r - first];
       for (size_t w = run.first_want; w < run.end_want; ++w) {
         const Read::Want& want = read->wants[w];
-        const int64_t key_wanted = requests[want.request].key;
-        int64_t lo = want.group * gr - run.begin;
-        int64_t hi = std::min(run.end, (want.group + 1) * gr) - run.begin;
-        while (lo < hi) {  // first record with key >= key_wanted
-          const int64_t mid = (lo + hi) / 2;
-          int64_t k;
-          std::memcpy(&k, data + mid * rb, 8);
-          if (k < key_wanted) lo = mid + 1; else hi = mid;
-        }
-        if (lo >= run.end - run.begin) continue;
         int64_t key, step;
         uint32_t freq;
         const float* row;
-        ParseRecord(data + lo * rb, &key, &step, &freq, &row);
-        if (key != key_wanted) continue;
-        read->hits.push_back({want.request, run.segment, run.number, run.begin + lo});
+        ParseRecord(data + (want.record - run.begin) * rb, &key, &step, &freq, &row);
+        // Another key's record when the candidate was a fingerprint's collision.
+        if (key != requests[want.request].key) continue;
+        read->hits.push_back({want.request, run.segment, run.number, want.record});
         read->rows.Add(key, step, freq, row);
       }
     }

@@ -2,13 +2,15 @@
 //
 // A segment is written once, by one call, from rows sorted by key: a 64-byte header,
 // then records [key int64 | step int64 | freq uint32 | value and slot floats] (the RAM
-// table's record, row_store.h), in groups of >= 4 KiB and >= 6 records. RAM keeps per
-// segment the first key of each group (its fences: at most 8 bytes per 6 records) and one bit per record
-// saying that the row went back to RAM or away (dead); nothing per key. A read of many
-// keys is one batch: the groups they fall in are sorted, adjacent ones merged, and each
-// run read by one pread (the page cache is the OS's, outside the process's RSS; no
-// mmap, whose pages would count in it). Segments are never rewritten in place: a
-// compaction writes the live records of some into a new one and drops them.
+// table's record, row_store.h), in groups of kGroupRecords records or fewer. RAM keeps
+// per segment the first key of each group (its fences: 8 bytes per group) and one bit
+// per record saying that the row went back to RAM or away (dead). A row's place in its
+// group is the key index's (key_index.h): a lookup finds the group from the fences and
+// reads that one record. A read of many keys is one batch: the records are sorted,
+// those close together merged into one read, and the reads submitted together (the
+// page cache is the OS's, outside the process's RSS; no mmap, whose pages would count
+// in it). Segments are never rewritten in place: a compaction writes the live records
+// of some into a new one and drops them.
 //
 // Errors (a directory that cannot be written, a full disk) throw std::runtime_error
 // naming the file and the system's reason; a failed write leaves no segment behind.
@@ -32,12 +34,16 @@ namespace tfpsx {
 class SegmentStore {
  public:
   static constexpr int64_t kHeaderBytes = 64;
-  // A group: at least kGroupBytes and at least kGroupRecords records (fences then cost
-  // at most 8 / kGroupRecords bytes a key); a lookup reads one group. (1 KiB groups
-  // measured no faster on this machine, and their fences took RAM from hot rows.)
+  // A group: about kGroupBytes of records, at least kMinGroupRecords (fences then cost
+  // at most 8 / kMinGroupRecords bytes a key) and at most kGroupRecords (a record's
+  // place in its group is 5 bits of its index entry).
   static constexpr int64_t kGroupBytes = 4096;
-  static constexpr int64_t kGroupRecords = 6;
+  static constexpr int64_t kMinGroupRecords = 6;
+  static constexpr int64_t kGroupRecords = 32;
   static constexpr int64_t kMaxRunBytes = int64_t{1} << 20;  // one pread at most
+  // Records of one segment at most this many bytes apart are read by one read (the
+  // bytes between cost less than another request).
+  static constexpr int64_t kMergeGapBytes = 1024;
 
   SegmentStore(std::string directory, int64_t width);
   ~SegmentStore();
@@ -55,11 +61,12 @@ class SegmentStore {
   // returns its id.
   int32_t Write(const RecordBatch& batch, const std::vector<int64_t>* order = nullptr);
 
-  // One lookup: `key` in segment `segment`; the batch read fills record (-1: not there
-  // or dead) and, when found, its row into `into` at `slot`.
+  // One lookup: `key` at place `slot` of its group in segment `segment` (the key
+  // index's candidate); ReadMany fills record (-1: not there or dead).
   struct Request {
     int64_t key;
     int32_t segment;
+    int32_t slot;
     int64_t record = -1;   // out
   };
   // Finds every request's record; found rows are appended to `into` in disk order
@@ -89,7 +96,7 @@ class SegmentStore {
     };
     struct Want {
       int64_t request;
-      int64_t group;
+      int64_t record;
     };
     struct Hit {
       int64_t request;
@@ -99,7 +106,7 @@ class SegmentStore {
     };
     std::vector<Run> runs;
     std::vector<Want> wants;
-    int64_t record_bytes = 0, group_records = 0;
+    int64_t record_bytes = 0;
     std::vector<Hit> hits;  // RunRead's, in disk order; their rows are rows'
     RecordBatch rows;
     int64_t bytes_read = 0, read_calls = 0;
@@ -144,6 +151,7 @@ class SegmentStore {
   int64_t records(int32_t segment) const { return segs_[segment]->count; }
 
   int64_t record_bytes() const { return record_bytes_; }
+  int64_t group_records() const { return group_records_; }
   int64_t live_rows() const { return live_rows_; }
   // RAM held: fences, dead bits, per-segment state.
   int64_t ram_bytes() const;

@@ -31,16 +31,12 @@ std::vector<int64_t> KeyOrder(const RecordBatch& batch) {
   return order;
 }
 
-// The key index's first level: about as many entries as RAM holds rows (rounded down to
-// a power of two of buckets), never fewer than KeyIndex's default. Every lookup asks
-// every level (two cache lines each): a table of 10x ram_bytes then has 5 levels, where
-// levels growing from the default's 16k entries took 9. What it costs up front: 4 bytes
-// per row that fits in RAM (3-5% of ram_bytes at dim 8-16).
+// The key index's first size: about as many entries as RAM holds rows, never fewer
+// than KeyIndex's default, so that the first spills need no rebuild. What it costs up
+// front: 4 bytes per row that fits in RAM (3-5% of ram_bytes at dim 8-16).
 int64_t FirstBuckets(int64_t ram_bytes, int64_t record) {
   const int64_t rows = ram_bytes / (record + 8);
-  int64_t buckets = KeyIndex::kFirstBuckets;
-  while (buckets * 2 * KeyIndex::kWays <= rows) buckets *= 2;
-  return buckets;
+  return std::max<int64_t>(KeyIndex::kFirstBuckets, rows / (2 * KeyIndex::kWays));
 }
 
 }  // namespace
@@ -49,7 +45,8 @@ TieredTable::TieredTable(HashTable* hot, TierOptions options)
     : hot_(hot),
       options_(std::move(options)),
       store_(options_.directory, hot->row_width()),
-      index_(FirstBuckets(options_.ram_bytes, 20 + 4 * hot->row_width())) {
+      index_(FirstBuckets(options_.ram_bytes, 20 + 4 * hot->row_width())),
+      first_buckets_(index_.buckets()) {
   if (options_.directory.empty())
     throw std::invalid_argument("a tiered table needs a directory for its disk rows");
   if (options_.ram_bytes <= 0)
@@ -139,12 +136,20 @@ void TieredTable::FindOnDisk(const int64_t* keys, int64_t n, int64_t width, floa
 }
 
 std::vector<SegmentStore::Request> TieredTable::Lookups(const int64_t* keys, int64_t n) const {
-  std::vector<std::pair<int64_t, int32_t>> candidates;
+  CheckIndex();
+  std::vector<KeyIndex::Candidate> candidates;
   index_.Candidates(keys, n, &candidates);
   std::vector<SegmentStore::Request> requests;
   requests.reserve(candidates.size());
-  for (const auto& c : candidates) requests.push_back({c.first, c.second});
+  for (const auto& c : candidates) requests.push_back({c.key, c.segment, c.slot});
   return requests;
+}
+
+void TieredTable::CheckIndex() const {
+  if (!index_error_.empty())
+    throw std::runtime_error("the tiered table in " + options_.directory +
+                             " lost its index of disk rows (" + index_error_ +
+                             "): restore a checkpoint");
 }
 
 std::vector<int64_t> TieredTable::Missing(const int64_t* keys, int64_t n) const {
@@ -183,7 +188,7 @@ void TieredTable::TakeLive(SegmentStore::Read* read, RecordBatch* rows,
     const int64_t key = read->rows.keys[h];
     rows->Add(key, read->rows.steps[h], read->rows.freqs[h], read->rows.rows.data() + h * width);
     store_.MarkDead(hit.segment, hit.record);
-    index_.Erase(key, hit.segment);
+    index_.Erase(key, hit.segment, hit.record % store_.group_records());
     dirty->push_back(dirty_on_disk_.erase(key) > 0 ? 1 : 0);
   }
 }
@@ -219,7 +224,7 @@ void TieredTable::Settle(const int64_t* keys, int64_t n) {
                std::to_string(options_.ram_bytes) + " with " + std::to_string(hot_->Size()) +
                " rows left in RAM: the index of the " + std::to_string(store_.live_rows()) +
                " rows on disk takes " + std::to_string(index_.bytes() + store_.ram_bytes()) +
-               " bytes (4-8 a row); raise ram_bytes";
+               " bytes (4.2-6.7 a row); raise ram_bytes";
   }
 }
 
@@ -274,10 +279,17 @@ void TieredTable::Spill(int64_t target_bytes, const int64_t* keep, int64_t n_kee
         hot_->PutRows(batch, dirty);  // nothing lost: the rows stay in RAM
         throw;
       }
-      for (int64_t i = 0; i < batch.size(); ++i) {
-        index_.Insert(batch.keys[i], seg);
-        if (dirty[i]) dirty_on_disk_.insert(batch.keys[i]);
+      const int64_t gr = store_.group_records();
+      for (int64_t at = 0; at < batch.size(); ++at) {
+        const int64_t i = order[at];
+        // A full index is rebuilt larger from every disk row, this segment's too.
+        if (!index_.Insert(batch.keys[i], seg, at % gr)) {
+          RebuildIndex();
+          break;
+        }
       }
+      for (int64_t i = 0; i < batch.size(); ++i)
+        if (dirty[i]) dirty_on_disk_.insert(batch.keys[i]);
       rows_spilled_ += batch.size();
       bytes_spilled_ += batch.size() * RecordBytes();
     }
@@ -315,16 +327,21 @@ void TieredTable::Compact() {
   if (chosen.size() < 2) return;
   RecordBatch batch;
   batch.width = hot_->row_width();
-  std::vector<int32_t> from;
+  std::vector<std::pair<int32_t, int64_t>> from;  // (segment, record)
   for (int32_t seg : chosen) {
-    store_.Scan(seg, [&](int64_t, int64_t key, int64_t step, uint32_t freq, const float* row) {
+    store_.Scan(seg, [&](int64_t record, int64_t key, int64_t step, uint32_t freq,
+                         const float* row) {
       batch.Add(key, step, freq, row);
-      from.push_back(seg);
+      from.emplace_back(seg, record);
     });
   }
   const std::vector<int64_t> order = KeyOrder(batch);
   const int32_t out = store_.Write(batch, &order);
-  for (int64_t i = 0; i < batch.size(); ++i) index_.Relabel(batch.keys[i], from[i], out);
+  const int64_t gr = store_.group_records();
+  for (int64_t at = 0; at < batch.size(); ++at) {
+    const int64_t i = order[at];
+    index_.Relabel(batch.keys[i], from[i].first, from[i].second % gr, out, at % gr);
+  }
   for (int32_t seg : chosen) store_.Drop(seg);
 }
 
@@ -341,6 +358,7 @@ TierStats TieredTable::Stats() const {
   s.rows_faulted = rows_faulted_;
   s.segments = static_cast<int64_t>(store_.segments().size());
   s.index_bytes = index_.bytes();
+  s.index_rebuilds = index_rebuilds_;
   return s;
 }
 

@@ -10,8 +10,9 @@
 //   updated rows leave whole, in segments of at most kSpillBytes, down to the low-water
 //   mark; then a bounded compaction rewrites the live rows of the emptiest segments.
 // RAM counted against ram_bytes: the HashTable's resident bytes (rows, slots, index),
-// the key index (4-8 bytes a disk key), the segments' fences and dead bits (~1 bit and
-// 8 bytes per 4 KiB of rows), the set of disk rows changed since the last checkpoint.
+// the key index (4.2-6.7 bytes a disk key), the segments' fences and dead bits (1 bit a
+// record, 8 bytes a group of at most 32), the set of disk rows changed since the last
+// checkpoint.
 // Buffers of one spill or compaction (at most kSpillBytes each) are the fixed overhead.
 //
 // A row is either in RAM or live on disk, never both: FaultIn kills the disk copy it
@@ -55,6 +56,7 @@ struct TierStats {
   int64_t rows_faulted = 0;
   int64_t segments = 0;
   int64_t index_bytes = 0;
+  int64_t index_rebuilds = 0;  // the key index rebuilt larger from the disk's keys
 };
 
 class TieredTable {
@@ -166,6 +168,11 @@ class TieredTable {
  private:
   // A batch read's requests for keys[n]: one per index entry matching a key (its file).
   std::vector<SegmentStore::Request> Lookups(const int64_t* keys, int64_t n) const;
+  // The key index, full, rebuilt larger from every live disk row (a scan of the
+  // segments). An I/O error leaves it lost: every later lookup throws (CheckIndex),
+  // never a disk row taken for a new one.
+  void RebuildIndex();
+  void CheckIndex() const;
   // The keys of keys[n] not in RAM, sorted, unique.
   std::vector<int64_t> Missing(const int64_t* keys, int64_t n) const;
   // Rows of `missing` (sorted, unique, not in RAM) that are on disk, read and killed
@@ -192,6 +199,9 @@ class TieredTable {
   const TierOptions options_;
   SegmentStore store_;
   KeyIndex index_;
+  const int64_t first_buckets_;
+  std::string index_error_;  // why the index was lost ("" while it holds)
+  int64_t index_rebuilds_ = 0;
   // Disk rows written since the last checkpoint export (they left RAM dirty).
   std::unordered_set<int64_t> dirty_on_disk_;
   // Disk rows evicted since the last checkpoint export (its "removed").

@@ -38,6 +38,28 @@ void TieredTable::ForEachDiskRow(Fn&& fn) {
   }
 }
 
+void TieredTable::RebuildIndex() {
+  CheckIndex();
+  const int64_t gr = store_.group_records();
+  int64_t buckets = KeyIndex::BucketsFor(store_.live_rows(), first_buckets_);
+  try {
+    for (;;) {
+      index_.Reset(buckets);  // the old one's memory goes first: RAM stays bounded
+      bool full = false;
+      ForEachDiskRow([&](int32_t seg, int64_t record, int64_t key, int64_t, uint32_t,
+                         const float*) {
+        if (!full && !index_.Insert(key, seg, record % gr)) full = true;
+      });
+      if (!full) break;
+      buckets += buckets / 2;  // a place not found at 60% load: rare, try larger
+    }
+  } catch (const std::exception& e) {
+    index_error_ = std::string("rebuilding it failed: ") + e.what();
+    throw;
+  }
+  ++index_rebuilds_;
+}
+
 void TieredTable::AppendRows(const RecordBatch& rows, ExportedRows* out) const {
   const int64_t dim = hot_->dim(), width = hot_->row_width();
   for (int64_t i = 0; i < rows.size(); ++i) {
@@ -213,7 +235,8 @@ std::string TieredTable::Import(const int64_t* keys, int64_t n, const float* val
   }
   if (clear_first) {
     store_.DropAll();
-    index_.Clear();
+    index_.Reset(first_buckets_);
+    index_error_.clear();
     dirty_on_disk_.clear();
     removed_on_disk_.clear();
     tracking_ = false;
@@ -257,7 +280,7 @@ int64_t TieredTable::EvictOlderThan(int64_t min_step) {
                      const float*) {
     if (step >= min_step) return;
     store_.MarkDead(seg, record);
-    index_.Erase(key, seg);
+    index_.Erase(key, seg, record % store_.group_records());
     dirty_on_disk_.erase(key);
     if (tracking_) removed_on_disk_.insert(key);
     ++evicted_;
