@@ -473,6 +473,51 @@ void TestErrors() {
   CHECK(hot.Size() == 0);
 }
 
+// The key index rebuilt from segments that cannot be read (cut short behind the
+// table's back): the rebuild's error goes to its caller, and every later lookup
+// throws, naming the lost index, rather than taking a disk row's key for a new one.
+void TestLostIndex() {
+  tfpsx::HashTable hot(Opts(16));
+  const std::string dir = TempDir("l/part_0");
+  tfpsx::TieredTable t(&hot, {dir, 1200 * 1000});
+  t.Open();
+  std::vector<float> out(500 * 16);
+  int64_t next = 0;
+  auto insert = [&]() {  // 500 new keys: nothing to bring back, so no FaultIn
+    std::vector<int64_t> keys(500);
+    for (auto& k : keys) k = next++;
+    hot.FindOrInsert(keys.data(), 500, 1, out.data());
+    t.Settle();
+  };
+  while (t.Stats().disk_rows < 5000) insert();
+  CHECK(t.Stats().index_rebuilds == 0);
+  for (int32_t n = 0; n < 64; ++n) {  // every segment file so far, cut to its header
+    const std::string path = dir + "/seg_" + std::to_string(n) + ".dat";
+    if (::access(path.c_str(), F_OK) == 0) CHECK(::truncate(path.c_str(), 64) == 0);
+  }
+  std::string first;
+  for (int i = 0; i < 200 && first.empty(); ++i) {
+    try {
+      insert();
+    } catch (const std::runtime_error& e) {
+      first = e.what();
+    }
+  }
+  CHECK(first.find("cannot read the segment") != std::string::npos);
+  std::string then;
+  try {  // a read of keys, some of them on disk
+    std::vector<int64_t> keys(1000);
+    for (int64_t i = 0; i < 1000; ++i) keys[i] = i;
+    std::vector<float> rows(1000 * 16);
+    std::unique_ptr<bool[]> found(new bool[1000]());
+    t.FindOnDisk(keys.data(), 1000, 16, rows.data(), found.get());
+  } catch (const std::runtime_error& e) {
+    then = e.what();
+  }
+  CHECK(then.find("lost its index") != std::string::npos &&
+        then.find("restore a checkpoint") != std::string::npos);
+}
+
 }  // namespace
 
 int main() {
@@ -483,6 +528,7 @@ int main() {
   TestCheckpointsAndEviction();
   TestPagedExport();
   TestErrors();
+  TestLostIndex();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
