@@ -215,6 +215,7 @@ bench: setup tier-peer
 	$(PY) benchmarks/embedding_ops.py
 	$(PY) benchmarks/embedding_cache.py
 	$(PY) benchmarks/tiered_table.py --ram_mb 64 --fill 10 --dims 16,64 --steps 200
+	$(PY) benchmarks/tier_miss_floor.py --ids 4534382 --rows 74000,148000,300000
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/session_run_cost.py
