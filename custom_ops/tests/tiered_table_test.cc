@@ -206,6 +206,17 @@ void TestKeyIndex() {
   CHECK(std::find(got.begin(), got.end(), std::make_pair(1, 1)) != got.end());
   CHECK(std::find(got.begin(), got.end(), std::make_pair(6, 7)) != got.end());
   CHECK(std::find(got.begin(), got.end(), std::make_pair(1, 2)) == got.end());
+  // A level of 2 buckets filled until it refuses: entries kicked between their buckets
+  // (and kicks that failed, undone) leave every key placed still found.
+  index.Reset(2);
+  int64_t placed = 0;
+  while (index.Insert(placed * 7919, placed, placed % 32)) ++placed;
+  CHECK(placed >= 1 && index.size() == placed);
+  for (int64_t j = 0; j < placed; ++j) {
+    const auto at = Places(index, j * 7919);
+    CHECK(std::find(at.begin(), at.end(), std::make_pair<int32_t, int32_t>(j, j % 32)) !=
+          at.end());
+  }
   // Reset empties it at the new size; bad places are named errors.
   index.Reset(100);
   CHECK(index.size() == 0 && index.buckets() == 100 && Places(index, 7919).empty());
@@ -516,6 +527,20 @@ void TestLostIndex() {
   }
   CHECK(then.find("lost its index") != std::string::npos &&
         then.find("restore a checkpoint") != std::string::npos);
+  // A restore (an import that clears the table) starts a new index: rows spill to disk
+  // and come back again.
+  CHECK(t.Import(nullptr, 0, nullptr, nullptr, 0, nullptr, nullptr, true).empty());
+  CHECK(t.Size() == 0);
+  next = 0;
+  while (t.Stats().disk_rows < 2000) insert();
+  int64_t back = 0;  // a key on disk: not in RAM
+  for (bool in_ram = true; in_ram; ++back) hot.Present(&back, 1, &in_ram);
+  --back;
+  const int64_t faulted = t.Stats().rows_faulted;
+  t.FaultIn(&back, 1);
+  bool now = false;
+  hot.Present(&back, 1, &now);
+  CHECK(now && t.Stats().rows_faulted == faulted + 1);
 }
 
 }  // namespace

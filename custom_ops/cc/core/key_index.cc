@@ -24,10 +24,13 @@ void KeyIndex::Reset(int64_t buckets) {
   if (buckets < 1 || buckets >= (int64_t{1} << 32))
     throw std::invalid_argument("KeyIndex: buckets must be in [1, 2^32), got " +
                                 std::to_string(buckets));
-  std::vector<uint32_t>().swap(slots_);  // the old level's memory goes first
+  // The old level's memory goes first. Should the new one fail to allocate, the index
+  // is left empty and sized 0 (every call then finds nothing and Insert refuses).
+  std::vector<uint32_t>().swap(slots_);
+  buckets_ = 0;
+  size_ = 0;
   slots_.assign(static_cast<size_t>(buckets * kWays), 0);
   buckets_ = buckets;
-  size_ = 0;
 }
 
 int64_t KeyIndex::BucketsFor(int64_t keys, int64_t at_least) {
@@ -94,7 +97,8 @@ bool KeyIndex::Insert(int64_t key, int64_t segment, int64_t slot) {
   if (slot < 0 || slot > kMaxSlot)
     throw std::out_of_range("KeyIndex: slot " + std::to_string(slot) + " out of range [0, " +
                             std::to_string(kMaxSlot) + "]");
-  if (size_ + 1 > static_cast<int64_t>(kMaxLoad * static_cast<double>(slots_.size())))
+  if (buckets_ == 0 ||
+      size_ + 1 > static_cast<int64_t>(kMaxLoad * static_cast<double>(slots_.size())))
     return false;
   const Where w = Locate(key);
   if (!Place(Entry(w.fp, segment, slot), w.bucket)) return false;
@@ -103,6 +107,7 @@ bool KeyIndex::Insert(int64_t key, int64_t segment, int64_t slot) {
 }
 
 void KeyIndex::Candidates(const int64_t* keys, int64_t n, std::vector<Candidate>* out) const {
+  if (buckets_ == 0) return;
   constexpr int64_t kAhead = 8;
   auto prefetch = [&](int64_t key) {
     const Where w = Locate(key);
@@ -127,6 +132,7 @@ void KeyIndex::Candidates(const int64_t* keys, int64_t n, std::vector<Candidate>
 }
 
 uint32_t* KeyIndex::FindEntry(int64_t key, uint32_t segment_and_slot) {
+  if (buckets_ == 0) return nullptr;
   const Where w = Locate(key);
   const uint32_t entry = w.fp << 21 | segment_and_slot;
   const uint64_t b1 = w.bucket, b2 = Alternate(b1, w.fp);

@@ -58,7 +58,8 @@ class KeyIndex {
   bool Erase(int64_t key, int64_t segment, int64_t slot);
   // Moves the entry of key from (from, from_slot) to (to, to_slot) (compaction).
   bool Relabel(int64_t key, int64_t from, int64_t from_slot, int64_t to, int64_t to_slot);
-  // Empties the level and sizes it to `buckets` (>= 1).
+  // Empties the level and sizes it to `buckets` (>= 1). Throws std::bad_alloc with the
+  // index left empty, of 0 buckets.
   void Reset(int64_t buckets);
   void Clear() { Reset(buckets_); }
   // The buckets a rebuild for `keys` entries takes (kRebuildLoad; never below the first).

@@ -86,7 +86,8 @@ int32_t SegmentStore::Write(const RecordBatch& batch, const std::vector<int64_t>
   const int64_t n = batch.size();
   int32_t id = 0;
   while (id < static_cast<int32_t>(segs_.size()) && segs_[id] != nullptr) ++id;
-  if (id >= 65535) throw std::runtime_error("tiered table: 65,535 segments in " + directory_);
+  if (id >= KeyIndex::kMaxSegments)
+    throw std::runtime_error("tiered table: 65,535 segments in " + directory_);
   auto seg = std::make_unique<Segment>();
   seg->number = next_file_++;
   seg->path = directory_ + "/" + kPrefix + std::to_string(seg->number) + kSuffix;
@@ -178,9 +179,19 @@ SegmentStore::Read SegmentStore::PlanRead(const std::vector<Request>& requests) 
     wants.push_back({q, record});
   }
   auto seg = [&](const Read::Want& w) { return requests[w.request].segment; };
+  auto key = [&](const Read::Want& w) { return requests[w.request].key; };
   std::sort(wants.begin(), wants.end(), [&](const Read::Want& a, const Read::Want& b) {
-    return seg(a) != seg(b) ? seg(a) < seg(b) : a.record < b.record;
+    if (seg(a) != seg(b)) return seg(a) < seg(b);
+    return a.record != b.record ? a.record < b.record : key(a) < key(b);
   });
+  // One want per (record, key): two keys can hold identical entries (fingerprint,
+  // segment, slot) in the same buckets, so a key may name one record twice; read twice,
+  // its row would come back twice.
+  wants.erase(std::unique(wants.begin(), wants.end(),
+                          [&](const Read::Want& a, const Read::Want& b) {
+                            return seg(a) == seg(b) && a.record == b.record && key(a) == key(b);
+                          }),
+              wants.end());
   const int64_t gap = std::max<int64_t>(1, kMergeGapBytes / record_bytes_);
   const int64_t max_records = std::max<int64_t>(1, kMaxRunBytes / record_bytes_);
   for (size_t a = 0; a < wants.size();) {

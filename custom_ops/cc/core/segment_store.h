@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "custom_ops/cc/core/key_index.h"
 #include "custom_ops/cc/core/record_batch.h"
 
 namespace tfpsx {
@@ -40,6 +41,7 @@ class SegmentStore {
   static constexpr int64_t kGroupBytes = 4096;
   static constexpr int64_t kMinGroupRecords = 6;
   static constexpr int64_t kGroupRecords = 32;
+  static_assert(kGroupRecords == KeyIndex::kMaxSlot + 1, "a slot names a record of a group");
   static constexpr int64_t kMaxRunBytes = int64_t{1} << 20;  // one pread at most
   // Records of one segment at most this many bytes apart are read by one read (the
   // bytes between cost less than another request).

@@ -31,9 +31,9 @@ std::vector<int64_t> KeyOrder(const RecordBatch& batch) {
   return order;
 }
 
-// The key index's first size: about as many entries as RAM holds rows, never fewer
-// than KeyIndex's default, so that the first spills need no rebuild. What it costs up
-// front: 4 bytes per row that fits in RAM (3-5% of ram_bytes at dim 8-16).
+// The key index's first size: an entry for every other row RAM holds, never fewer than
+// KeyIndex's default, so that the first spills need no rebuild. What it costs up front:
+// 2 bytes per row that fits in RAM (1-2% of ram_bytes at dim 8-16).
 int64_t FirstBuckets(int64_t ram_bytes, int64_t record) {
   const int64_t rows = ram_bytes / (record + 8);
   return std::max<int64_t>(KeyIndex::kFirstBuckets, rows / (2 * KeyIndex::kWays));
@@ -158,8 +158,7 @@ std::vector<int64_t> TieredTable::Missing(const int64_t* keys, int64_t n) const 
   std::vector<int64_t> missing;
   for (int64_t i = 0; i < n; ++i)
     if (!present[i]) missing.push_back(keys[i]);
-  // Unique: a key read twice would be killed twice (and the second Erase could take
-  // another key's entry of the same fingerprint and segment).
+  // Unique: a batch reads each key once.
   std::sort(missing.begin(), missing.end());
   missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
   return missing;

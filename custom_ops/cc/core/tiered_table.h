@@ -70,7 +70,7 @@ class TieredTable {
   TieredTable(HashTable* hot, TierOptions options);
 
   // The least ram_bytes a tier over `hot` works with: each lock stripe keeps a partly
-  // filled chunk of rows (row_store.h), and the key index starts at its first level.
+  // filled chunk of rows (row_store.h), and the key index starts at its least size.
   static int64_t MinRamBytes(const HashTable& hot);
 
   // Prepares the directory (segment_store.h's Open). Throws std::runtime_error.
@@ -170,7 +170,8 @@ class TieredTable {
   std::vector<SegmentStore::Request> Lookups(const int64_t* keys, int64_t n) const;
   // The key index, full, rebuilt larger from every live disk row (a scan of the
   // segments). An I/O error leaves it lost: every later lookup throws (CheckIndex),
-  // never a disk row taken for a new one.
+  // never a disk row taken for a new one; an Import that clears the table starts a new
+  // one (a restore).
   void RebuildIndex();
   void CheckIndex() const;
   // The keys of keys[n] not in RAM, sorted, unique.
@@ -184,7 +185,8 @@ class TieredTable {
   void TakeLive(SegmentStore::Read* read, RecordBatch* rows, std::vector<uint8_t>* dirty);
   void Spill(int64_t target_bytes, const int64_t* keep, int64_t n_keep);
   void Compact();
-  // Every live disk row (fn(key, step, freq, row) per segment, in each one's key order).
+  // Every live disk row: fn(segment, record, key, step, freq, row), segment by segment,
+  // in each one's key order.
   template <typename Fn>
   void ForEachDiskRow(Fn&& fn);
   // Appends the disk rows of keys (sorted) to out, without moving them.

@@ -46,10 +46,12 @@ void TieredTable::RebuildIndex() {
     for (;;) {
       index_.Reset(buckets);  // the old one's memory goes first: RAM stays bounded
       bool full = false;
-      ForEachDiskRow([&](int32_t seg, int64_t record, int64_t key, int64_t, uint32_t,
-                         const float*) {
-        if (!full && !index_.Insert(key, seg, record % gr)) full = true;
-      });
+      for (int32_t seg : store_.segments()) {
+        store_.Scan(seg, [&](int64_t record, int64_t key, int64_t, uint32_t, const float*) {
+          if (!full && !index_.Insert(key, seg, record % gr)) full = true;
+        });
+        if (full) break;
+      }
       if (!full) break;
       buckets += buckets / 2;  // a place not found at 60% load: rare, try larger
     }
