@@ -263,7 +263,22 @@ void TestTrainsAsInRam() {
   CHECK(got == want);
   CHECK(std::equal(got_found.get(), got_found.get() + n, want_found.get()));
   CHECK(p.tier.Stats().disk_rows == st.disk_rows);
+  // Most disk rows evicted: the next operation's Settle rebuilds the index for the
+  // rest, and every row is still found.
+  const tfpsx::TierStats grown = p.tier.Stats();
+  CHECK(p.tier.EvictToTopN(4000) == p.ref.EvictToTopN(4000));
+  p.tier.Settle();
+  const tfpsx::TierStats shrunk = p.tier.Stats();
+  std::printf("index: %ld bytes for %ld disk rows, then %ld for %ld\n",
+              static_cast<long>(grown.index_bytes), static_cast<long>(grown.disk_rows),
+              static_cast<long>(shrunk.index_bytes), static_cast<long>(shrunk.disk_rows));
+  CHECK(shrunk.index_rebuilds > grown.index_rebuilds);
+  CHECK(shrunk.index_bytes < grown.index_bytes);
+  CHECK(SameRows(p.tier.ExportSince(INT64_MIN), p.ref.Export()));
+  for (int64_t step = 301; step <= 310; ++step) p.Step(ZipfBatch(rng, 512, 60000), step);
+  CHECK(SameRows(p.tier.ExportSince(INT64_MIN), p.ref.Export()));
 }
+
 
 void TestPrefetch() {
   // A prefetch brings a coming batch's disk rows into RAM, its reads outside the lock:

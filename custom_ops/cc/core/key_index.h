@@ -16,8 +16,11 @@
 // One level, of any number of buckets. It cannot grow by itself (the keys are not here
 // to place again): Insert refuses an entry once the level is 95% full (or when no place
 // is found), and the owner rebuilds it larger from the disk's keys (Reset, then Insert
-// of every live disk row). Memory: 4 bytes an entry over the load, which the owner
-// keeps between 60% and 95% (4.2-6.7 bytes a key).
+// of every live disk row). Memory: 4 bytes an entry over the load, which the owner keeps
+// between 50% and 95% above the least size (rebuilt for 60% when the disk's rows reach
+// 95% of its room, or fall below half of it: evicted, removed, brought back): 4.2-8
+// bytes a key. (A rebuild after rows left costs a scan of what remains; an eviction
+// scans the disk's rows anyway.)
 // Not thread-safe: the tiered table's lock guards it.
 
 #ifndef TFPSX_CORE_KEY_INDEX_H_
@@ -35,8 +38,10 @@ class KeyIndex {
   static constexpr int64_t kMaxSlot = 31;         // places in a group: 0..31
   static constexpr int64_t kFirstBuckets = 1 << 12;  // 64 KiB
   static constexpr double kMaxLoad = 0.95;
-  // The load a rebuild sizes the level for.
+  // The load a rebuild sizes the level for; below kShrinkLoad the owner rebuilds it
+  // smaller.
   static constexpr double kRebuildLoad = 0.6;
+  static constexpr double kShrinkLoad = 0.5;
 
   struct Candidate {
     int64_t key;

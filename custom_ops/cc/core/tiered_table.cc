@@ -216,6 +216,12 @@ void TieredTable::Settle(const int64_t* keys, int64_t n) {
   if (RamBytes() > static_cast<int64_t>(options_.high_water * options_.ram_bytes))
     Spill(static_cast<int64_t>(options_.low_water * options_.ram_bytes), keys, n);
   Compact();
+  // An index grown for far more disk rows than remain (evicted, removed, brought back)
+  // is rebuilt for those: its RAM goes back to rows.
+  if (index_error_.empty() && index_.buckets() > first_buckets_ &&
+      static_cast<double>(index_.size()) <
+          KeyIndex::kShrinkLoad * static_cast<double>(index_.buckets() * KeyIndex::kWays))
+    RebuildIndex();
   const int64_t now = RamBytes();
   if (now > options_.ram_bytes && !warned_) {
     warned_ = true;
