@@ -312,7 +312,7 @@ class TieredBackend(Backend):
     Rows move whole (value, optimizer slots, frequency, step): a lookup of a row on disk
     brings it back, in one batched read per op; when RAM passes 90% of ``ram_bytes`` the
     least recently updated rows go to disk, down to 75%. ``ram_bytes`` counts the RAM
-    table, the index of the disk rows (4.2-6.7 bytes a key) and its bookkeeping. The files
+    table, the index of the disk rows (4.2-8 bytes a key) and its bookkeeping. The files
     belong to the server process: a restarted server discards them and restores its
     checkpoint. See docs/tables.md ("Tables larger than RAM").
 

@@ -229,7 +229,7 @@ void TieredTable::Settle(const int64_t* keys, int64_t n) {
                std::to_string(options_.ram_bytes) + " with " + std::to_string(hot_->Size()) +
                " rows left in RAM: the index of the " + std::to_string(store_.live_rows()) +
                " rows on disk takes " + std::to_string(index_.bytes() + store_.ram_bytes()) +
-               " bytes (4.2-6.7 a row); raise ram_bytes";
+               " bytes (4.2-8 a row); raise ram_bytes";
   }
 }
 

@@ -10,7 +10,7 @@
 //   updated rows leave whole, in segments of at most kSpillBytes, down to the low-water
 //   mark; then a bounded compaction rewrites the live rows of the emptiest segments.
 // RAM counted against ram_bytes: the HashTable's resident bytes (rows, slots, index),
-// the key index (4.2-6.7 bytes a disk key), the segments' fences and dead bits (1 bit a
+// the key index (4.2-8 bytes a disk key), the segments' fences and dead bits (1 bit a
 // record, 8 bytes a group of at most 32), the set of disk rows changed since the last
 // checkpoint.
 // Buffers of one spill or compaction (at most kSpillBytes each) are the fixed overhead.
