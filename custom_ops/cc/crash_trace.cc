@@ -13,7 +13,9 @@
 #include <errno.h>
 #include <execinfo.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 namespace {
@@ -75,9 +77,34 @@ void Handler(int sig, siginfo_t* info, void* context) {
       WriteNum(reinterpret_cast<unsigned long long>(info->si_addr), 16);
     }
     WriteStr("; native stack (innermost first):\n");
-    void* frames[64];
-    const int n = backtrace(frames, 64);
-    backtrace_symbols_fd(frames, n, g_fd);
+    bool unwind = true;
+#if defined(__x86_64__) && defined(__linux__)
+    // First the interrupted instruction, from the signal's context: the stack below
+    // stops at the signal frame when it cannot unwind from there (or the unwinder itself
+    // faults, and the process dies with the stack unwritten). A jump to a null (or tiny)
+    // address, a call through a null pointer, leaves nothing to unwind from; its
+    // caller's return address is then on top of the stack.
+    if (context != nullptr) {
+      const ucontext_t* uc = static_cast<const ucontext_t*>(context);
+      void* at[2];
+      int k = 0;
+      at[k++] = reinterpret_cast<void*>(uc->uc_mcontext.gregs[REG_RIP]);
+      WriteStr("*** faulting instruction:\n");
+      backtrace_symbols_fd(at, k, g_fd);
+      if (reinterpret_cast<uintptr_t>(at[0]) < 4096) {
+        at[0] = *reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
+        WriteStr("*** a jump to a null address; called from:\n");
+        backtrace_symbols_fd(at, 1, g_fd);
+        unwind = false;  // glibc's unwinder faults from there: the chain below must run
+      }
+    }
+#endif
+    if (unwind) {
+      WriteStr("*** the handler's stack:\n");
+      void* frames[64];
+      const int n = backtrace(frames, 64);
+      backtrace_symbols_fd(frames, n, g_fd);
+    }
     WriteStr("*** end of native stack\n");
   }
   // Chain: the previous handler (faulthandler's prints the Python stacks and re-raises),

@@ -104,6 +104,24 @@ def test_a_fatal_signal_prints_the_native_and_python_stacks():
 
 
 @pytest.mark.heavy
+def test_a_call_through_a_null_pointer_names_its_caller():
+    # Nothing unwinds from address 8 (a call through a null pointer, as in a use after
+    # free): the trace gives the faulting instruction and the caller's return address on
+    # top of the stack (here libffi, ctypes' call).
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tfpsx.ops import loader; loader.load_ops(); import ctypes; "
+                               "ctypes.CFUNCTYPE(None)(8)()"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, proc
+    err = proc.stderr
+    assert "*** faulting instruction:\n[0x8]" in err, err
+    caller = err.split("*** a jump to a null address; called from:\n", 1)[1].split("\n", 1)[0]
+    assert "libffi" in caller, err
+    # The unwinder is not tried from there (it faults): the chain still runs.
+    assert "Fatal Python error: Segmentation fault" in err, err
+
+
+@pytest.mark.heavy
 def test_crash_trace_can_be_turned_off_and_rejects_bad_values():
     proc = _crash("0")
     assert proc.returncode == -signal.SIGSEGV, proc
