@@ -139,10 +139,5 @@ int main() {
   CheckGpuMatchesHost<tfpsx::AdamOptimizer>({0.01f, 0.9f, 0.999f, 1e-7f});
   CheckGpuMatchesHost<tfpsx::FtrlOptimizer>({0.05f, -0.5f, 0.01f, 0.02f});
   CheckInitializerOnDevice();
-  if (failures) {
-    std::fprintf(stderr, "apply_rows_functor_test: %d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("apply_rows_functor_test: all checks passed on the GPU\n");
-  return 0;
+  return tfpsx_test::Finish("apply_rows_functor_test");
 }

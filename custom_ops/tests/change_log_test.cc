@@ -129,10 +129,5 @@ int main() {
   CountedPushes();
   RareTakerStaysBounded();
   Concurrent();
-  if (failures) {
-    std::fprintf(stderr, "change_log_test: %d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("change_log_test: all checks passed\n");
-  return 0;
+  return tfpsx_test::Finish("change_log_test");
 }

@@ -1,5 +1,6 @@
 // The native tests' check: CHECK(cond) prints the condition that failed, with its file
-// and line, and counts it in `failures`; a test's main returns 1 when any failed.
+// and line, and counts it in `failures`; a test's main ends with `return Finish(name)`,
+// which says how it went and returns 1 when any failed.
 
 #ifndef TFPSX_TESTS_CHECK_H_
 #define TFPSX_TESTS_CHECK_H_
@@ -8,6 +9,16 @@
 
 namespace tfpsx_test {
 inline int failures = 0;
+
+// The test's verdict on stdout (or its failures' count on stderr); main's return value.
+inline int Finish(const char* name) {
+  if (failures) {
+    std::fprintf(stderr, "%s: %d check(s) failed\n", name, failures);
+    return 1;
+  }
+  std::printf("%s: all checks passed\n", name);
+  return 0;
+}
 }  // namespace tfpsx_test
 
 #define CHECK(cond)                                                                 \

@@ -36,10 +36,5 @@ int main() {
   CHECK(tfpsx::EnvBool("TFPSX_ENV_BOOL_TEST", true) && !tfpsx::EnvBool("TFPSX_ENV_BOOL_TEST", false));
   unsetenv("TFPSX_ENV_BOOL_TEST");
   CHECK(tfpsx::EnvBool("TFPSX_ENV_BOOL_TEST", true) && !tfpsx::EnvBool("TFPSX_ENV_BOOL_TEST", false));
-  if (failures) {
-    std::fprintf(stderr, "env_bool_test: %d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("env_bool_test: all checks passed\n");
-  return 0;
+  return tfpsx_test::Finish("env_bool_test");
 }

@@ -264,10 +264,5 @@ int main() {
     std::fprintf(stderr, "gpu_table_test: %s\n", e.what());
     return 1;
   }
-  if (failures) {
-    std::fprintf(stderr, "gpu_table_test: %d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("gpu_table_test: all checks passed\n");
-  return 0;
+  return tfpsx_test::Finish("gpu_table_test");
 }

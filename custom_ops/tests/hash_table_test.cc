@@ -546,10 +546,5 @@ int main() {
   TestCheckpointDeltas();
   TestCacheFindAndVictims();
   TestRowsWithSlots();
-  if (failures) {
-    std::fprintf(stderr, "hash_table_test: %d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("hash_table_test: all checks passed\n");
-  return 0;
+  return tfpsx_test::Finish("hash_table_test");
 }

@@ -194,10 +194,5 @@ int main() {
   TestRegistryEqualsLegacyOnRandomData();
   TestRegistryInterface();
   TestCpuBlockFunctor();
-  if (failures) {
-    std::fprintf(stderr, "optimizer_test: %d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("optimizer_test: all checks passed\n");
-  return 0;
+  return tfpsx_test::Finish("optimizer_test");
 }

@@ -569,10 +569,5 @@ int main() {
   TestPagedExport();
   TestErrors();
   TestLostIndex();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("tiered_table_test: all passed\n");
-  return 0;
+  return tfpsx_test::Finish("tiered_table_test");
 }

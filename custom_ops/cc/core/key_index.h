@@ -66,7 +66,6 @@ class KeyIndex {
   // Empties the level and sizes it to `buckets` (>= 1). Throws std::bad_alloc with the
   // index left empty, of 0 buckets.
   void Reset(int64_t buckets);
-  void Clear() { Reset(buckets_); }
   // The buckets a rebuild for `keys` entries takes (kRebuildLoad; never below the first).
   static int64_t BucketsFor(int64_t keys, int64_t at_least = kFirstBuckets);
 
