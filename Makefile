@@ -202,6 +202,8 @@ bench: setup tier-peer
 	$(PY) benchmarks/time_to_auc.py --networks 1ms --modes sync,async,geo10,geo100,geo400,\
 	geo10_earlier,geo100_earlier,geo100_bf16,async_cache,async_cache_ceiling,geo100_cache,local
 	$(PY) benchmarks/time_to_auc.py --job word2vec --networks 1ms
+	$(PY) benchmarks/geo_round_traffic.py --data 'data/bench-criteo-1000000/train-*' \
+	    --workers 2,4,8 --k 10,100,auto
 	$(PY) benchmarks/cluster_ready.py
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules mean
 	$(PY) benchmarks/geo_scale.py --workers 1,4,8 --k 10 --rules shared --async_part dense \
