@@ -31,6 +31,9 @@ class GraphState:
     #: table name -> its GEO contention estimate's worker-local variables in this graph
     #: (tfpsx.embedding.contention).
     contention_variables: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    #: table name -> the rows its GEO training steps held, worker-local, in this graph
+    #: (tfpsx.modes.geo.tables).
+    geo_trained_variables: Dict[str, Any] = dataclasses.field(default_factory=dict)
     #: The worker caches that built ops in this graph, in order (their driver's list).
     worker_caches: List[Any] = dataclasses.field(default_factory=list)
     # tfpsx.training.staging.RowStager: its hook runs before the caches' final flush

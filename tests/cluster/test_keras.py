@@ -124,6 +124,16 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
                 assert stats["rows_fetched"] > 0, r["caches"]
                 # a key and [value | Adagrad accumulator]: 8 + 4 * 2 * 8 bytes a row
                 assert stats["bytes_fetched"] == stats["rows_fetched"] * (8 + 4 * 16), stats
+        # What the tables moved against what async would have moved for the rows the
+        # steps trained (each worker logs it when fit ends): the hot rows on the PS (the
+        # rule's), the rounds' bytes, and the ratio in the log.
+        for i, r in got.items():
+            assert r["trained_rows"] >= r["hot_rows"] >= (1 if many else 0), r
+            assert r["table_bytes"] > 0 and r["async_table_bytes"] > 0, r
+            ratio = (r["table_bytes"] + r["hot_table_bytes"]) / r["async_table_bytes"]
+            assert (f"GEO on worker {i}, {r['local_steps']} local steps: its tables moved"
+                    in c.log("worker", i)), c.log("worker", i)[-2000:]
+            assert f"{ratio:.2f}x the" in c.log("worker", i)
         # The communicator syncs during fit (not only the final sync), at most once per
         # K local steps: a round that lags behind training merges the wake-ups it missed.
         assert all(2 <= r["pushes"] <= r["local_steps"] // k + 1 for r in got.values()), \

@@ -280,10 +280,12 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
     to_pull = [set() for _ in range(workers)]
     data = [list(sparse.batches(i, k * syncs)) for i in range(workers)]
     rows_sent = [0] * workers
+    trained = [0] * workers  # each step's distinct rows, summed
     for s in range(syncs):
         for i in range(workers):
             for ids in data[i][s * k:(s + 1) * k]:
                 uniq, inv = np.unique(ids, return_inverse=True)
+                trained[i] += len(uniq)
                 for u in uniq:
                     if cache and u not in local[i]:  # a miss: fetched from the PS
                         local[i][u] = glob.get(u, zero).copy()
@@ -319,7 +321,7 @@ def sparse_geo_reference(workers: int, k: int, syncs: int, cache: bool = False):
                 old[i][u] = glob[u].copy()
                 changed[i].add(u)
             to_pull[i] = set()
-    return glob, rows_sent
+    return glob, rows_sent, trained
 
 
 @pytest.mark.budget(40, why="a cluster of 2 PS + 2 workers")
@@ -336,9 +338,16 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
                      args=["--k_steps", str(k), "--syncs", str(syncs),
                            "--cache_size", str(cache)]).start()
     finish(c)
-    want, rows_sent = sparse_geo_reference(workers, k, syncs, cache=bool(cache))
+    want, rows_sent, trained = sparse_geo_reference(workers, k, syncs, cache=bool(cache))
     for i, r in reports(c, workers, "sparse").items():
         assert r["pushes"] == syncs
+        # What the tables moved against async (the log line when the session ends): the
+        # rows each step trained, what async would have moved for them (a read and a
+        # gradient, with their keys), and the rounds' table bytes (no dense part here).
+        assert r["trained_rows"] == trained[i] and r["hot_rows"] == 0
+        assert r["async_table_bytes"] == trained[i] * 2 * (8 + 4 * sparse.DIM)
+        assert r["hot_table_bytes"] == 0
+        assert r["table_bytes"] == r["bytes_sent"] + r["bytes_received"] > 0
         # Only rows with a delta travelled (a row a pull brought and training left alone
         # stays home). A cache also pushes a row it evicts, and again when it is trained
         # after its next miss: not the reference's count.

@@ -95,7 +95,7 @@ def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
     class Mode:
         worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 4
-        hot_per_round, named = 0, frozenset()
+        hot_per_round, named, updaters = 0, frozenset(), []
 
     table = E.DynamicTable("hot_cached", DIM, optimizer=E.Adagrad(0.1), cache_size=16)
     updater = GeoTableUpdater(Mode())
@@ -204,7 +204,7 @@ def test_geos_updater_gives_a_table_the_estimate_under_the_rule():
     class Mode:
         worker_index, worker_num, worker_device = 1, 8, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 0
-        hot_per_round, named = 40, frozenset()
+        hot_per_round, named, updaters = 40, frozenset(), []
 
         def round_steps(self):
             return 10

@@ -257,8 +257,9 @@ def main(argv):
         report["mode"] = strategy.mode
         report["mode_state"] = list(strategy._mode.state.created)  # (tfpsx.modes.state)
         if strategy.counters is not None:
-            report["pushes"] = int(strategy.counters.pushes)
-            report["rows_sent"] = int(strategy.counters.rows_sent)
+            report.update({name: int(strategy.counters.snapshot()[name]) for name in (
+                "pushes", "rows_sent", "trained_rows", "hot_rows", "async_table_bytes",
+                "hot_table_bytes", "table_bytes")})
         report["staleness_waits"] = strategy.staleness_waits
         report["caches"] = {
             layer.name: {k: float(v) for k, v in layer.table.cache.stats().items()}

@@ -109,8 +109,10 @@ def main(argv):
     if args.dense_bias:
         report.update(bias=dense["bias"].tolist(), bias_device=bias.device)
     if counters is not None:
-        report.update(pushes=counters["pushes"], rows_sent=counters["rows_sent"],
-                      rows_received=counters["rows_received"], bytes_sent=counters["bytes_sent"])
+        report.update({name: counters[name] for name in (
+            "pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
+            "trained_rows", "hot_rows", "async_table_bytes", "hot_table_bytes",
+            "table_bytes")})
     tfpsx.metrics.emit("sparse", **report)
     tfpsx.stop_worker()
     return 0

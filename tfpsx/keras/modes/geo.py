@@ -26,8 +26,8 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import CreationContext, KerasMode
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, adopt_rule, caches_locked, count_round, dense_async,
-                             dense_size, pull_ops, push_ops)
+                             GeoVariable, adopt_rule, caches_locked, count_round, count_trained,
+                             dense_async, dense_size, pull_ops, push_ops)
 
 
 class KerasGeo(KerasMode):
@@ -39,6 +39,7 @@ class KerasGeo(KerasMode):
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater
+        self.updaters = []        # the GeoTableUpdaters, as their tables join
         self.counters = GeoCounters()
         self._steps: Optional[tf.Variable] = None    # local steps run
         # The local steps counted when the last round started (the schedule's ``pushed``,
@@ -291,6 +292,8 @@ class KerasGeo(KerasMode):
         except BaseException:
             self._distrust_snapshots()
             raise
+        count_trained(self.counters, self.worker_index,
+                      [u.trained_since() + (u.dim,) for u in self.updaters], steps)
         if failed:
             self._distrust_snapshots()
         else:

@@ -20,7 +20,8 @@ front-ends. A table joins GEO through :class:`GeoTableUpdater` (:mod:`.tables`).
 """
 
 from tfpsx.modes.geo.round import (BARRIER, PULL, PUSH, GeoCounters, caches_locked,
-                                   count_round, dense_size, round_phases)
+                                   count_round, count_trained, dense_size, round_phases,
+                                   row_trip_bytes)
 from tfpsx.modes.geo.rule import (GEO_AUTO_KN, GEO_AUTO_KN_BACKGROUND, GEO_EARLIER,
                                   GEO_FOR_MANY, GEO_HOT_PER_ROUND_BACKGROUND,
                                   GEO_MANY_WORKERS, GeoVariable, adopt_rule,
@@ -33,8 +34,9 @@ from tfpsx.modes.geo.schedule import (GEO_K_WITHOUT_EPOCH, MIN_ROUNDS_PER_EPOCH,
 from tfpsx.modes.geo.tables import GeoState, GeoTableUpdater
 
 __all__ = [
-    "BARRIER", "PULL", "PUSH", "GeoCounters", "caches_locked", "count_round", "dense_size",
-    "round_phases", "adopt_rule", "GEO_EARLIER", "GEO_FOR_MANY", "GEO_MANY_WORKERS", "GeoVariable",
+    "BARRIER", "PULL", "PUSH", "GeoCounters", "caches_locked", "count_round", "count_trained",
+    "dense_size", "row_trip_bytes", "round_phases", "adopt_rule", "GEO_EARLIER",
+    "GEO_FOR_MANY", "GEO_MANY_WORKERS", "GeoVariable",
     "dense_async", "dense_pull", "dense_push", "hot_count", "hot_per_round", "log_rule",
     "named_rule_keys",
     "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "shares_slots", "wire_dtype",

@@ -10,6 +10,7 @@ meet first too).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import List, Tuple
 
@@ -19,18 +20,64 @@ from tfpsx.modes.geo.rule import GeoVariable
 
 PUSH, PULL, BARRIER = "push", "pull", "barrier"
 
+logger = logging.getLogger("tfpsx")
+
 
 class GeoCounters(metrics.Counters):
     """What the GEO communicator did on this worker (``metrics.snapshot()["geo"]``)."""
     GROUP = "geo"
     # sync_seconds: total time spent in push + pull; round_waits / round_wait_seconds:
-    # the training thread waited for a background round in flight (GeoSchedule)
+    # the training thread waited for a background round in flight (GeoSchedule).
+    # The tables' traffic against async's (counted when a fit or session ends,
+    # count_trained): trained_rows, the rows the training steps' lookups held (each
+    # step's distinct rows, summed); hot_rows, those of them read and trained on the PS;
+    # async_table_bytes, what async would have moved for trained_rows (a row read and
+    # its gradient sent, each with its key); hot_table_bytes, what the hot rows moved so;
+    # table_bytes, what the rounds moved for the tables, both ways.
     FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
-              "sync_seconds", "round_waits", "round_wait_seconds")
+              "sync_seconds", "round_waits", "round_wait_seconds", "trained_rows",
+              "hot_rows", "async_table_bytes", "hot_table_bytes", "table_bytes")
 
     @property
     def mean_sync_seconds(self) -> float:
         return self.sync_seconds / self.pushes if self.pushes else 0.0
+
+    @property
+    def table_bytes_vs_async(self) -> float:
+        """The tables' bytes (rounds and hot rows) per byte async would have moved for the
+        same rows; 0.0 before a step was counted."""
+        if not self.async_table_bytes:
+            return 0.0
+        return (self.table_bytes + self.hot_table_bytes) / self.async_table_bytes
+
+
+def row_trip_bytes(dim: int) -> int:
+    """What async moves for a row a step: read (its key up, ``dim`` floats down) and its
+    gradient sent (the key and ``dim`` floats up)."""
+    return 2 * (8 + 4 * dim)
+
+
+def count_trained(counters: GeoCounters, worker: int, trained: List[Tuple[int, int, int]],
+                  steps: int) -> None:
+    """Adds the rows this worker's steps trained since the last count, ``(rows, hot rows,
+    dim)`` per table, to ``counters``, and logs what the tables moved against what
+    async would have moved for the same rows (docs/modes.md: a round saves a row's
+    traffic only when a worker's K steps meet the row again)."""
+    rows = sum(r for r, _, _ in trained)
+    if not rows:
+        return
+    counters.add(trained_rows=rows, hot_rows=sum(h for _, h, _ in trained),
+                 async_table_bytes=sum(r * row_trip_bytes(d) for r, _, d in trained),
+                 hot_table_bytes=sum(h * row_trip_bytes(d) for _, h, d in trained))
+    mb = 1e-6
+    logger.info("GEO on worker %d, %d local steps: its tables moved %.1f MB (rounds %.1f MB, "
+                "hot rows on the PS %.1f MB), %.2fx the %.1f MB async would have moved for "
+                "the rows they trained (a row read and its gradient sent a step). A round "
+                "saves a row's traffic only when a worker's K steps meet the row again "
+                "(docs/modes.md, GEO at N workers).", worker, steps,
+                (counters.table_bytes + counters.hot_table_bytes) * mb,
+                counters.table_bytes * mb, counters.hot_table_bytes * mb,
+                counters.table_bytes_vs_async, counters.async_table_bytes * mb)
 
 
 def round_phases(deterministic: bool, cached: bool) -> Tuple[str, ...]:
@@ -70,4 +117,5 @@ def count_round(counters: GeoCounters, start: float, dense: Tuple[int, int],
     counters.add(pushes=1, rows_sent=dense[0] + int(sent[0]), bytes_sent=dense[1] + int(sent[1]),
                  rows_received=dense[0] + int(received[0]),
                  bytes_received=dense[1] + int(received[1]),
+                 table_bytes=int(sent[1]) + int(received[1]),
                  sync_seconds=time.monotonic() - start)

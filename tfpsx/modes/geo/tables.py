@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Protocol
+from typing import List, Optional, Protocol, Tuple
 
+import numpy as np
 import tensorflow as tf
 
+from tfpsx import graph_state
 from tfpsx.embedding.cache import WorkerCache
 from tfpsx.embedding.contention import Contention
 from tfpsx.embedding.geo_rule import GeoTable, HotRows, combine_for
@@ -23,6 +25,7 @@ class GeoState(Protocol):
     worker_num: int
     worker_device: str
     tables: List[GeoTable]
+    updaters: List["GeoTableUpdater"]  # one per table, as they join (the rows they train)
     wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
     in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
     share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
@@ -52,12 +55,19 @@ class GeoTableUpdater(TableUpdater):
         self._geo: Optional[GeoTable] = None
         self._hot = 0  # this table's hot count (geo_hot_count; 0: none)
         self._contention: Optional[Contention] = None  # geo_hot_per_round's estimate
+        self.name, self.dim = "", 0
+        # The rows its training steps held: per graph (None: eager code and
+        # tf.functions), a worker-local int64 [rows, hot rows], and what of it was counted.
+        self._trained = {}
+        self._counted = {}
 
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
         options = getattr(table, "cache_options", None)
         share, hot = mode.share_slots, mode.hot_count
         self._hot = hot
+        self.name, self.dim = table.name, table.dim
+        mode.updaters.append(self)
         if mode.hot_per_round:
             self._contention = Contention(f"{table.name}/geo_contention_w{me}",
                                           mode.worker_device, mode.worker_num,
@@ -102,5 +112,38 @@ class GeoTableUpdater(TableUpdater):
             op = HotRows(self._geo, self._hot).apply(keys, grads, hot, step)
         else:
             op = self._geo.local.apply(keys, grads, step)
+        held = [tf.size(keys, out_type=tf.int64),
+                tf.constant(0, tf.int64) if hot is None
+                else tf.math.count_nonzero(hot, dtype=tf.int64)]
+        counted = self._trained_rows().assign_add(tf.stack(held))
+        if op is not None:  # (eager: both ran)
+            op = tf.group(op, counted)
         self._mode.local_train_op(op)
         return op
+
+    def _trained_rows(self) -> tf.Variable:
+        """This worker's count of the rows its training steps held, int64 [rows, of them
+        hot], worker-local."""
+        def make(collections):
+            return tf.compat.v1.Variable(tf.zeros([2], tf.int64), trainable=False,
+                                         collections=collections, name="tfpsx_geo_trained")
+
+        var = graph_state.worker_local(self, "geo_trained_variables", self.name,
+                                       self._mode.worker_device, make)
+        with tf.init_scope():
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self._trained[graph] = var
+        return var
+
+    def trained_since(self, session=None) -> Tuple[int, int]:
+        """(rows, hot rows) the training steps held since the last call: of eager code,
+        or with ``session`` of its graph; (0, 0) before any step was built."""
+        graph = None if session is None else session.graph
+        var = self._trained.get(graph)
+        if var is None:
+            return 0, 0
+        value = np.asarray(session.run(var) if session is not None else var.numpy())
+        last = self._counted.get(graph, np.zeros([2], np.int64))
+        self._counted[graph] = value
+        rows, hot = (value - last).tolist()
+        return rows, hot

@@ -20,8 +20,8 @@ from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
                              GeoSchedule, GeoTableUpdater, GeoVariable, adopt_rule,
-                             auto_k_steps, caches_locked, count_round, dense_async, dense_size,
-                             pull_ops, push_ops)
+                             auto_k_steps, caches_locked, count_round, count_trained,
+                             dense_async, dense_size, pull_ops, push_ops)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -53,6 +53,7 @@ class GeoMode(Mode):
         adopt_rule(self, strategy, config.worker_num)
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
+        self.updaters: List[GeoTableUpdater] = []  # as their tables join
         self.train_ops = []
         self.counters = GeoCounters()
         self.add_hook(_GeoSyncHook(self))
@@ -251,6 +252,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # communicator already failed a step).
         self._session = session
         self._schedule.end(self._steps, raise_failure=False)
+        count_trained(self._mode.counters, self._mode.worker_index,
+                      [u.trained_since(session) + (u.dim,) for u in self._mode.updaters],
+                      self._steps)
 
     def _run_round(self, phases: Tuple[str, ...]) -> None:
         session, start = self._session, time.monotonic()
