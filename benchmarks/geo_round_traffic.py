@@ -8,8 +8,10 @@ round pushes it once. The pull then brings every row the other workers pushed. T
 replays the ids of the Criteo-format files (``examples/criteo/make_data.py``; worker w of
 N takes every N-th line, batches of ``--batch``) through GEO's rule for many workers as
 the product decides it: ids seen ``geo_hot_count`` times in a batch and ids too contended
-for a round (``tfpsx.embedding.contention``'s estimate, the same buckets, decay and
-bound) train on the PS every step, as in async; the rest train the copy. Per worker and
+for a round (``tfpsx.embedding.contention``'s estimate: its bucket function, width, decay
+and bound, over the replay's own ids, where the product hashes the strings) train on the
+PS every step, as in async; the rest train the copy. No shuffle (the job shuffles within
+a 20,000-line buffer; the lines are drawn independently, so that changes little). Per worker and
 step it counts, in rows (a table row one way; GEO's rule sends a row with its Adagrad
 slots, so twice the floats):
 

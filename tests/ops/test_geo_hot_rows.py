@@ -220,3 +220,61 @@ def test_geos_updater_gives_a_table_the_estimate_under_the_rule():
     off = GeoTableUpdater(Mode())
     off.attach(E.DynamicTable("hot_not_contended", DIM, optimizer=E.Adagrad(0.1)))
     assert off.lookup_source(None) is Mode.tables[-1].local
+
+
+class _CountingMode:
+    """A GEO mode as GeoTableUpdater sees it (this process's device), hot count 2."""
+    worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
+    wire_dtype, in_train_thread, share_slots, hot_count = None, True, True, 2
+    hot_per_round, named = 0, frozenset()
+
+    def __init__(self):
+        self.tables, self.updaters, self.train_ops = [], [], []
+
+    def local_train_op(self, op):
+        self.train_ops.append(op)
+
+
+def test_the_rows_a_step_trains_are_counted_for_the_traffic_against_async():
+    """GEO's updater counts each training step's distinct rows and its hot ones (what the
+    worker logs against async when fit ends: tfpsx.modes.geo.count_trained), eagerly and
+    in a graph, where a new session starts the count again."""
+    from tfpsx.modes.geo import GeoCounters, GeoTableUpdater, count_trained, row_trip_bytes
+
+    mode = _CountingMode()
+    updater = GeoTableUpdater(mode)
+    table = E.DynamicTable(f"counted{next(_names)}", DIM, optimizer=E.Adagrad(0.1))
+    updater.attach(table)
+    source = updater.lookup_source(table)
+    for ids in ([5, 5, 6], [7, 8, 9, 9]):  # 2 rows (5 hot), then 3 (9 hot)
+        looked = source.lookup_unique(tf.constant(ids, tf.int64), train=True, step=1)
+        updater.apply_gradients(table, looked.unique_keys,
+                                tf.ones_like(looked.unique_rows), 1, looked.hot)
+    assert updater.trained_since() == (5, 2)
+    assert updater.trained_since() == (0, 0)  # counted once
+    counters = GeoCounters()
+    counters.add(table_bytes=1000)
+    count_trained(counters, 0, [(5, 2, DIM)], steps=2)
+    assert (counters.trained_rows, counters.hot_rows) == (5, 2)
+    assert counters.async_table_bytes == 5 * row_trip_bytes(DIM) == 5 * 2 * (8 + 4 * DIM)
+    assert counters.table_bytes_vs_async == (1000 + 2 * row_trip_bytes(DIM)) / (
+        5 * row_trip_bytes(DIM))
+
+    with tf.Graph().as_default() as graph:
+        mode = _CountingMode()
+        updater = GeoTableUpdater(mode)
+        table = E.DynamicTable(f"counted{next(_names)}", DIM, optimizer=E.Adagrad(0.1))
+        updater.attach(table)
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        looked = updater.lookup_source(table).lookup_unique(ids, train=True, step=1)
+        train = updater.apply_gradients(table, looked.unique_keys,
+                                        tf.ones_like(looked.unique_rows), 1, looked.hot)
+        init = [tf.compat.v1.global_variables_initializer(),
+                tf.compat.v1.local_variables_initializer()]
+        for steps in (2, 1):  # a second session: its count starts from 0 again
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(init)
+                updater.session_started(sess)
+                for _ in range(steps):
+                    sess.run(train, {ids: [1, 1, 2]})
+                assert updater.trained_since(sess) == (2 * steps, steps)

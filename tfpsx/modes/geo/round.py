@@ -64,17 +64,18 @@ def count_trained(counters: GeoCounters, worker: int, trained: List[Tuple[int, i
     async would have moved for the same rows (docs/modes.md: a round saves a row's
     traffic only when a worker's K steps meet the row again)."""
     rows = sum(r for r, _, _ in trained)
-    if not rows:
+    if rows <= 0:
         return
     counters.add(trained_rows=rows, hot_rows=sum(h for _, h, _ in trained),
                  async_table_bytes=sum(r * row_trip_bytes(d) for r, _, d in trained),
                  hot_table_bytes=sum(h * row_trip_bytes(d) for _, h, d in trained))
     mb = 1e-6
     logger.info("GEO on worker %d, %d local steps: its tables moved %.1f MB (rounds %.1f MB, "
-                "hot rows on the PS %.1f MB), %.2fx the %.1f MB async would have moved for "
-                "the rows they trained (a row read and its gradient sent a step). A round "
-                "saves a row's traffic only when a worker's K steps meet the row again "
-                "(docs/modes.md, GEO at N workers).", worker, steps,
+                "hot rows on the PS %.1f MB; a worker cache's fetches not counted), %.2fx "
+                "the %.1f MB async would have moved for the rows they trained (a row read "
+                "and its gradient sent a step). A round saves a row's traffic only when a "
+                "worker's K steps meet the row again (docs/modes.md, GEO at N workers).",
+                worker, steps,
                 (counters.table_bytes + counters.hot_table_bytes) * mb,
                 counters.table_bytes * mb, counters.hot_table_bytes * mb,
                 counters.table_bytes_vs_async, counters.async_table_bytes * mb)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import List, Optional, Protocol, Tuple
 
 import numpy as np
@@ -56,10 +57,13 @@ class GeoTableUpdater(TableUpdater):
         self._hot = 0  # this table's hot count (geo_hot_count; 0: none)
         self._contention: Optional[Contention] = None  # geo_hot_per_round's estimate
         self.name, self.dim = "", 0
-        # The rows its training steps held: per graph (None: eager code and
-        # tf.functions), a worker-local int64 [rows, hot rows], and what of it was counted.
-        self._trained = {}
-        self._counted = {}
+        # The rows its training steps held: a worker-local int64 [rows, hot rows] per
+        # graph (None: eager code and tf.functions), and what of it was counted. Graphs
+        # are held weakly (a program may build many).
+        self._trained = weakref.WeakKeyDictionary()
+        self._counted = weakref.WeakKeyDictionary()
+        self._eager: Optional[tf.Variable] = None
+        self._eager_counted = np.zeros([2], np.int64)
 
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
@@ -131,19 +135,31 @@ class GeoTableUpdater(TableUpdater):
         var = graph_state.worker_local(self, "geo_trained_variables", self.name,
                                        self._mode.worker_device, make)
         with tf.init_scope():
-            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        self._trained[graph] = var
+            if tf.executing_eagerly():
+                self._eager = var
+            else:
+                self._trained[tf.compat.v1.get_default_graph()] = var
         return var
+
+    def session_started(self, session) -> None:
+        """A session of this graph initialized its local variables: the count starts
+        again from 0 (a session lost to an error takes its steps' count with it)."""
+        self._counted[session.graph] = np.zeros([2], np.int64)
 
     def trained_since(self, session=None) -> Tuple[int, int]:
         """(rows, hot rows) the training steps held since the last call: of eager code,
         or with ``session`` of its graph; (0, 0) before any step was built."""
-        graph = None if session is None else session.graph
-        var = self._trained.get(graph)
-        if var is None:
-            return 0, 0
-        value = np.asarray(session.run(var) if session is not None else var.numpy())
-        last = self._counted.get(graph, np.zeros([2], np.int64))
-        self._counted[graph] = value
+        if session is None:
+            if self._eager is None:
+                return 0, 0
+            value, last = self._eager.numpy(), self._eager_counted
+            self._eager_counted = value
+        else:
+            var = self._trained.get(session.graph)
+            if var is None:
+                return 0, 0
+            value = np.asarray(session.run(var))
+            last = self._counted.get(session.graph, np.zeros([2], np.int64))
+            self._counted[session.graph] = value
         rows, hot = (value - last).tolist()
         return rows, hot

@@ -237,6 +237,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # Sparse tables: this worker's reader of changed keys must exist before anyone
         # pushes (the table tracks changes only for readers it knows).
         session.run(self._register)
+        for u in self._mode.updaters:  # the session initialized their counts
+            u.session_started(session)
         if again:
             self._schedule.restart(self._steps)
         else:
