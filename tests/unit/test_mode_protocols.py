@@ -345,3 +345,36 @@ def test_staleness_waits_for_the_slowest_and_names_it_when_the_bound_runs_out():
     with pytest.raises(errors.ClusterTimeoutError,
                        match=r"worker 0 at step 9 waited 0.1 s .* worker\(s\) \[2\] at step 3"):
         wait_for_slowest(np.array([9, 8, 3]), lambda: np.array([9, 8, 3]), 0, 2, 0.1)
+
+
+def test_a_round_asked_for_but_not_started_holds_the_worker_k_steps_on(caplog):
+    """The communicator's thread may not run for a while on a loaded machine (here it is
+    busy with its first wake-up): the round asked for at step K then has not started when
+    K more steps have run. The worker waits for it there, as for a round in flight, so
+    a round never pushes more than ~2K steps from one stale snapshot."""
+    from tfpsx.modes.geo import GeoCounters
+    rec = Recorder()
+    busy, entered = threading.Event(), threading.Event()
+
+    def first_wake():
+        entered.set()
+        busy.wait(10)
+
+    counters = GeoCounters()
+    s = rec.make(5, deterministic=False, first_round=first_wake, counters=counters)
+    s.start(0)
+    wait_until(entered.is_set)
+    for step in range(1, 10):  # the round asked for at 5 cannot start
+        s.step_done(step)
+    assert rec.rounds == [] and counters.round_waits == 0
+    threading.Timer(0.3, busy.set).start()
+    began = time.monotonic()
+    with caplog.at_level("INFO", logger="tfpsx"):
+        s.step_done(10)  # 2K steps since the last round: waits until that round ended
+    assert time.monotonic() - began >= 0.2
+    assert rec.rounds == [(10, (PUSH, PULL))] and counters.round_waits == 1
+    assert "GEO: the round asked for at local step 5 had not ended 10 steps later" \
+        in caplog.text
+    for step in range(11, 15):
+        s.step_done(step)
+    assert s.end(14) and [pushed for pushed, _ in rec.rounds] == [10, 14]

@@ -179,6 +179,11 @@ class GeoSchedule:
         self._steps, self._steps_left = steps, steps_left
         if self._loop is not None:
             self._loop.check()
+            if self._requested and steps - self.pushed >= 2 * self.k_steps:
+                # The round asked for K steps ago has not started (its thread did not run:
+                # a loaded machine); it would push every step trained meanwhile, from
+                # one stale snapshot. The worker waits for it as for a round in flight.
+                self._wait_for_round(steps, pending=True)
             if not self._requested and self.due(steps, self.pushed) and self._time_left():
                 self._wait_for_round(steps)
                 self._requested = True
@@ -226,31 +231,35 @@ class GeoSchedule:
         (``rounds_in_step``)."""
         self.pushed = steps
 
-    def _wait_for_round(self, steps: int) -> None:
+    def _wait_for_round(self, steps: int, pending: bool = False) -> None:
         """Waits for the background round in flight, started K or more local steps ago
         (its pull then lands within K steps of its start, as the rule's quality needs:
-        docs/modes.md, "GEO at N workers"), bounded by TFPSX_RPC_TIMEOUT. A failed round
-        raises its error (BackgroundTaskError)."""
+        docs/modes.md, "GEO at N workers"), or with ``pending`` for the round asked for
+        K or more steps ago that has not started, and then for it to end; bounded by
+        TFPSX_RPC_TIMEOUT. A failed round raises its error (BackgroundTaskError)."""
         if self._idle.is_set():
             return
         timeout = settings.get("TFPSX_RPC_TIMEOUT")
+        late = steps - self.pushed  # (a pending round sets pushed when it starts)
+        what = (f"the round asked for at local step {self.pushed + self.k_steps} had not "
+                "ended" if pending else
+                f"the round started at local step {self.pushed} still ran")
         waited = bounded_wait(
             self._idle.is_set, timeout, lambda _: errors.ClusterTimeoutError(
-                f"GEO communicator: the round started at local step {self.pushed} still "
-                f"ran at local step {steps} after TFPSX_RPC_TIMEOUT={timeout:g} s of "
-                f"waiting (a worker trains at most k_steps={self.k_steps} steps beside "
-                "a round); is a parameter server alive?"), poll=0.01, check=self._loop.check)
+                f"GEO communicator: {what} at local step {steps} after "
+                f"TFPSX_RPC_TIMEOUT={timeout:g} s of waiting (a worker trains at most "
+                f"k_steps={self.k_steps} steps beside a round); is a parameter server "
+                "alive?"), poll=0.01, check=self._loop.check)
         self._loop.check()
         if self._counters is not None:
             self._counters.add(round_waits=1, round_wait_seconds=waited)
         if not self._told_wait:
             self._told_wait = True
-            logger.info("GEO: the round started at local step %d still ran %d steps later "
-                        "(k_steps=%d): this worker waits for a round in flight before the "
-                        "next (%.2f s this time; metrics 'geo' round_wait_seconds). A "
-                        "round takes longer than K steps: a larger k_steps (K x N at most "
-                        "%d, docs/modes.md) or async trains on instead",
-                        self.pushed, steps - self.pushed, self.k_steps, waited,
+            logger.info("GEO: %s %d steps later (k_steps=%d): this worker waits "
+                        "for a round in flight before the next (%.2f s this time; metrics "
+                        "'geo' round_wait_seconds). A round takes longer than K steps: a "
+                        "larger k_steps (K x N at most %d, docs/modes.md) or async trains "
+                        "on instead", what, late, self.k_steps, waited,
                         auto_kn(self.deterministic))
 
     def _background(self) -> None:
