@@ -57,12 +57,9 @@ class GeoTableUpdater(TableUpdater):
         self._hot = 0  # this table's hot count (geo_hot_count; 0: none)
         self._contention: Optional[Contention] = None  # geo_hot_per_round's estimate
         self.name, self.dim = "", 0
-        # The rows its training steps held: a worker-local int64 [rows, hot rows] per
-        # graph (None: eager code and tf.functions), and what of it was counted. Graphs
-        # are held weakly (a program may build many).
-        self._trained = weakref.WeakKeyDictionary()
+        # What of the rows its training steps held (_trained_rows) was counted: per graph
+        # (held weakly: a program may build many), and of eager code.
         self._counted = weakref.WeakKeyDictionary()
-        self._eager: Optional[tf.Variable] = None
         self._eager_counted = np.zeros([2], np.int64)
 
     def attach(self, table) -> None:
@@ -132,14 +129,8 @@ class GeoTableUpdater(TableUpdater):
             return tf.compat.v1.Variable(tf.zeros([2], tf.int64), trainable=False,
                                          collections=collections, name="tfpsx_geo_trained")
 
-        var = graph_state.worker_local(self, "geo_trained_variables", self.name,
-                                       self._mode.worker_device, make)
-        with tf.init_scope():
-            if tf.executing_eagerly():
-                self._eager = var
-            else:
-                self._trained[tf.compat.v1.get_default_graph()] = var
-        return var
+        return graph_state.worker_local(self, "geo_trained_variables", self.name,
+                                        self._mode.worker_device, make)
 
     def session_started(self, session) -> None:
         """A session of this graph initialized its local variables: the count starts
@@ -150,12 +141,14 @@ class GeoTableUpdater(TableUpdater):
         """(rows, hot rows) the training steps held since the last call: of eager code,
         or with ``session`` of its graph; (0, 0) before any step was built."""
         if session is None:
-            if self._eager is None:
+            var = getattr(self, "_eager_locals", None)  # (graph_state.worker_local's)
+            if var is None:
                 return 0, 0
-            value, last = self._eager.numpy(), self._eager_counted
+            value, last = var.numpy(), self._eager_counted
             self._eager_counted = value
         else:
-            var = self._trained.get(session.graph)
+            state = graph_state.peek(session.graph)
+            var = None if state is None else state.geo_trained_variables.get(self.name)
             if var is None:
                 return 0, 0
             value = np.asarray(session.run(var))
