@@ -3,6 +3,7 @@
 // (values, slots, frequencies, steps) at every check, within its RAM budget.
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -499,6 +500,54 @@ void TestErrors() {
   CHECK(hot.Size() == 0);
 }
 
+// A tier folder belongs to one open table: a second opener (another process, or
+// another table of this one) is refused, naming the owner, and changes nothing there;
+// the folder is free again once the first is gone. Rows and the lock are this user's.
+void TestOneOwner() {
+  const std::string dir = TempDir("o/part_0");
+  tfpsx::HashTable hot(Opts(16));
+  auto first = std::make_unique<tfpsx::TieredTable>(&hot, tfpsx::TierOptions{dir, 1200 * 1000});
+  first->Open();
+  std::vector<int64_t> keys(500);
+  std::vector<float> out(500 * 16);
+  int64_t next = 0;
+  while (first->Stats().disk_rows < 3000) {
+    for (auto& k : keys) k = next++;
+    hot.FindOrInsert(keys.data(), 500, 1, out.data());
+    first->Settle();
+  }
+  const tfpsx::ExportedRows before = first->ExportSince(INT64_MIN);
+  std::vector<std::string> segments;
+  for (int32_t n = 0; n < 64; ++n) {
+    const std::string path = dir + "/seg_" + std::to_string(n) + ".dat";
+    if (::access(path.c_str(), F_OK) == 0) segments.push_back(path);
+  }
+  CHECK(!segments.empty());
+  struct stat st;
+  CHECK(::stat(segments[0].c_str(), &st) == 0 && (st.st_mode & 0777) == 0600);
+  CHECK(::stat(dir.c_str(), &st) == 0 && (st.st_mode & 0777) == 0700);
+  std::string refused;
+  {
+    tfpsx::HashTable other(Opts(16));
+    tfpsx::TieredTable second(&other, {dir, 1200 * 1000});
+    try {
+      second.Open();
+    } catch (const std::runtime_error& e) {
+      refused = e.what();
+    }
+  }
+  CHECK(refused.find("in use") != std::string::npos &&
+        refused.find("pid " + std::to_string(::getpid())) != std::string::npos &&
+        refused.find(dir) != std::string::npos);
+  for (const std::string& path : segments) CHECK(::access(path.c_str(), F_OK) == 0);
+  CHECK(SameRows(first->ExportSince(INT64_MIN), before));  // every row still read back from disk
+  first.reset();  // the owner is gone: the folder is free
+  tfpsx::HashTable third_hot(Opts(16));
+  tfpsx::TieredTable third(&third_hot, {dir, 1200 * 1000});
+  third.Open();
+  CHECK(third.Size() == 0);
+}
+
 // The key index rebuilt from segments that cannot be read (cut short behind the
 // table's back): the rebuild's error goes to its caller, and every later lookup
 // throws, naming the lost index, rather than taking a disk row's key for a new one.
@@ -568,6 +617,7 @@ int main() {
   TestCheckpointsAndEviction();
   TestPagedExport();
   TestErrors();
+  TestOneOwner();
   TestLostIndex();
   return tfpsx_test::Finish("tiered_table_test");
 }

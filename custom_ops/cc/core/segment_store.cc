@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +20,9 @@ namespace {
 constexpr char kMagic[8] = {'T', 'F', 'P', 'S', 'X', 'S', 'E', 'G'};
 constexpr char kPrefix[] = "seg_";
 constexpr char kSuffix[] = ".dat";
+// The folder's owner: a process holds an exclusive flock on it while the store is open
+// and writes its pid and host into it, so that a second opener can name it.
+constexpr char kLockName[] = "LOCK";
 
 std::runtime_error IoError(const std::string& what, const std::string& path) {
   return std::runtime_error(what + " " + path + ": " + std::strerror(errno));
@@ -28,7 +32,8 @@ void MakeDirs(const std::string& path) {
   for (size_t at = 1; at <= path.size(); ++at) {
     if (at != path.size() && path[at] != '/') continue;
     const std::string part = path.substr(0, at);
-    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+    // Only this user reads a table's rows (they are the model).
+    if (::mkdir(part.c_str(), 0700) != 0 && errno != EEXIST)
       throw IoError("cannot create the tiered table's directory", part);
   }
   struct stat st;
@@ -51,10 +56,55 @@ SegmentStore::SegmentStore(std::string directory, int64_t width)
       group_records_(std::max<int64_t>(
           kMinGroupRecords, std::min<int64_t>(kGroupRecords, kGroupBytes / (20 + 4 * width)))) {}
 
-SegmentStore::~SegmentStore() { DropAll(); }
+SegmentStore::~SegmentStore() {
+  DropAll();
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the folder
+}
+
+void SegmentStore::Lock() {
+  const std::string path = directory_ + "/" + kLockName;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) throw IoError("cannot open the tiered table's lock file", path);
+  int rc;
+  do rc = ::flock(fd, LOCK_EX | LOCK_NB);
+  while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    std::string holder;
+    if (err == EWOULDBLOCK) {
+      char buf[256];
+      const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+      holder.assign(buf, n > 0 ? static_cast<size_t>(n) : 0);
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0'))
+        holder.pop_back();
+    }
+    ::close(fd);
+    if (err != EWOULDBLOCK) {
+      errno = err;
+      throw IoError("cannot lock the tiered table's folder", path);
+    }
+    throw std::runtime_error(
+        "the tiered table's folder " + directory_ + " is in use by another open table (" +
+        (holder.empty() ? std::string("its owner wrote no pid yet") : holder) +
+        "): a disk tier belongs to one process, and opening it again would erase the "
+        "rows that process keeps there. Give this table another tier directory "
+        "(TieredBackend(directory=...)), or stop that process first; nothing was changed");
+  }
+  char host[256] = {0};
+  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  const std::string owner = "pid " + std::to_string(::getpid()) + " on host " + host + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, owner.data(), owner.size(), 0) !=
+                                     static_cast<ssize_t>(owner.size())) {
+    ::close(fd);
+    throw IoError("cannot write the tiered table's lock file", path);
+  }
+  lock_fd_ = fd;
+}
 
 void SegmentStore::Open() {
   MakeDirs(directory_);
+  // Before anything in the folder is touched: its segments may be a live process's.
+  if (lock_fd_ < 0) Lock();
   DIR* dir = ::opendir(directory_.c_str());
   if (dir == nullptr) throw IoError("cannot list", directory_);
   std::vector<std::string> stale;
@@ -95,7 +145,9 @@ int32_t SegmentStore::Write(const RecordBatch& batch, const std::vector<int64_t>
   seg->dead.assign(static_cast<size_t>((n + 63) / 64), 0);
   auto file = std::make_shared<File>();
   file->path = seg->path;
-  file->fd = ::open(seg->path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // O_EXCL: a file of that name is not this store's (Open removed the earlier
+  // process's), so it is never overwritten.
+  file->fd = ::open(seg->path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (file->fd < 0) throw IoError("cannot create the segment", seg->path);
   const int fd = file->fd;
   // Written through a buffer of at most kMaxRunBytes: a spill costs no copy of itself.

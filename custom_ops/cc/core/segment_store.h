@@ -52,9 +52,13 @@ class SegmentStore {
   SegmentStore(const SegmentStore&) = delete;
   SegmentStore& operator=(const SegmentStore&) = delete;
 
-  // Creates the directory (and its parents) and removes the segment files a previous
-  // process left there: a tiered table's disk rows belong to its process, a restart
-  // restores its checkpoint. Throws std::runtime_error when it cannot.
+  // Creates the directory (and its parents, 0700), takes the folder for this store (an
+  // exclusive flock on <directory>/LOCK, which names the owner's pid and host, held
+  // until the store is destroyed) and removes the segment files a previous process left
+  // there: a tiered table's disk rows belong to its process, a restart restores its
+  // checkpoint. Throws std::runtime_error when it cannot, naming the owner when another
+  // open store (this process's or another's) holds the folder; then nothing in the
+  // folder was changed.
   void Open();
   const std::string& directory() const { return directory_; }
 
@@ -181,8 +185,11 @@ class SegmentStore {
   static void ParseRecord(const char* p, int64_t* key, int64_t* step, uint32_t* freq,
                           const float** row);
 
+  void Lock();
+
   const std::string directory_;
   const int64_t width_, record_bytes_, group_records_;
+  int lock_fd_ = -1;
   std::vector<std::unique_ptr<Segment>> segs_;  // by id; null: free id
   uint64_t next_file_ = 0;
   int64_t live_rows_ = 0, disk_bytes_ = 0;
