@@ -19,7 +19,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 
@@ -72,9 +75,13 @@ class Ring {
   }
 
   // Reads reads[n] (n <= kEntries): one submission; returns false when the kernel
-  // refused the opcode (the caller then reads with pread).
+  // refused the opcode (the caller then reads with pread). Throws the batch's first
+  // error only once no read of the batch is left with the kernel and every completion
+  // was taken off the ring: the buffers are the caller's, and the next batch of this
+  // thread must find the ring empty.
   bool Read(FileRead* reads, unsigned n) {
-    unsigned tail = *sq_tail_;
+    const unsigned first_tail = *sq_tail_;
+    unsigned tail = first_tail;
     for (unsigned i = 0; i < n; ++i) {
       const unsigned at = tail & *sq_mask_;
       io_uring_sqe* sqe = &sqes_[at];
@@ -91,33 +98,53 @@ class Ring {
     StoreRelease(sq_tail_, tail);
     unsigned submitted = 0, completed = 0;
     bool refused = false;
+    std::exception_ptr error;
     while (completed < n) {
       const int got = static_cast<int>(::syscall(__NR_io_uring_enter, fd_, n - submitted,
                                                  n - completed, IORING_ENTER_GETEVENTS,
                                                  nullptr, 0));
       if (got < 0) {
-        if (errno == EINTR || errno == EAGAIN || errno == EBUSY) continue;
-        throw ReadError(*reads[0].path, errno);
+        const int err = errno;
+        if (err == EINTR || err == EAGAIN || err == EBUSY) continue;
+        if (!error) error = std::make_exception_ptr(ReadError(*reads[0].path, err));
+        if (submitted < n) {
+          // The kernel took none of the rest (no SQPOLL: it reads the ring only in
+          // io_uring_enter): take them back, so no later batch submits them, and wait
+          // for those already submitted alone.
+          StoreRelease(sq_tail_, first_tail + submitted);
+          n = submitted;
+          continue;
+        }
+        // Reads in flight that cannot be waited for would write into buffers the
+        // caller is about to free: stop the process rather than corrupt it.
+        std::fprintf(stderr, "tfpsx: io_uring_enter failed (%s) with %u reads in flight "
+                     "into this process's buffers; aborting\n", std::strerror(err),
+                     n - completed);
+        std::abort();
       }
       submitted += static_cast<unsigned>(got);
       unsigned head = *cq_head_;
       const unsigned end = LoadAcquire(cq_tail_);
       for (; head != end; ++head, ++completed) {
-        const io_uring_cqe& cqe = cqes_[head & *cq_mask_];
+        const io_uring_cqe cqe = cqes_[head & *cq_mask_];
+        if (error) continue;  // after the first error, only reaped
         FileRead& r = reads[cqe.user_data];
-        if (cqe.res == -EINVAL || cqe.res == -EOPNOTSUPP) {
-          refused = true;  // a kernel without IORING_OP_READ: pread does it
-          PreadRest(r, 0);
-        } else if (cqe.res < 0 && cqe.res != -EINTR && cqe.res != -EAGAIN) {
-          StoreRelease(cq_head_, head + 1);
-          Drain(n - submitted, n - completed - 1);
-          throw ReadError(*r.path, -cqe.res);
-        } else {
-          PreadRest(r, cqe.res > 0 ? cqe.res : 0);  // a short read's rest
+        try {
+          if (cqe.res == -EINVAL || cqe.res == -EOPNOTSUPP) {
+            refused = true;  // a kernel without IORING_OP_READ: pread does it
+            PreadRest(r, 0);
+          } else if (cqe.res < 0 && cqe.res != -EINTR && cqe.res != -EAGAIN) {
+            throw ReadError(*r.path, -cqe.res);
+          } else {
+            PreadRest(r, cqe.res > 0 ? cqe.res : 0);  // a short read's rest
+          }
+        } catch (...) {
+          error = std::current_exception();
         }
       }
       StoreRelease(cq_head_, head);
     }
+    if (error) std::rethrow_exception(error);
     return !refused;
   }
 
@@ -155,21 +182,6 @@ class Ring {
     cq_mask_ = reinterpret_cast<unsigned*>(cq + p.cq_off.ring_mask);
     cqes_ = reinterpret_cast<io_uring_cqe*>(cq + p.cq_off.cqes);
     return p.sq_entries >= kEntries;
-  }
-
-  // Submits the `unsubmitted` reads left in the ring and reaps `left` completions of a
-  // batch abandoned on an error (their buffers are the caller's, valid until then).
-  void Drain(unsigned unsubmitted, unsigned left) {
-    while (left > 0) {
-      const int got = static_cast<int>(::syscall(__NR_io_uring_enter, fd_, unsubmitted, left,
-                                                 IORING_ENTER_GETEVENTS, nullptr, 0));
-      if (got > 0) unsubmitted -= std::min<unsigned>(unsubmitted, static_cast<unsigned>(got));
-      if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) return;
-      unsigned head = *cq_head_;
-      const unsigned end = LoadAcquire(cq_tail_);
-      for (; head != end && left > 0; ++head) --left;
-      StoreRelease(cq_head_, head);
-    }
   }
 
   int fd_ = -1;
