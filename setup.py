@@ -224,7 +224,8 @@ class TfOpBuildExt(build_ext):
         libdl alone; see its source)."""
         out_path = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
-        cmd = [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", "-Wall",
+        cmd = [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", "-Wall", "-std=c++17",
+               "-pthread",
                *[os.path.join(HERE, s) for s in ext.sources], "-o", out_path, "-ldl"]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)

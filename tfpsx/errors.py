@@ -56,3 +56,9 @@ class PortTakenError(OSError):
     """A task could not listen on its address: another process holds the port. The
     process exits with ``tfpsx.control.watchdog.EXIT_PORT_TAKEN``; ``tfpsx-run`` then
     starts the job again on new ports."""
+
+
+class ExposedPortError(RuntimeError):
+    """A server of a job its launcher keeps on loopback listens on an address other
+    machines reach (the loopback bind shim did not take effect): the message names the
+    port, the address and what to do."""

@@ -178,24 +178,36 @@ def two_servers(tmp_path_factory):
     (model.save) and its serving export (tfpsx.export_serving) written after fit. (c,
     folder of the saved files)"""
     out = tmp_path_factory.mktemp("keras_two_servers_out")
+    # tfpsx installed under a path with a space (a virtualenv in "My Projects"): the
+    # loader splits LD_PRELOAD there, so the launcher preloads a copy of the bind shim.
+    spaced = out / "My Projects" / os.path.basename(loopback.shim_path())
+    spaced.parent.mkdir()
+    spaced.write_bytes(open(loopback.shim_path(), "rb").read())
     # The users' table on the servers' disk beyond 2 MB a shard (TieredBackend): async,
     # a shard on each server, saved with model.save and served from the export.
-    with scenario(tmp_path_factory, "keras_two_servers", 2, 2, script="keras_job.py",
-                  env=FAST, timeout=300,
-                  args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
-                        "--save", str(out / "saved"), "--export", str(out / "export"),
-                        "--table_ram_bytes", "2000000",
-                        "--table_dir", str(out / "tables")]) as c:
-        yield c, out
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loopback, "shim_path", lambda: str(spaced))
+        with scenario(tmp_path_factory, "keras_two_servers", 2, 2, script="keras_job.py",
+                      env=FAST, timeout=300,
+                      args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
+                            "--save", str(out / "saved"), "--export", str(out / "export"),
+                            "--table_ram_bytes", "2000000", "--own_server",
+                            "--table_dir", str(out / "tables")]) as c:
+            yield c, out
 
 
 def test_the_jobs_tensorflow_servers_listen_on_loopback_only(two_servers):
     # TF binds 0.0.0.0 on its own; every server and worker of a local job (its own port
-    # each) listened, and on loopback only, read from /proc/net/tcp* while it ran.
+    # each) listened, and on loopback only, read from /proc/net/tcp* while it ran, with
+    # tfpsx installed under a path with a space; the workers' own servers on 0.0.0.0
+    # stayed there.
     c, _ = two_servers
+    assert "tfpsx-preload-" in c.shim and " " not in c.shim, c.shim  # the shim's copy
     assert sorted(c.listeners) == sorted(c.tf_ports()), (c.listeners, c.tf_ports())
     assert loopback.exposed({p: list(a) for p, a in c.listeners.items()}) == {}, c.listeners
     assert all(a in ("127.0.0.1", "::ffff:127.0.0.1") for s in c.listeners.values() for a in s)
+    for r in reports(c, 2).values():
+        assert r["own_server"] == ["0.0.0.0"], r["own_server"]
 
 
 @pytest.mark.timeout(400)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from tfpsx.control import watchdog
+from tfpsx.control import sockets, watchdog
 from tfpsx.errors import PortTakenError
 
 # What TF's gRPC server says when it could not bind its port (TF 2.16-2.21).
@@ -36,10 +36,15 @@ def port_taken(what: str, address: str, detail: str) -> PortTakenError:
 @contextlib.contextmanager
 def listening(what: str, address: str):
     """Around the start of a server at ``address``: a failed bind raises
-    :func:`port_taken`'s error."""
+    :func:`port_taken`'s error; in a task its launcher keeps on loopback, a server that
+    listens beyond it raises :class:`~tfpsx.errors.ExposedPortError`
+    (:func:`tfpsx.control.sockets.check_confined`)."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 — TF's UnknownError, grpc's RuntimeError
         if _TF_BIND_FAILED not in str(e) and _GRPC_BIND_FAILED not in str(e):
             raise
         raise port_taken(what, address, str(e)) from e
+    port = address.rsplit(":", 1)[-1]
+    if port.isdigit():
+        sockets.check_confined(what, int(port))

@@ -7,7 +7,8 @@ launcher is killed with SIGKILL), a log file, a metrics file (``TFPSX_METRICS_DI
 folder), and a deadline; :meth:`LocalCluster.stop` kills by
 PID whatever is still running, and the context manager calls it even when a test fails.
 Its TensorFlow servers listen on 127.0.0.1 only (each task preloads the bind shim of
-:mod:`tfpsx.launcher.loopback`), unless ``loopback_only=False``.
+:mod:`tfpsx.launcher.loopback`, and :meth:`LocalCluster.wait` stops a job whose port
+another machine could reach), unless ``loopback_only=False``.
 
 Example:
   >>> with LocalCluster("train.py", server_num=1, worker_num=2, timeout=120) as c:
@@ -30,11 +31,13 @@ import portpicker
 
 from tfpsx import cluster as _cluster
 from tfpsx import metrics, settings
-from tfpsx.errors import ClusterTimeoutError
+from tfpsx.errors import ClusterTimeoutError, ExposedPortError
 from tfpsx.launcher import loopback
 from tfpsx.waits import wait_for
 
 Task = Tuple[str, int]  # (role, index)
+# The hosts a job kept on loopback may name: the bind shim binds 127.0.0.1.
+_SHIM_HOSTS = ("127.0.0.1", "localhost")
 
 
 def pick_ports(count: int) -> List[int]:
@@ -117,6 +120,14 @@ class LocalCluster:
                              "loopback_only=True keeps the job's servers on loopback; give "
                              "host='127.0.0.1', or loopback_only=False (tfpsx-run --expose) "
                              "to expose the job")
+        if loopback_only and host not in _SHIM_HOSTS:
+            # The shim binds 127.0.0.1: peers dialling 127.0.1.1 or ::1 would be refused
+            # until the start-up timeout.
+            raise ValueError(f"LocalCluster: host {host!r} is a loopback address, but the "
+                             "loopback bind shim keeps a local job's servers on 127.0.0.1, "
+                             "where peers dialling that host do not reach them; give "
+                             "host='127.0.0.1' (or 'localhost'), or loopback_only=False "
+                             "(tfpsx-run --expose) to bind as TensorFlow does")
         if config_mode not in ("env", "tf_config", "scheduler"):
             raise ValueError("config_mode: expected 'env', 'tf_config' or 'scheduler', got "
                              f"{config_mode!r}")
@@ -136,8 +147,11 @@ class LocalCluster:
         self.token = token
         self.host = host
         self.loopback_only = bool(loopback_only)
-        self.shim = loopback.shim_path() if self.loopback_only else None
+        shim = loopback.shim_path() if self.loopback_only else None
+        # A path LD_PRELOAD can carry (a copy where the install's path has a space).
+        self.shim = loopback.preloadable(shim) if shim is not None else None
         self._warned_exposed = False
+        self._next_exposure_check = 0.0
         self._pick_addresses()
         # The scheduler's journal: a scheduler restarted with it takes this job back. A
         # new job starts without one.
@@ -227,7 +241,9 @@ class LocalCluster:
                 env[_cluster.ENV_SERVER_ENDPOINTS] = ",".join(self.servers)
         env.update(self.env)
         if self.shim is not None:
-            loopback.confine(env, self.shim)
+            loopback.confine(env, self.shim, self.tf_ports())
+        elif not self.loopback_only:
+            loopback.release(env)  # a shim inherited from a confined parent's environment
         return env
 
     def tf_ports(self) -> List[int]:
@@ -242,6 +258,28 @@ class LocalCluster:
                 self.tf_ports(), "the loopback bind shim (tfpsx/_loopback_bind*.so) was not "
                 "built; reinstall tfpsx (pip install .) with a C++ compiler to build it"),
                 file=sys.stderr, flush=True)
+
+    def check_exposure(self, every: float = 0.5) -> None:
+        """In a job kept on loopback, reads (at most every ``every`` seconds) what the
+        job's TF ports listen on; one that another machine could reach (the shim did
+        not take effect) stops the job: every task is killed and
+        :class:`~tfpsx.errors.ExposedPortError` names the ports and addresses."""
+        if not self.loopback_only or time.monotonic() < self._next_exposure_check:
+            return
+        self._next_exposure_check = time.monotonic() + every
+        reachable = loopback.exposed(loopback.listening(self.tf_ports()))
+        if not reachable:
+            return
+        self.stop()
+        listed = "; ".join(f"port {p} on {', '.join(a)}" for p, a in sorted(reachable.items()))
+        why = ("the loopback bind shim (tfpsx/_loopback_bind*.so) was not built; reinstall "
+               "tfpsx (pip install .) with a C++ compiler" if self.shim is None else
+               f"the loopback bind shim ({self.shim}) did not take effect in the task")
+        raise ExposedPortError(
+            f"local job stopped: its TensorFlow servers listened where other machines reach "
+            f"them ({listed}) though the job is kept on loopback: {why}. Every task was "
+            "killed. Run it with --expose (LocalCluster(loopback_only=False)) if other "
+            "machines are meant to reach it (docs/security.md)")
 
     def log_path(self, role: str, index: int) -> str:
         if role == _cluster.SCHEDULER:
@@ -340,7 +378,8 @@ class LocalCluster:
                 f"{running}\n{tails}")
 
         wait_for(lambda _left: [t for t in wanted if self.procs[t].poll() is None],
-                 lambda running: not running, max(0.0, timeout), past_deadline)
+                 lambda running: not running, max(0.0, timeout), past_deadline,
+                 check=self.check_exposure)
         return {t: self.procs[t].returncode for t in wanted}
 
     def log(self, role: str, index: int) -> str:

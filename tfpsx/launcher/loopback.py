@@ -6,29 +6,45 @@ it), with insecure credentials, and its master, worker and eager services run an
 client sends, file reads and writes included. A job started on one machine
 (``tfpsx-run``, ``make demo``, :class:`~tfpsx.launcher.local.LocalCluster`) has no reason
 to be reachable from others, so each of its tasks preloads ``tfpsx/_loopback_bind*.so``
-(``custom_ops/loopback/loopback_bind.cc``, built at install): a bind to the wildcard
-address binds 127.0.0.1 instead. The tasks still reach each other (and a delay proxy
-or a test reaches them) on 127.0.0.1, as before.
+(``custom_ops/loopback/loopback_bind.cc``, built at install) and gets the job's TF
+ports in ``TFPSX_LOOPBACK_PORTS``: a bind to the wildcard address on one of those ports
+binds loopback instead; every other bind of the task (the user's own servers, a
+TensorBoard ``--bind_all``) is left alone. The tasks still reach each other (and a delay
+proxy or a test reaches them) on 127.0.0.1, as before.
 
-Where the library is missing (a build that skipped it, a platform without LD_PRELOAD)
-the launcher warns once, naming each port that other machines could reach
-(:func:`exposure_warning`). ``tfpsx-run --expose`` (``LocalCluster(loopback_only=False)``)
-keeps TF's own behaviour for a user who means to expose the job.
+It fails closed: a shim whose path the loader cannot parse (LD_PRELOAD splits at spaces
+and colons) is preloaded from a copy (:func:`preloadable`); a task whose server listens
+beyond loopback anyway stops with :class:`~tfpsx.errors.ExposedPortError`
+(:func:`tfpsx.control.sockets.check_confined`), and the launcher reads the job's sockets
+while it starts and stops a job whose port another machine could reach
+(``LocalCluster.check_exposure``). Where the library is missing (a build that skipped it,
+a platform without LD_PRELOAD) the launcher warns once, naming each port that other
+machines could reach (:func:`exposure_warning`). ``tfpsx-run --expose``
+(``LocalCluster(loopback_only=False)``) keeps TF's own behaviour for a user who means to
+expose the job, and drops a shim its environment inherited.
 
 :func:`listening` reads the sockets listening on given ports from ``/proc/net/tcp`` and
-``/proc/net/tcp6``: what the tests and ``docs/security.md``'s check use.
+``/proc/net/tcp6``: what the launcher, the tests and ``docs/security.md``'s check use.
 """
 
 from __future__ import annotations
 
+import atexit
 import glob
-import ipaddress
 import os
-import socket
-import struct
+import re
+import shutil
+import tempfile
 from typing import Dict, Iterable, List, Optional
 
-_TCP_LISTEN = "0A"  # st of a listening socket in /proc/net/tcp*
+from tfpsx.control.sockets import PORTS_ENV, exposed, listening
+
+__all__ = ["PORTS_ENV", "confine", "exposed", "exposure_warning", "listening", "preloadable",
+           "release", "shim_path"]
+
+# The loader splits LD_PRELOAD at spaces and colons, with no escape (ld.so(8)).
+_PRELOAD_SEPARATORS = re.compile(r"[ :]+")
+_SHIM_NAME = re.compile(r"_loopback_bind[^/]*\.so$")
 
 
 def shim_path() -> Optional[str]:
@@ -38,10 +54,67 @@ def shim_path() -> Optional[str]:
     return found[0] if found else None
 
 
-def confine(env: Dict[str, str], shim: str) -> Dict[str, str]:
-    """``env`` with ``shim`` first in LD_PRELOAD (a preload the user set is kept after it)."""
-    preload = [p for p in env.get("LD_PRELOAD", "").split() if p and p != shim]
-    env["LD_PRELOAD"] = " ".join([shim] + preload)
+def _loader_can_parse(path: str) -> bool:
+    return os.path.isabs(path) and not _PRELOAD_SEPARATORS.search(path)
+
+
+def preloadable(shim: str) -> str:
+    """A path of ``shim`` that LD_PRELOAD can carry: the shim itself, or, when its path
+    has a space or a colon (a virtualenv under "My Projects"), a copy in a new private
+    folder (0700, removed when this process exits).
+
+    Raises:
+      ValueError: no temporary folder without a space or colon to copy it to.
+    """
+    if _loader_can_parse(shim):
+        return shim
+    for parent in (tempfile.gettempdir(), "/tmp", "/dev/shm"):
+        if not (_loader_can_parse(parent) and os.path.isdir(parent)
+                and os.access(parent, os.W_OK | os.X_OK)):
+            continue
+        folder = tempfile.mkdtemp(prefix="tfpsx-preload-", dir=parent)
+        copy = os.path.join(folder, os.path.basename(shim))
+        if not _loader_can_parse(copy):
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        shutil.copy2(shim, copy)
+        atexit.register(shutil.rmtree, folder, True)
+        return copy
+    raise ValueError(
+        f"the loopback bind shim's path {shim!r} has a space or a colon, which LD_PRELOAD "
+        "cannot carry, and no temporary folder without one to copy it to (TMPDIR, /tmp, "
+        "/dev/shm); set TMPDIR to a writable folder whose path has neither, or install "
+        "tfpsx under such a path")
+
+
+def _without_shim(preload: str) -> List[str]:
+    return [p for p in _PRELOAD_SEPARATORS.split(preload) if p and not _SHIM_NAME.search(p)]
+
+
+def confine(env: Dict[str, str], shim: str, ports: Iterable[int]) -> Dict[str, str]:
+    """``env`` with ``shim`` first in LD_PRELOAD (another copy of it dropped; a preload
+    the user set is kept after it) and ``ports`` as the ports it keeps on loopback.
+
+    Raises:
+      ValueError: ``shim``'s path cannot go into LD_PRELOAD (see :func:`preloadable`).
+    """
+    if not _loader_can_parse(shim):
+        raise ValueError(f"LD_PRELOAD cannot carry the path {shim!r} (a space or a colon, or "
+                         "not absolute): give loopback.preloadable(shim)")
+    env["LD_PRELOAD"] = " ".join([shim] + _without_shim(env.get("LD_PRELOAD", "")))
+    env[PORTS_ENV] = ",".join(str(int(p)) for p in sorted(set(ports)))
+    return env
+
+
+def release(env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` without the shim (an exposed job's tasks: one inherited from a confined
+    parent's environment is dropped) and without the confined ports."""
+    rest = _without_shim(env.get("LD_PRELOAD", ""))
+    if rest:
+        env["LD_PRELOAD"] = " ".join(rest)
+    else:
+        env.pop("LD_PRELOAD", None)
+    env.pop(PORTS_ENV, None)
     return env
 
 
@@ -53,47 +126,3 @@ def exposure_warning(ports: Iterable[int], reason: str) -> str:
             "can run any TensorFlow op in the job (read or overwrite the model, read and "
             "write files as this user). Keep the machine on a trusted network or behind a "
             "firewall (docs/security.md).")
-
-
-def _address(hex_addr: str) -> str:
-    raw = bytes.fromhex(hex_addr)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hex_addr, 16)))
-    # /proc/net/tcp6: four 32-bit words, each in host (little-endian) order.
-    words = struct.unpack("<4I", raw)
-    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
-
-
-def listening(ports: Iterable[int]) -> Dict[int, List[str]]:
-    """The local addresses listening on each of ``ports`` (TCP, IPv4 and IPv6) in this
-    network namespace, read from /proc/net/tcp and /proc/net/tcp6: ``{port: [address,
-    ...]}``, a port with no listener left out."""
-    wanted = set(int(p) for p in ports)
-    found: Dict[int, List[str]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 4 or fields[3] != _TCP_LISTEN:
-                continue
-            addr, port = fields[1].rsplit(":", 1)
-            port = int(port, 16)
-            if port in wanted:
-                found.setdefault(port, []).append(_address(addr))
-    return found
-
-
-def exposed(listeners: Dict[int, List[str]]) -> Dict[int, List[str]]:
-    """The entries of :func:`listening`'s answer that other machines could reach: every
-    address but loopback (``::ffff:127.0.0.1`` is IPv4 loopback)."""
-    def reachable(address: str) -> bool:
-        ip = ipaddress.ip_address(address)
-        mapped = getattr(ip, "ipv4_mapped", None)
-        return not (mapped or ip).is_loopback
-
-    out = {port: [a for a in addresses if reachable(a)] for port, addresses in listeners.items()}
-    return {port: addresses for port, addresses in out.items() if addresses}

@@ -58,6 +58,7 @@ from typing import List, Optional
 from tfpsx import cluster as _cluster
 from tfpsx import settings
 from tfpsx.control.watchdog import EXIT_PEER_LOST, EXIT_PORT_TAKEN
+from tfpsx.errors import ExposedPortError
 from tfpsx.launcher import loopback
 from tfpsx.launcher.local import LocalCluster
 
@@ -219,12 +220,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isfile(args.script):
         print(f"tfpsx-run: script {args.script!r} not found", file=sys.stderr)
         return 2
-    job = LocalCluster(args.script, server_num, worker_num, args=args.script_args,
-                       timeout=float("inf") if timeout is None else timeout,
-                       log_dir=args.log_dir,
-                       config_mode=args.config if args.no_scheduler else "scheduler",
-                       token=settings.raw(_cluster.ENV_TOKEN), chief=args.chief,
-                       evaluator=args.evaluator, loopback_only=not args.expose)
+    try:
+        job = LocalCluster(args.script, server_num, worker_num, args=args.script_args,
+                           timeout=float("inf") if timeout is None else timeout,
+                           log_dir=args.log_dir,
+                           config_mode=args.config if args.no_scheduler else "scheduler",
+                           token=settings.raw(_cluster.ENV_TOKEN), chief=args.chief,
+                           evaluator=args.evaluator, loopback_only=not args.expose)
+    except ValueError as e:  # nothing started
+        print(f"tfpsx-run: {e}", file=sys.stderr)
+        return 2
     if args.expose:
         print(loopback.exposure_warning(job.tf_ports(), "--expose asked for it"),
               file=sys.stderr, flush=True)
@@ -245,6 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed = None  # (task, code): what ends the job
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
     evaluator_failed = None  # (task, code) of an evaluator that failed on its own
+    exposed = None  # the ExposedPortError that stopped a job kept on loopback
     scheduler_restarts = job_restarts = port_restarts = 0
 
     def start_again(reason: str):
@@ -261,6 +267,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         others = [t for t in job.tasks()  # the scheduler, servers
                   if t not in workers and t not in evaluators]
         while not interrupted:
+            try:
+                job.check_exposure()  # a port another machine reaches stops the job
+            except ExposedPortError as e:
+                exposed = e
+                break
             if failed is not None:
                 if failed[0][0] == "launcher" or job_restarts >= max_restarts:
                     break
@@ -392,6 +403,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(s, handler)
 
     seconds = time.monotonic() - start
+    if exposed is not None:
+        print(f"tfpsx-run: FAILED after {seconds:.1f} s: {exposed}", file=sys.stderr)
+        return 1
     if interrupted:
         print(f"tfpsx-run: interrupted by signal {interrupted[0]}; stopped all "
               f"{len(job.procs)} processes (logs in {job.log_dir})", file=sys.stderr)

@@ -32,6 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx import errors, settings
+from tfpsx.control import sockets
+from tfpsx.control.ports import listening
 from tfpsx.modes.collective import CollectiveGroup, lost_peer_error, packed
 from tfpsx.waits import wait_for
 
@@ -76,9 +78,14 @@ class DenseAllReduce:
         self.rank, self.addresses, self.timeout = rank, list(addresses), float(timeout)
         config = tf.compat.v1.ConfigProto()
         config.experimental.collective_group_leader = f"/job:{JOB}/replica:0/task:0"
-        self._server = tf.distribute.Server(
-            tf.train.ClusterSpec({JOB: self.addresses}), job_name=JOB, task_index=rank,
-            config=config, start=True)
+        mine = self.addresses[rank]
+        # A port this worker picked: on loopback too in a local job (the launcher's list
+        # has the job's own ports only).
+        sockets.confine_port(int(mine.rsplit(":", 1)[1]))
+        with listening(f"worker {rank}'s dense all-reduce server", mine):
+            self._server = tf.distribute.Server(
+                tf.train.ClusterSpec({JOB: self.addresses}), job_name=JOB, task_index=rank,
+                config=config, start=True)
         self._graph = tf.Graph()
         self._session = tf.compat.v1.Session(self._server.target, graph=self._graph,
                                              config=config)

@@ -14,12 +14,15 @@ per worker at the end.
   --save DIR   the chief saves DIR/model.keras and DIR/predictions.npy.
   --export DIR the chief exports DIR/model/1 (tfpsx.export_serving), DIR/feed.npz (ids
                seen in training and never seen) and DIR/predictions.npy (model.predict).
+  --own_server each worker listens on 0.0.0.0 itself (a user's metrics server) and reports
+               the addresses it listens on.
 """
 import argparse
 import contextlib
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -28,6 +31,7 @@ import keras
 import tensorflow as tf
 
 import tfpsx
+from tfpsx.control import sockets
 import training_job as linear
 
 FEATURES, USERS, TAGS, WIDTH = 8, 200, 100, 4
@@ -179,6 +183,7 @@ def main(argv):
     p.add_argument("--table_dir", default="", help="with --table_ram_bytes: its folder")
     p.add_argument("--partition", type=int, default=0,
                    help="cut every weight into this many slices (FixedShardsPartitioner)")
+    p.add_argument("--own_server", action="store_true")
     p.add_argument("--partition_bytes", type=int, default=0,
                    help="cut weights into slices of at least this many bytes, one per PS")
     args = p.parse_args(argv)
@@ -191,6 +196,11 @@ def main(argv):
             return 0
         tfpsx.init_worker()
         me = tfpsx.worker_index()
+    own = None
+    if args.own_server:  # the user's own server, on every interface as it asks
+        own = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        own.bind(("0.0.0.0", 0))
+        own.listen(1)
     strategy = None if args.local else strategy_for(args)
     with contextlib.nullcontext() if strategy is None else strategy.scope():
         backend = (tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
@@ -250,6 +260,9 @@ def main(argv):
 
     report = {"worker": me, "local_steps": local_steps, "seconds": seconds,
               "train_loss": [float(v) for v in history.history["loss"]]}
+    if own is not None:
+        port = own.getsockname()[1]
+        report["own_server"] = sockets.listening([port]).get(port, [])
     if args.checkpoint:
         report["loss_before_fit"] = report_start
         report["val_loss"] = [float(v) for v in history.history["val_loss"]]
