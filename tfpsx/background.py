@@ -30,15 +30,20 @@ class BackgroundLoop:
       step: called once per round; returning False ends the loop normally.
       interval: seconds between rounds; None runs one round per :meth:`wake`; 0 runs
         rounds back to back (a step that blocks on its own, like a queue take).
+      final_round_matters: a round that fails while the loop stops is logged as an
+        error (GEO's communicator: its round's pushes are lost); else only kept in
+        :attr:`error` (a heartbeat in flight when the job ends).
     """
 
     def __init__(self, what: str, step: Callable[[], Optional[bool]],
-                 interval: Optional[float] = None):
+                 interval: Optional[float] = None, final_round_matters: bool = False):
         self.what, self._step, self._interval = what, step, interval
+        self._final_round_matters = final_round_matters
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
+        self.reported = False  # check() raised the error to the owner
 
     def start(self) -> "BackgroundLoop":
         if self._thread is None:
@@ -52,7 +57,9 @@ class BackgroundLoop:
         return self._stop.is_set()
 
     def wake(self) -> None:
-        """Asks for one more round (loops with ``interval=None``)."""
+        """Asks for a round (loops with ``interval=None``). Wakes the thread has not
+        taken yet merge into one: a step that must run once per request reads what is
+        asked of it from its owner's state, not from the number of wakes."""
         self._wake.set()
 
     def _wait(self) -> bool:
@@ -70,14 +77,19 @@ class BackgroundLoop:
                 if self._step() is False:
                     return
             except BaseException as e:  # noqa: BLE001 — handed to the owner by check()
+                # Kept while stopping too: the owner's stop (a GEO communicator's last
+                # round at the end of fit) must not take a failed round for a done one.
+                self.error = e
                 if not self._stop.is_set():
-                    self.error = e
                     logger.error("%s failed: %s", self.what, e)
+                elif self._final_round_matters:
+                    logger.error("%s failed while stopping: %s", self.what, e)
                 return
 
     def check(self) -> None:
         """Raises ``BackgroundTaskError`` (the step's exception chained) if the loop failed."""
         if self.error is not None:
+            self.reported = True
             raise BackgroundTaskError(f"{self.what} failed: {self.error}") from self.error
 
     def stop(self, timeout: Optional[float] = None) -> bool:

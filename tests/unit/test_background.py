@@ -56,3 +56,27 @@ def test_interval_zero_runs_back_to_back_until_the_step_says_stop():
     loop = BackgroundLoop("busy loop", step, interval=0).start()
     assert loop.stop(timeout=5) or count[0] >= 50
     loop.check()
+
+
+@pytest.mark.timeout(30)
+def test_a_round_failing_while_the_loop_stops_is_kept_and_logged(caplog):
+    """A round in flight when the owner stops the loop (GEO's communicator when fit ends)
+    and then fails: its error is kept for the owner and logged, not dropped."""
+    entered, release = threading.Event(), threading.Event()
+
+    def step():
+        entered.set()
+        release.wait(10)
+        raise OSError("server 0 is gone")
+
+    loop = BackgroundLoop("test loop", step, final_round_matters=True).start()
+    loop.wake()
+    assert entered.wait(5)
+    threading.Timer(0.2, release.set).start()
+    with caplog.at_level("ERROR", logger="tfpsx"):
+        assert loop.stop(timeout=5)
+    assert "test loop failed while stopping: server 0 is gone" in caplog.text
+    assert not loop.reported
+    with pytest.raises(BackgroundTaskError, match="test loop failed: server 0 is gone"):
+        loop.check()
+    assert loop.reported

@@ -310,6 +310,59 @@ def test_a_failed_communicator_fails_the_next_step_and_sends_nothing_more():
     assert rec.rounds == []
 
 
+def test_a_round_failing_while_training_ends_fails_the_end_and_sends_nothing_more(caplog):
+    """The round in flight when training ends fails (a server went away): its pushes are
+    lost, so the end raises it (graph mode's raise_failure=False too: no step saw it),
+    logs it, and sends no final round as if nothing failed."""
+    entered, release = threading.Event(), threading.Event()
+    rounds = []
+
+    def run_round(phases):
+        entered.set()
+        release.wait(10)
+        raise errors.ServerUnavailableError("server 0 is gone")
+
+    s = GeoSchedule(2, False, run_round, cached=lambda: False, barrier=lambda: None)
+    s.start(0)
+    s.step_done(1)
+    s.step_done(2)
+    assert entered.wait(5)
+    s.step_done(3)  # the round still runs: nothing raised yet
+    threading.Timer(0.2, release.set).start()
+    with caplog.at_level("ERROR", logger="tfpsx"):
+        with pytest.raises(errors.BackgroundTaskError,
+                           match="GEO communicator failed: server 0 is gone"):
+            s.end(3, raise_failure=False)
+    assert "GEO communicator failed while stopping: server 0 is gone" in caplog.text
+    assert rounds == []
+
+
+def test_a_round_asked_for_before_the_communicator_first_runs_is_not_lost(monkeypatch):
+    """Keras's first wake (the copy's first round) and the round asked for at K steps
+    merge when the communicator's thread has not run yet: the round still runs, and the
+    worker trains on past 2K steps."""
+    from tfpsx.background import BackgroundLoop
+    from tfpsx.modes.geo import schedule as schedule_module
+
+    class Held(BackgroundLoop):
+        def start(self):  # the thread starts when the test says
+            return self
+
+    monkeypatch.setattr(schedule_module, "BackgroundLoop", Held)
+    monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "2")
+    rec, firsts = Recorder(), []
+    s = rec.make(2, deterministic=False, first_round=lambda: firsts.append(1))
+    s.start(0)
+    s.step_done(1)
+    s.step_done(2)  # asks for a round: its wake merges with the first's
+    BackgroundLoop.start(s._loop)
+    wait_until(lambda: rec.rounds == [(2, (PUSH, PULL))])
+    assert firsts == [1]
+    for step in (3, 4, 5):
+        s.step_done(step)
+    assert s.end(5) and [pushed for pushed, _ in rec.rounds][-1] == 5
+
+
 def test_a_session_created_again_restarts_the_communicator_without_the_old_failure():
     """TF's MonitoredSession closed the session under a round (after an error) and made
     a new one: that round's failure was the closed session's; the next rounds run."""

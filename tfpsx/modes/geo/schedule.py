@@ -135,7 +135,8 @@ class GeoSchedule:
         elif self._loop is None:
             self._requested = False
             self._idle.set()
-            self._loop = BackgroundLoop("GEO communicator", self._background).start()
+            self._loop = BackgroundLoop("GEO communicator", self._background,
+                                        final_round_matters=True).start()
             if self._first_round is not None:
                 self._loop.wake()
 
@@ -266,6 +267,10 @@ class GeoSchedule:
         if self._first_round is not None:
             first, self._first_round = self._first_round, None
             first()
+        # What to do comes from the schedule's state, not from the wake: wakes the
+        # thread has not taken merge (a round asked for before the thread first ran
+        # would be lost, and the worker stopped at 2K steps).
+        if not self._requested:
             return
         try:
             if not self._time_left():
@@ -283,13 +288,15 @@ class GeoSchedule:
         """Training ended after ``steps`` local steps: the communicator stops (bounded by
         TFPSX_RPC_TIMEOUT) and the steps not pushed yet reach the PS in a final round
         (push, pull: no barrier, the others may be done). If the communicator had
-        failed, nothing more is sent and its error is raised (``raise_failure``; a
-        BackgroundTaskError), else False is returned."""
+        failed (a round in flight while training ended included: its pushes are lost),
+        nothing more is sent and its error is raised as a BackgroundTaskError; with
+        ``raise_failure=False`` an error a step already raised (:meth:`step_done`) is not
+        raised again, and False is returned."""
         self._steps = steps
         loop = self._stop_loop("the last sync")
         if loop is not None:
             if loop.error is not None:
-                if raise_failure:
+                if raise_failure or not loop.reported:
                     loop.check()
                 return False
         if steps > self.pushed:
