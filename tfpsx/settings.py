@@ -150,6 +150,11 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "hybrid mode: comma-separated host:port of every worker's dense all-reduce "
             "server, rank order (each binds its own port); unset: each worker picks a free "
             "port and they meet on server 0", "cluster"),
+    Setting("TFPSX_LOOPBACK_PORTS", "str", None,
+            "set by the launcher (tfpsx-run, LocalCluster) in each task of a local job: the "
+            "job's TF ports, whose wildcard binds the preloaded bind shim moves to loopback "
+            "(a task whose server listens beyond it stops; docs/security.md)", "cluster",
+            read_by="the loopback bind shim and tfpsx.control.sockets"),
     Setting("TFPSX_LISTEN_PORT", "port", None,
             "the port this process's server listens on, when the address the cluster lists "
             "for it is not its own (a NAT, a container's mapped port, a proxy): the others "

@@ -609,12 +609,14 @@ def test_a_dead_worker_is_a_clear_timeout_not_a_hang(make_cluster, mode, env):
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "10"])])
+@pytest.mark.parametrize("mode,extra", [("async", []), ("geo", ["--k_steps", "auto"])])
 def test_a_worker_joins_a_running_job_trains_and_the_job_ends_cleanly(make_cluster, mode,
                                                                       extra):
     """Elastic: the scheduler admits up to TFPSX_MAX_WORKER_NUM workers; a third one
     started while two train gets rank 2, the servers' model (its session carries its own
-    address, which they never had), trains on, and everyone ends with code 0."""
+    address, which they never had), trains on, and everyone ends with code 0. In GEO
+    every worker, the joiner too, runs the job's one rule and K (of the 2 workers it
+    started with)."""
     # 3,000 steps (at least 15 s with two workers): the joiner's start (TF's import, its
     # registration) took longer than 900 steps' 5 s on a loaded 2-core machine, and it
     # then found the job over (CI of a2ab170).
@@ -630,6 +632,11 @@ def test_a_worker_joins_a_running_job_trains_and_the_job_ends_cleanly(make_clust
     r = reports(c, 3)
     assert r[2]["start_step"] > 0 and r[2]["local_steps"] > 20, r[2]  # joined mid-job
     assert r[0]["global_step"] >= 3000 and r[2]["eval_loss"] < 0.01, r
+    if mode == "geo":
+        rules = [re.findall(r"GEO at \d+ worker\(s\): [^(]*|k_steps='auto' is \d+",
+                            c.log("worker", i)) for i in range(3)]
+        assert rules[0] and rules[0] == rules[1] == rules[2], rules
+        assert "GEO at 2 worker(s): geo_table_rule='average'" in rules[0][-1], rules
     sched = c.log("scheduler", 0)
     assert re.search(r"worker 127\.0\.0\.1:\d+ joins the running job as rank 2 "
                      r"\(3 of at most 3 workers\)", sched), sched[-2000:]

@@ -60,6 +60,40 @@ def test_strategy_modes():
     assert auto.mode == "geo" and auto.k_auto and auto.k_steps == 10
     assert "k_steps='auto'" in repr(auto) and auto.key() != geo.key()
 
+def test_a_joiner_runs_the_geo_rule_and_k_of_the_workers_the_job_started_with(caplog):
+    """A rule is a job-wide decision: a worker that joins a 2-worker job (the scheduler
+    tells every node the workers the job started with) runs the earlier rule and the
+    K of 2 workers, as the first two do, on the same rows, and says so."""
+    import dataclasses
+
+    from tfpsx.cluster import ClusterConfig
+    from tfpsx.keras.modes.geo import geo_class
+    from tfpsx.modes.geo import rule_workers
+    from tfpsx.training.modes.geo import mode_class
+
+    first = ClusterConfig(role="worker", index=0, servers=tuple(PS), workers=tuple(WK),
+                          initial_worker_num=2)
+    joiner = dataclasses.replace(first, index=2, workers=tuple(WK) + ("127.0.0.1:2005",))
+    assert joiner.joined and rule_workers(joiner) == rule_workers(first) == 2
+    geo = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": "auto"})
+    assert mode_class(geo, joiner) is mode_class(geo, first)
+    assert geo_class(geo, joiner) is geo_class(geo, first)
+
+    class State:
+        pass
+
+    from tfpsx.modes.geo import adopt_rule, rule
+    rule._LOGGED_RULES.clear()
+    firsts, joined = State(), State()
+    with caplog.at_level("INFO", logger="tfpsx"):
+        adopt_rule(firsts, geo, first)
+        rule._LOGGED_RULES.clear()  # (once per process: the joiner is another)
+        adopt_rule(joined, geo, joiner)
+    assert vars(firsts) == vars(joined) and not joined.share_slots
+    assert "GEO at 2 worker(s): geo_table_rule='average'" in caplog.text
+    assert "of the 2 workers it started with, though 3 train now" in caplog.text
+
+
 @pytest.mark.parametrize("kwargs,words", [
     ({"a_sync_configs": {"k_steps": -1}}, ["k_steps", "-1", ">= 0"]),
     ({"a_sync_configs": {"k_steps": 2.5}}, ["k_steps", "2.5"]),

@@ -363,6 +363,25 @@ def test_a_round_asked_for_before_the_communicator_first_runs_is_not_lost(monkey
     assert s.end(5) and [pushed for pushed, _ in rec.rounds][-1] == 5
 
 
+def test_k_steps_auto_is_the_jobs_k_whatever_a_workers_epoch_gives(caplog):
+    """k_steps="auto" in Keras: each worker's epoch would give its own K (a joiner's is
+    shorter); the chief's is the job's (on PS 0 there: a dict here) and every worker
+    takes it."""
+    job = {}
+
+    def job_k(own):
+        return job.setdefault("k", own)  # the chief writes first; the others read
+
+    chief, joiner = Recorder(), Recorder()
+    c = chief.make("auto", False, auto_workers=2)
+    j = joiner.make("auto", False, auto_workers=2)
+    with caplog.at_level("INFO", logger="tfpsx"):
+        c.fit_length(400, job_k=job_k)   # 400 // 8 = 50, within 20 // 2 = 10: 10
+        j.fit_length(24, job_k=job_k)    # alone: 24 // 8 = 3
+    assert c.k_steps == j.k_steps == 10
+    assert "the job's K, chosen by the chief (this worker's epoch would give 3)" in caplog.text
+
+
 def test_a_session_created_again_restarts_the_communicator_without_the_old_failure():
     """TF's MonitoredSession closed the session under a round (after an error) and made
     a new one: that round's failure was the closed session's; the next rounds run."""

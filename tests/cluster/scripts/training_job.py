@@ -86,7 +86,7 @@ class AbortOnceHook(tf.compat.v1.train.SessionRunHook):
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="async")
-    p.add_argument("--k_steps", type=int, default=0)
+    p.add_argument("--k_steps", type=lambda v: v if v == "auto" else int(v), default=0)
     add_geo_rule_flags(p)
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--replicas", type=int, default=None, help="sync: replicas_to_aggregate")

@@ -20,14 +20,17 @@ from typing import List, Optional
 
 import tensorflow as tf
 
+from tfpsx import errors, settings
 from tfpsx.embedding.geo_rule import (copy_trains, distrust_snapshot, table_readers,
                                      take_global, track_snapshot)
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
-from tfpsx.keras.modes.base import CreationContext, KerasMode
+from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
+from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, adopt_rule, caches_locked, count_round, count_trained,
-                             dense_async, dense_size, pull_ops, push_ops)
+                             dense_async, dense_size, pull_ops, push_ops, rule_workers)
+from tfpsx.waits import bounded_wait
 
 
 class KerasGeo(KerasMode):
@@ -35,7 +38,8 @@ class KerasGeo(KerasMode):
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
-        adopt_rule(self, options, config.worker_num)
+        adopt_rule(self, options, config)
+        self.rule_workers = rule_workers(config)  # N of the rule: the job's, a joiner's too
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
         self.tables = []          # GeoTable, appended by GeoTableUpdater
@@ -55,7 +59,7 @@ class KerasGeo(KerasMode):
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
             first_round=lambda: self.sync_fn().get_concrete_function(),
             rounds_in_step=self.in_train_thread,
-            auto_workers=config.worker_num if options.k_auto else 0,
+            auto_workers=rule_workers(config) if options.k_auto else 0,
             counters=self.counters)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
@@ -104,7 +108,7 @@ class KerasGeo(KerasMode):
 
     # ------------------------------------------------------------------ the rule
     def _push_ops(self):
-        return push_ops(self.dense, self.tables, float(self.worker_num),
+        return push_ops(self.dense, self.tables, float(self.rule_workers),
                         counters=self.step_pairs)
 
     def _pull_ops(self, after):
@@ -256,7 +260,28 @@ class KerasGeo(KerasMode):
 
     def fit_length(self, epoch_steps: Optional[int]) -> None:
         # k_steps="auto" chooses K here; then too few rounds in an epoch: a warning.
-        self.schedule.fit_length(epoch_steps)
+        self.schedule.fit_length(epoch_steps, job_k=self._job_k)
+
+    def _job_k(self, own: int) -> int:
+        """``k_steps="auto"``'s K is the job's: the chief's first fit writes the K of its
+        epoch on PS 0 (a restarted chief finds it there), every other worker, a joiner
+        too, takes it (bounded by TFPSX_SESSION_TIMEOUT). Before ``begin_fit``: the chief
+        marks the model ready after it."""
+        timeout = settings.get("TFPSX_SESSION_TIMEOUT")
+        var = SharedVariable(shared_name=SHARED_PREFIX + "geo_k_steps", shape=[],
+                             dtype=tf.int64, device=self.ps_devices[0], trainable=False,
+                             name="geo_k_steps")
+        initialize(var, tf.constant(0, tf.int64), self.is_chief, timeout)
+        if self.is_chief:
+            if int(var.read_value()) == 0:
+                var.assign(own)
+        else:
+            bounded_wait(lambda: int(var.read_value()) > 0, timeout,
+                         lambda _: errors.ClusterTimeoutError(
+                             f"worker {self.worker_index} waited {timeout:g} s "
+                             "(TFPSX_SESSION_TIMEOUT) for the chief (worker 0) to choose "
+                             "GEO's k_steps='auto' (its first fit does); is it running?"))
+        return int(var.read_value())
 
     def begin_eval(self, model) -> None:
         # Outside fit, evaluate / predict see the global model as it is now (the other
@@ -328,4 +353,4 @@ class KerasGeoAsyncDense(KerasGeo, KerasAsync):
 
 def geo_class(options, config) -> type:
     """GEO's Keras class for ``options`` in the job of ``config``."""
-    return KerasGeoAsyncDense if dense_async(options, config.worker_num) else KerasGeo
+    return KerasGeoAsyncDense if dense_async(options, rule_workers(config)) else KerasGeo

@@ -28,7 +28,7 @@ from tfpsx.modes.geo.rule import (GEO_AUTO_KN, GEO_AUTO_KN_BACKGROUND, GEO_EARLI
                                   auto_hot_per_round, auto_kn, dense_async, dense_pull,
                                   dense_push, hot_count, hot_per_round, log_rule,
                                   named_rule_keys, pull_ops, push_ops, rows_and_bytes,
-                                  rule_for, shares_slots, wire_dtype)
+                                  rule_for, rule_workers, shares_slots, wire_dtype)
 from tfpsx.modes.geo.schedule import (GEO_K_WITHOUT_EPOCH, MIN_ROUNDS_PER_EPOCH, GeoSchedule,
                                       auto_k_steps, few_rounds)
 from tfpsx.modes.geo.tables import GeoState, GeoTableUpdater
@@ -39,7 +39,8 @@ __all__ = [
     "GEO_FOR_MANY", "GEO_MANY_WORKERS", "GeoVariable",
     "dense_async", "dense_pull", "dense_push", "hot_count", "hot_per_round", "log_rule",
     "named_rule_keys",
-    "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "shares_slots", "wire_dtype",
+    "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "rule_workers", "shares_slots",
+    "wire_dtype",
     "GEO_AUTO_KN", "GEO_AUTO_KN_BACKGROUND", "GEO_HOT_PER_ROUND_BACKGROUND",
     "auto_hot_per_round", "GEO_K_WITHOUT_EPOCH", "MIN_ROUNDS_PER_EPOCH",
     "GeoSchedule", "auto_k_steps", "auto_kn", "few_rounds", "GeoState", "GeoTableUpdater",

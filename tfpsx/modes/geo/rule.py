@@ -143,6 +143,15 @@ GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_coun
                "geo_hot_per_round": 0}
 
 
+def rule_workers(config) -> int:
+    """The worker count GEO's rule and ``k_steps="auto"`` are decided by: the workers the
+    job started with (the scheduler's TFPSX_WORKER_NUM, which every node is told, a
+    joiner too), else the job's count. A rule is a job-wide decision: a worker that
+    joins a running job must run the same one as the others, on the same rows."""
+    started = getattr(config, "initial_worker_num", None)
+    return int(started) if started else int(config.worker_num)
+
+
 def rule_for(options, worker_num: int) -> Dict[str, object]:
     """GEO's rule for a job of ``worker_num`` workers: ``geo_table_rule``, ``geo_dense``,
     ``geo_hot_count``, ``geo_hot_per_round``. A key the user named keeps its value; the
@@ -190,33 +199,39 @@ def named_rule_keys(options) -> frozenset:
     return getattr(options, "geo_explicit", frozenset())
 
 
-def log_rule(options, worker_num: int) -> None:
-    """Says which GEO rule the job runs, and why (once per process and rule)."""
+def log_rule(options, worker_num: int, now: Optional[int] = None) -> None:
+    """Says which GEO rule the job runs, and why (once per process and rule); ``now``:
+    the job's workers now, when more joined than it started with."""
     rule = rule_for(options, worker_num)
     line = ", ".join(f"{key}={value!r}" for key, value in rule.items())
     if line not in _LOGGED_RULES:
         _LOGGED_RULES.add(line)
         named = sorted(named_rule_keys(options))
-        logger.info("GEO at %d worker(s): %s (%s)", worker_num, line,
+        joined = (f"; the job's rule, of the {worker_num} workers it started with, though "
+                  f"{now} train now" if now is not None and now != worker_num else "")
+        logger.info("GEO at %d worker(s): %s (%s%s)", worker_num, line,
                     f"named: {', '.join(named)}; the others by the worker count" if named else
-                    "by the worker count: the rule for many workers from 3, docs/modes.md")
+                    f"by the worker count: the rule for many workers from {GEO_MANY_WORKERS}, "
+                    "docs/modes.md", joined)
 
 
 _LOGGED_RULES: set = set()
 
 
-def adopt_rule(state, options, worker_num: int) -> None:
-    """A front-end's GEO state (``GeoState``) takes the job's rule from ``options``: how
-    rounds run (``in_train_thread``), the wire dtype, the table rule (``share_slots``,
+def adopt_rule(state, options, config) -> None:
+    """A front-end's GEO state (``GeoState``) takes the job's rule from ``options`` for
+    the job of ``config`` (its :func:`rule_workers`): how rounds run
+    (``in_train_thread``), the wire dtype, the table rule (``share_slots``,
     ``hot_count``, ``hot_per_round``) and the keys the user named; the rule is logged
     (once)."""
+    workers = rule_workers(config)
     state.in_train_thread = options.geo_sync_in_train_thread
     state.wire_dtype = wire_dtype(options)
-    state.share_slots = shares_slots(options, worker_num)
-    state.hot_count = hot_count(options, worker_num)
-    state.hot_per_round = hot_per_round(options, worker_num)
+    state.share_slots = shares_slots(options, workers)
+    state.hot_count = hot_count(options, workers)
+    state.hot_per_round = hot_per_round(options, workers)
     state.named = named_rule_keys(options)
-    log_rule(options, worker_num)
+    log_rule(options, workers, now=int(config.worker_num))
 
 
 def wire_dtype(options) -> Optional[tf.DType]:

@@ -146,20 +146,24 @@ class GeoSchedule:
         inside a compiled step)."""
         return steps - pushed >= self.k_steps
 
-    def fit_length(self, epoch_steps: Optional[int]) -> None:
+    def fit_length(self, epoch_steps: Optional[int],
+                   job_k: Optional[Callable[[int], int]] = None) -> None:
         """A ``fit`` starts whose epochs hold ``epoch_steps`` local steps (None: unknown):
         with ``k_steps="auto"`` the first one chooses K (kept after: a compiled step holds
-        it), then :meth:`check_epoch`."""
+        it), then :meth:`check_epoch`. ``job_k(this worker's K)`` returns the job's K
+        (the chief's: workers whose epochs differ, a joiner's, take the same K)."""
         if self._auto_workers:
             n, self._auto_workers = self._auto_workers, 0
-            self.k_steps = self.lag = auto_k_steps(epoch_steps, n,
-                                                   deterministic=self.deterministic)
+            own = auto_k_steps(epoch_steps, n, deterministic=self.deterministic)
+            self.k_steps = self.lag = own if job_k is None else int(job_k(own))
             logger.info("GEO: k_steps='auto' is %d (%s; K x %d workers at most %d in %s "
-                        "rounds)", self.k_steps,
+                        "rounds)%s", self.k_steps,
                         f"{MIN_ROUNDS_PER_EPOCH} rounds in an epoch of {epoch_steps} local "
                         "steps" if epoch_steps else "the epoch's length is unknown",
                         n, auto_kn(self.deterministic),
-                        "deterministic" if self.deterministic else "background")
+                        "deterministic" if self.deterministic else "background",
+                        f"; the job's K, chosen by the chief (this worker's epoch would "
+                        f"give {own})" if self.k_steps != own else "")
         self.check_epoch(epoch_steps)
 
     def check_epoch(self, epoch_steps: Optional[int]) -> Optional[str]:

@@ -21,7 +21,7 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
                              GeoSchedule, GeoTableUpdater, GeoVariable, adopt_rule,
                              auto_k_steps, caches_locked, count_round, count_trained,
-                             dense_async, dense_size, pull_ops, push_ops)
+                             dense_async, dense_size, pull_ops, push_ops, rule_workers)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -42,15 +42,17 @@ class GeoMode(Mode):
         super().__init__(strategy, config, graph)
         self.k_steps = strategy.k_steps
         if strategy.k_auto:
+            # The job's K: of the workers it started with (a joiner's is the others').
             self.k_steps = auto_k_steps(
-                None, config.worker_num, deterministic=strategy.geo_sync_in_train_thread)
+                None, rule_workers(config), deterministic=strategy.geo_sync_in_train_thread)
             logger.info("GEO: k_steps='auto' is %d in graph mode at %d workers (it knows no "
                         "epoch length; give k_steps <= the local steps an epoch // %d for "
-                        "%d rounds an epoch)", self.k_steps, config.worker_num,
+                        "%d rounds an epoch)", self.k_steps, rule_workers(config),
                         MIN_ROUNDS_PER_EPOCH, MIN_ROUNDS_PER_EPOCH)
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
-        adopt_rule(self, strategy, config.worker_num)
+        adopt_rule(self, strategy, config)
+        self.rule_workers = rule_workers(config)  # N of the rule: the job's, a joiner's too
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
         self.updaters: List[GeoTableUpdater] = []  # as their tables join
@@ -117,7 +119,7 @@ class GeoAsyncDenseMode(GeoMode):
 
 def mode_class(strategy, config) -> type:
     """GEO's graph-mode class for ``strategy`` in the job of ``config``."""
-    return GeoAsyncDenseMode if dense_async(strategy, config.worker_num) else GeoMode
+    return GeoAsyncDenseMode if dense_async(strategy, rule_workers(config)) else GeoMode
 
 
 class GeoOptimizer(WrappedOptimizer):
@@ -202,7 +204,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._built = True
         mode = self._mode
         step = as_step(tf.compat.v1.train.get_global_step())
-        pushes, (rows, nbytes) = push_ops(mode.dense, mode.tables, float(mode.worker_num),
+        pushes, (rows, nbytes) = push_ops(mode.dense, mode.tables, float(mode.rule_workers),
                                           step)
         registrations = [op for t in mode.tables for op in table_readers(t)]
         self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
