@@ -278,3 +278,32 @@ def test_the_rows_a_step_trains_are_counted_for_the_traffic_against_async():
                 for _ in range(steps):
                     sess.run(train, {ids: [1, 1, 2]})
                 assert updater.trained_since(sess) == (2 * steps, steps)
+
+
+@pytest.mark.parametrize("optimizer", [E.Adam(0.01), E.Ftrl(0.1)], ids=["adam", "ftrl"])
+def test_shared_slots_do_not_sum_an_optimizers_slots_that_do_not_add_up(optimizer, caplog):
+    """Adam's moments (N moving averages from one value) and FTRL's z do not add up across
+    workers: geo_table_rule='shared_slots' named for such a table is refused before
+    anything of it is built, naming what to do; the rule for many workers by default
+    lets that table's rows travel without their slots. Adagrad's accumulator shares."""
+    from tfpsx.modes.geo import GeoTableUpdater
+
+    named = _CountingMode()
+    named.named = frozenset({"geo_table_rule"})
+    table = E.DynamicTable(f"moments{next(_names)}", DIM, optimizer=optimizer)
+    with pytest.raises(ValueError, match=rf"table '{table.name}' trains with "
+                                         rf"tfpsx.embedding.{type(optimizer).__name__}.*"
+                                         r"geo_table_rule='average'.*Adagrad or SGD"):
+        GeoTableUpdater(named).attach(table)
+    assert named.tables == named.updaters == []
+    by_default = _CountingMode()
+    with caplog.at_level("INFO", logger="tfpsx"):
+        GeoTableUpdater(by_default).attach(table)
+    (t,) = by_default.tables
+    assert not t.share_slots and t.old.num_slots == 0
+    assert "its rows travel without them" in caplog.text
+    shared = _CountingMode()
+    shared.named = frozenset({"geo_table_rule"})
+    GeoTableUpdater(shared).attach(E.DynamicTable(f"acc{next(_names)}", DIM,
+                                                  optimizer=E.Adagrad(0.1)))
+    assert shared.tables[0].share_slots

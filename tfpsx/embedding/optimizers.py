@@ -26,6 +26,12 @@ class SparseOptimizer:
     name = "optimizer"
     HYPERPARAMS: Tuple[str, ...] = ()
     slot_init: Sequence[float] = ()
+    # Whether the slot changes of N workers that trained one row from the same state add
+    # up to what one worker training all their steps would hold: true of a sum of
+    # squared gradients (Adagrad's accumulator), not of moving averages (Adam's moments)
+    # or of a state that depends on the row's value (FTRL's z). GEO's
+    # geo_table_rule="shared_slots" sums them.
+    slot_deltas_add = True
 
     def hyperparameters(self) -> tf.Tensor:
         """The hyperparameters as one float vector, in the order the core expects (a
@@ -69,6 +75,7 @@ class Adam(SparseOptimizer):
     """Lazy Adam: only the looked-up rows move; bias correction uses the global step (>= 1)."""
     name, HYPERPARAMS = "adam", ("learning_rate", "beta1", "beta2", "epsilon")
     slot_init = (0.0, 0.0)
+    slot_deltas_add = False  # N moving averages from one value do not sum to one
 
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-7):
@@ -78,6 +85,8 @@ class Adam(SparseOptimizer):
 class Ftrl(SparseOptimizer):
     """FTRL-Proximal, as ``tf.compat.v1.train.FtrlOptimizer`` (slots: z, accumulator)."""
     name, HYPERPARAMS = "ftrl", ("learning_rate", "learning_rate_power", "l1", "l2")
+    # n (the squared gradients) adds up; z's sigma * w term uses each worker's own n and w.
+    slot_deltas_add = False
 
     def __init__(self, learning_rate: float = 0.01, learning_rate_power: float = -0.5,
                  l1: float = 0.0, l2: float = 0.0, initial_accumulator_value: float = 0.1):

@@ -42,6 +42,44 @@ class GeoState(Protocol):
         """K, the local steps between rounds, as a step being built runs it."""
 
 
+def slots_add_up(mode: GeoState, table) -> bool:
+    """Whether ``table``'s rows can travel with their optimizer slots, summed on the PS
+    (``geo_table_rule="shared_slots"``): its optimizer's slot changes add up
+    (``SparseOptimizer.slot_deltas_add``). Where they do not (Adam's moments, FTRL's z),
+    a rule the user named is refused, naming the table and what to do; the rule for many
+    workers, by default, gives way for that table: its rows travel without their slots
+    (as the earlier rule's), logged once.
+
+    Raises:
+      ValueError: ``geo_table_rule="shared_slots"`` named for such a table (nothing of
+        the table was built).
+    """
+    optimizer = getattr(table, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "slot_init", ()) or \
+            getattr(optimizer, "slot_deltas_add", True):
+        return True
+    kind = type(optimizer).__name__
+    if "geo_table_rule" in mode.named:
+        raise ValueError(
+            f"GEO: table {table.name!r} trains with tfpsx.embedding.{kind}, whose optimizer "
+            "slots do not add up across workers (moving averages, or a state that depends "
+            "on the row's value), but geo_table_rule='shared_slots' sums every worker's slot "
+            "changes on the PS: its rows would train with wrong slots. Give it "
+            "geo_table_rule='average' (rows travel without their slots, each worker's "
+            "optimizer state its own), tfpsx.embedding.Adagrad or SGD (whose slots add "
+            "up), or train async (k_steps=0)")
+    if table.name not in _TOLD:
+        _TOLD.add(table.name)
+        logger.info("GEO: table %r trains with tfpsx.embedding.%s, whose slots do not add up "
+                    "across workers: its rows travel without them (geo_table_rule='average' "
+                    "for this table; the rule for many workers sums the slots of the "
+                    "others)", table.name, kind)
+    return False
+
+
+_TOLD: set = set()
+
+
 class GeoTableUpdater(TableUpdater):
     """Lookups read this worker's copy; gradients train it (its optimizer, locally).
 
@@ -65,7 +103,7 @@ class GeoTableUpdater(TableUpdater):
     def attach(self, table) -> None:
         mode, me = self._mode, self._mode.worker_index
         options = getattr(table, "cache_options", None)
-        share, hot = mode.share_slots, mode.hot_count
+        share, hot = mode.share_slots and slots_add_up(mode, table), mode.hot_count
         self._hot = hot
         self.name, self.dim = table.name, table.dim
         mode.updaters.append(self)
