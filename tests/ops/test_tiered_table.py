@@ -5,6 +5,7 @@ the steps change no row; a restore from its incremental checkpoints is bit-exact
 input is a clear error that changes nothing."""
 
 import concurrent.futures
+import contextlib
 import os
 
 import numpy as np
@@ -191,7 +192,7 @@ def test_bad_tier_input_is_a_clear_error_and_any_batch_fits(tmp_path):
         ok.shards[0].cache_find(tf.constant([1], tf.int64), 0)
 
 
-def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path, caplog):
+def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path):
     import keras
 
     import tfpsx
@@ -212,14 +213,22 @@ def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path, caplog
     assert stats["ram_bytes"] <= RAM, stats
     assert emb.get_config()["backend"] == {"directory": str(tmp_path / "tier"), "ram_bytes": RAM}
     path = str(tmp_path / "m.keras")
-    with caplog.at_level("WARNING", logger="tfpsx"):
-        model.save(path)  # TF's own saver: the table whole, with a warning that says so
-    assert "model.save takes it whole" in caplog.text and emb.table.name in caplog.text
+    with pytest.raises(ValueError, match=rf"model.save / save_weights would take table "
+                                         rf"'{emb.table.name}' whole.*IncrementalCheckpoint"):
+        model.save(path)  # TF's own saver would hold the table whole in RAM: refused
+    with E.whole_table_saves():  # it fits: saved whole, as asked
+        model.save(path)
+    want = model.predict(x[:512], verbose=0)
+    # The loaded model must read its rows from the file, not from the live table (the
+    # same shared name in this process would be the same resource): the table is gone.
+    for shard in emb.table.shards:
+        tf.raw_ops.DestroyResourceOp(resource=shard.handle(), ignore_lookup_error=False)
     loaded = keras.models.load_model(path)
     twin = loaded.layers[1]
     assert isinstance(twin.backend, E.TieredBackend) and twin.backend.ram_bytes == RAM
-    np.testing.assert_allclose(loaded.predict(x[:512], verbose=0),
-                               model.predict(x[:512], verbose=0), rtol=1e-6, atol=1e-6)
+    assert int(twin.table.size()) > 0
+    np.testing.assert_allclose(loaded.predict(x[:512], verbose=0), want, rtol=1e-6, atol=1e-6)
+    # (model's table is the loaded one now: the same names in one process)
     # An incremental checkpoint's full part is read in pages too, and restores in pages.
     ckpt = tfpsx.keras.IncrementalCheckpoint(str(tmp_path / "ckpt"))
     ckpt.save(model)
@@ -229,10 +238,12 @@ def test_a_keras_model_fits_saves_and_loads_with_a_tiered_table(tmp_path, caplog
     ckpt.save(model)  # a delta, in pages too
     assert ckpt.last_save["kind"] == "delta" and ckpt.last_save["pages"] >= 1, ckpt.last_save
     assert 0 < ckpt.last_save["rows"] < int(emb.table.size())
+    want = model.predict(x[:512], verbose=0)
     loaded.layers[1].table.insert(np.array([7, 8]), np.ones([2, DIM]))  # replaced
+    loaded.layers[1].table.remove(np.unique(x[:512, :2]))  # rows the predictions read
+    assert not np.array_equal(loaded.predict(x[:512], verbose=0), want)
     ckpt.restore(loaded)
-    np.testing.assert_array_equal(loaded.predict(x[:512], verbose=0),
-                                  model.predict(x[:512], verbose=0))
+    np.testing.assert_array_equal(loaded.predict(x[:512], verbose=0), want)
     # The serving export reads the shard in pages (a 32nd of RAM's rows each), moving no
     # row back to RAM; the SavedModel serves what the model predicts.
     def tier():
@@ -281,3 +292,41 @@ def test_pages_hold_the_extreme_keys_and_an_empty_table_saves_as_one_page(tmp_pa
         for field in want[name]:
             np.testing.assert_array_equal(got[name][field], want[name][field])
     assert len(got[f"{prefix}e"]["keys"]) == 0
+
+
+def test_whole_saves_of_a_tiered_table_are_refused_before_anything_is_written(tmp_path):
+    """TF's own savers take a table whole in RAM: for a tiered table (larger than RAM) an
+    out-of-memory kill, not a save. tf.train.Checkpoint and a plain TF1 Saver refuse it
+    naming the savers that read it in pages, writing nothing; within
+    whole_table_saves() both save it whole."""
+    rows = {"keys": np.arange(1, 301) * 7919, "values": np.ones([300, DIM], np.float32)}
+    table = E.DynamicTable(f"whole{next(_names)}", DIM, backend=E.TieredBackend(
+        str(tmp_path / "tier"), ram_bytes=RAM))
+    table.insert(rows["keys"], rows["values"])
+    with pytest.raises(ValueError, match=rf"tf.train.Checkpoint would take table "
+                                         rf"'{table.name}' whole.*IncrementalSaver"):
+        tf.train.Checkpoint(table=table).write(str(tmp_path / "tf2" / "ckpt"))
+    assert not os.listdir(tmp_path / "tf2") if os.path.exists(tmp_path / "tf2") else True
+    with E.whole_table_saves():
+        tf.train.Checkpoint(table=table).write(str(tmp_path / "tf2ok" / "ckpt"))
+    assert tf.train.latest_checkpoint(str(tmp_path / "tf2ok")) is None  # (write: no index)
+    assert os.listdir(tmp_path / "tf2ok")
+    for allowed in (False, True):  # a TF1 graph's tables built within it, or not
+        with tf.Graph().as_default(), (E.whole_table_saves() if allowed
+                                       else contextlib.nullcontext()):
+            t = E.DynamicTable(f"whole{next(_names)}", DIM, backend=E.TieredBackend(
+                str(tmp_path / "tier"), ram_bytes=RAM))
+            fill = t.insert(rows["keys"], rows["values"])
+            saver = tf.compat.v1.train.Saver()
+            folder = str(tmp_path / f"tf1{allowed}")
+            with tf.compat.v1.Session() as sess:
+                sess.run(fill)
+                if allowed:
+                    saver.save(sess, os.path.join(folder, "m"))
+                    assert tf.train.latest_checkpoint(folder)
+                    continue
+                with pytest.raises(tf.errors.InvalidArgumentError,
+                                   match=r"a tf.compat.v1.train.Saver would take table .* "
+                                         r"whole.*IncrementalSaver"):
+                    saver.save(sess, os.path.join(folder, "m"))
+                assert tf.train.latest_checkpoint(folder) is None

@@ -245,3 +245,18 @@ def test_geo_optimizer_and_model_scope_must_share_the_strategy(worker):
                 tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 50}))
             with pytest.raises(ValueError, match="k_steps=10.*k_steps=50"):
                 opt.minimize(tf.reduce_sum(v))
+
+
+def test_a_session_that_would_save_a_tiered_table_whole_is_refused_before_it_starts(
+        worker, tmp_path):
+    # TF's own Saver would take the tiered table whole at every checkpoint: refused
+    # before any session starts (nothing connects), naming incremental_checkpoints.
+    from tfpsx import embedding as E
+
+    with tf.Graph().as_default():
+        table = E.DynamicTable("tiered_session", 4, devices=[None], backend=E.TieredBackend(
+            str(tmp_path / "tier"), ram_bytes=1_600_000))
+        table.lookup(tf.constant([1], tf.int64))
+        with pytest.raises(ValueError, match=r"table\(s\) \['tiered_session'\] have a disk "
+                                             r"tier.*incremental_checkpoints=M"):
+            tfpsx.MonitoredTrainingSession(checkpoint_dir=str(tmp_path / "ckpt"))

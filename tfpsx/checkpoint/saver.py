@@ -36,6 +36,14 @@ def graph_tables(graph=None) -> list:
     return [s.table for s in graph.get_collection(_SAVEABLES) if isinstance(s, TableSaveable)]
 
 
+def refused_saveables(graph=None) -> list:
+    """The tables of ``graph`` a default Saver would refuse to take whole (a disk tier,
+    built outside ``tfpsx.embedding.whole_table_saves()``): their names."""
+    graph = graph or tf.compat.v1.get_default_graph()
+    return [s.table.name for s in graph.get_collection(_SAVEABLES)
+            if isinstance(s, TableSaveable) and s.refused]
+
+
 class _TableOps:
     """One table's export and restore ops in the saver's graph."""
 

@@ -24,6 +24,7 @@ from tfpsx.embedding.optimizers import OPTIMIZERS, SGD, Adagrad, Adam, Ftrl, Spa
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.embedding.storage import (HASH_TABLE, Backend, HashTableBackend, ShardSpec,
                                      TableStorage, TieredBackend)
+from tfpsx.embedding.saveable import whole_table_saves
 from tfpsx.embedding.table import DynamicTable
 from tfpsx.embedding.updaters import TableUpdater, updater_scope
 
@@ -31,7 +32,7 @@ __all__ = [
     "DynamicTable", "EmbeddingLookup", "ShardedTable", "Initializer", "zeros", "constant",
     "uniform", "normal", "SparseOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "OPTIMIZERS",
     "TableStorage", "Backend", "HashTableBackend", "HASH_TABLE", "TieredBackend", "ShardSpec", "TableUpdater",
-    "updater_scope", "EvictionPolicy", "LFU", "LRU",
+    "updater_scope", "EvictionPolicy", "LFU", "LRU", "whole_table_saves",
 ]
 
 

@@ -34,7 +34,7 @@ import tensorflow as tf
 from tfpsx import compat
 from tfpsx.embedding.cache import CacheOptions, WorkerCache
 from tfpsx.embedding.initializers import Initializer
-from tfpsx.embedding.saveable import TableSaveable
+from tfpsx.embedding.saveable import TableSaveable, refuse_whole_save
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.embedding.storage import Backend
 from tfpsx.embedding.updaters import TableUpdater, updater_for
@@ -234,19 +234,8 @@ class DynamicTable(ShardedTable, compat.Trackable):
         return tf.group([self.apply_gradients(l, g, step) for l, g in zip(lookups, grads)])
 
     # ------------------------------------------------------------------ checkpoints
-    def warn_if_saved_whole(self, saver: str) -> None:
-        """Logs once that ``saver`` (TF's or Keras's own) takes this table whole, when it
-        has a disk tier: its RAM is then several times the table's size while it saves."""
-        if self.paged and not getattr(self, "_warned_whole", False):
-            self._warned_whole = True
-            logger.warning(
-                "table %r has a disk tier (TieredBackend): %s takes it whole, several "
-                "times its size in RAM; for a table larger than RAM save with "
-                "tfpsx.keras.IncrementalCheckpoint or tfpsx.checkpoint.IncrementalSaver, "
-                "which read it in pages", self.name, saver)
-
     def _serialize_to_tensors(self):
-        self.warn_if_saved_whole("tf.train.Checkpoint")
+        refuse_whole_save(self, "tf.train.Checkpoint")
         return self.export()
 
     def _restore_from_tensors(self, restored_tensors):

@@ -41,6 +41,7 @@ from tfpsx import embedding as E
 from tfpsx.embedding import initializers as _initializers
 from tfpsx.embedding import optimizers as _optimizers
 from tfpsx.embedding.cache import CacheOptions
+from tfpsx.embedding.saveable import refuse_whole_save
 from tfpsx.embedding.sharding import EXPORT_FIELDS
 from tfpsx.keras.modes.base import TRIGGER
 from tfpsx.keras.row_sources import source_of
@@ -246,11 +247,11 @@ class DynamicEmbedding(keras.layers.Layer):
         return list(self._trainable_variables) + list(self._non_trainable_variables)
 
     def save_own_variables(self, store):
+        refuse_whole_save(self.table, "model.save / save_weights")  # before any table op
         if self.table.cache is not None:
             self.table.flush_cache()  # the worker cache's updates reach the table first
         for i, var in enumerate(self._keras_variables()):
             store[str(i)] = var.numpy()
-        self.table.warn_if_saved_whole("model.save")
         for name, value in self.table.export().items():
             store[f"table_{name}"] = value.numpy()
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfpsx import errors, settings
 from tfpsx.checkpoint import IncrementalSaver
+from tfpsx.checkpoint.saver import refused_saveables
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
 from tfpsx.training.hooks import (ResumeLogHook, TrainingDoneHook, WorkerCacheHook,
@@ -192,6 +193,18 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
                              "full_every=M) instead")
         if config.is_chief:  # only the chief saves and restores
             scaffold = _IncrementalScaffold(every)
+    elif checkpoint_dir is not None and scaffold is None:
+        whole = refused_saveables(tf.compat.v1.get_default_graph())
+        if whole:
+            # TF's Saver would take them whole at every checkpoint: refused now, before
+            # a session starts, rather than at the first save.
+            raise ValueError(
+                f"MonitoredTrainingSession(checkpoint_dir=...): table(s) {whole} have a disk "
+                "tier (TieredBackend), which TF's own Saver would take whole at every "
+                "checkpoint, several times the table's size in RAM; give "
+                "incremental_checkpoints=M (tables saved page by page, a full export every M "
+                "checkpoints), or build the model within "
+                "tfpsx.embedding.whole_table_saves() for tables that fit in RAM")
     mode = modes.mode_of()
     each_initializes = bool(mode and mode.EACH_WORKER_INITIALIZES)
     if each_initializes and not config.is_chief:

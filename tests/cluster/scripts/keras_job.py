@@ -308,7 +308,9 @@ def main(argv):
         report["eval_loss"] = float(model.evaluate(features, label, verbose=0))
         if args.save and me == 0:
             os.makedirs(args.save, exist_ok=True)
-            model.save(os.path.join(args.save, "model.keras"))
+            # (its tiered table fits in RAM: saved whole, as asked)
+            with tfpsx.embedding.whole_table_saves():
+                model.save(os.path.join(args.save, "model.keras"))
             np.save(os.path.join(args.save, "predictions.npy"),
                     model.predict(features, verbose=0))
             np.save(os.path.join(args.save, "eval_features.npy"),
