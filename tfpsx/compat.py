@@ -42,6 +42,11 @@ symbol has existed unchanged in that range.
   ``tf.compat.v1.train.SyncReplicasOptimizer`` (``_total_num_replicas``, ``_opt``: TF
   keeps both private; TF 2.16-2.21).
 
+* :func:`tape_records` — whether a ``tf.GradientTape`` records a tensor: Keras's
+  ``train_step`` calls a subclassed model's ``call(inputs)`` without ``training`` when
+  its signature has none, and a ``DynamicEmbedding`` inside then tells a training call
+  from an evaluation by the tape (``record.should_record_backprop``; TF 2.16-2.21).
+
 A private *attribute* of a TF or Keras object is read here too: a test walks every other
 module's attribute reads (``tests/unit/test_architecture.py``). A subclass's own
 ``self._x`` (TF's session creators, Keras layers, the strategy's extended object) is its
@@ -196,6 +201,14 @@ def unfinalize(graph) -> None:
     graph._unsafe_unfinalize()
 
 
+def tape_records(tensor) -> bool:
+    """Whether a ``tf.GradientTape`` active in this thread watches ``tensor`` (its
+    gradient will be taken)."""
+    from tensorflow.python.eager import record
+
+    return bool(record.should_record_backprop([tensor]))
+
+
 def sync_replicas_parts(optimizer):
     """(total_num_replicas, the optimizer it wraps) of a ``SyncReplicasOptimizer``."""
     return optimizer._total_num_replicas, optimizer._opt
@@ -206,4 +219,4 @@ __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "ensure_eager_context_initialized", "async_wait", "Trackable",
            "enable_collectives", "abort_collectives", "collective_barrier",
            "keras_name_scopes", "keras_current_path", "flatten_layers", "unfinalize",
-           "sync_replicas_parts"]
+           "sync_replicas_parts", "tape_records"]

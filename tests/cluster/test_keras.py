@@ -461,6 +461,10 @@ def test_misuse_is_a_clear_error(make_cluster):
     assert "jit_compile=True cannot work" in got["jit_compile"] and \
         "jit_compile=False" in got["jit_compile"]
     assert "gradient_accumulation_steps=4" in got["gradient_accumulation"]
+    for case in ("built_outside_adam", "built_outside_sgd"):  # (TF's raw error; trained)
+        assert (got[case] or "").startswith("ValueError: model weight"), (case, got[case])
+        assert "created outside tfpsx.keras.ParameterServerStrategy.scope()" in got[case]
+        assert "build it inside `with strategy.scope():`" in got[case], got[case]
     assert "unknown a_sync_configs key(s) ['k_step']" in got["bad_options"]
 
 

@@ -37,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpsx import compat
 from tfpsx import embedding as E
 from tfpsx.embedding import initializers as _initializers
 from tfpsx.embedding import optimizers as _optimizers
@@ -197,6 +198,10 @@ class DynamicEmbedding(keras.layers.Layer):
         source = source_of(self)
         if source is not None:
             return finish(source(ids))
+        if training is None and self.table_optimizer is not None:
+            # A subclassed model whose call(inputs) takes no training flag gets None from
+            # Keras's train_step: a training call is one whose gradient a tape takes.
+            training = compat.tape_records(tf.convert_to_tensor(self._trigger))
         if not training or self.table_optimizer is None:
             return finish(self.table.lookup(ids))
         step = self._step.assign_add(1)

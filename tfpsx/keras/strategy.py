@@ -80,6 +80,15 @@ def creation_context(kwargs) -> CreationContext:
     return CreationContext(path, name, "other", None)
 
 
+def built_outside(name: str) -> str:
+    """The error for a model weight made outside the strategy's scope."""
+    return (f"model weight {name!r} was created outside tfpsx.keras.ParameterServerStrategy."
+            "scope(): it is not placed by the strategy (it would train on this worker alone, "
+            "not on the parameter servers). A subclassed model creates its weights at its "
+            "first call: build it inside `with strategy.scope():` (call it on a batch, or "
+            "model.build(input_shape)), then compile it there")
+
+
 class _Extended(OneDeviceExtended):
     """One replica on this worker; every placement and update decision is the mode's."""
 
@@ -89,10 +98,34 @@ class _Extended(OneDeviceExtended):
         self.mode = mode
         self._trained = False  # the step being traced updated variables (a training step)
         self._guard = None  # the step being traced: its fit check
+        # Every variable made in the strategy's scope, by id (TF variables are not
+        # hashable), held weakly.
+        self._created: dict = {}
 
     # ------------------------------------------------------------------ variables
     def _create_variable(self, next_creator, **kwargs):
-        return self.mode.create_variable(self, next_creator, kwargs, creation_context(kwargs))
+        var = self.mode.create_variable(self, next_creator, kwargs, creation_context(kwargs))
+        key, created = id(var), self._created
+        try:
+            created[key] = weakref.ref(var, lambda _, key=key: created.pop(key, None))
+        except TypeError:  # not weak-referable: kept
+            created[key] = lambda var=var: var
+        return var
+
+    def created_here(self, var) -> bool:
+        """``var`` (a tf variable, or a Keras one's ``value``) was made in this
+        strategy's scope: placed by its mode."""
+        var = getattr(var, "value", var)
+        ref = self._created.get(id(var))
+        return ref is not None and ref() is var
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        # An optimizer's slots go beside their variable; TF's own message for a variable
+        # made elsewhere names none of what to do.
+        try:
+            super()._validate_colocate_with_variable(colocate_with_variable)
+        except ValueError as e:
+            raise ValueError(built_outside(getattr(colocate_with_variable, "name", "?"))) from e
 
     def create_local(self, next_creator, kwargs):
         """An ordinary variable on this worker (OneDevice's placement)."""
@@ -306,6 +339,9 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
                 "the model was compiled outside tfpsx.keras.ParameterServerStrategy.scope(): "
                 "build *and* compile it inside `with strategy.scope():` (the optimizer's "
                 "variables are placed when it is created)")
+        for weight in model.weights:
+            if not self.extended.created_here(weight):
+                raise ValueError(built_outside(getattr(weight, "path", weight.name)))
         if getattr(model, "jit_compile", False) is True:
             raise ValueError(
                 "jit_compile=True cannot work with tfpsx.keras.ParameterServerStrategy: XLA "

@@ -70,6 +70,31 @@ def accumulation():
     model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
 
 
+class Subclassed(keras.Model):
+    """Its weights are made at its first call, not when it is constructed."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+
+def built_outside(optimizer):
+    """A subclassed model constructed in the scope but first called (built) outside it,
+    then compiled in it: Adam's slots cannot go beside a weight made elsewhere (TF's own
+    error named nothing to do), and with SGD it would train on this worker alone."""
+    def case():
+        with strategy.scope():
+            model = Subclassed()
+        model(x[:1])  # its weights are made here, outside the scope
+        with strategy.scope():
+            model.compile(optimizer, "mse")
+        model.fit(x, y, verbose=0, callbacks=strategy.callbacks())
+    return case
+
+
 def fine():
     with strategy.scope():
         model = dense_model()
@@ -99,6 +124,8 @@ record("outside_scope", outside_scope)
 record("compiled_outside", compiled_outside)
 record("jit_compile", jit)
 record("gradient_accumulation", accumulation)
+record("built_outside_adam", built_outside("adam"))
+record("built_outside_sgd", built_outside("sgd"))
 record("fine", fine)
 record("without_callbacks", without_callbacks)
 record("callbacks_then_without", callbacks_then_without)
