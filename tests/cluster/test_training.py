@@ -700,3 +700,39 @@ def test_a_geo_chiefs_final_checkpoint_holds_its_last_local_steps(make_cluster, 
     saved = tf.train.load_variable(ckpt, "w").ravel()
     np.testing.assert_allclose(saved, r["global_w"], rtol=1e-6, atol=1e-7)
     assert tf.train.load_variable(ckpt, "global_step") == r["global_step"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_a_chief_started_again_alone_takes_the_servers_model_not_its_checkpoint(
+        make_cluster, tmp_path):
+    """An orchestrator restarts the chief's process alone while the servers and the other
+    worker run on: its session takes the model the servers hold (TF's chief would restore
+    the last checkpoint over it, rolling back what was trained since)."""
+    ckpt = tmp_path / "ckpt"
+    c = make_cluster(1, 2, script="training_job.py",
+                     env={"TFPSX_HEARTBEAT_TIMEOUT": "60"},
+                     args=["--mode", "async", "--steps", "4000", "--step_delay", "0.005",
+                           "--checkpoint_dir", str(ckpt), "--save_steps", "100"]).start()
+    wait_for_log(c, "worker", 0, "session ready")
+    deadline = time.monotonic() + 60
+    while tf_latest(ckpt) is None or tf_latest(ckpt)[1] < 300:
+        assert time.monotonic() < deadline, c.logs()
+        time.sleep(0.2)
+    c.kill("worker", 0)
+    saved = tf_latest(ckpt)[1]
+    c.start_task("worker", 0)
+    finish(c, timeout=200)
+    log = c.log("worker", 0)
+    assert "the chief started while the parameter servers already hold the job's model" \
+        in log, log[-3000:]
+    starts = [r["start_step"] for r in c.metrics("worker", 0, "training")]
+    assert starts[-1] > saved, (starts, saved)  # went on from the servers' step
+
+
+def tf_latest(folder):
+    """(path, step) of the newest TF checkpoint in ``folder``, or None."""
+    import tensorflow as tf
+
+    path = tf.train.latest_checkpoint(str(folder)) if folder.exists() else None
+    return None if path is None else (path, int(path.rsplit("-", 1)[1]))

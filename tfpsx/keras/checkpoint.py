@@ -6,8 +6,10 @@ tables of the model's ``DynamicEmbedding`` layers are saved as a full export eve
 the model's weights (what ``save_weights`` holds) go whole into every part. The
 directory's ``checkpoint.json`` names the latest save and the kept ones; it is replaced
 atomically after the part is complete, so a crash during a save leaves the previous
-checkpoint as it was. ``restore(model)`` before ``fit`` loads the latest one (on a
-cluster the chief's ``fit`` then publishes it, as after ``load_weights``). At the end of
+checkpoint as it was. ``restore(model)`` before ``fit`` loads the latest one; on a cluster
+call it on every worker: the chief alone restores, into new servers only, and its ``fit``
+then publishes it, as after ``load_weights``; a worker started again in place, or a
+chief whose servers ran on, trains on the model the servers hold. At the end of
 ``fit`` the chief marks training done (its last state saved first), so an evaluator task
 (:func:`evaluate_checkpoints`) knows when the last checkpoint is in.
 """
@@ -28,6 +30,7 @@ from tfpsx.checkpoint import evaluation, pages, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.checkpoint.parts import STATE, latest_state
 from tfpsx.keras.layers import DynamicEmbedding
+from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.runtime import RUNTIME
 
 logger = logging.getLogger("tfpsx")
@@ -168,10 +171,22 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         os.replace(file + ".tmp", file)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, model, name: Optional[str] = None) -> Optional[int]:
+    def restore(self, model, name: Optional[str] = None, *, force: bool = False
+                ) -> Optional[int]:
         """Loads the latest checkpoint of ``directory`` (or ``name``, e.g. "ckpt-300")
         into ``model``: tables (full part, then every delta) and weights. Returns the
-        step it was saved at, or None when there is none. Call it before ``fit``.
+        step it was saved at, or None when there is none or nothing was restored. Call
+        it before ``fit``, on every worker: on a cluster the chief alone restores, and
+        only into new servers.
+
+        A model of ``tfpsx.keras.ParameterServerStrategy`` restores into the parameter
+        servers, which every worker shares: a non-chief restores nothing (it trains on
+        the model the servers hold; a worker started again in place must not roll back
+        the others), and the chief restores only when the servers are new (a new job, or
+        ``tfpsx-run --max_restarts`` starting the whole job again): servers that already
+        hold the job's model (the chief alone started again while they ran on) are left
+        as they are, logged. ``force=True`` rolls them back on purpose. A model without
+        a cluster (an evaluator's) always restores.
 
         Raises:
           CheckpointError: a part of the chain is missing; ValueError: the checkpoint
@@ -180,6 +195,21 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         if name is None:
             name = (latest_state(self.directory) or {}).get("latest")
             if name is None:
+                return None
+        strategy = getattr(model, "distribute_strategy", None)
+        if isinstance(strategy, ParameterServerStrategy) and not force:
+            if not strategy.is_chief:
+                logger.info("worker %d does not restore %s: the chief restores into new "
+                            "servers; this worker trains on the model they hold",
+                            RUNTIME.config.index, name)
+                return None
+            if strategy.servers_hold_model():
+                logger.warning(
+                    "the chief does not restore %s: the parameter servers already hold the "
+                    "job's model (they ran on while this chief started again), and a "
+                    "restore would roll back what every worker trained since that "
+                    "checkpoint; training goes on from their model (restore(model, "
+                    "force=True) rolls back on purpose)", name)
                 return None
         part = parts.part_path(os.path.join(self.directory, name))
         tables = _tables(model)

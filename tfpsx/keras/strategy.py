@@ -289,6 +289,17 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         return f"tfpsx.keras.ParameterServerStrategy({self.options!r})"
 
     # ------------------------------------------------------------------ around fit
+    @property
+    def is_chief(self) -> bool:
+        """This worker is the chief (it initializes, restores and checkpoints)."""
+        return self._mode.is_chief
+
+    def servers_hold_model(self) -> bool:
+        """The parameter servers hold a job's model already (a chief's ``fit`` started on
+        them): a restore into them would roll back what the workers trained since the
+        checkpoint. False on new servers."""
+        return self._mode.servers_hold_model()
+
     def callbacks(self) -> list:
         """What ``fit`` needs to train in this strategy's mode:
         ``model.fit(..., callbacks=strategy.callbacks())`` (add your own beside them).

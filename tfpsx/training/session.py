@@ -68,7 +68,10 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
     step. A server that lost its state (it was started again) has uninitialized
     variables: TF's path then restores or initializes, as on the first start. So the
     check needs a variable on every server: a server holding only table shards (tables
-    are made on first use, no variable says they were) keeps TF's path, with a warning."""
+    are made on first use, no variable says they were) keeps TF's path, with a warning.
+    The first creation checks too: a chief process started again alone while the servers
+    ran on (an orchestrator's restart; ``tfpsx-run`` restarts the whole job) takes their
+    model rather than roll it back to the last checkpoint."""
 
     def __init__(self, servers: int = 0, **kwargs):
         super().__init__(**kwargs)
@@ -76,11 +79,14 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
         self._created = False
 
     def create_session(self):
-        if self._created:
-            session = self._session_on_the_servers_model()
-            if session is not None:
-                return session
-        session = super().create_session()
+        # Also a chief process started again alone while the servers ran on (an
+        # orchestrator's restart): a restore would roll back what every worker trained
+        # since the checkpoint (tfpsx-run restarts the whole job instead).
+        again = self._created
+        self._scaffold.finalize()
+        session = self._session_on_the_servers_model(again)
+        if session is None:
+            session = super().create_session()
         self._created = True
         return session
 
@@ -93,12 +99,14 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
                 held.add(spec.task)
         return sorted(set(range(self._servers)) - held)
 
-    def _session_on_the_servers_model(self):
-        scaffold = self._scaffold  # finalized by the first creation
+    def _session_on_the_servers_model(self, again: bool = True):
+        scaffold = self._scaffold
         check = scaffold.ready_for_local_init_op
         if check is None:
             return None
         uncovered = self._uncovered_servers(check.graph)
+        if uncovered and not again:
+            return None  # (a first start: the servers are new, or cannot be told)
         if uncovered:
             logger.warning(
                 "the chief's session is created again after an error; server(s) %s hold none "
@@ -109,6 +117,9 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
         session = tf.compat.v1.Session(self._master, graph=check.graph, config=self._config)
         try:
             missing = session.run(check)
+            if missing.size and not again:
+                session.close()
+                return None  # new servers: TF's path restores or initializes
             if missing.size:
                 logger.warning(
                     "the chief's session is created again after an error, and the parameter "
@@ -125,9 +136,15 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
         except BaseException:
             session.close()
             raise
-        logger.warning("the chief's session is created again after an error (TF logs it at "
-                       "INFO): the parameter servers still hold the model, and training goes "
-                       "on from it (no restore, no initialization)")
+        if again:
+            logger.warning("the chief's session is created again after an error (TF logs it "
+                           "at INFO): the parameter servers still hold the model, and "
+                           "training goes on from it (no restore, no initialization)")
+        else:
+            logger.warning("the chief started while the parameter servers already hold the "
+                           "job's model (the chief alone was started again): training goes on "
+                           "from it, with no restore of the last checkpoint (which would roll "
+                           "back what the other workers trained since)")
         return session
 
 

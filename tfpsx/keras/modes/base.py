@@ -249,6 +249,16 @@ class KerasMode:
                        settings.get("TFPSX_SESSION_TIMEOUT"))
         return self._ready
 
+    def servers_hold_model(self) -> bool:
+        """The servers hold a job's model already: a chief's ``fit`` marked it ready on
+        PS 0 (they ran on while this process started again, or it trained). False on
+        new servers (a new job, or a whole job started again)."""
+        flag = self._ready or SharedVariable(
+            shared_name=SHARED_PREFIX + "ready", shape=[], dtype=tf.int64,
+            device=self.ps_devices[0], trainable=False, name="ready")
+        with tf.init_scope():
+            return flag.initialized() and int(flag.read_value()) >= 1
+
     def wait_until_ready(self) -> None:
         """The chief marks the model ready when its first ``fit`` starts (after any
         restore it did before); the others wait for that before they use the model,

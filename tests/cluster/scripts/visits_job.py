@@ -1,0 +1,133 @@
+"""How many times each example is in the model: Keras fit on a tfpsx cluster, beside a
+small model, trains a visit counter (tests/cluster/test_launcher.py, the data plane's
+tests).
+
+Every example carries a unique id; a ``DynamicEmbedding`` table "visits" (dim 1, SGD at
+learning rate 1, rows starting at 0) is trained on the loss ``-row`` of each example's
+id, so a row moves by exactly +1 each time a step that holds the example is applied to
+the model. Restored and recovered like the model, its final rows say how many times each
+example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes them to
+``<out>/visits.npz`` (ids, counts) once every worker is done.
+
+  visits_job.py --out DIR [--mode async] [--examples N] [--epochs E] [--batch B]
+      [--checkpoint DIR --save_every S]  IncrementalCheckpoint every S batches; every
+                                         worker calls restore(model) before fit
+      [--die_after W:S]                  worker W SIGKILLs itself after its S-th batch,
+                                         the first time it runs (a marker in DIR)
+      [--step_delay SEC]
+"""
+import argparse
+import os
+import signal
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfpsx
+from tfpsx import embedding as E
+
+FEATURES = 4
+
+
+class VisitCounter(keras.layers.Layer):
+    """Passes the model's output through; its loss term moves each example's row by +1
+    per trained visit (the loss's value stays 0: the reported loss is the model's)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.visits = tfpsx.keras.DynamicEmbedding(1, table_name="visits",
+                                                   optimizer=E.SGD(1.0), initializer=E.zeros())
+
+    def call(self, inputs):
+        out, ids = inputs
+        rows = tf.reduce_sum(self.visits(ids))
+        self.add_loss(tf.stop_gradient(rows) - rows)
+        return out
+
+
+def data(n: int):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x @ np.linspace(-1, 1, FEATURES) > 0).astype(np.float32)[:, None]
+    return {"x": x, "id": np.arange(n, dtype=np.int64)[:, None]}, y
+
+
+def build():
+    x = keras.Input((FEATURES,), name="x")
+    ids = keras.Input((1,), dtype="int64", name="id")
+    out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(8, "relu")(x))
+    model = keras.Model({"x": x, "id": ids}, VisitCounter(name="counter")([out, ids]))
+    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+    return model
+
+
+class DieAfter(keras.callbacks.Callback):
+    """SIGKILLs this process after its ``batches``-th batch, once (a marker file)."""
+
+    def __init__(self, batches: int, marker: str):
+        super().__init__()
+        self.batches, self.marker, self.seen = batches, marker, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen >= self.batches and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["async", "geo", "sync"], default="async")
+    p.add_argument("--examples", type=int, default=6000)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--save_every", type=int, default=10)
+    p.add_argument("--die_after", default=None, help="W:S")
+    p.add_argument("--step_delay", type=float, default=0.0)
+    args = p.parse_args(argv)
+
+    tfpsx.init()
+    if tfpsx.is_server():
+        tfpsx.run_server()
+        return 0
+    tfpsx.init_worker()
+    me = tfpsx.worker_index()
+    configs = {"async": {}, "geo": {"k_steps": 5}, "sync": {}}[args.mode]
+    strategy = tfpsx.keras.ParameterServerStrategy(
+        tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs))
+    with strategy.scope():
+        model = build()
+    callbacks = strategy.callbacks()
+    restored = None
+    if args.checkpoint:
+        saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=3,
+                                                  save_freq=args.save_every)
+        restored = saver.restore(model)  # on every worker, as docs/recovery.md shows
+        callbacks.append(saver)
+    if args.die_after:
+        worker, batches = (int(v) for v in args.die_after.split(":"))
+        if worker == me:
+            callbacks.append(DieAfter(batches, os.path.join(args.out, f"died.{me}")))
+    if args.step_delay:
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda *_, **__: time.sleep(args.step_delay)))
+    features, label = data(args.examples)
+    dataset = tfpsx.data.shard(tf.data.Dataset.from_tensor_slices((features, label)))
+    model.fit(dataset.batch(args.batch), epochs=args.epochs, verbose=0, callbacks=callbacks)
+    tfpsx.barrier_worker()  # every worker's steps are in before the chief reads
+    if me == 0:
+        rows = model.get_layer("counter").visits.table.export()
+        np.savez(os.path.join(args.out, "visits.npz"), ids=rows["keys"].numpy(),
+                 counts=rows["values"].numpy()[:, 0])
+    tfpsx.metrics.emit("visits", worker=me, restored=restored)
+    tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
