@@ -8,9 +8,9 @@ round pushes it once. The pull then brings every row the other workers pushed. T
 replays the ids of the Criteo-format files (``examples/criteo/make_data.py``; worker w of
 N takes every N-th line, batches of ``--batch``) through GEO's rule for many workers as
 the product decides it: ids seen ``geo_hot_count`` times in a batch and ids too contended
-for a round (``tfpsx.embedding.contention``'s estimate: its bucket function, width, decay
-and bound, over the replay's own ids, where the product hashes the strings) train on the
-PS every step, as in async; the rest train the copy. No shuffle (the job shuffles within
+for a round (the product's own ``tfpsx.embedding.contention.Contention``, run on each
+worker's batches of the replay's own ids, where the product hashes the strings) train
+on the PS every step, as in async; the rest train the copy. No shuffle (the job shuffles within
 a 20,000-line buffer; the lines are drawn independently, so that changes little). Per worker and
 step it counts, in rows (a table row one way; GEO's rule sends a row with its Adagrad
 slots, so twice the floats):
@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import sys
 import time
 from typing import Dict, List
 
 import numpy as np
 
-from tfpsx.embedding.contention import DEFAULT_WIDTH, _MIX
+import tensorflow as tf
+
+from tfpsx.embedding.contention import DEFAULT_WIDTH, Contention
 from tfpsx.modes.geo import auto_hot_per_round, auto_k_steps
 
 CAT_FROM, CAT_FIELDS = 14, 26  # a line: label, 13 integers, 26 categorical values
@@ -67,39 +68,26 @@ def read_ids(patterns: str, limit: int) -> np.ndarray:
     return ids + offset
 
 
-def buckets(keys: np.ndarray, width: int) -> np.ndarray:
-    """tfpsx.embedding.contention.Contention.bucket, in numpy (int64 wraps)."""
-    bits = int(math.log2(width))
-    with np.errstate(over="ignore"):
-        mixed = keys * np.int64(_MIX)
-    return (mixed >> np.int64(64 - bits)) & np.int64(width - 1)
-
-
 class Worker:
-    """One worker's hot rows: geo_hot_count and the contention estimate."""
+    """One worker's hot rows: geo_hot_count, and the product's own contention estimate
+    (:class:`tfpsx.embedding.contention.Contention`, run eagerly on this worker's batches,
+    its variables worker-local as in a job)."""
+
+    _made = 0
 
     def __init__(self, n: int, k: int, bound: int, hot_count: int, width: int):
-        self.n, self.k, self.bound, self.hot_count = n, k, bound, hot_count
-        self.active = k > 1 and k * n > bound
-        self.ema = np.full(width, 2.0 * bound / n, np.float64)
-        self.age = np.zeros(width, np.int64)
-        self.clock = 0
-        self.width = width
+        Worker._made += 1
+        self.hot_count = hot_count
+        self.contention = Contention(f"replay{Worker._made}", "/cpu:0", n, lambda: k, bound,
+                                     width)
 
     def split(self, batch: np.ndarray):
         """(copy rows, hot rows) of a batch's ids."""
         u, count = np.unique(batch, return_counts=True)
         hot = count >= self.hot_count
-        if self.active:
-            b = buckets(u, self.width)
-            bu, at = np.unique(b, return_inverse=True)
-            added = np.bincount(at, minlength=len(bu)).astype(np.float64)
-            self.clock += 1
-            keep = 1.0 - 1.0 / self.k
-            before = self.ema[bu] * keep ** (self.clock - self.age[bu])
-            self.ema[bu] = before + added
-            self.age[bu] = self.clock
-            hot |= before[at] * (self.n / keep) >= self.bound
+        contended = self.contention.hot(tf.constant(u, tf.int64))  # None: K x N in bound
+        if contended is not None:
+            hot |= contended.numpy()
         return u[~hot], u[hot]
 
 

@@ -154,6 +154,24 @@ def test_a_row_leaves_the_ps_once_its_batches_thin_out():
         False, False, True, False]
 
 
+@pytest.mark.parametrize("workers", [2, 4, 16])
+def test_the_estimate_scales_a_rows_rate_by_the_worker_count(workers):
+    """The definition, at several N: a round of K steps on N workers holds about N x K / T
+    steps of a row that is in one of every T batches. With K = 40 and bound 40, a row at
+    1.5x the bound or more is hot and one at 0.6x or less is not (its rate seen in this
+    worker's own batches, scaled by N), whatever N is."""
+    k, bound = 40, 40
+    c = _contention(worker_num=workers, k=k, bound=bound)
+    period = {7: int(workers * k // (1.5 * bound)),         # >= 1.5x the bound
+              8: int(-(-workers * k // (0.6 * bound)))}     # <= 0.6x
+    rate = {key: workers * k / t for key, t in period.items()}
+    assert rate[7] >= 1.5 * bound and rate[8] <= 0.6 * bound, rate
+    for step in range(400):
+        c.hot(tf.constant([10_000 + step] + [key for key, t in period.items()
+                                              if step % t == 0], tf.int64))
+    assert c.hot(tf.constant([7, 8], tf.int64)).numpy().tolist() == [True, False], rate
+
+
 def test_no_row_is_too_contended_where_k_x_n_keeps_the_bound():
     """K x N <= the bound (what k_steps="auto" keeps in deterministic rounds), or rounds
     of one step (no batch before the one at hand to count): the estimate builds nothing
@@ -179,10 +197,15 @@ def test_the_estimate_is_worker_local_in_graph_mode():
         assert sorted(v.op.name.split("/")[-1] for v in made) == [
             "tfpsx_contention_age", "tfpsx_contention_clock", "tfpsx_contention_ema"]
         assert not g.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+        clock = [v for v in made if v.op.name.endswith("tfpsx_contention_clock")][0]
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.local_variables_initializer())
             assert sess.run(hot).tolist() == [True, True]
-            sess.run(again)
+            assert sess.run(again).tolist() == [True, True]  # still fading from the start
+            assert sess.run(clock) == 2  # both lookups counted in the same variables
+        with tf.compat.v1.Session() as sess:  # a session of its own: a new count
+            sess.run(tf.compat.v1.local_variables_initializer())
+            assert sess.run(clock) == 0
 
 
 @pytest.mark.parametrize("kwargs,words", [
