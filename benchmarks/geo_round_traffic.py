@@ -8,7 +8,7 @@ round pushes it once. The pull then brings every row the other workers pushed. T
 replays the ids of the Criteo-format files (``examples/criteo/make_data.py``; worker w of
 N takes every N-th line, batches of ``--batch``) through GEO's rule for many workers as
 the product decides it: ids seen ``geo_hot_count`` times in a batch and ids too contended
-for a round (the product's own ``tfpsx.embedding.contention.Contention``, run on each
+for a round (the product's own ``tfpsx.modes.geo.contention.Contention``, run on each
 worker's batches of the replay's own ids, where the product hashes the strings) train
 on the PS every step, as in async; the rest train the copy. No shuffle (the job shuffles within
 a 20,000-line buffer; the lines are drawn independently, so that changes little). Per worker and
@@ -40,8 +40,8 @@ import numpy as np
 
 import tensorflow as tf
 
-from tfpsx.embedding.contention import DEFAULT_WIDTH, Contention
 from tfpsx.modes.geo import auto_hot_per_round, auto_k_steps
+from tfpsx.modes.geo.contention import DEFAULT_WIDTH, Contention
 
 CAT_FROM, CAT_FIELDS = 14, 26  # a line: label, 13 integers, 26 categorical values
 
@@ -70,7 +70,7 @@ def read_ids(patterns: str, limit: int) -> np.ndarray:
 
 class Worker:
     """One worker's hot rows: geo_hot_count, and the product's own contention estimate
-    (:class:`tfpsx.embedding.contention.Contention`, run eagerly on this worker's batches,
+    (:class:`tfpsx.modes.geo.contention.Contention`, run eagerly on this worker's batches,
     its variables worker-local as in a job)."""
 
     _made = 0

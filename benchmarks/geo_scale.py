@@ -4,8 +4,8 @@ one process (issue 40).
 Each logical worker is what a GEO worker holds: a local copy of the table (a
 ``ShardedTable`` with the table's own optimizer, trained by the core's ``apply``) and its
 snapshot ``old``, dense copies (``GeoVariable``), and rounds run by the mode core's own
-phases (``tfpsx.modes.geo.push_ops`` / ``pull_ops``: the table rule of
-``tfpsx.embedding.geo_rule`` with the PS's combine, the dense rule ``/ N``). The "PS" is
+phases (``tfpsx.modes.geo.push_ops`` / ``pull_ops``: a table copy's push and pull of
+``tfpsx.embedding.row_copy`` with GEO's combine on the PS, the dense rule ``/ N``). The "PS" is
 the same op library's tables and variables in this process. What is not the job's own
 code: the model's step (a Wide&Deep written with TF ops, the Criteo example's shape:
 one table of dim+1 rows, field-aware ids, Adagrad on the table, Adam on the dense part)
@@ -25,8 +25,8 @@ GEO's rule for many workers (docs/modes.md, "GEO at N workers") is ``--rules sha
 --async_part dense --hot_count 4 --hot_per_round auto``: tables by shared slots, the
 dense part trained as async trains it (``geo_dense="async"``), the ids seen 4+ times in a
 worker's batch and the rows too contended for a round read and trained on the PS
-through the product's ``geo_rule.HotRows`` (``geo_hot_count``) and
-``tfpsx.embedding.contention`` (``geo_hot_per_round``).
+through the product's ``tfpsx.modes.geo.HotRows`` (``geo_hot_count``) and
+``tfpsx.modes.geo.contention`` (``geo_hot_per_round``).
 
 Jobs (``--job``): ``criteo`` (below) and ``word2vec`` (skip-gram with negative sampling
 over the word2vec example's planted-topic corpus, one table of input and output vectors,
@@ -62,11 +62,11 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfpsx import embedding  # noqa: E402
-from tfpsx.embedding import geo_rule  # noqa: E402
-from tfpsx.embedding.geo_rule import GeoTable, table_readers  # noqa: E402
-from tfpsx.embedding.contention import Contention  # noqa: E402
+from tfpsx.embedding import row_copy  # noqa: E402
+from tfpsx.embedding.row_copy import table_readers  # noqa: E402
 from tfpsx.embedding.sharding import ShardedTable  # noqa: E402
 from tfpsx.modes import geo  # noqa: E402
+from tfpsx.modes.geo import Contention, GeoTable  # noqa: E402
 
 DEVICE = "/cpu:0"
 # The job (--job): criteo (the Wide&Deep) or word2vec (_geo_scale_word2vec); use_job
@@ -183,9 +183,9 @@ class Dense:
 def gradients(table, dense: Dense, keys, x, y, step=None):
     """(unique keys, their row gradients, dense gradients, loss) of one batch, reading
     ``table``'s rows (a missing key: its initial row, as the optimizer will start it);
-    ``table`` a ``geo_rule.HotRows``: the product's split (hot ids on the PS)."""
+    ``table`` a ``geo.HotRows``: the product's split (hot ids on the PS)."""
     hot = None
-    if isinstance(table, geo_rule.HotRows):
+    if isinstance(table, geo.HotRows):
         looked = table.lookup_unique(keys, train=True, step=step)
         unique, index, rows, hot = (looked.unique_keys, looked.indices, looked.unique_rows,
                                     looked.hot)
@@ -355,12 +355,12 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     async_dense, async_tables = args.async_part == "dense", args.async_part == "tables"
     global_adam = keras.optimizers.Adam(args.lr)
 
-    # --hot_count with --hot_rule ps: the product's split (geo_rule.HotRows, a strategy's
+    # --hot_count with --hot_rule ps: the product's split (geo.HotRows, a strategy's
     # geo_hot_count): a batch's hot ids read and trained on the PS, applied after every
     # worker's step read the same snapshot (as the async peer's); --hot_rule sync: they
     # train in the copy, pushed and pulled after every step.
     # --hot_per_round B: with them the rows too contended for a round (the product's
-    # geo_hot_per_round, tfpsx.embedding.contention: N x how many of the worker's
+    # geo_hot_per_round, tfpsx.modes.geo.contention: N x how many of the worker's
     # last K batches held the row >= B), on the PS.
     per_round = (geo.auto_hot_per_round(deterministic=not latency)
                  if args.hot_per_round == "auto"
@@ -372,7 +372,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         contention = (Contention(f"w{t.reader}", DEVICE, n, lambda: k, per_round)
                       if per_round else None)
         table = (r.global_table if async_tables else
-                 geo_rule.HotRows(t, args.hot_count, contention) if hot_on_ps else t.local)
+                 geo.HotRows(t, args.hot_count, contention) if hot_on_ps else t.local)
         dense = r.global_dense if async_dense else dense
 
         @tf.function(input_signature=batch_spec())
@@ -395,7 +395,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             apply_dense(global_adam, dense_grads, r.global_dense.vars)
 
     def make_apply(t):
-        split = geo_rule.HotRows(t, args.hot_count)
+        split = geo.HotRows(t, args.hot_count)
 
         @tf.function(reduce_retracing=True)
         def apply_split(unique, row_grads, hot):
@@ -436,9 +436,9 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                 hot = hot_keys(batches[w][0], hot_fields, args.hot_count)
                 moved["hot_rows"] += len(hot)
                 moved["step_rows"] += len(np.unique(batches[w][0]))
-                geo_rule.push_rows(t, tf.constant(hot), 1.0, r.step)
+                row_copy.push_rows(t, tf.constant(hot), 1.0, r.step)
             for t, _, _, _ in workers:
-                geo_rule.table_pull(t)
+                row_copy.table_pull(t)
         dense_k = args.dense_k or k
         tables_due, dense_due = local_steps % k == 0, local_steps % dense_k == 0
         if tables_due or dense_due:

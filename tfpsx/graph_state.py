@@ -1,7 +1,7 @@
 """What tfpsx keeps per TF1 graph, in one object reached through one accessor.
 
 A graph being built holds a training mode, table handles, worker caches and the row
-gradients already checked: :class:`GraphState` declares them all, and :func:`of` is the
+gradients already checked: :class:`GraphRegistry` declares them all, and :func:`of` is the
 one way to reach a graph's (made on first use). It lives on the graph itself, as one
 attribute, on purpose: the state holds the graph's ops, so a dictionary of ours keyed
 by graph (even a ``WeakKeyDictionary``) would keep every graph alive forever; on the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -21,19 +21,14 @@ _ATTR = "_tfpsx_state"
 
 
 @dataclasses.dataclass
-class GraphState:
+class GraphRegistry:
     #: The graph's training mode (``tfpsx.training.modes``; one per graph), or None.
     mode: Optional[Any] = None
     #: (table spec, device) -> the table's handle op in this graph.
     table_handles: Dict[Any, tf.Tensor] = dataclasses.field(default_factory=dict)
-    #: worker cache name -> its worker-local variables in this graph.
-    cache_variables: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    #: table name -> its GEO contention estimate's worker-local variables in this graph
-    #: (tfpsx.embedding.contention).
-    contention_variables: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    #: table name -> the rows its GEO training steps held, worker-local, in this graph
-    #: (tfpsx.modes.geo.tables).
-    geo_trained_variables: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: (kind, name) -> an owner's worker-local variables in this graph
+    #: (:func:`worker_local`; a worker cache's, a GEO table's, ...).
+    worker_locals: Dict[Tuple[str, str], Any] = dataclasses.field(default_factory=dict)
     #: The worker caches that built ops in this graph, in order (their driver's list).
     worker_caches: List[Any] = dataclasses.field(default_factory=list)
     # tfpsx.training.staging.RowStager: its hook runs before the caches' final flush
@@ -42,29 +37,29 @@ class GraphState:
     checked_rows: Dict[int, tuple] = dataclasses.field(default_factory=dict)
 
 
-def of(graph: Optional[tf.Graph] = None) -> GraphState:
+def of(graph: Optional[tf.Graph] = None) -> GraphRegistry:
     """The state of ``graph`` (default: the default graph), made on first use."""
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     state = getattr(graph, _ATTR, None)
     if state is None:
-        state = GraphState()
+        state = GraphRegistry()
         setattr(graph, _ATTR, state)
     return state
 
 
-def peek(graph: Optional[tf.Graph] = None) -> Optional[GraphState]:
+def peek(graph: Optional[tf.Graph] = None) -> Optional[GraphRegistry]:
     """The state of ``graph`` if tfpsx made one, else None (nothing is made)."""
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     return getattr(graph, _ATTR, None)
 
 
-def worker_local(owner: Any, registry: str, name: str, device: Optional[str],
+def worker_local(owner: Any, kind: str, name: str, device: Optional[str],
                  make: Callable[[Optional[list]], Any],
-                 made: Optional[Callable[[Optional[GraphState]], None]] = None) -> Any:
+                 made: Optional[Callable[[Optional[GraphRegistry]], None]] = None) -> Any:
     """Variables on this worker, local (every worker initializes its own; no Saver
     takes them), made by ``make(collections)`` on ``device``: one set for eager code and
     ``tf.function`` s (kept on ``owner._eager_locals``), one per graph in graph mode (in
-    the graph state's dict ``registry`` under ``name``, in ``LOCAL_VARIABLES``; a
+    the graph's ``worker_locals`` under ``(kind, name)``, in ``LOCAL_VARIABLES``; a
     ``tf.cond`` branch of that graph finds its graph's). ``made(state)`` runs once a set
     is made: with the graph's state, or None for the eager set."""
     with tf.init_scope():
@@ -77,10 +72,10 @@ def worker_local(owner: Any, registry: str, name: str, device: Optional[str],
                     made(None)
             return owner._eager_locals
         state = of()
-        store = getattr(state, registry)
-        if name not in store:
+        key = (kind, name)
+        if key not in state.worker_locals:
             with place:
-                store[name] = make([tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+                state.worker_locals[key] = make([tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
             if made is not None:
                 made(state)
-        return store[name]
+        return state.worker_locals[key]

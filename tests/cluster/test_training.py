@@ -369,10 +369,10 @@ def test_sparse_geo_matches_numpy_reference_and_ships_touched_rows(make_cluster,
 
 
 def contended_reference(per_round: int, k: int):
-    """GEO's contention estimate (tfpsx.embedding.contention) for one worker, in numpy:
+    """GEO's contention estimate (tfpsx.modes.geo.contention) for one worker, in numpy:
     ``hot(unique ids)`` -> which are too contended for a round of k steps; ``margin``:
     the closest an estimate came to the bound (a replay is exact only away from it)."""
-    from tfpsx.embedding.contention import _MIX, DEFAULT_WIDTH
+    from tfpsx.modes.geo.contention import _MIX, DEFAULT_WIDTH
     bits, keep = DEFAULT_WIDTH.bit_length() - 1, 1.0 - 1.0 / k
     ema, age, state = {}, {}, {"now": 0, "margin": np.inf}
 

@@ -1,7 +1,7 @@
-"""GEO's hot rows (tfpsx.embedding.geo_rule.HotRows, a strategy's geo_hot_count and
+"""GEO's hot rows (tfpsx.modes.geo.HotRows, a strategy's geo_hot_count and
 geo_hot_per_round), in one process: an id seen at least hot_count times in a worker's
 batch, or one the N workers would train too often in a round
-(tfpsx.embedding.contention), is read from and trained on the PS (async), the rest of
+(tfpsx.modes.geo.contention), is read from and trained on the PS (async), the rest of
 the batch trains the worker's copy, and the copy's next pull brings the PS's async
 moves."""
 
@@ -11,9 +11,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx import embedding as E
-from tfpsx.embedding import geo_rule
-from tfpsx.embedding.contention import Contention
+from tfpsx.embedding import row_copy
 from tfpsx.embedding.sharding import ShardedTable
+from tfpsx.modes import geo
+from tfpsx.modes.geo import Contention
 
 DIM = 2
 _names = iter(range(10 ** 6))
@@ -24,11 +25,10 @@ def geo_pair(reader=1, hot_count=2):
     g = ShardedTable(f"hot_g{n}", DIM, [None, None], initializer=E.normal(stddev=0.1),
                      optimizer=E.Adagrad(0.5), seed=3)
     copy = dict(initializer=g.initializer, seed=g.seed, devices=[None])
-    t = geo_rule.GeoTable(g, ShardedTable(f"hot_l{n}", DIM, optimizer=g.optimizer, **copy),
-                          ShardedTable(f"hot_o{n}", DIM, **copy), None, reader,
-                          combine="sum")
-    geo_rule.table_readers(t)
-    return t, geo_rule.HotRows(t, hot_count)
+    t = geo.GeoTable(g, ShardedTable(f"hot_l{n}", DIM, optimizer=g.optimizer, **copy),
+                     ShardedTable(f"hot_o{n}", DIM, **copy), None, reader, combine="sum")
+    row_copy.table_readers(t)
+    return t, geo.HotRows(t, hot_count)
 
 
 def rows_of(table, keys):
@@ -59,8 +59,8 @@ def test_a_batchs_hot_ids_read_and_train_on_the_ps_the_rest_on_the_copy():
     np.testing.assert_allclose(rows_of(t.global_, [9]), [[2., 2.]])
     # A push moves only the copy's rows; the pull brings 7's async move home: the copy
     # then holds the PS's value of every row it shares (its own deltas pushed).
-    geo_rule.table_push(t, 1.0, None)
-    geo_rule.table_pull(t)
+    row_copy.table_push(t, 1.0, None)
+    row_copy.table_pull(t)
     np.testing.assert_allclose(rows_of(t.local, [7, 9, 3]), rows_of(t.global_, [7, 9, 3]),
                                rtol=1e-6)
 
@@ -69,13 +69,13 @@ def test_two_workers_hot_rows_meet_on_the_ps_at_every_step():
     """Worker B's next step reads the move worker A's step just made to a hot row (no
     round between them), as async's would."""
     a, hot_a = geo_pair(reader=1)
-    b = geo_rule.GeoTable(a.global_, ShardedTable("hot_b_l", DIM, optimizer=a.global_.optimizer,
-                                                  initializer=a.global_.initializer, seed=3,
-                                                  devices=[None]),
-                          ShardedTable("hot_b_o", DIM, initializer=a.global_.initializer,
-                                       seed=3, devices=[None]), None, 2, combine="sum")
-    geo_rule.table_readers(b)
-    hot_b = geo_rule.HotRows(b, 2)
+    b = geo.GeoTable(a.global_, ShardedTable("hot_b_l", DIM, optimizer=a.global_.optimizer,
+                                             initializer=a.global_.initializer, seed=3,
+                                             devices=[None]),
+                     ShardedTable("hot_b_o", DIM, initializer=a.global_.initializer,
+                                  seed=3, devices=[None]), None, 2, combine="sum")
+    row_copy.table_readers(b)
+    hot_b = geo.HotRows(b, 2)
     ids = tf.constant([5, 5, 6], tf.int64)
     looked = hot_a.lookup_unique(ids, train=True, step=1)
     hot_a.apply(looked.unique_keys, tf.ones([2, DIM]), looked.hot, step=1)
@@ -104,7 +104,7 @@ def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
     assert t.cached and t.share_slots and t.combine == "sum"
     assert t.old.num_slots == 1  # old keeps the slots a row came with
     source = updater.lookup_source(table)
-    assert isinstance(source, geo_rule.HotRows) and source.hot_count == 4
+    assert isinstance(source, geo.HotRows) and source.hot_count == 4
     assert source.geo.local is updater.cache
 
 
@@ -119,7 +119,7 @@ def test_rows_too_contended_for_a_round_train_on_the_ps_and_the_long_tail_in_the
     then a row in every batch stays hot (8 x ~10 of the last 10 batches), and an id seen
     once goes to the copy, as the rest of the long tail; the count rule still holds."""
     t, _ = geo_pair(hot_count=3)
-    hot = geo_rule.HotRows(t, 3, _contention())
+    hot = geo.HotRows(t, 3, _contention())
     first = hot.lookup_unique(tf.constant([7, 1000], tf.int64), train=True, step=1)
     assert first.hot.numpy().tolist() == [True, True]  # nothing measured yet
     for step in range(2, 40):
@@ -181,8 +181,8 @@ def test_no_row_is_too_contended_where_k_x_n_keeps_the_bound():
     one_step = _contention(worker_num=32, k=1, bound=10)
     assert not one_step.active() and one_step.hot(tf.constant([1, 2], tf.int64)) is None
     t, _ = geo_pair()
-    looked = geo_rule.HotRows(t, 2, c).lookup_unique(tf.constant([1, 1, 2], tf.int64),
-                                                     train=True, step=1)
+    looked = geo.HotRows(t, 2, c).lookup_unique(tf.constant([1, 1, 2], tf.int64),
+                                                train=True, step=1)
     assert looked.hot.numpy().tolist() == [True, False]
 
 
@@ -236,7 +236,7 @@ def test_geos_updater_gives_a_table_the_estimate_under_the_rule():
     table = E.DynamicTable("hot_contended", DIM, optimizer=E.Adagrad(0.1))
     updater.attach(table)
     source = updater.lookup_source(table)
-    assert isinstance(source, geo_rule.HotRows) and source.hot_count == 0
+    assert isinstance(source, geo.HotRows) and source.hot_count == 0
     c = source.contention
     assert (c.worker_num, c.k_steps(), c.bound, c.active()) == (8, 10, 40, True)
     Mode.hot_per_round = 0

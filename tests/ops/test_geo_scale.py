@@ -1,6 +1,6 @@
 """benchmarks/geo_scale.py, the harness of N logical GEO workers in one process (issue
 40), driven as its user runs it: its runs go through the mode core's round
-(tfpsx.modes.geo.push_ops / pull_ops) and the table rule (tfpsx.embedding.geo_rule),
+(tfpsx.modes.geo.push_ops / pull_ops) and the table rule (tfpsx.modes.geo.rule),
 so what it measures is tfpsx's own GEO.
 
 * One worker: GEO with any rule is async exactly (the same model to the last bit), so

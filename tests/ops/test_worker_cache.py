@@ -2,8 +2,8 @@
 
 Workers are simulated in-process: each cache is a WorkerCache with its own reader id over
 one shared (2-shard) table, as N workers' caches are over the PS shards. The GEO
-reference is the rule graph and Keras GEO run (tfpsx.embedding.geo_rule) on uncached
-worker copies.
+reference is the rule graph and Keras GEO run (tfpsx.embedding.row_copy, tfpsx.modes.geo)
+on uncached worker copies.
 """
 
 import numpy as np
@@ -12,9 +12,10 @@ import tensorflow as tf
 
 import tfpsx
 from tfpsx import embedding as E
-from tfpsx.embedding import geo_rule
+from tfpsx.embedding import row_copy
 from tfpsx.embedding.cache import CacheOptions, WorkerCache
 from tfpsx.embedding.sharding import ShardedTable
+from tfpsx.modes import geo
 
 _names = iter(range(10 ** 6))
 DIM, LR = 3, 0.1
@@ -78,16 +79,16 @@ def run_uncached_geo(workers, k, syncs, vocab, batch):
 
     def make(i):
         copy = dict(initializer=g.initializer, seed=g.seed, devices=[None])
-        t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
-                              ShardedTable(name("o"), DIM, **copy), None, i + 1)
-        geo_rule.table_readers(t)
+        t = geo.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
+                         ShardedTable(name("o"), DIM, **copy), None, i + 1)
+        row_copy.table_readers(t)
         t.lookup_unique, t.apply = t.local.lookup_unique, t.local.apply
         return t
 
     def sync(t, what):
         if what == "push":
-            return geo_rule.table_push(t, float(workers), None)[1]
-        return geo_rule.table_pull(t)[1]
+            return row_copy.table_push(t, float(workers), None)[1]
+        return row_copy.table_pull(t)[1]
 
     geo_schedule(make, sync, workers, k, syncs, vocab, batch)
     return global_rows(g)
@@ -102,8 +103,8 @@ def run_cached_geo(workers, k, syncs, vocab, batch, size, policy="lfu"):
 
     def sync(c, what):
         if what == "push":
-            return geo_rule.table_push(c.geo, c.scale, None)[1]
-        return geo_rule.table_pull(c.geo)[1]
+            return row_copy.table_push(c.copy, c.scale, None)[1]
+        return row_copy.table_pull(c.copy)[1]
 
     caches, _ = geo_schedule(make, sync, workers, k, syncs, vocab, batch)
     return global_rows(g), caches
@@ -114,7 +115,7 @@ def run_cached_geo(workers, k, syncs, vocab, batch, size, policy="lfu"):
     (tf.bfloat16, False, True)])
 def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     """After its last round (push, pull) a worker's copy takes the global table
-    (geo_rule.take_global, what GEO does when fit ends): every row the PS holds,
+    (geo.take_global, what GEO does when fit ends): every row the PS holds,
     also those the other worker pushed after that pull and those this worker never
     looked up, equals the PS's exactly in local and old (bfloat16 rows on the wire: with
     ``refresh_all``, every value comes over; without, the rows the pulls brought
@@ -125,11 +126,11 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     copies = []
     for i in range(2):
         copy = dict(initializer=g.initializer, seed=g.seed, devices=[None])
-        t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
-                              ShardedTable(name("o"), DIM, **copy), None, i + 1, wire=wire)
-        geo_rule.table_readers(t)
+        t = geo.GeoTable(g, ShardedTable(name("l"), DIM, optimizer=g.optimizer, **copy),
+                         ShardedTable(name("o"), DIM, **copy), None, i + 1, wire=wire)
+        row_copy.table_readers(t)
         if tracked:
-            geo_rule.track_snapshot(t)
+            geo.track_snapshot(t)
         copies.append(t)
     # Worker 0 sees ids 0-39, worker 1 ids 20-79: rows of both, and rows of one only.
     data = {0: worker_batches(0, 12, 40, 10), 1: [b + 20 for b in worker_batches(1, 16, 60, 10)]}
@@ -137,16 +138,16 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
         for i, t in enumerate(copies):
             for ids in data[i][s * 4:(s + 1) * 4]:
                 train_step(t.local, ids)
-            geo_rule.table_push(t, 1.0, None)
+            row_copy.table_push(t, 1.0, None)
         for t in copies:
-            geo_rule.table_pull(t)
+            row_copy.table_pull(t)
     first, other = copies
     for ids in data[1][12:]:  # the other worker trains on and pushes after the last pull
         train_step(other.local, ids)
-    late = geo_rule.table_push(other, 1.0, None)[1]
+    late = row_copy.table_push(other, 1.0, None)[1]
     assert int(late) > 0
     local_before = global_rows(first.local)
-    geo_rule.take_global(first, refresh_all=refresh)
+    geo.take_global(first, refresh_all=refresh)
     want = global_rows(g)
     assert set(want) - set(range(40)), "worker 1 pushed no row worker 0 never looked up"
     exact = wire is None or refresh
@@ -170,9 +171,9 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     ps_before = global_rows(g)
     for ids in data[0][:4]:
         train_step(other.local, ids)
-    again = int(geo_rule.table_push(other, 1.0, None)[1])
+    again = int(row_copy.table_push(other, 1.0, None)[1])
     local_before = global_rows(first.local)
-    geo_rule.take_global(first)
+    geo.take_global(first)
     want = global_rows(g)
     changed = {k for k in want if not np.array_equal(ps_before.get(k), want[k])}
     assert 0 < len(changed) <= again, (len(changed), again)
@@ -188,16 +189,16 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
     # that failed (rows trained, not pushed: they take old's values) and after one that
     # ended with its last round (every trained row pushed, then pulled).
     for pushed in (False, True):
-        geo_rule.copy_trains(first)
+        geo.copy_trains(first)
         for ids in data[0][4:8] if pushed else data[0][8:12]:
             train_step(first.local, ids)
         old_rows = global_rows(first.old)
         assert any(not np.array_equal(row, old_rows.get(k))
                    for k, row in global_rows(first.local).items())
         if pushed:
-            geo_rule.table_push(first, 1.0, None)
-            geo_rule.table_pull(first)
-        geo_rule.take_global(first)
+            row_copy.table_push(first, 1.0, None)
+            row_copy.table_pull(first)
+        geo.take_global(first)
         assert first.local_is_old
         old_rows = global_rows(first.old)
         for key, row in global_rows(first.local).items():
@@ -209,8 +210,8 @@ def test_take_global_makes_a_copy_the_global_table(wire, refresh, tracked):
         for ids in data[0][:2]:
             train_step(first.local, ids)
         first.local.shards[0].take_changed(tf.constant(0, tf.int64))
-        geo_rule.distrust_snapshot(first)
-        geo_rule.take_global(first)
+        geo.distrust_snapshot(first)
+        geo.take_global(first)
         assert first.old_tracked and first.local_is_old
         old_rows = global_rows(first.old)
         for key, row in global_rows(first.local).items():
@@ -245,11 +246,11 @@ def test_one_worker_evicting_cache_equals_uncached_geo(policy):
 
 class RuleSource:
     """A worker's lookups and applies under GEO's rule for many workers: the ids seen
-    ``hot`` times in a batch on the PS (geo_rule.HotRows), the rest in the copy or the
+    ``hot`` times in a batch on the PS (geo.HotRows), the rest in the copy or the
     cache, whose rows travel with their Adagrad slots (share_slots)."""
 
-    def __init__(self, t: geo_rule.GeoTable, hot: int):
-        self.rows = geo_rule.HotRows(t, hot)
+    def __init__(self, t: geo.GeoTable, hot: int):
+        self.rows = geo.HotRows(t, hot)
 
     def lookup_unique(self, ids, tape=None):
         self.looked = self.rows.lookup_unique(ids, train=True, tape=tape)
@@ -270,21 +271,21 @@ def rule_run(workers, size=None, hot=10 ** 6, k=4, syncs=4, vocab=40, batch=12):
         if size is None:
             copy = dict(initializer=g.initializer, seed=g.seed, devices=[None],
                         optimizer=g.optimizer)
-            t = geo_rule.GeoTable(g, ShardedTable(name("l"), DIM, **copy),
-                                  ShardedTable(name("o"), DIM, **copy), None, i + 1,
-                                  combine="sum", share_slots=True)
-            geo_rule.table_readers(t)
+            t = geo.GeoTable(g, ShardedTable(name("l"), DIM, **copy),
+                             ShardedTable(name("o"), DIM, **copy), None, i + 1,
+                             combine="sum", share_slots=True)
+            row_copy.table_readers(t)
         else:
             t = WorkerCache(g, CacheOptions(size, "lfu"), None, i + 1, flush_in_step=False,
-                            share_slots=True).geo
+                            share_slots=True).copy
         copies.append(t)
         return RuleSource(t, hot)
 
     def sync(source, what):
         t = source.rows.geo
         if what == "push":
-            return geo_rule.table_push(t, 1.0, None)[1]
-        return geo_rule.table_pull(t)[1]
+            return row_copy.table_push(t, 1.0, None)[1]
+        return row_copy.table_pull(t)[1]
 
     geo_schedule(make, sync, workers, k, syncs, vocab, batch)
     rows = {k: v.numpy() for k, v in g.export().items()}
@@ -317,10 +318,10 @@ def test_a_cache_with_hot_rows_reads_and_trains_them_on_the_ps():
     g = shared_table(E.Adagrad(0.3))
     cache = WorkerCache(g, CacheOptions(16, "lfu"), None, 1, flush_in_step=False,
                         share_slots=True)
-    geo_rule.table_readers(cache.geo)
+    row_copy.table_readers(cache.copy)
     # The PS's row 5 has a moved accumulator: a cached row must arrive with it.
     g.apply(tf.constant([5], tf.int64), tf.ones([1, DIM]))
-    source = RuleSource(cache.geo, 2)
+    source = RuleSource(cache.copy, 2)
     init = g.rows(tf.constant([7], tf.int64), False).numpy()  # 7 not on the PS yet
     train_step(source, [7, 7, 5, 9])
     cached = cache.export()["keys"].numpy().tolist()

@@ -33,6 +33,20 @@ def test_no_module_past_600_lines():
     assert not big, f"split these by concept: {big}"
 
 
+def test_no_class_name_is_defined_twice():
+    # Two classes of one name (graph_state's registry and graph mode's state factory were
+    # both GraphState) send a reader to the wrong one.
+    import ast
+
+    where = {}
+    for path in _tfpsx_modules():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(os.path.relpath(path, ROOT))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"name each class once: {twice}"
+
+
 def test_private_tensorflow_symbols_are_reached_through_compat_only():
     # tfpsx/compat.py names each private TF symbol with why and on which TF versions.
     found = []

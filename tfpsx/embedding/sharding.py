@@ -35,7 +35,7 @@ class EmbeddingLookup:
     indices: tf.Tensor        # [n] position of each id in unique_keys
     embeddings: tf.Tensor     # ids' shape + [dim]
     # [u] bool: the rows read from (and trained on) the PS rather than a GEO worker's
-    # copy (GEO's hot rows, tfpsx.embedding.geo_rule.HotRows); None: no such split.
+    # copy (GEO's hot rows, tfpsx.modes.geo.hot_rows.HotRows); None: no such split.
     hot: Optional[tf.Tensor] = None
 
 

@@ -33,7 +33,8 @@ def on_device(device: Optional[str]):
 # ``skip_reader``; the others: the c pushes of the row since the pusher last took its
 # changed keys): "sum": every delta whole; "mean": the row moves to the mean of the
 # pushes (exact when they started from one value: GEO's rounds with barriers); "scaled":
-# delta / (1 + c) (GEO's background communicator). See :mod:`tfpsx.embedding.geo_rule`.
+# delta / (1 + c) (GEO's background communicator). See :mod:`tfpsx.embedding.row_copy`
+# and :mod:`tfpsx.modes.geo.rule`.
 COMBINE = ("sum", "mean", "scaled")
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from tfpsx.modes.geo import GEO_FOR_MANY, GEO_K_WITHOUT_EPOCH
+from tfpsx.modes.geo import (GEO_AUTO_KN, GEO_AUTO_KN_BACKGROUND, GEO_FOR_MANY,
+                             GEO_HOT_PER_ROUND_BACKGROUND, GEO_K_WITHOUT_EPOCH,
+                             MIN_ROUNDS_PER_EPOCH)
 
 _CONFIG_KEYS = {
-    "k_steps": "GEO: local steps between syncs (0: plain async; 'auto': 8 rounds in Keras "
-               "fit's epoch and K x workers <= 20, 40 in deterministic rounds)",
+    "k_steps": f"GEO: local steps between syncs (0: plain async; 'auto': "
+               f"{MIN_ROUNDS_PER_EPOCH} rounds in Keras fit's epoch and K x workers <= "
+               f"{GEO_AUTO_KN_BACKGROUND}, {GEO_AUTO_KN} in deterministic rounds)",
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
     "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
@@ -32,8 +35,9 @@ _CONFIG_KEYS = {
     "geo_hot_per_round": "GEO: an id the workers would train at least this many times in "
                          "one round (the worker count x how many of this worker's last "
                          "k_steps batches held it) trains its row on the parameter servers, "
-                         "async (0: never; 'auto': 40 in deterministic rounds, 10 in "
-                         "background ones); default: by the worker count",
+                         f"async (0: never; 'auto': {GEO_AUTO_KN} in deterministic rounds, "
+                         f"{GEO_HOT_PER_ROUND_BACKGROUND} in background ones); default: by "
+                         "the worker count",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 _GEO_TABLE_RULES = ("average", "shared_slots")
@@ -47,9 +51,12 @@ class DistributedStrategy:
     Args:
       a_sync: False for sync training, True for async / GEO / bounded staleness.
       a_sync_configs: ``k_steps`` (int >= 0; > 0 selects GEO; "auto" selects GEO with
-        K = the first Keras ``fit``'s epoch steps // 8 (8 rounds an epoch), with K x the
-        worker count at most 20 in background rounds, 40 in deterministic ones; graph
-        mode knows no epoch: 10 within the same bound),
+        K = the first Keras ``fit``'s epoch steps //
+        :data:`~tfpsx.modes.geo.MIN_ROUNDS_PER_EPOCH` (that many rounds an epoch), with
+        K x the worker count at most :data:`~tfpsx.modes.geo.GEO_AUTO_KN_BACKGROUND` in
+        background rounds, :data:`~tfpsx.modes.geo.GEO_AUTO_KN` in deterministic ones;
+        graph mode knows no epoch: :data:`~tfpsx.modes.geo.GEO_K_WITHOUT_EPOCH` within
+        the same bound),
         ``max_staleness``
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``geo_table_rule`` (GEO:
@@ -63,15 +70,18 @@ class DistributedStrategy:
         trained on the parameter servers, async, not in the worker's copy; 0: never),
         ``geo_hot_per_round`` (GEO: the same for an id the workers would train at least
         this many times in one round, estimated as the worker count x how many of this
-        worker's last K batches held it; "auto": 40 in deterministic rounds (the K x
-        N that ``k_steps="auto"`` keeps there), 10 in background ones (half its 20);
-        0: never).
-        A key left unnamed is chosen by the job's worker count: from 3 workers GEO's
-        rule for many workers ("shared_slots", "async", 4, "auto"), which keeps async's
-        quality at any N; at 1-2 workers the earlier rule ("average", "copies", 0, 0), as good
-        there and faster (docs/modes.md, "GEO at N workers"). A table with a worker
-        cache keeps the earlier rule and the hybrid mode all-reduces its dense weights,
-        unless the key is named (then the combination is an error),
+        worker's last K batches held it; "auto": :data:`~tfpsx.modes.geo.GEO_AUTO_KN`
+        in deterministic rounds (the K x N that ``k_steps="auto"`` keeps there),
+        :data:`~tfpsx.modes.geo.GEO_HOT_PER_ROUND_BACKGROUND` in background ones (half
+        the K x N it keeps there); 0: never).
+        A key left unnamed is chosen by the job's worker count: from
+        :data:`~tfpsx.modes.geo.GEO_MANY_WORKERS` workers GEO's rule for many workers
+        (:data:`~tfpsx.modes.geo.GEO_FOR_MANY`: shared slots, dense weights async, hot
+        rows on the PS), which keeps async's quality at any N; below, the earlier rule
+        (:data:`~tfpsx.modes.geo.GEO_EARLIER`: averaged rows, dense copies, no hot rows),
+        as good there and faster (docs/modes.md, "GEO at N workers"). A table with a
+        worker cache follows the same rule; the hybrid mode all-reduces its dense
+        weights, unless the key is named (then the combination is an error),
         ``replicas_to_aggregate`` (sync only).
       collective: True for collective mode (a job of workers only,
         ``tfpsx.init(is_collective=True)``): every weight on every worker, gradients

@@ -14,10 +14,10 @@ the stager's thread, overlapping the steps:
   stagings and the steps: a sync moves every row trained since the last (on a large
   table, many times a batch's misses), and a staging waiting for it stalled the steps
   (measured: word2vec, 100k-row caches, async at 1.18x no cache with the sync in the
-  stager's thread, where the cache's ceiling ran 2.2x). GEO's rule is the sync
-  (:mod:`tfpsx.embedding.geo_rule`), which GEO's communicator runs beside the steps too:
-  a step's update landing during a push stays in ``local - old`` for the next one. A
-  sync still due when the last is in progress runs once after it.
+  stager's thread, where the cache's ceiling ran 2.2x). The sync is a row copy's push
+  and pull (:mod:`tfpsx.embedding.row_copy`), which GEO's communicator runs beside the
+  steps too: a step's update landing during a push stays in ``local - old`` for the
+  next one. A sync still due when the last is in progress runs once after it.
 
 Evictions and syncs hold the cache's ``sync_lock`` (so does GEO's communicator): two
 pushes of one row's delta at once would add it twice. A staging does not (it would wait

@@ -11,11 +11,12 @@ this worker (the C++ core's table, with the table's optimizer and slots) and a s
 * gradients train the cached rows locally (the table's optimizer, on the worker);
 * every ``flush_steps`` updates, between two steps (``tfpsx.MonitoredTrainingSession``
   and Keras ``fit`` do it; a loop of your own calls :meth:`WorkerCache.flush`), and at
-  the end of training, the cache syncs with the PS by GEO's rule (:mod:`tfpsx.embedding.geo_rule`):
-  the trained rows are pushed as ``local - old`` and the cached rows other workers
-  changed are pulled back. In async every update reaches the PS whole; in GEO mode the
-  mode's communicator runs the sync every K steps, and the PS combines the pushes of a
-  row that several workers trained from the same value as it does for GEO's tables;
+  the end of training, the cache syncs with the PS as a copy of the table's rows
+  (:mod:`tfpsx.embedding.row_copy`, which GEO's tables sync by too): the trained rows
+  are pushed as ``local - old`` and the cached rows other workers changed are pulled
+  back. In async every update reaches the PS whole; in GEO mode the mode's
+  communicator runs the sync every K steps, and the PS combines the pushes of a row that
+  several workers trained from the same value as it does for GEO's tables;
 * when a training lookup finds more than N rows cached, the excess and a 1/16 margin are
   evicted (least frequently looked up first: ``"lfu"``, or least recently: ``"lru"``),
   their deltas pushed first, so nothing trained is lost. A batch with more distinct ids
@@ -33,7 +34,7 @@ table's mode does. The cached rows' optimizer slots are the worker's: an evicted
 slots are dropped, and a fetched row's start from the optimizer's initial values (as GEO's
 worker copy under the earlier rule). With ``share_slots`` (GEO's rule for many workers)
 a row travels with its slots instead: fetched, staged, synced and evicted as ``[value |
-slots]``, summed on the PS (:mod:`tfpsx.embedding.geo_rule`). Counters (hit rate, rows
+slots]``, summed on the PS (:mod:`tfpsx.embedding.row_copy`). Counters (hit rate, rows
 fetched and flushed, evictions, bytes) are in :meth:`WorkerCache.stats`,
 ``DynamicTable.stats()`` and the training logs.
 """
@@ -49,7 +50,7 @@ from tfpsx import graph_state
 from tfpsx.embedding.cache.admission import AdmissionSketch
 from tfpsx.embedding.cache.options import CacheOptions
 from tfpsx.embedding.cache.sync import FlushSchedule, track_eager
-from tfpsx.embedding.geo_rule import (GeoTable, global_rows, push_rows, set_rows, table_pull,
+from tfpsx.embedding.row_copy import (RowCopy, global_rows, push_rows, set_rows, table_pull,
                                      table_push, table_readers)
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 from tfpsx.embedding.storage import on_device
@@ -105,29 +106,33 @@ class WorkerCache(ShardedTable):
         GEO mode's communicator syncs).
       wire: the dtype rows travel in to and from the PS (None: float32).
       combine: how the PS adds the syncs of several workers' caches to one row
-        (:mod:`tfpsx.embedding.geo_rule`: "sum" in async, whole updates as async; GEO's
+        (:mod:`tfpsx.embedding.row_copy`: "sum" in async, whole updates as async; GEO's
         own in GEO mode).
       share_slots: rows travel with their optimizer slots both ways (fetched, synced
         and evicted), summed on the PS: GEO's rule for many workers
         (``geo_table_rule="shared_slots"``), where a cached row's steps keep async's
         size instead of restarting from the optimizer's initial slots at every fetch.
+      copy_type: the class of :attr:`copy`, the cached rows as a copy of the table's
+        (:class:`~tfpsx.embedding.row_copy.RowCopy` or a subclass: GEO mode's adds what
+        its front-end tracks of the copy); the cache syncs it by
+        :mod:`tfpsx.embedding.row_copy`'s functions only.
     """
 
     def __init__(self, table: ShardedTable, options: CacheOptions, device: Optional[str],
                  reader: int, scale: float = 1.0, flush_in_step: bool = True,
                  wire: Optional[tf.DType] = None, combine: str = "sum",
-                 share_slots: bool = False):
+                 share_slots: bool = False, copy_type: type = RowCopy):
         name = f"{table.name}/cache_w{reader}"
-        copy = dict(initializer=table.initializer, seed=table.seed, devices=[device])
-        super().__init__(name, table.dim, optimizer=table.optimizer, **copy)
+        like = dict(initializer=table.initializer, seed=table.seed, devices=[device])
+        super().__init__(name, table.dim, optimizer=table.optimizer, **like)
         # With shared slots, old and the staged rows keep the slots a row came with.
         slots = dict(optimizer=table.optimizer if share_slots else None)
-        self.old = ShardedTable(f"{name}/old", table.dim, **slots, **copy)
-        self.staged = ShardedTable(f"{name}/staged", table.dim, **slots, **copy)
+        self.old = ShardedTable(f"{name}/old", table.dim, **slots, **like)
+        self.staged = ShardedTable(f"{name}/staged", table.dim, **slots, **like)
         self.table, self.options, self.device = table, options, device
         self.scale, self.flush_in_step = scale, flush_in_step
-        self.geo = GeoTable(table, self, self.old, device, reader, cached=True, wire=wire,
-                            combine=combine, share_slots=share_slots)
+        self.copy = copy_type(table, self, self.old, device, reader, cached=True, wire=wire,
+                              combine=combine, share_slots=share_slots)
         # The floats of a row as it travels (with its slots when they are shared).
         self._width = table.row_width if share_slots else table.dim
         # Evict down to this many rows when a lookup finds more than options.size.
@@ -154,7 +159,7 @@ class WorkerCache(ShardedTable):
                 track_eager(self)
             else:
                 state.worker_caches.append(self)
-        return graph_state.worker_local(self, "cache_variables", self.name, self.device,
+        return graph_state.worker_local(self, "worker_cache", self.name, self.device,
                                         self._make_vars, made)
 
     def _make_vars(self, collections):
@@ -256,8 +261,8 @@ class WorkerCache(ShardedTable):
         def cache_misses():
             # old first: a round running beside the step (Keras) pushes and pulls only
             # the rows local holds, so a row is never in local without its old.
-            old = set_rows(self.geo, self.old, admit, fetched)
-            return [_after(old, lambda: set_rows(self.geo, self, admit, fetched, clock)),
+            old = set_rows(self.copy, self.old, admit, fetched)
+            return [_after(old, lambda: set_rows(self.copy, self, admit, fetched, clock)),
                     self.staged.shards[0].remove(miss)]
 
         inserted = _when(tf.size(miss) > 0, cache_misses)
@@ -300,11 +305,11 @@ class WorkerCache(ShardedTable):
     def _fetch(self, miss, train, step):
         """(rows of the missing keys as they travel: staged by a prefetch, else from the
         PS shards; how many came from the PS)."""
-        shared = self.geo.share_slots
+        shared = self.copy.share_slots
         staged_rows, staged = self.staged.shards[0].find(miss, with_slots=shared)
         need_mask = tf.logical_not(staged)
         need = tf.boolean_mask(miss, need_mask)
-        got = _unless_empty(need, lambda: global_rows(self.geo, need, train, step),
+        got = _unless_empty(need, lambda: global_rows(self.copy, need, train, step),
                             lambda: tf.zeros([0, self._width]))
         return tf.tensor_scatter_nd_update(staged_rows, tf.where(need_mask), got), tf.size(need)
 
@@ -320,11 +325,11 @@ class WorkerCache(ShardedTable):
             keys, _ = tf.unique(tf.reshape(self._keys(ids), [-1]))
             _, found = self.shards[0].find(keys)
             miss = tf.boolean_mask(keys, tf.logical_not(found))
-            rows = _unless_empty(miss, lambda: global_rows(self.geo, miss, True, step),
+            rows = _unless_empty(miss, lambda: global_rows(self.copy, miss, True, step),
                                  lambda: tf.zeros([0, self._width]))
             n = tf.size(miss)
             slots = (tf.reshape(rows[:, self.dim:], [n, self.num_slots, self.dim])
-                     if self.geo.share_slots else tf.zeros([0]))
+                     if self.copy.share_slots else tf.zeros([0]))
             staged = self.staged.import_rows(
                 {"keys": miss, "values": rows[:, :self.dim], "slots": slots,
                  "freq": tf.ones([n], tf.int64), "step": tf.zeros([n], tf.int64)}, clear=True)
@@ -345,9 +350,9 @@ class WorkerCache(ShardedTable):
             clock = self._vars()[0][_STATE.index("clock")]
             _, found = self.shards[0].find(unique)
             miss = tf.boolean_mask(unique, tf.logical_not(found))
-            rows = global_rows(self.geo, miss, True, as_step(step))
-            old = set_rows(self.geo, self.old, miss, rows)  # old first (see _train_rows)
-            inserted = [old, _after(old, lambda: set_rows(self.geo, self, miss, rows, clock))]
+            rows = global_rows(self.copy, miss, True, as_step(step))
+            old = set_rows(self.copy, self.old, miss, rows)  # old first (see _train_rows)
+            inserted = [old, _after(old, lambda: set_rows(self.copy, self, miss, rows, clock))]
             counts, n = tf.cast(counts, tf.int64), tf.size(miss)
             counted = self._count(lookups=tf.reduce_sum(counts),
                                   hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
@@ -431,8 +436,8 @@ class WorkerCache(ShardedTable):
         return self._group([done])
 
     def _sync(self, step):
-        push, pushed = table_push(self.geo, self.scale, step)
-        pull, pulled = table_pull(self.geo, after=[push])
+        push, pushed = table_push(self.copy, self.scale, step)
+        pull, pulled = table_pull(self.copy, after=[push])
         counted = self._count(rows_flushed=pushed,
                               bytes_flushed=tf.cast(pushed, tf.int64) * self._row_bytes,
                               rows_refreshed=pulled, flushes=1)
@@ -444,7 +449,7 @@ class WorkerCache(ShardedTable):
         it before the first step (``tfpsx.MonitoredTrainingSession``'s hook; eager code
         and ``tf.function`` s when first tracing or running a lookup). Returns the op
         (None in eager mode)."""
-        ops = table_readers(self.geo)
+        ops = table_readers(self.copy)
         return self._group([_after(ops, self._mark_registered)])
 
     def _register_eagerly(self):
@@ -485,7 +490,7 @@ class WorkerCache(ShardedTable):
             kept = (tf.searchsorted(keep, ranked, side="right")
                     > tf.searchsorted(keep, ranked, side="left"))
             victims = tf.boolean_mask(ranked, tf.logical_not(kept))[:count]
-        push, pushed = _unless_empty(victims, lambda: push_rows(self.geo, victims, self.scale,
+        push, pushed = _unless_empty(victims, lambda: push_rows(self.copy, victims, self.scale,
                                                                 step, keep_old=False),
                                      lambda: (None, tf.constant(0)))
 

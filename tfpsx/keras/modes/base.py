@@ -37,7 +37,7 @@ SHARED_PREFIX = "tfpsx/keras/"
 TRIGGER = "tfpsx_gradient_trigger"  # the name of a DynamicEmbedding layer's trigger weight
 
 
-class KerasState:
+class KerasStateFactory:
     """Keras's :class:`~tfpsx.modes.state.StateFactory`: a protocol variable is a
     :class:`SharedVariable` under its core name on PS 0, the chief initializes it and the
     others wait for it (TFPSX_SESSION_TIMEOUT); a worker's own is a ``tf.Variable``.
@@ -100,7 +100,7 @@ class KerasMode:
         self._placer = GreedyByBytes(len(self.ps_devices))
         self._trace_ops: List = []   # stateful ops of the step being traced
         self._ready: Optional[SharedVariable] = None
-        self.state = KerasState(self)  # the protocol's variables (tfpsx.modes.state)
+        self.state = KerasStateFactory(self)  # the protocol's variables (tfpsx.modes.state)
         self.validate()
 
     # ------------------------------------------------------------------ interface

@@ -21,15 +21,15 @@ from typing import List, Optional
 import tensorflow as tf
 
 from tfpsx import errors, settings
-from tfpsx.embedding.geo_rule import (copy_trains, distrust_snapshot, table_readers,
-                                     take_global, track_snapshot)
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
-                             GeoVariable, adopt_rule, caches_locked, count_round, count_trained,
-                             dense_async, dense_size, pull_ops, push_ops, rule_workers)
+                             GeoVariable, adopt_rule, caches_locked, copy_trains, count_round,
+                             count_trained, dense_async, dense_size, distrust_snapshot,
+                             pull_ops, push_ops, rule_workers, table_readers, take_global,
+                             track_snapshot)
 from tfpsx.waits import bounded_wait
 
 
@@ -298,7 +298,7 @@ class KerasGeo(KerasMode):
             self.schedule.step_done(int(self._steps.read_value()), steps_left)
 
     def _distrust_snapshots(self) -> None:
-        """A fit failed (geo_rule.distrust_snapshot)."""
+        """A fit failed (:func:`tfpsx.modes.geo.distrust_snapshot`)."""
         for t in self.tables:
             distrust_snapshot(t)
 

@@ -15,7 +15,7 @@ import time
 from typing import List, Tuple
 
 from tfpsx import metrics
-from tfpsx.embedding.geo_rule import GeoTable
+from tfpsx.modes.geo.copies import GeoTable
 from tfpsx.modes.geo.rule import GeoVariable
 
 PUSH, PULL, BARRIER = "push", "pull", "barrier"

@@ -1,8 +1,46 @@
-"""GEO's rule for dense variables (the table rule lives with the tables:
-:mod:`tfpsx.embedding.geo_rule`, a worker cache flushes by it too), the push and pull
+"""GEO's rule: for dense variables, for table rows (the mechanism of a table's copy is
+:mod:`tfpsx.embedding.row_copy`'s, which a worker cache syncs by too), the push and pull
 phases of dense variables and tables together, and which rule a job runs by its worker
 count (:func:`rule_for`). The functions build ops in graph mode and run in eager mode or
-``tf.function``."""
+``tf.function``.
+
+GEO mode pushes table rows with n = 1: a row's whole delta, what async would have
+applied, k steps late (averaging by N, GEO's rule for dense weights, would train a row
+that one worker alone touched N times slower, and keep pushing the rest of its delta at
+every sync).
+
+Whole deltas overshoot on a hot row: when several workers trained it from the same
+value between two syncs, each delta is a full move (each worker's optimizer saw only its
+share of the gradients), and their sum is several moves (measured at 4 workers on the
+Criteo job: the model after the final sync had log loss 1.29 where each worker's copy
+had 0.50). So the PS combines the parallel pushes of a row (``GeoTable.combine``, the
+PS's ``accumulate(combine=...)``, :mod:`tfpsx.embedding.row_copy`), chosen by
+:func:`combine_for`:
+
+* ``"mean"`` (deterministic GEO: every worker pushes, they meet, they pull): the row
+  moves to the mean of the round's deltas, exact in any order, since every push of a
+  round started from the value of the last one (the PS keeps the others' move since
+  the pusher's pull: it adds (delta - their move) / (1 + c));
+* ``"scaled"`` (GEO's background communicator): a push adds delta / (1 + c). Its
+  pushes start from different values (a worker pulled before or after another's push),
+  and the mean would drag a row back towards each pusher's stale copy (measured, 1 PS +
+  4 workers, 300k rows, k=10, one run each: final AUC 0.734 against 0.766 scaled and
+  0.763 summed); scaled, a hot row that every worker trains moves by about the mean of
+  their deltas once the syncs interleave (1 + 1/2 + 1/3 + 1/4 = 2.08 deltas for four
+  pushes from one value, not 4).
+
+**Shared slots** (``GeoTable(share_slots=True)``, a strategy's ``geo_table_rule=
+"shared_slots"``): a row travels as ``[value | optimizer slots]`` both ways, the PS sums
+every push whole, and ``old`` keeps the slots of the last pull too. The PS's slots then
+hold every worker's share (Adagrad's accumulator: every worker's squared gradients, as in
+async), each pull brings them back, and a worker's local steps keep async's size; with
+local slots a worker's accumulator sees ~1/N of a hot row's gradients and its steps are
+~sqrt(N) times async's, which the average then scales back by N. Measured with
+``benchmarks/geo_scale.py`` (docs/modes.md): the better rule while K x N is small, worse
+than the average at K=10 from 8 workers.
+
+The rows the copies cannot train right train on the PS: :mod:`.hot_rows`.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +50,8 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import GeoTable, table_pull, table_push
+from tfpsx.embedding.row_copy import table_pull, table_push
+from tfpsx.modes.geo.copies import GeoTable
 
 logger = logging.getLogger("tfpsx")
 
@@ -74,6 +113,11 @@ def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=()):
         ops.append(op)
         rows.append((count, _row_floats(t), _value_bytes(t)))
     return ops, rows_and_bytes(rows)
+
+
+def combine_for(deterministic: bool) -> str:
+    """How a GEO table's round pushes combine on the PS (see the module doc)."""
+    return "mean" if deterministic else "scaled"
 
 
 def _row_floats(t: GeoTable) -> int:

@@ -12,10 +12,12 @@ import tensorflow as tf
 
 from tfpsx import graph_state
 from tfpsx.embedding.cache import WorkerCache
-from tfpsx.embedding.contention import Contention
-from tfpsx.embedding.geo_rule import GeoTable, HotRows, combine_for
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.modes.geo.contention import Contention
+from tfpsx.modes.geo.copies import GeoTable
+from tfpsx.modes.geo.hot_rows import HotRows
+from tfpsx.modes.geo.rule import combine_for
 
 logger = logging.getLogger("tfpsx")
 
@@ -78,6 +80,7 @@ def slots_add_up(mode: GeoState, table) -> bool:
 
 
 _TOLD: set = set()
+_TRAINED = "geo_trained"  # the kind of _trained_rows' worker-local variable
 
 
 class GeoTableUpdater(TableUpdater):
@@ -118,8 +121,8 @@ class GeoTableUpdater(TableUpdater):
             self.cache = WorkerCache(table, options, mode.worker_device, me,
                                      scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
                                      combine=combine_for(mode.in_train_thread),
-                                     share_slots=share)
-            self._geo = self.cache.geo
+                                     share_slots=share, copy_type=GeoTable)
+            self._geo = self.cache.copy
             mode.tables.append(self._geo)
             return
         copy = dict(initializer=table.initializer, seed=table.seed,
@@ -167,7 +170,7 @@ class GeoTableUpdater(TableUpdater):
             return tf.compat.v1.Variable(tf.zeros([2], tf.int64), trainable=False,
                                          collections=collections, name="tfpsx_geo_trained")
 
-        return graph_state.worker_local(self, "geo_trained_variables", self.name,
+        return graph_state.worker_local(self, _TRAINED, self.name,
                                         self._mode.worker_device, make)
 
     def session_started(self, session) -> None:
@@ -186,7 +189,7 @@ class GeoTableUpdater(TableUpdater):
             self._eager_counted = value
         else:
             state = graph_state.peek(session.graph)
-            var = None if state is None else state.geo_trained_variables.get(self.name)
+            var = None if state is None else state.worker_locals.get((_TRAINED, self.name))
             if var is None:
                 return 0, 0
             value = np.asarray(session.run(var))

@@ -122,7 +122,7 @@ class WrappedOptimizer(tf.compat.v1.train.Optimizer):
         return self._opt.variables()
 
 
-class GraphState:
+class GraphStateFactory:
     """Graph mode's :class:`~tfpsx.modes.state.StateFactory`: a protocol variable is a
     resource variable under its core name, at the graph's root whatever scope builds
     it, made once per graph. A checkpointed one is a global variable (the chief's

@@ -15,13 +15,13 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
-from tfpsx.embedding.geo_rule import GeoTable, table_readers
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
-                             GeoSchedule, GeoTableUpdater, GeoVariable, adopt_rule,
+                             GeoSchedule, GeoTable, GeoTableUpdater, GeoVariable, adopt_rule,
                              auto_k_steps, caches_locked, count_round, count_trained,
-                             dense_async, dense_size, pull_ops, push_ops, rule_workers)
+                             dense_async, dense_size, pull_ops, push_ops, rule_workers,
+                             table_readers)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer

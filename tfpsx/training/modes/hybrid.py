@@ -25,7 +25,7 @@ from tfpsx.modes.collective import lost_peer_error, reducible
 from tfpsx.modes.group import set_entry
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
-from tfpsx.training.modes.base import GraphState, Mode, WrappedOptimizer
+from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
 from tfpsx.training.modes.geo import GeoMode
 from tfpsx.training.placement import worker_device_of
 from tfpsx.waits import bounded_wait
@@ -129,7 +129,7 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
     def begin(self):
         config = self._mode.config
         n = config.worker_num
-        ports = GraphState(worker_device_of(config)).shared(HYBRID_PORTS, n)
+        ports = GraphStateFactory(worker_device_of(config)).shared(HYBRID_PORTS, n)
         self._initialized = ports.is_initialized()
         self._init = ports.initializer
         self._port = tf.compat.v1.placeholder(tf.int64, [])

@@ -15,7 +15,7 @@ from tfpsx import settings
 from tfpsx.modes.staleness import finish, tick, wait_for_slowest
 from tfpsx.modes.state import WORKER_CLOCKS
 from tfpsx.training.hooks import TrainStepDetector
-from tfpsx.training.modes.base import GraphState, Mode, WrappedOptimizer
+from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
 
@@ -45,7 +45,7 @@ class StalenessOptimizer(WrappedOptimizer):
         mode = StalenessMode.for_graph(self._strategy, self._config)
         train_op = self._opt.apply_gradients(grads_and_vars, global_step, name)
         n, me = self._config.worker_num, self._config.index
-        clocks = GraphState(worker_device_of(self._config)).shared(WORKER_CLOCKS, n)
+        clocks = GraphStateFactory(worker_device_of(self._config)).shared(WORKER_CLOCKS, n)
         with tf.compat.v1.device(clocks.device):
             with tf.control_dependencies([tick(clocks, me)]):
                 ticked = clocks.read_value()

@@ -38,7 +38,7 @@ from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
-from tfpsx.training.modes.base import GraphState, Mode, WrappedOptimizer
+from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
 logger = logging.getLogger("tfpsx")
@@ -84,9 +84,9 @@ class SyncMode(Mode):
         """The step protocol's variables (made on first use): the step and the pushed
         vector on PS 0, this worker's local step."""
         if self._group is None:
-            self._group = SyncGroup.create(GraphState(self.worker_device), self.config.index,
-                                           self.config.worker_num, self.replicas,
-                                           RUNTIME.dead_workers)
+            self._group = SyncGroup.create(GraphStateFactory(self.worker_device),
+                                           self.config.index, self.config.worker_num,
+                                           self.replicas, RUNTIME.dead_workers)
         return self._group
 
     def stamp(self):

@@ -5,14 +5,16 @@ A round sums what the N workers' copies did to a row in K local steps, every ste
 computed from the row's value at the last pull. The more of those steps a round holds,
 the further the sum strays from what async's steps, taken one after another, would have
 done: measured with ``benchmarks/geo_scale.py``, within 1% of async's loss while a round
-holds at most ``bound`` = 40 of a row's steps (deterministic rounds; 20 in background
+holds at most ``bound`` of a row's steps (:data:`~tfpsx.modes.geo.rule.GEO_AUTO_KN` in
+deterministic rounds; :data:`~tfpsx.modes.geo.rule.GEO_AUTO_KN_BACKGROUND` in background
 ones, whose pull lands up to K steps late), 2.2% above it at 80 (word2vec, 8 workers,
 K=10), diverging at 320. ``k_steps="auto"`` keeps K x N within that bound for every row;
 with a K of the user's, :class:`Contention` finds the rows for which it does not hold
 and GEO trains them on the PS (async), the rest in the copy. In background rounds the
-strategy's "auto" bound is 10, half the K x N = 20 that ``k_steps="auto"`` keeps there
-(``tfpsx.modes.geo.auto_hot_per_round``), so an "auto" job builds the estimate too
-from K x N > 10 (K > 1).
+strategy's "auto" bound is :data:`~tfpsx.modes.geo.rule.GEO_HOT_PER_ROUND_BACKGROUND`,
+half the K x N that ``k_steps="auto"`` keeps there
+(:func:`tfpsx.modes.geo.rule.auto_hot_per_round`), so an "auto" job builds the estimate
+too from a K x N over that (K > 1).
 
 The estimate: the number of this worker's last ~K batches before this one that held
 the row (an exponential moving average with a window of K lookups, one counter per hash
@@ -126,7 +128,7 @@ class Contention:
     def _vars(self) -> tuple:
         """(ema, age, clock): worker-local variables (``graph_state.worker_local``; not
         saved)."""
-        return graph_state.worker_local(self, "contention_variables", self.name, self.device,
+        return graph_state.worker_local(self, "geo_contention", self.name, self.device,
                                         self._make)
 
     def _make(self, collections) -> tuple:
