@@ -35,6 +35,12 @@ class GraphRegistry:
     stagers: List[Any] = dataclasses.field(default_factory=list)
     #: id(gradient) -> (gradient, keys, dim): row gradients already checked.
     checked_rows: Dict[int, tuple] = dataclasses.field(default_factory=dict)
+    #: The positions of the input batches the graph's steps take (``tfpsx.data.next_batch``):
+    #: the mode commits them when the step that trains them is in the model.
+    positions: List[Dict[str, tf.Tensor]] = dataclasses.field(default_factory=list)
+    #: input name -> (its position's variable in the chief's checkpoints, the op filling it
+    #: with the coordinator's state before a save).
+    input_positions: Dict[str, Tuple[Any, Any]] = dataclasses.field(default_factory=dict)
 
 
 def of(graph: Optional[tf.Graph] = None) -> GraphRegistry:

@@ -29,6 +29,7 @@ from tfpsx import compat, settings
 from tfpsx.checkpoint import evaluation, pages, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.checkpoint.parts import STATE, latest_state
+from tfpsx.control import splits
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.runtime import RUNTIME
@@ -36,6 +37,7 @@ from tfpsx.runtime import RUNTIME
 logger = logging.getLogger("tfpsx")
 
 BASE = "ckpt"
+INPUT = "input:"  # an input's position among a part's extra arrays
 
 
 def _tables(model) -> Dict[str, object]:
@@ -142,8 +144,12 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                                            read)
             return out
 
+        # The input's position first, then the model: a restore repeats the steps
+        # trained between the two, never skips one (tfpsx.data).
+        positions = {INPUT + name: np.frombuffer(source.position_state(), np.uint8)
+                     for name, source in splits.registered().items()}
         dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}
-        info = self._writer.save(part, export, step, extra=dense)
+        info = self._writer.save(part, export, step, extra=dict(dense, **positions))
         try:
             kept = [n for n in self._state().get("kept", []) if n != name] + [name]
             kept = kept[-self.max_to_keep:]
@@ -215,6 +221,8 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         tables = _tables(model)
         steps = plan(part, {n: (t.dim, t.num_slots) for n, t in tables.items()})
         dense = parts.load_extra(part)
+        positions = {k[len(INPUT):]: bytes(dense.pop(k).tobytes()) for k in list(dense)
+                     if k.startswith(INPUT)}
         weights = _weights(model)
         if sorted(dense) != sorted(weights):
             raise ValueError(f"checkpoint {part} holds {len(dense)} weights, this model has "
@@ -223,6 +231,8 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                  for k, v in weights.items() if tuple(v.shape) != dense[k].shape]
         if wrong:
             raise ValueError(f"checkpoint {part}: weights of other shapes: {wrong}")
+        for input_name, state in positions.items():  # (refuses another input's first)
+            splits.restore(input_name, state)
         for path, index in steps:
             for n, t in tables.items():
                 for kind, data in parts.table_pages(path, index, n, t.page_rows):
@@ -232,8 +242,9 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
             v.assign(dense[key])
         self._writer.reset()
         index = parts.read_index(part)
-        logger.info("restored %s: tables from %d part(s), %d weights (step %d)", part,
-                    len(steps), len(weights), index["step"])
+        logger.info("restored %s: tables from %d part(s), %d weights (step %d)%s", part,
+                    len(steps), len(weights), index["step"],
+                    f", input position(s) of {sorted(positions)}" if positions else "")
         return int(index["step"])
 
 

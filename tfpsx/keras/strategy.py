@@ -39,6 +39,8 @@ import tensorflow as tf
 from tfpsx import compat, errors, settings
 from tfpsx.compat import OneDeviceExtended, distribute_lib
 from tfpsx.control import eager_anchor
+from tfpsx.control import splits
+from tfpsx.control.splits import split_position
 from tfpsx.control.watchdog import (RETRYABLE, exit_if_uncaught, find_in_chain, lost_server,
                                     probe, translate_uncaught)
 from tfpsx.embedding.cache import flush_eager_caches
@@ -161,6 +163,12 @@ class _Extended(OneDeviceExtended):
         def step(*step_args, **step_kwargs):
             self._trained, self._guard = False, None
             self.mode.take_trace_ops()  # leftovers of an earlier trace are not this step's
+            # A batch of tfpsx.data.splits carries its input position: the model never
+            # sees it; the mode commits it once the step is in the model.
+            position = None
+            if step_args:
+                data, position = split_position(step_args[0])
+                step_args = (data,) + tuple(step_args[1:])
             # (Ordered before the step's reads of the same variables by the function's
             # automatic control dependencies.)
             self.mode.before_step()
@@ -168,6 +176,9 @@ class _Extended(OneDeviceExtended):
             if not self._trained:
                 return outputs  # an eval or predict step
             after = self.mode.after_step()
+            if position is not None:
+                with tf.control_dependencies(after):
+                    after = after + [self.mode.commit_position(position)]
             with tf.control_dependencies(after):
                 return tf.nest.map_structure(
                     lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, outputs)
@@ -321,6 +332,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         self._mode.fit_length(epoch_steps)
         self._mode.begin_fit(model)
         self._feeder.begin(model)
+        for source in splits.registered().values():  # (Keras's look at a batch read some)
+            source.fit_begins()
         self._fitting = True
         self._fit_flag.assign(1)
 
@@ -336,6 +349,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         try:
             self._feeder.end(wait=not failed)
             self._mode.end_fit(model)
+            for source in splits.registered().values():
+                source.fit_ends()
             if not failed:
                 flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
         finally:

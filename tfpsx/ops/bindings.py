@@ -186,3 +186,50 @@ def table_import(handle, keys, values, slots, freq, step, clear: bool):
 def table_take_changed(handle, reader):
     """Keys changed since ``reader``'s previous call (its first call registers it)."""
     return load_ops().tfpsx_hash_table_take_changed(handle, reader)
+
+
+# ---------------------------------------------------------------- the data plane
+# (custom_ops/cc/ops/split_ops.cc; the Python side is tfpsx.control.splits, tfpsx.data)
+SPLIT_STATS_FIELDS = ("first_open", "splits", "done", "leased", "left", "leases_returned")
+
+
+def split_handle(shared_name: str):
+    return load_ops().tfpsx_split_coordinator_handle_op(shared_name=shared_name)
+
+
+def split_configure(handle, digest, seed, files, starts, ends, lease_ms):
+    return load_ops().tfpsx_split_configure(handle, digest, seed, files, starts, ends, lease_ms)
+
+
+def split_take(handle, worker, epoch):
+    """(status, key, epoch, file, start, resume, end)."""
+    return load_ops().tfpsx_split_take(handle, worker, epoch)
+
+
+def split_commit(handle, keys, offsets):
+    return load_ops().tfpsx_split_commit(handle, keys, offsets)
+
+
+def split_renew(handle, worker, release: bool = False):
+    return load_ops().tfpsx_split_renew(handle, worker, release)
+
+
+def split_give_back(handle, worker, keys):
+    return load_ops().tfpsx_split_give_back(handle, worker, keys)
+
+
+def split_stats(handle):
+    return load_ops().tfpsx_split_stats(handle)
+
+
+def split_export(handle):
+    return load_ops().tfpsx_split_export(handle)
+
+
+def split_import(handle, state):
+    return load_ops().tfpsx_split_import(handle, state)
+
+
+def read_split(path, start, resume, end, max_bytes, format: str = "text"):
+    """(records, ends, next) of one split's chunk."""
+    return load_ops().tfpsx_read_split(path, start, resume, end, max_bytes, format=format)

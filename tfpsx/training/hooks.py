@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfpsx import graph_state, metrics
 from tfpsx.checkpoint import evaluation
+from tfpsx.control import splits
 from tfpsx.embedding import cache as _cache
 
 logger = logging.getLogger("tfpsx")
@@ -152,3 +153,44 @@ def graph_caches(graph=None) -> list:
     """The worker caches (:class:`tfpsx.embedding.cache.WorkerCache`) of ``graph``."""
     state = graph_state.peek(graph)
     return list(state.worker_caches) if state is not None else []
+
+
+class InputPositionListener(tf.compat.v1.train.CheckpointSaverListener):
+    """Before each save of the chief's checkpoint: the positions of the graph's inputs
+    (``tfpsx.data.next_batch``) go into their variables, which the save then holds. First
+    the position, then the model: a restore can repeat the steps trained in between,
+    never skip one."""
+
+    def before_save(self, session, global_step_value):
+        save_input_positions(session)
+
+
+def save_input_positions(session) -> None:
+    """Fills the variables of the inputs of ``session``'s graph with the coordinators'
+    states (nothing when the graph reads none)."""
+    state = graph_state.peek(session.graph)
+    ops = [op for _, op in state.input_positions.values()] if state is not None else []
+    if ops:
+        session.run(ops)
+
+
+def restore_input_positions(graph, checkpoint: Optional[str]) -> None:
+    """The chief, before TF restores ``checkpoint``'s model: the positions of the graph's
+    inputs it holds go into their coordinators (before any worker can take a split:
+    theirs wait for the model the chief restores). A checkpoint without them (of a job
+    that read no tfpsx input) leaves the inputs where they are."""
+    state = graph_state.peek(graph)
+    if state is None or not state.input_positions or not checkpoint:
+        return
+    names = {n for n, _ in tf.train.list_variables(checkpoint)}
+    for name, (var, _) in state.input_positions.items():
+        key = var.op.name
+        if key not in names:
+            logger.warning("checkpoint %s holds no position of input %r: it starts from its "
+                           "first epoch", checkpoint, name)
+            continue
+        value = tf.train.load_variable(checkpoint, key)
+        if value:
+            epoch = splits.restore(name, bytes(value))
+            logger.info("input %s: position restored from %s (epoch %s)", name, checkpoint,
+                        epoch)

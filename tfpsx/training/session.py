@@ -18,7 +18,8 @@ from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.checkpoint.saver import refused_saveables
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.hooks import (ResumeLogHook, TrainingDoneHook, WorkerCacheHook,
+from tfpsx.training.hooks import (InputPositionListener, ResumeLogHook, TrainingDoneHook,
+                                  WorkerCacheHook, restore_input_positions,
                                   graph_caches)
 from tfpsx.training.staging import graph_stagers
 
@@ -86,6 +87,11 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
         self._scaffold.finalize()
         session = self._session_on_the_servers_model(again)
         if session is None:
+            # TF's path restores the model of the latest checkpoint: its input positions
+            # first (no worker takes a split before the chief's model is ready).
+            restore_input_positions(tf.compat.v1.get_default_graph(),
+                                    tf.train.latest_checkpoint(self._checkpoint_dir)
+                                    if self._checkpoint_dir else None)
             session = super().create_session()
         self._created = True
         return session
@@ -299,5 +305,6 @@ def _saver_hooks(checkpoint_dir, scaffold, log_step_count_steps, save_checkpoint
     if (save_checkpoint_secs or 0) > 0 or (save_checkpoint_steps or 0) > 0:
         hooks.append(train.CheckpointSaverHook(checkpoint_dir, save_steps=save_checkpoint_steps,
                                                save_secs=save_checkpoint_secs,
-                                               scaffold=scaffold))
+                                               scaffold=scaffold,
+                                               listeners=[InputPositionListener()]))
     return hooks

@@ -10,6 +10,9 @@ example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes 
 ``<out>/visits.npz`` (ids, counts) once every worker is done.
 
   visits_job.py --out DIR [--mode async] [--examples N] [--epochs E] [--batch B]
+      [--input shard|splits]             tfpsx.data.shard of arrays (a static cut), or
+                                         tfpsx.data.splits of DIR/data/part-*.txt (the
+                                         chief of a first run writes them; --split_bytes)
       [--checkpoint DIR --save_every S]  IncrementalCheckpoint every S batches; every
                                          worker calls restore(model) before fit
       [--die_after W:S]                  worker W SIGKILLs itself after its S-th batch,
@@ -27,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfpsx
+keras.config.disable_traceback_filtering()
 from tfpsx import embedding as E
 
 FEATURES = 4
@@ -53,6 +57,26 @@ def data(n: int):
     x = rng.normal(size=(n, FEATURES)).astype(np.float32)
     y = (x @ np.linspace(-1, 1, FEATURES) > 0).astype(np.float32)[:, None]
     return {"x": x, "id": np.arange(n, dtype=np.int64)[:, None]}, y
+
+
+def write_files(folder: str, n: int, files: int = 4) -> None:
+    """The examples as text: a line "id x0 x1 x2 x3 label", in `files` files."""
+    features, label = data(n)
+    os.makedirs(folder, exist_ok=True)
+    for f in range(files):
+        rows = range(f, n, files)
+        with open(os.path.join(folder, f"part-{f}.txt.tmp"), "w") as out:
+            for i in rows:
+                out.write(" ".join([str(i)] + [f"{v:.6f}" for v in features["x"][i]] +
+                                   [str(int(label[i, 0]))]) + "\n")
+        os.replace(os.path.join(folder, f"part-{f}.txt.tmp"), os.path.join(folder, f"part-{f}.txt"))
+
+
+def parse(lines):
+    cols = tf.strings.to_number(tf.strings.split(lines, " ").to_tensor(), tf.float32)
+    ids = tf.cast(tf.strings.to_number(tf.strings.split(lines, " ").to_tensor()[:, :1],
+                                       tf.float64), tf.int64)
+    return {"x": cols[:, 1:1 + FEATURES], "id": ids}, cols[:, 1 + FEATURES:]
 
 
 def build():
@@ -89,6 +113,10 @@ def main(argv):
     p.add_argument("--save_every", type=int, default=10)
     p.add_argument("--die_after", default=None, help="W:S")
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--slow_worker", type=int, default=None,
+                   help="only this worker sleeps --step_delay after each batch")
+    p.add_argument("--input", choices=["shard", "splits"], default="shard")
+    p.add_argument("--split_bytes", type=int, default=20000)
     args = p.parse_args(argv)
 
     tfpsx.init()
@@ -113,18 +141,31 @@ def main(argv):
         worker, batches = (int(v) for v in args.die_after.split(":"))
         if worker == me:
             callbacks.append(DieAfter(batches, os.path.join(args.out, f"died.{me}")))
-    if args.step_delay:
+    if args.step_delay and args.slow_worker in (None, me):
         callbacks.append(keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda *_, **__: time.sleep(args.step_delay)))
-    features, label = data(args.examples)
-    dataset = tfpsx.data.shard(tf.data.Dataset.from_tensor_slices((features, label)))
-    model.fit(dataset.batch(args.batch), epochs=args.epochs, verbose=0, callbacks=callbacks)
+    if args.input == "splits":
+        files = os.path.join(args.out, "data", "part-*.txt")
+        train = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
+                                  seed=7)
+    else:
+        features, label = data(args.examples)
+        train = tfpsx.data.shard(tf.data.Dataset.from_tensor_slices((features, label))).batch(
+            args.batch)
+    batches = []
+    callbacks.append(keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda *_, **__: batches.append(1)))
+    start = time.time()
+    model.fit(train, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    seconds = time.time() - start
     tfpsx.barrier_worker()  # every worker's steps are in before the chief reads
     if me == 0:
         rows = model.get_layer("counter").visits.table.export()
         np.savez(os.path.join(args.out, "visits.npz"), ids=rows["keys"].numpy(),
                  counts=rows["values"].numpy()[:, 0])
-    tfpsx.metrics.emit("visits", worker=me, restored=restored)
+    tfpsx.metrics.emit("visits", worker=me, restored=restored, seconds=seconds,
+                       batches=len(batches),
+                       input=tfpsx.data.input_stats() if args.input == "splits" else {})
     tfpsx.stop_worker()
     return 0
 

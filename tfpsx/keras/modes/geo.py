@@ -30,6 +30,7 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              pull_ops, push_ops, rule_workers, table_readers, take_global,
                              track_snapshot)
+from tfpsx.modes.positions import PendingPositions
 from tfpsx.waits import bounded_wait
 
 
@@ -45,6 +46,7 @@ class KerasGeo(KerasMode):
         self.tables = []          # GeoTable, appended by GeoTableUpdater
         self.updaters = []        # the GeoTableUpdaters, as their tables join
         self.counters = GeoCounters()
+        self.positions = PendingPositions(self.worker_device)  # input positions, unpushed
         self._steps: Optional[tf.Variable] = None    # local steps run
         # The local steps counted when the last round started (the schedule's ``pushed``,
         # where the compiled step reads it).
@@ -134,11 +136,27 @@ class KerasGeo(KerasMode):
                     (rows_received, bytes_received))
 
     def _run_round(self, phases) -> None:
-        """A background or final round (push, then pull): one call of the sync function."""
+        """A background or final round (push, then pull): one call of the sync function.
+        The input positions pending before it are committed once it pushed."""
         assert phases == (PUSH, PULL), phases  # deterministic rounds run in the step
         start = time.monotonic()
+        pending = self.positions.snapshot()
         with caches_locked(self.tables):
             self._count(start, *self.sync_fn()())
+        self.positions.commit(pending)
+
+    def commit_position(self, position):
+        # A step trains the copy: its position waits for the round that pushes it.
+        return self.positions.record(position)
+
+    def _take_pending(self) -> bool:
+        self._in_step_pending = self.positions.snapshot()
+        return True
+
+    def _commit_pending(self) -> bool:
+        pending, self._in_step_pending = getattr(self, "_in_step_pending", {}), {}
+        self.positions.commit(pending)
+        return True
 
     # ------------------------------------------------------------------ the step
     def after_step(self) -> list:
@@ -163,7 +181,14 @@ class KerasGeo(KerasMode):
                     if phase == BARRIER:
                         last = [tf.py_function(self._barrier, [], tf.bool)]
                     elif phase == PUSH:
-                        last, sent = self._push_ops()
+                        # The positions pending before the push reads the copy are in
+                        # it: committed once it is in.
+                        with tf.control_dependencies(
+                                [tf.py_function(self._take_pending, [], tf.bool)]):
+                            last, sent = self._push_ops()
+                        with tf.control_dependencies(last):
+                            last = list(last) + [
+                                tf.py_function(self._commit_pending, [], tf.bool)]
                     else:
                         last, received = self._pull_ops(last)
             with tf.control_dependencies(last):

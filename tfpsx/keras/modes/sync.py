@@ -49,6 +49,17 @@ class KerasSync(OnServers):
     def table_updater(self, table) -> TableUpdater:
         return SyncTableUpdater(self)
 
+    def commit_position(self, position):
+        # The step waited for the chief's apply of its gradient, unless fewer than every
+        # worker's are aggregated: then a late one is dropped, its batch not in the model.
+        if self.replicas < self.worker_num:
+            raise ValueError(
+                f"tfpsx.data.splits with sync at replicas_to_aggregate={self.replicas} of "
+                f"{self.worker_num} workers: a late worker's gradient is dropped, so its "
+                "batch's position cannot be committed with its step; aggregate every "
+                "worker's (the default), or train async or GEO")
+        return super().commit_position(position)
+
     def push(self, table, keys, grads):
         """A table's row gradients, to its shards' accumulators (SyncTableUpdater)."""
         return self.record(self.tables.push(table, keys, grads,

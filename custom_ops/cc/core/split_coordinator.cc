@@ -1,0 +1,364 @@
+#include "custom_ops/cc/core/split_coordinator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+namespace tfpsx {
+namespace {
+
+constexpr char kMagic[8] = {'T', 'F', 'P', 'S', 'X', 'S', 'P', 'L'};
+constexpr uint32_t kVersion = 1;
+
+uint64_t SplitMix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(T v) {
+    out_.append(reinterpret_cast<const char*>(&v), sizeof v);
+  }
+  void PutBytes(const std::string& s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_ += s;
+  }
+  std::string Take() { return std::move(out_); }
+  void Raw(const char* p, size_t n) { out_.append(p, n); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& in) : in_(in) {}
+  template <typename T>
+  T Get() {
+    T v;
+    Need(sizeof v);
+    std::memcpy(&v, in_.data() + at_, sizeof v);
+    at_ += sizeof v;
+    return v;
+  }
+  std::string GetBytes() {
+    const uint32_t n = Get<uint32_t>();
+    Need(n);
+    std::string s = in_.substr(at_, n);
+    at_ += n;
+    return s;
+  }
+  void Skip(size_t n) {
+    Need(n);
+    at_ += n;
+  }
+  bool AtEnd() const { return at_ == in_.size(); }
+  void Need(size_t n) const {
+    if (in_.size() - at_ < n)
+      throw std::invalid_argument("the input position's bytes are cut short (" +
+                                  std::to_string(in_.size()) + " bytes)");
+  }
+
+ private:
+  const std::string& in_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
+std::vector<int32_t> EpochOrder(uint64_t seed, int64_t epoch, int32_t n) {
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) order[i] = i;
+  uint64_t state = seed ^ (static_cast<uint64_t>(epoch) * 0xD1B54A32D192ED03ull);
+  for (int32_t i = n - 1; i > 0; --i) {
+    const int32_t j = static_cast<int32_t>(SplitMix64(&state) % static_cast<uint64_t>(i + 1));
+    std::swap(order[i], order[j]);
+  }
+  return order;
+}
+
+void SplitCoordinator::Configure(const std::string& digest, uint64_t seed,
+                                 std::vector<SplitSpec> splits, int64_t lease_ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!digest_.empty()) {
+    if (digest != digest_)
+      throw std::invalid_argument("the job's input is " + digest_ + ", and this worker's is " +
+                                  digest + ": every worker must read the same files with the "
+                                  "same split size");
+    lease_ms_ = lease_ms;
+    return;
+  }
+  if (digest.empty()) throw std::invalid_argument("an input needs a digest");
+  if (splits.empty()) throw std::invalid_argument("an input needs at least one split");
+  if (splits.size() > 0x7fffffff) throw std::invalid_argument("too many splits");
+  for (const SplitSpec& s : splits)
+    if (s.start < 0 || s.end < s.start || s.file < 0)
+      throw std::invalid_argument("a split must have 0 <= start <= end and a file >= 0");
+  digest_ = digest;
+  seed_ = seed;
+  splits_ = std::move(splits);
+  lease_ms_ = lease_ms;
+}
+
+bool SplitCoordinator::configured() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return !digest_.empty();
+}
+
+std::string SplitCoordinator::digest() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return digest_;
+}
+
+int64_t SplitCoordinator::FirstOpen() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return first_open_;
+}
+
+SplitCoordinator::Epoch& SplitCoordinator::Open(int64_t epoch) {
+  auto it = epochs_.find(epoch);
+  if (it != epochs_.end()) return it->second;
+  Epoch& e = epochs_[epoch];
+  const int32_t n = static_cast<int32_t>(splits_.size());
+  e.committed.resize(splits_.size());
+  for (int32_t i = 0; i < n; ++i) e.committed[i] = splits_[i].start;
+  for (int32_t i : EpochOrder(seed_, epoch, n)) {
+    if (Done(e, i)) {
+      ++e.done;  // an empty range: nothing to train
+    } else {
+      e.available.push_back(i);
+    }
+  }
+  return e;
+}
+
+void SplitCoordinator::ExpireLocked(int64_t now_ms) {
+  for (auto& [number, e] : epochs_) {
+    for (auto it = e.leased.begin(); it != e.leased.end();) {
+      if (it->second.deadline_ms <= now_ms) {
+        e.available.push_front(it->first);  // read again from its committed position
+        ++returned_;
+        it = e.leased.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+void SplitCoordinator::FinishLocked() {
+  while (!epochs_.empty()) {
+    auto it = epochs_.begin();
+    if (it->first != first_open_ ||
+        it->second.done < static_cast<int64_t>(splits_.size()))
+      break;
+    epochs_.erase(it);
+    ++first_open_;
+  }
+}
+
+SplitLease SplitCoordinator::Take(int32_t worker, int64_t epoch, int64_t now_ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (digest_.empty()) throw std::logic_error("the input's splits are not configured yet");
+  ExpireLocked(now_ms);
+  for (auto& [number, e] : epochs_)  // taking renews this worker's leases
+    for (auto& [index, lease] : e.leased)
+      if (lease.worker == worker) lease.deadline_ms = now_ms + lease_ms_;
+  SplitLease out;
+  bool waiting = false;
+  for (int64_t n = first_open_; n <= epoch; ++n) {
+    Epoch& e = Open(n);
+    while (!e.available.empty()) {
+      const int32_t i = e.available.front();
+      e.available.pop_front();
+      if (Done(e, i) || e.leased.count(i)) continue;  // (a late commit finished it)
+      e.leased[i] = Lease{worker, now_ms + lease_ms_};
+      out.status = SplitLease::kOk;
+      out.epoch = n;
+      out.index = i;
+      out.file = splits_[i].file;
+      out.start = splits_[i].start;
+      out.resume = e.committed[i];
+      out.end = splits_[i].end;
+      return out;
+    }
+    // Splits others hold: wait for them (trained, or back when their worker dies). The
+    // worker's own are trained by its own pipeline, which must not wait for them.
+    for (const auto& [index, lease] : e.leased)
+      if (lease.worker != worker) waiting = true;
+  }
+  FinishLocked();
+  out.status = waiting ? SplitLease::kWait : SplitLease::kEnd;
+  out.epoch = std::max(first_open_, epoch);
+  return out;
+}
+
+int64_t SplitCoordinator::Commit(const int64_t* keys, const int64_t* offsets, int64_t n) {
+  std::lock_guard<std::mutex> l(mu_);
+  int64_t finished = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t epoch = keys[k] >> 32;
+    const int64_t index = static_cast<int64_t>(static_cast<uint32_t>(keys[k]));
+    auto it = epochs_.find(epoch);
+    if (it == epochs_.end() || index >= static_cast<int64_t>(splits_.size()))
+      continue;  // a finished epoch's (or not this input's)
+    Epoch& e = it->second;
+    const int32_t i = static_cast<int32_t>(index);
+    if (Done(e, i) || offsets[k] <= e.committed[i]) continue;
+    e.committed[i] = offsets[k];
+    if (Done(e, i)) {
+      ++e.done;
+      ++finished;
+      e.leased.erase(i);
+    }
+  }
+  if (finished) FinishLocked();
+  return finished;
+}
+
+void SplitCoordinator::Renew(int32_t worker, int64_t now_ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto& [number, e] : epochs_)
+    for (auto& [index, lease] : e.leased)
+      if (lease.worker == worker) lease.deadline_ms = now_ms + lease_ms_;
+}
+
+int64_t SplitCoordinator::Release(int32_t worker) {
+  std::lock_guard<std::mutex> l(mu_);
+  int64_t n = 0;
+  for (auto& [number, e] : epochs_) {
+    for (auto it = e.leased.begin(); it != e.leased.end();) {
+      if (it->second.worker == worker) {
+        e.available.push_front(it->first);
+        ++n;
+        it = e.leased.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  returned_ += n;
+  return n;
+}
+
+int64_t SplitCoordinator::GiveBack(int32_t worker, const int64_t* keys, int64_t n) {
+  std::lock_guard<std::mutex> l(mu_);
+  int64_t back = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    auto it = epochs_.find(keys[k] >> 32);
+    if (it == epochs_.end()) continue;
+    Epoch& e = it->second;
+    const int32_t i = static_cast<int32_t>(static_cast<uint32_t>(keys[k]));
+    auto lease = e.leased.find(i);
+    if (lease == e.leased.end() || lease->second.worker != worker) continue;
+    e.leased.erase(lease);
+    e.available.push_front(i);
+    ++back;
+  }
+  returned_ += back;
+  return back;
+}
+
+SplitStats SplitCoordinator::Stats() const {
+  std::lock_guard<std::mutex> l(mu_);
+  SplitStats s;
+  s.first_open = first_open_;
+  s.splits = static_cast<int64_t>(splits_.size());
+  s.leases_returned = returned_;
+  auto it = epochs_.find(first_open_);
+  if (it == epochs_.end()) {
+    s.left = s.splits;
+  } else {
+    s.done = it->second.done;
+    s.leased = static_cast<int64_t>(it->second.leased.size());
+    s.left = s.splits - s.done - s.leased;
+  }
+  return s;
+}
+
+std::string SplitCoordinator::Export() const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (digest_.empty()) throw std::logic_error("the input's splits are not configured yet");
+  Writer w;
+  w.Raw(kMagic, sizeof kMagic);
+  w.Put<uint32_t>(kVersion);
+  w.PutBytes(digest_);
+  w.Put<uint64_t>(seed_);
+  w.Put<int64_t>(lease_ms_);
+  w.Put<uint32_t>(static_cast<uint32_t>(splits_.size()));
+  for (const SplitSpec& s : splits_) {
+    w.Put<int32_t>(s.file);
+    w.Put<int64_t>(s.start);
+    w.Put<int64_t>(s.end);
+  }
+  w.Put<int64_t>(first_open_);
+  w.Put<uint32_t>(static_cast<uint32_t>(epochs_.size()));
+  for (const auto& [number, e] : epochs_) {
+    w.Put<int64_t>(number);
+    for (int64_t c : e.committed) w.Put<int64_t>(c);
+  }
+  return w.Take();
+}
+
+void SplitCoordinator::Import(const std::string& bytes) {
+  Reader r(bytes);
+  r.Need(sizeof kMagic);
+  if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0)
+    throw std::invalid_argument("these bytes are not a tfpsx input position");
+  r.Skip(sizeof kMagic);
+  const uint32_t version = r.Get<uint32_t>();
+  if (version != kVersion)
+    throw std::invalid_argument("an input position of format " + std::to_string(version) +
+                                "; this build reads format " + std::to_string(kVersion));
+  const std::string digest = r.GetBytes();
+  const uint64_t seed = r.Get<uint64_t>();
+  const int64_t lease_ms = r.Get<int64_t>();
+  const uint32_t n = r.Get<uint32_t>();
+  std::vector<SplitSpec> splits(n);
+  for (SplitSpec& s : splits) {
+    s.file = r.Get<int32_t>();
+    s.start = r.Get<int64_t>();
+    s.end = r.Get<int64_t>();
+  }
+  const int64_t first_open = r.Get<int64_t>();
+  const uint32_t open = r.Get<uint32_t>();
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> epochs(open);
+  for (auto& [number, committed] : epochs) {
+    number = r.Get<int64_t>();
+    committed.resize(n);
+    for (int64_t& c : committed) c = r.Get<int64_t>();
+  }
+  if (!r.AtEnd()) throw std::invalid_argument("an input position with bytes past its end");
+  std::lock_guard<std::mutex> l(mu_);
+  if (!digest_.empty() && digest_ != digest)
+    throw std::invalid_argument("the checkpoint's input position is of " + digest +
+                                ", but this job reads " + digest_ + ": the files or the split "
+                                "size changed since it was saved");
+  if (digest_.empty()) {
+    digest_ = digest;
+    seed_ = seed;
+    splits_ = std::move(splits);
+    lease_ms_ = lease_ms;
+  }
+  epochs_.clear();
+  first_open_ = first_open;
+  for (auto& [number, committed] : epochs) {
+    Epoch& e = epochs_[number];
+    e.committed = std::move(committed);
+    for (int32_t i : EpochOrder(seed_, number, static_cast<int32_t>(splits_.size()))) {
+      if (Done(e, i)) {
+        ++e.done;
+      } else {
+        e.available.push_back(i);  // leased or not when saved: from its position
+      }
+    }
+  }
+  FinishLocked();
+}
+
+}  // namespace tfpsx

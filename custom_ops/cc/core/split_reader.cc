@@ -1,0 +1,172 @@
+#include "custom_ops/cc/core/split_reader.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace tfpsx {
+namespace {
+
+constexpr int64_t kBlock = int64_t{1} << 20;
+
+std::runtime_error IoError(const std::string& what, const std::string& path, int err) {
+  return std::runtime_error(what + " " + path + ": " + std::strerror(err));
+}
+
+// A file read through one window of bytes: [start_, start_ + buf_.size()).
+class WindowedFile {
+ public:
+  explicit WindowedFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw IoError("cannot open the input file", path, errno);
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      throw IoError("cannot stat the input file", path, err);
+    }
+    size_ = st.st_size;
+  }
+  ~WindowedFile() { ::close(fd_); }
+  WindowedFile(const WindowedFile&) = delete;
+  WindowedFile& operator=(const WindowedFile&) = delete;
+
+  int64_t size() const { return size_; }
+  int64_t bytes_read() const { return bytes_read_; }
+
+  // Makes [off, off + n) (cut at the file's end) part of the window; returns a pointer to
+  // off's byte.
+  const char* At(int64_t off, int64_t n) {
+    n = std::min(n, size_ - off);
+    if (off < start_ || off + n > start_ + static_cast<int64_t>(buf_.size())) {
+      const int64_t want = std::min(size_ - off, std::max(n, kBlock));
+      buf_.resize(static_cast<size_t>(want));
+      int64_t got = 0;
+      while (got < want) {
+        const ssize_t r = ::pread(fd_, &buf_[got], static_cast<size_t>(want - got), off + got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) throw IoError("cannot read the input file", path_, errno);
+        if (r == 0) throw IoError("the input file was cut short while being read:", path_, EIO);
+        got += r;
+      }
+      start_ = off;
+      bytes_read_ += want;
+    }
+    return buf_.data() + (off - start_);
+  }
+
+  // The offset of the first '\n' at or after off (-1: none before the end): searched in
+  // the window first, read further only when it is not there.
+  int64_t FindNewline(int64_t off) {
+    if (off >= size_) return -1;
+    int64_t from = off;
+    if (!(off >= start_ && off < start_ + static_cast<int64_t>(buf_.size()))) At(off, 1);
+    for (int64_t window = kBlock;; window *= 2) {
+      const int64_t have = start_ + static_cast<int64_t>(buf_.size()) - from;
+      const char* p = buf_.data() + (from - start_);
+      const void* hit = std::memchr(p, '\n', static_cast<size_t>(have));
+      if (hit != nullptr) return from + (static_cast<const char*>(hit) - p);
+      if (start_ + static_cast<int64_t>(buf_.size()) >= size_) return -1;
+      from += have;
+      At(off, from - off + window);  // the line so far and more: one window from off
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+  std::string buf_;
+  int64_t start_ = 0;
+  int64_t bytes_read_ = 0;
+};
+
+uint64_t LoadU64(const char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+uint32_t LoadU32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+struct CrcTable {
+  uint32_t t[256];
+  CrcTable() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+      t[i] = c;
+    }
+  }
+};
+
+}  // namespace
+
+uint32_t Crc32c(const char* data, size_t n) {
+  static const CrcTable table;
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; ++i)
+    c = table.t[(c ^ static_cast<uint8_t>(data[i])) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+SplitChunk ReadSplit(const std::string& path, RecordFormat format, int64_t start,
+                     int64_t resume, int64_t end, int64_t max_bytes) {
+  if (start < 0 || resume < start || end < start)
+    throw std::invalid_argument("a split read needs 0 <= start <= resume and start <= end, got "
+                                "start=" + std::to_string(start) + " resume=" +
+                                std::to_string(resume) + " end=" + std::to_string(end));
+  WindowedFile f(path);
+  SplitChunk out;
+  const int64_t size = f.size();
+  int64_t pos = resume;
+  if (format == RecordFormat::kText && pos == start && start > 0) {
+    // The first line that starts in the split: after the first '\n' at or after start - 1.
+    const int64_t nl = start - 1 < size ? f.FindNewline(start - 1) : -1;
+    pos = nl < 0 ? size : nl + 1;
+  }
+  const int64_t first = pos;
+  max_bytes = std::max<int64_t>(1, max_bytes);
+  while (pos < end && pos < size) {
+    if (!out.records.empty() && pos - first >= max_bytes) break;
+    if (format == RecordFormat::kText) {
+      const int64_t nl = f.FindNewline(pos);
+      const int64_t line_end = nl < 0 ? size : nl;
+      const char* p = f.At(pos, line_end - pos);
+      out.records.emplace_back(p, static_cast<size_t>(line_end - pos));
+      pos = nl < 0 ? size : nl + 1;
+    } else {
+      if (size - pos < 12)
+        throw std::runtime_error("a TFRecord header is cut short at offset " +
+                                 std::to_string(pos) + " of " + path);
+      const char* h = f.At(pos, 12);
+      const uint64_t len = LoadU64(h);
+      if (MaskCrc(Crc32c(h, 8)) != LoadU32(h + 8))
+        throw std::runtime_error("a corrupt TFRecord length at offset " + std::to_string(pos) +
+                                 " of " + path + " (not a TFRecord file, or damaged)");
+      if (len > static_cast<uint64_t>(size - pos - 16))
+        throw std::runtime_error("a TFRecord at offset " + std::to_string(pos) + " of " + path +
+                                 " runs past the file's end (cut short)");
+      const char* d = f.At(pos + 12, static_cast<int64_t>(len) + 4);
+      if (MaskCrc(Crc32c(d, len)) != LoadU32(d + len))
+        throw std::runtime_error("a corrupt TFRecord (its data's CRC) at offset " +
+                                 std::to_string(pos) + " of " + path);
+      out.records.emplace_back(d, static_cast<size_t>(len));
+      pos += 16 + static_cast<int64_t>(len);
+    }
+    out.ends.push_back(pos);
+  }
+  out.next = (pos < end && pos < size) ? pos : -1;
+  out.bytes_read = f.bytes_read();
+  return out;
+}
+
+}  // namespace tfpsx
