@@ -42,6 +42,11 @@ symbol has existed unchanged in that range.
   ``tf.compat.v1.train.SyncReplicasOptimizer`` (``_total_num_replicas``, ``_opt``: TF
   keeps both private; TF 2.16-2.21).
 
+* :func:`unsized` — a ``tf.data.Dataset`` whose ``cardinality()`` says 0 (Keras then
+  never learns an epoch's length from the first and cuts the later ones to it: a worker
+  of ``tfpsx.data.splits`` reads as many batches an epoch as the splits it takes);
+  ``dataset_ops.UnaryUnchangedStructureDataset`` is the base TF's own unary datasets use
+  (TF 2.16-2.21).
 * :func:`tape_records` — whether a ``tf.GradientTape`` records a tensor: Keras's
   ``train_step`` calls a subclassed model's ``call(inputs)`` without ``training`` when
   its signature has none, and a ``DynamicEmbedding`` inside then tells a training call
@@ -201,6 +206,20 @@ def unfinalize(graph) -> None:
     graph._unsafe_unfinalize()
 
 
+def unsized(dataset):
+    """``dataset`` (the same elements, the same pipeline) with a ``cardinality()`` of 0."""
+    from tensorflow.python.data.ops import dataset_ops
+
+    class _Unsized(dataset_ops.UnaryUnchangedStructureDataset):
+        def __init__(self, inner):
+            super().__init__(inner, inner._variant_tensor)
+
+        def cardinality(self):
+            return tf.constant(0, tf.int64)
+
+    return _Unsized(dataset)
+
+
 def tape_records(tensor) -> bool:
     """Whether a ``tf.GradientTape`` active in this thread watches ``tensor`` (its
     gradient will be taken)."""
@@ -219,4 +238,4 @@ __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "ensure_eager_context_initialized", "async_wait", "Trackable",
            "enable_collectives", "abort_collectives", "collective_barrier",
            "keras_name_scopes", "keras_current_path", "flatten_layers", "unfinalize",
-           "sync_replicas_parts", "tape_records"]
+           "sync_replicas_parts", "tape_records", "unsized"]

@@ -221,9 +221,6 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "a worker's input splits (tfpsx.data.splits) come back to the others when it "
             "renewed none of its leases for this long (it died); it renews every third of it",
             "timeouts"),
-    Setting("TFPSX_SPLIT_WAIT_TIMEOUT", "seconds", 600.0,
-            "a worker with no input split left to take waiting for the splits other live "
-            "workers hold to be trained (the end of an epoch)", "timeouts"),
     Setting("TFPSX_EVAL_TIMEOUT", "seconds", 900.0,
             "an evaluator waiting for the chief's next checkpoint (or its end of training)",
             "timeouts"),

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Dict, List, NamedTuple, Optional
 
 import tensorflow as tf
 
-from tfpsx import errors, settings
+from tfpsx import settings
 from tfpsx.background import BackgroundLoop
 from tfpsx.ops import bindings
 
@@ -34,7 +33,7 @@ PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 PREFIX = "tfpsx/input/"
 # Graph mode: the variable a chief's checkpoint holds an input's position in.
 STATE_VARIABLE = "tfpsx_input_position/"
-OK, WAIT, END_OF_EPOCHS = 0, 1, 2
+OK, WAIT, END_OF_EPOCHS = 0, 1, 2  # a take's status
 
 
 class Lease(NamedTuple):
@@ -352,24 +351,3 @@ def registered() -> Dict[str, object]:
 def unregister(name: str) -> None:
     with _INPUTS_LOCK:
         _INPUTS.pop(name, None)
-
-
-def wait_for_split(take, what: str, timeout: float, poll: float = 0.1,
-                   stats=None) -> Lease:
-    """``take()`` until it gives a lease or the epochs' end, while others hold the rest of
-    an epoch (a worker that holds a split trains it, or its lease comes back when it
-    dies); bounded by ``timeout`` (TFPSX_SPLIT_WAIT_TIMEOUT), naming ``what`` and, with
-    ``stats()``, where the epoch stands."""
-    start = time.monotonic()
-    while True:
-        lease = take()
-        if lease.status != WAIT:
-            return lease
-        waited = time.monotonic() - start
-        if waited > timeout:
-            where = f" (the epoch: {stats()})" if stats is not None else ""
-            raise errors.ClusterTimeoutError(
-                f"{what}: waited {waited:.0f} s (TFPSX_SPLIT_WAIT_TIMEOUT) for the splits other "
-                f"workers hold to be trained or given back{where}; a worker that holds one "
-                "is alive (it renews its leases) but trains nothing")
-        time.sleep(poll)

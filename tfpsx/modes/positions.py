@@ -5,10 +5,15 @@ once the step that trained the batch is in the model, for both front-ends.
   (sync: by the chief, which every worker's step waits for) within the step, so the step
   commits its batch's position after its update (:func:`commit_ops`);
 * GEO: a step trains this worker's copy, which reaches the model when a round pushes
-  it. The step records its position in a worker-local table (:class:`PendingPositions`);
-  a round takes what the table holds *before* it reads the copy to push, and commits it
-  once the push is in: every committed position's steps were pushed. A worker that dies
-  takes its unpushed steps and their positions with it: they are trained again.
+  it. The step records its position as pending (Keras: in a worker-local table,
+  :class:`PendingPositions`; graph mode: the session hook, :class:`PendingSteps`); a
+  round takes what is pending *before* it reads the copy to push, and commits it once the
+  push is in: every committed position's steps were pushed. A worker that dies takes its
+  unpushed steps and their positions with it: they are trained again.
+
+In graph mode a session hook fetches the position of each run that takes a batch and
+commits it after the run (every ~50 ms, and when the session ends): the run applied the
+step's updates, dense and tables, by then.
 
 A commit moves a split's position forward only (the coordinator keeps the furthest), so
 committing a position twice, or late, is harmless.
@@ -87,30 +92,44 @@ class PendingPositions:
             if len(done):
                 table.remove(tf.constant(done))
 
-    # ------------------------------------------------------------------ graph rounds
-    def graph_ops(self):
-        """Graph mode, built before the graph is finalized: ``take`` ({input: (keys,
-        offsets)}, what the tables hold: run before the round reads the copy) and
-        ``commit`` ({input: (keys placeholder, offsets placeholder, op)}: run with a
-        take's values after the push; it drops what it committed from the table)."""
-        take, commit = {}, {}
-        for name in self._graph_names():
-            table = self._table(name)
-            take[name] = table.export()
-            keys = tf.compat.v1.placeholder(tf.int64, [None], name=f"tfpsx_commit_{name}_keys")
-            offsets = tf.compat.v1.placeholder(tf.int64, [None],
-                                               name=f"tfpsx_commit_{name}_offsets")
-            committed = splits.coordinator_of(name).commit_op(keys, offsets)
-            with tf.control_dependencies([committed]), tf.device(self.device):
-                same = tf.equal(table.lookup(keys), offsets)
-                dropped = table.remove(tf.boolean_mask(keys, same))
-            commit[name] = (keys, offsets, tf.group(committed, dropped))
-        return take, commit
 
-    def _graph_names(self) -> List[str]:
-        graph_id = id(tf.compat.v1.get_default_graph())
+
+class PendingSteps:
+    """Graph mode's GEO: the positions of the steps trained into this worker's copy and
+    not pushed, by input (the session hook adds each run's; a round takes them before it
+    reads the copy and commits them once it pushed)."""
+
+    def __init__(self):
+        self._pending: Dict[str, Dict[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, keys, offsets) -> None:
         with self._lock:
-            return sorted(n for g, n in self._graph_tables if g == graph_id)
+            table = self._pending.setdefault(name, {})
+            for k, o in zip(keys.tolist(), offsets.tolist()):
+                if o > table.get(k, -1):
+                    table[k] = o
+
+    def take(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+        """What is pending now (before the round reads the copy); cleared."""
+        with self._lock:
+            taken, self._pending = self._pending, {}
+        return {name: (np.fromiter(t.keys(), np.int64), np.fromiter(t.values(), np.int64))
+                for name, t in taken.items() if t}
+
+    @staticmethod
+    def commit(taken: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> None:
+        """Commits what :meth:`take` took (after the round's push)."""
+        for name, (keys, offsets) in taken.items():
+            splits.coordinator_of(name).commit(keys, offsets)
+
+
+def decode_numpy(position: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tags, keys, ends) of a position's value (float32 [5, batch])."""
+    bits = np.ascontiguousarray(np.asarray(position, np.float32).T).view(np.int32)
+    keys = np.ascontiguousarray(bits[:, 0:2]).view(np.int64)[:, 0]
+    ends = np.ascontiguousarray(bits[:, 2:4]).view(np.int64)[:, 0]
+    return bits[:, 4], keys, ends
 
 
 def positions_of_graph(graph=None) -> list:
@@ -121,4 +140,5 @@ def positions_of_graph(graph=None) -> list:
     return list(state.positions) if state is not None else []
 
 
-__all__ = ["commit_ops", "PendingPositions", "positions_of_graph"]
+__all__ = ["commit_ops", "PendingPositions", "PendingSteps", "decode_numpy",
+           "positions_of_graph"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, Iterable, Optional
 
 import tensorflow as tf
@@ -11,6 +12,7 @@ from tfpsx import graph_state, metrics
 from tfpsx.checkpoint import evaluation
 from tfpsx.control import splits
 from tfpsx.embedding import cache as _cache
+from tfpsx.modes.positions import decode_numpy
 
 logger = logging.getLogger("tfpsx")
 
@@ -169,9 +171,11 @@ def save_input_positions(session) -> None:
     """Fills the variables of the inputs of ``session``'s graph with the coordinators'
     states (nothing when the graph reads none)."""
     state = graph_state.peek(session.graph)
-    ops = [op for _, op in state.input_positions.values()] if state is not None else []
-    if ops:
-        session.run(ops)
+    if state is None or not state.input_positions:
+        return
+    for name in state.input_positions:  # (a save before the first take: its table set)
+        splits.registered()[name].client()
+    session.run([op for _, op in state.input_positions.values()])
 
 
 def restore_input_positions(graph, checkpoint: Optional[str]) -> None:
@@ -194,3 +198,82 @@ def restore_input_positions(graph, checkpoint: Optional[str]) -> None:
             epoch = splits.restore(name, bytes(value))
             logger.info("input %s: position restored from %s (epoch %s)", name, checkpoint,
                         epoch)
+
+
+class InputPositionHook(tf.compat.v1.train.SessionRunHook):
+    """Commits the input positions of the batches a graph's runs train
+    (``tfpsx.data.next_batch``): a run that takes a batch fetches its position too, and
+    once the run returned (its updates, dense and tables, applied) the position is
+    committed, every ``every`` seconds and when the session ends; in GEO it is pending
+    until the round that pushes the step (``mode.positions``)."""
+
+    def __init__(self, pending=None, every: float = 0.05):
+        self._pending, self._every = pending, every
+        self._positions: list = []
+        self._takes: set = set()
+        self._reaches: Dict[tuple, bool] = {}
+        self._due: Dict[str, Dict[int, int]] = {}
+        self._last = 0.0
+
+    def begin(self):
+        state = graph_state.peek()
+        self._positions = list(state.positions) if state is not None else []
+        self._takes = {p.op for p in self._positions}
+
+    def _takes_a_batch(self, fetches) -> bool:
+        """Whether running ``fetches`` takes a batch (reaches an iterator's get_next)."""
+        graph = tf.compat.v1.get_default_graph()
+        roots = []
+        for f in tf.nest.flatten(fetches):
+            try:
+                roots.append(graph.as_graph_element(f))
+            except (TypeError, ValueError, KeyError):
+                continue
+        key = tuple(sorted(r.name for r in roots))
+        if key not in self._reaches:
+            seen, todo, hit = set(), [r if isinstance(r, tf.Operation) else r.op for r in roots], False
+            while todo and not hit:
+                op = todo.pop()
+                if op in seen:
+                    continue
+                seen.add(op)
+                hit = op in self._takes
+                todo += [t.op for t in op.inputs] + list(op.control_inputs)
+            self._reaches[key] = hit
+        return self._reaches[key]
+
+    def before_run(self, run_context):
+        if self._positions and self._takes_a_batch(run_context.original_args.fetches):
+            return tf.compat.v1.train.SessionRunArgs(self._positions)
+        return None
+
+    def after_run(self, run_context, run_values):
+        if run_values.results is None:
+            return
+        by_tag = splits.inputs_by_tag()
+        for value in run_values.results:
+            tags, keys, ends = decode_numpy(value)
+            if len(tags) == 0:
+                continue
+            name = by_tag.get(int(tags[0]))
+            if name is None:
+                raise ValueError("a batch's position names no tfpsx.data input of this process")
+            if self._pending is not None:
+                self._pending.add(name, keys, ends)
+                continue
+            due = self._due.setdefault(name, {})
+            for k, o in zip(keys.tolist(), ends.tolist()):
+                if o > due.get(k, -1):
+                    due[k] = o
+        if self._due and time.monotonic() - self._last >= self._every:
+            self._commit()
+
+    def _commit(self) -> None:
+        due, self._due = self._due, {}
+        self._last = time.monotonic()
+        for name, table in due.items():
+            splits.coordinator_of(name).commit(list(table), list(table.values()))
+
+    def end(self, session):
+        if self._due:
+            self._commit()

@@ -18,7 +18,9 @@ from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.checkpoint.saver import refused_saveables
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.training.hooks import (InputPositionListener, ResumeLogHook, TrainingDoneHook,
+from tfpsx.modes.positions import positions_of_graph
+from tfpsx.training.hooks import (InputPositionHook, InputPositionListener, ResumeLogHook,
+                                  TrainingDoneHook,
                                   WorkerCacheHook, restore_input_positions,
                                   graph_caches)
 from tfpsx.training.staging import graph_stagers
@@ -235,6 +237,14 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
         # the others by the mode's broadcast (collective, hybrid). Rank 0 alone saves.
         checkpoint_dir = None
     own = mode.hooks() if mode else []
+    if positions_of_graph():  # the graph reads tfpsx.data.splits: its commits
+        if getattr(mode, "NAME", "") == "sync":
+            raise ValueError(
+                "tfpsx.data.splits with graph-mode sync: a worker's late gradient is dropped "
+                "(its batch then is not in the model), so a position cannot be committed "
+                "with its step; train sync in Keras (tfpsx.keras.ParameterServerStrategy, "
+                "whose steps wait for their apply), or async or GEO in graph mode")
+        own.insert(0, InputPositionHook(getattr(mode, "positions", None)))
     own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():
         own.append(WorkerCacheHook())

@@ -40,10 +40,11 @@ class VisitCounter(keras.layers.Layer):
     """Passes the model's output through; its loss term moves each example's row by +1
     per trained visit (the loss's value stays 0: the reported loss is the model's)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, rate: float = 1.0, **kwargs):
         super().__init__(**kwargs)
+        # (sync averages a step's row gradients over the workers: rate N)
         self.visits = tfpsx.keras.DynamicEmbedding(1, table_name="visits",
-                                                   optimizer=E.SGD(1.0), initializer=E.zeros())
+                                                   optimizer=E.SGD(rate), initializer=E.zeros())
 
     def call(self, inputs):
         out, ids = inputs
@@ -79,11 +80,12 @@ def parse(lines):
     return {"x": cols[:, 1:1 + FEATURES], "id": ids}, cols[:, 1 + FEATURES:]
 
 
-def build():
+def build(rate: float = 1.0):
     x = keras.Input((FEATURES,), name="x")
     ids = keras.Input((1,), dtype="int64", name="id")
     out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(8, "relu")(x))
-    model = keras.Model({"x": x, "id": ids}, VisitCounter(name="counter")([out, ids]))
+    model = keras.Model({"x": x, "id": ids},
+                        VisitCounter(rate, name="counter")([out, ids]))
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
     return model
 
@@ -114,7 +116,8 @@ def main(argv):
     p.add_argument("--die_after", default=None, help="W:S")
     p.add_argument("--step_delay", type=float, default=0.0)
     p.add_argument("--slow_worker", type=int, default=None,
-                   help="only this worker sleeps --step_delay after each batch")
+                   help="this worker sleeps --slow_factor times --step_delay after each batch")
+    p.add_argument("--slow_factor", type=float, default=1.0)
     p.add_argument("--input", choices=["shard", "splits"], default="shard")
     p.add_argument("--split_bytes", type=int, default=20000)
     args = p.parse_args(argv)
@@ -129,7 +132,7 @@ def main(argv):
     strategy = tfpsx.keras.ParameterServerStrategy(
         tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs))
     with strategy.scope():
-        model = build()
+        model = build(float(tfpsx.worker_num()) if args.mode == "sync" else 1.0)
     callbacks = strategy.callbacks()
     restored = None
     if args.checkpoint:
@@ -141,13 +144,14 @@ def main(argv):
         worker, batches = (int(v) for v in args.die_after.split(":"))
         if worker == me:
             callbacks.append(DieAfter(batches, os.path.join(args.out, f"died.{me}")))
-    if args.step_delay and args.slow_worker in (None, me):
+    if args.step_delay:
+        delay = args.step_delay * (args.slow_factor if args.slow_worker == me else 1.0)
         callbacks.append(keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda *_, **__: time.sleep(args.step_delay)))
+            on_train_batch_end=lambda *_, **__: time.sleep(delay)))
     if args.input == "splits":
         files = os.path.join(args.out, "data", "part-*.txt")
         train = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
-                                  seed=7)
+                                  seed=7, epochs=args.epochs)
     else:
         features, label = data(args.examples)
         train = tfpsx.data.shard(tf.data.Dataset.from_tensor_slices((features, label))).batch(

@@ -50,15 +50,15 @@ class KerasSync(OnServers):
         return SyncTableUpdater(self)
 
     def commit_position(self, position):
-        # The step waited for the chief's apply of its gradient, unless fewer than every
-        # worker's are aggregated: then a late one is dropped, its batch not in the model.
-        if self.replicas < self.worker_num:
-            raise ValueError(
-                f"tfpsx.data.splits with sync at replicas_to_aggregate={self.replicas} of "
-                f"{self.worker_num} workers: a late worker's gradient is dropped, so its "
-                "batch's position cannot be committed with its step; aggregate every "
-                "worker's (the default), or train async or GEO")
-        return super().commit_position(position)
+        # A sync step takes one batch of every worker, and a worker's data that ends
+        # first ends the chief's steps for all: with splits leased as each worker goes,
+        # the workers' data ends at different steps, and what the others still hold
+        # would never be trained.
+        raise ValueError(
+            "tfpsx.data.splits with sync: each sync step takes one batch of every worker, "
+            "and splits leased as each worker goes end the workers' data at different "
+            "steps (the others' last batches would never be trained); feed sync with "
+            "tfpsx.data.shard (equal parts), or train async or GEO from splits")
 
     def push(self, table, keys, grads):
         """A table's row gradients, to its shards' accumulators (SyncTableUpdater)."""

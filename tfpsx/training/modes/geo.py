@@ -22,7 +22,7 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              auto_k_steps, caches_locked, count_round, count_trained,
                              dense_async, dense_size, pull_ops, push_ops, rule_workers,
                              table_readers)
-from tfpsx.modes.positions import PendingPositions
+from tfpsx.modes.positions import PendingSteps
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
@@ -59,7 +59,7 @@ class GeoMode(Mode):
         self.updaters: List[GeoTableUpdater] = []  # as their tables join
         self.train_ops = []
         self.counters = GeoCounters()
-        self.positions = PendingPositions(self.worker_device)  # input positions, unpushed
+        self.positions = PendingSteps()  # the input positions of steps not pushed
         self.add_hook(_GeoSyncHook(self))
 
     @classmethod
@@ -226,9 +226,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._pull = self._pull_ops(list(self._push.values()))
             self._push_pull = {"push": self._push, "pull": self._pull}
         self._register = tf.group(*registrations, name="geo_register")
-        # The input positions the steps recorded: taken before a round reads the copy,
-        # committed once it pushed (tfpsx.modes.positions).
-        self._take_positions, self._commit_positions = mode.positions.graph_ops()
+
         self._dense = dense_size(mode.dense)
         self._detector = TrainStepDetector(mode.train_ops)
 
@@ -269,7 +267,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         session, start = self._session, time.monotonic()
         steps = self._schedule.pushed
         new_steps = {self._new_steps: steps - self._reported}
-        pending = session.run(self._take_positions) if self._take_positions else {}
+        # The input positions of the steps so far: taken before the round reads the copy,
+        # committed once it pushed (tfpsx.modes.positions).
+        pending = self._mode.positions.take()
         if phases == (PUSH, PULL) and self._push_pull is not None:
             with caches_locked(self._mode.tables):
                 done = session.run(self._push_pull, new_steps)
@@ -285,9 +285,6 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
                     with caches_locked(self._mode.tables):
                         pulled = session.run(self._pull)
         self._reported = steps
-        for name, (keys, offsets) in pending.items():
-            if len(keys):
-                k, o, op = self._commit_positions[name]
-                session.run(op, {k: keys, o: offsets})
+        self._mode.positions.commit(pending)
         count_round(self._mode.counters, start, self._dense,
                     (pushed["rows"], pushed["bytes"]), (pulled["rows"], pulled["bytes"]))

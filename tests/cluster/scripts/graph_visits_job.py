@@ -1,0 +1,102 @@
+"""Graph mode's visit counter (tests/cluster/test_data_plane.py): a TF1 model fed by
+tfpsx.data.splits through tfpsx.data.next_batch, trained in a MonitoredTrainingSession,
+beside a table "visits" (dim 1, SGD at learning rate 1, rows from 0) whose row of an
+example moves by exactly +1 each time a step that holds it is in the model. The chief
+writes the final rows to <out>/visits.npz (ids, counts) once every worker is done.
+
+  graph_visits_job.py --out DIR [--mode async|geo] [--epochs E] [--batch B]
+      [--checkpoint DIR --save_steps S] [--die_after W:S] [--step_delay SEC]
+      (the examples: DIR/data/part-*.txt, as visits_job.write_files writes them)
+"""
+import argparse
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tfpsx
+from tfpsx import embedding as E
+from visits_job import FEATURES, parse
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["async", "geo"], default="async")
+    p.add_argument("--k_steps", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--split_bytes", type=int, default=20000)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--save_steps", type=int, default=20)
+    p.add_argument("--die_after", default=None, help="W:S")
+    p.add_argument("--step_delay", type=float, default=0.0)
+    args = p.parse_args(argv)
+
+    tfpsx.init()
+    if tfpsx.is_server():
+        tfpsx.run_server()
+        return 0
+    tfpsx.init_worker()
+    me = tfpsx.worker_index()
+    strategy = tfpsx.DistributedStrategy(
+        a_sync_configs={"k_steps": args.k_steps} if args.mode == "geo" else {})
+    files = os.path.join(args.out, "data", "part-*.txt")
+    local_steps = 0
+    with tf.Graph().as_default():
+        data = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
+                                 seed=11, epochs=args.epochs).repeat(args.epochs)
+        features, label = tfpsx.data.next_batch(data)
+        with tfpsx.model_scope(strategy):
+            step = tf.compat.v1.train.get_or_create_global_step()
+            w = tf.compat.v1.get_variable("w", [FEATURES, 1],
+                                          initializer=tf.zeros_initializer())
+            visits = E.DynamicTable("visits", 1, optimizer=E.SGD(1.0), initializer=E.zeros())
+            looked = visits.lookup_unique(tf.reshape(features["id"], [-1]), step=step)
+            logits = tf.matmul(features["x"], w)
+            loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                labels=label, logits=logits))
+            opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                              strategy)
+            train = tf.group(opt.minimize(loss, global_step=step),
+                             # -row: each trained visit moves its row by +1
+                             visits.minimize(-tf.reduce_sum(looked.unique_rows *
+                                                            tf.cast(tf.reshape(
+                                                                tf.math.bincount(
+                                                                    tf.cast(looked.indices,
+                                                                            tf.int32)),
+                                                                [-1, 1]), tf.float32)),
+                                             [looked], step=step))
+        marker = os.path.join(args.out, f"died.{me}")
+        dies = args.die_after and int(args.die_after.split(":")[0]) == me
+        with tfpsx.MonitoredTrainingSession(checkpoint_dir=args.checkpoint,
+                                            save_checkpoint_steps=args.save_steps,
+                                            incremental_checkpoints=2 if args.checkpoint
+                                            else None) as sess:
+            while not sess.should_stop():
+                sess.run(train)
+                local_steps += 1
+                if dies and local_steps >= int(args.die_after.split(":")[1]) and \
+                        not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+        tfpsx.barrier_worker()
+        if me == 0:
+            with tf.compat.v1.Session(tfpsx.server_target(),
+                                      config=tfpsx.session_config()) as s:
+                rows = s.run(visits.export())
+            np.savez(os.path.join(args.out, "visits.npz"), ids=rows["keys"],
+                     counts=rows["values"][:, 0])
+    tfpsx.metrics.emit("visits", worker=me, batches=local_steps,
+                       input=tfpsx.data.input_stats())
+    tfpsx.stop_worker()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

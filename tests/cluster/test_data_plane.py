@@ -1,0 +1,188 @@
+"""The data plane end to end (tfpsx.data.splits): jobs that train a visit counter beside
+the model (tests/cluster/scripts/visits_job.py, graph_visits_job.py: a table keyed by
+example id whose row moves by exactly +1 per trained visit) say how many times each
+example is in the final model, after kills, restarts and restores. 0 would be a skip, 2 a
+repeat: no run may skip one; repeats stay within the bound the modes state (the steps in
+flight when a worker dies, or between a checkpoint's position and its model)."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, cluster
+import visits_job
+
+pytestmark = pytest.mark.timeout(300)
+RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
+EXAMPLES, BATCH = 6000, 50
+
+
+def _env(**extra):
+    env = dict(os.environ, TFPSX_HEARTBEAT_INTERVAL="0.5")
+    env["PYTHONPATH"] = SCRIPTS + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """The 6,000 examples as 4 text files (visits_job.write_files)."""
+    folder = tmp_path_factory.mktemp("visits_data")
+    visits_job.write_files(str(folder / "data"), EXAMPLES)
+    return folder / "data"
+
+
+def run_job(tmp_path, examples, script, workers, args, kill_server_after=None):
+    """tfpsx-run of ``script`` with 1 PS + ``workers`` under --max_restarts 1; with
+    ``kill_server_after`` (a checkpoint folder), the server is SIGKILLed a second after
+    the chief's first checkpoint there. Returns (launcher result, {id: visits})."""
+    import psutil
+
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(examples, out / "data")
+    proc = subprocess.Popen(
+        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num",
+               str(workers), "--max_restarts", "1", "--timeout", "240",
+               os.path.join(SCRIPTS, script), "--out", str(out)] + args,
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, cwd=str(tmp_path))
+    try:
+        if kill_server_after is not None:
+            deadline = time.monotonic() + 150
+            while not any((kill_server_after / f).exists()
+                          for f in ("checkpoint.json", "checkpoint")):
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    proc.stderr.read()[-3000:]
+                time.sleep(0.1)
+            time.sleep(1.0)
+            servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if p.environ().get("TFPSX_ROLE") == "server"]
+            assert len(servers) == 1, servers
+            servers[0].kill()
+        stdout, stderr = proc.communicate(timeout=280)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    got = np.load(out / "visits.npz")
+    return stderr, dict(zip(got["ids"].tolist(), got["counts"].tolist()))
+
+
+def assert_each_once(visits, repeats_at_most, epochs=1):
+    """No example skipped (every id ``epochs`` times or more), at most ``repeats_at_most``
+    once more, none more often."""
+    counts = np.array([visits.get(i, 0.0) for i in range(EXAMPLES)])
+    histogram = {int(v): int((counts == v).sum()) for v in np.unique(counts)}
+    assert counts.min() >= epochs, f"skipped: {histogram}"
+    assert counts.max() <= epochs + 1 and histogram.get(epochs + 1, 0) <= repeats_at_most, \
+        histogram
+    return histogram
+
+
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers (4 TensorFlow imports), a "
+                            "worker SIGKILLed and started again in place")
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, examples, mode):
+    """Keras fit from splits leased on PS 0, worker 1 SIGKILLed after 25 batches and
+    started again in place: its leases come back from their committed positions (what
+    its steps put in the model stays; in GEO its unpushed steps are trained again by
+    whoever takes the split), and every example is in the model once. Async commits with
+    the step, so at most the batch in flight repeats; GEO with the round that pushes."""
+    err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
+                          ["--mode", mode, "--input", "splits", "--examples", str(EXAMPLES),
+                           "--die_after", "1:25", "--step_delay", "0.02",
+                           "--split_bytes", "5000"])
+    assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
+    log = (tmp_path / "logs" / "workerlog.1").read_text()
+    assert re.search(r"worker 1 gave back \d+ split\(s\) its earlier process held", log)
+    # async: a step commits with its update (the batch in flight may repeat); GEO: with
+    # the round that pushed it (a worker that dies between a push and its commit: K)
+    assert_each_once(visits, repeats_at_most=(2 if mode == "async" else 6) * BATCH)
+
+
+@pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 Keras workers, the server SIGKILLed: the "
+                            "whole job started again (8 TensorFlow imports)")
+def test_keras_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples):
+    """The server SIGKILLed after the chief's first incremental checkpoint: tfpsx-run
+    starts the whole job again, the chief restores the tables, the weights and the input's
+    position (saved before them), and every example is in the final model: those trained
+    after the checkpoint were rolled back with it and trained again; at most the steps of
+    the save's own window repeat."""
+    ckpt = tmp_path / "ckpt"
+    err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
+                          ["--input", "splits", "--examples", str(EXAMPLES), "--checkpoint",
+                           str(ckpt), "--save_every", "10", "--step_delay", "0.02",
+                           "--split_bytes", "5000"], kill_server_after=ckpt)
+    assert re.search(r"server 0 exited with code -9 .*restarting the job", err), err
+    chief = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert re.search(r"restored .*ckpt-\d+\.tables: .*input position\(s\) of \['input'\]",
+                     chief), chief[-3000:]
+    assert_each_once(visits, repeats_at_most=3 * 2 * BATCH)
+
+
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 graph-mode workers, a worker SIGKILLed "
+                            "and started again in place")
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_graph_a_worker_killed_and_started_again_skips_nothing(tmp_path, examples, mode):
+    """Graph mode (tfpsx.data.next_batch in a MonitoredTrainingSession): the same kill;
+    async commits after each run (every 50 ms), GEO when its round pushed."""
+    _, visits = run_job(tmp_path, examples, "graph_visits_job.py", 3,
+                        ["--mode", mode, "--die_after", "1:30", "--step_delay", "0.01",
+                         "--split_bytes", "5000"])
+    assert_each_once(visits, repeats_at_most=4 * BATCH)
+
+
+@pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 graph-mode workers, the server SIGKILLed: "
+                            "the whole job started again")
+@pytest.mark.slow
+def test_graph_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples):
+    ckpt = tmp_path / "ckpt"
+    _, visits = run_job(tmp_path, examples, "graph_visits_job.py", 3,
+                        ["--checkpoint", str(ckpt), "--save_steps", "20", "--step_delay",
+                         "0.03", "--split_bytes", "5000"], kill_server_after=ckpt)
+    chief = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert re.search(r"input input: position restored from .*model\.ckpt-\d+", chief)
+    assert_each_once(visits, repeats_at_most=4 * 3 * BATCH)
+
+
+@pytest.mark.budget(60, why="1 PS + 2 Keras workers through the scheduler, a third joining "
+                            "while they train")
+def test_a_slow_worker_takes_fewer_splits_and_a_joiner_takes_its_own(tmp_path, examples):
+    """Splits are leased as each worker goes: worker 1, slowed 4x, takes far fewer than
+    worker 0, and a worker that joins the running job takes splits (within a lease of its
+    start); every example once an epoch, 4 epochs (the job's: the joiner's fit reads no
+    epoch past them)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(examples, out / "data")
+    c = cluster(tmp_path / "logs", 1, 2, script="visits_job.py", config_mode="scheduler",
+                timeout=200, env={"TFPSX_MAX_WORKER_NUM": "3"},
+                args=["--out", str(out), "--input", "splits", "--examples", str(EXAMPLES),
+                      "--epochs", "4", "--step_delay", "0.015", "--slow_worker", "1",
+                      "--slow_factor", "4", "--split_bytes", "5000"])
+    try:
+        c.start()
+        deadline = time.monotonic() + 120
+        while "ended epoch" not in c.log("worker", 0) and \
+                "worker 0 gave back" not in c.log("worker", 0):
+            assert time.monotonic() < deadline and c.procs[("worker", 0)].poll() is None, \
+                c.logs()[-3000:]
+            time.sleep(0.2)
+        joiner = c.add_worker()
+        codes = c.wait(timeout=200)
+        assert all(code == 0 for code in codes.values()), f"{codes}\n{c.logs()[-3000:]}"
+    finally:
+        c.stop()
+    records = {i: c.metrics("worker", i, "visits")[-1] for i in range(3)}
+    batches = {i: r["batches"] for i, r in records.items()}
+    assert batches[1] * 2 < batches[0], batches  # 4x slower: far fewer of the batches
+    assert batches[joiner[1]] >= 1 and records[joiner[1]]["input"]["leases"] >= 1, records
+    assert_each_once(dict(zip(*(np.load(out / "visits.npz")[k].tolist()
+                                for k in ("ids", "counts")))), repeats_at_most=0, epochs=4)

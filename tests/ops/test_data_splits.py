@@ -1,0 +1,135 @@
+"""tfpsx.data.splits in one process (no cluster: the coordinator in this process): the
+file table and its refusals, every record of every split read once an iteration in the
+job's order, TFRecords, the position a batch carries, and the coordinator's state
+restored into a job of other files refused naming both."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpsx
+from tfpsx.control import splits as coordinator
+from tfpsx.data.splits import file_table
+
+
+def write_lines(folder, files=3, lines=500):
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        with open(folder / f"part-{f}.txt", "w") as out:
+            for i in range(lines):
+                out.write(f"{f * lines + i}\t{i % 2}\n")
+    return str(folder / "part-*.txt")
+
+
+def parse(lines):
+    cols = tf.strings.split(lines, "\t").to_tensor()
+    return tf.strings.to_number(cols[:, 0], tf.int64), tf.strings.to_number(cols[:, 1])
+
+
+def test_every_record_is_read_once_an_iteration_in_the_jobs_order(tmp_path):
+    pattern = write_lines(tmp_path / "in")
+    data = tfpsx.data.splits(pattern, parse, 64, split_bytes=1000, seed=3, epochs=None,
+                             name="once")
+    assert int(data.cardinality()) == 0  # (Keras never learns an epoch's length)
+    epochs = [np.concatenate([x.numpy() for x, _ in data]) for _ in range(2)]
+    for ids in epochs:
+        assert sorted(ids.tolist()) == list(range(1500))
+    assert epochs[0].tolist() != epochs[1].tolist()  # each epoch its own order
+    stats = tfpsx.data.input_stats("once")
+    assert stats["epochs"] == 2 and stats["splits"] == len(file_table(pattern, "text",
+                                                                       1000)[1])
+    bounded = tfpsx.data.splits(pattern, parse, 64, split_bytes=1000, epochs=1,
+                                name="bounded")
+    assert sum(int(tf.size(x)) for x, _ in bounded) == 1500
+    assert sum(int(tf.size(x)) for x, _ in bounded) == 0  # past the job's epochs
+
+
+def test_tfrecords_a_split_a_file(tmp_path):
+    paths = []
+    for f in range(2):
+        path = str(tmp_path / f"r{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as w:
+            for i in range(100):
+                w.write(f"{f}:{i}".encode())
+        paths.append(path)
+    _, table, _ = file_table(paths, "tfrecord", 1 << 20)
+    assert [(f, start) for f, start, _ in table] == [(0, 0), (1, 0)]
+    got = [r.decode() for b in tfpsx.data.splits(paths, batch_size=32, format="tfrecord",
+                                                 name="records")
+           for r in b.numpy()]
+    assert sorted(got) == sorted(f"{f}:{i}" for f in range(2) for i in range(100))
+
+
+def test_a_position_round_trips_and_the_strategy_strips_it(tmp_path):
+    keys = tf.constant([5, (3 << 32) | 7], tf.int64)
+    ends = tf.constant([100, (1 << 40) + 3], tf.int64)
+    position = coordinator.make_position("pos", keys, ends)
+    assert position.shape == (5, 2) and coordinator.looks_like_position(position)
+    tags, got_keys, got_ends = coordinator.decode(position)
+    assert got_keys.numpy().tolist() == keys.numpy().tolist()
+    assert got_ends.numpy().tolist() == ends.numpy().tolist()
+    assert set(tags.numpy().tolist()) == {coordinator.input_tag("pos")}
+    unique, furthest = coordinator.latest(coordinator.make_position(
+        "pos", tf.constant([9, 9, 4], tf.int64), tf.constant([10, 30, 7], tf.int64)))
+    assert dict(zip(unique.numpy().tolist(), furthest.numpy().tolist())) == {9: 30, 4: 7}
+    write_lines(tmp_path / "in", files=1, lines=10)
+    tfpsx.data.splits(str(tmp_path / "in" / "part-*.txt"), parse, 4, name="pos")
+    x, y = tf.ones([2, 3]), tf.ones([2, 1])
+    assert coordinator.split_position((x, y, position))[1] is position
+    assert coordinator.split_position((x, y, tf.ones([2])))[1] is None  # a sample weight
+
+
+@pytest.mark.parametrize("files,kwargs,words", [
+    (["/nonexistent/tfpsx-a.txt"], {}, ["'/nonexistent/tfpsx-a.txt'", "does not exist"]),
+    ("/nonexistent/tfpsx-*.txt", {}, ["matches no file"]),
+    ([], {}, ["files is empty"]),
+    ("IN", {"format": "csv"}, ["format", "'csv'", "'text'"]),
+    ("IN", {"split_bytes": 0}, ["split_bytes", ">= 1", "0"]),
+    ("IN", {"epochs": 0}, ["epochs", "0"]),
+    ("IN", {"interleave": 0}, ["interleave", "0"]),
+    ("EMPTY", {}, ["every input file is empty"]),
+])
+def test_bad_input_is_refused_before_anything_is_read(tmp_path, files, kwargs, words):
+    pattern = write_lines(tmp_path / "in", files=1, lines=5)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e.txt").write_text("")
+    files = {"IN": pattern, "EMPTY": str(tmp_path / "empty" / "e.txt")}.get(
+        files, files) if isinstance(files, str) else files
+    with pytest.raises(ValueError) as e:
+        tfpsx.data.splits(files, parse, 4, **kwargs)
+    assert all(w in str(e.value) for w in words), e.value
+
+
+def test_a_folder_named_as_a_file_is_refused(tmp_path):
+    (tmp_path / "folder.txt").mkdir()
+    with pytest.raises(ValueError, match=r"folder\.txt' does not exist \(or is not a file\)"):
+        tfpsx.data.splits(str(tmp_path / "folder.txt"), parse, 4)
+
+
+def test_a_position_of_other_files_is_refused_naming_both_inputs(tmp_path):
+    """A checkpoint's position restored into a job whose files (or split size) changed:
+    refused before anything changes, naming both inputs; the job's position stays."""
+    first = write_lines(tmp_path / "a", files=2)
+    job = coordinator.SplitCoordinator("restore-a", device=None)
+    paths, table, digest = file_table(first, "text", 1000)
+    files, starts, ends = zip(*table)
+    job.configure(digest, 1, files, starts, ends, 60)
+    lease = job.take(0, 0)
+    job.commit([lease.key], [lease.resume + 10])
+    saved = job.export()
+    other = coordinator.SplitCoordinator("restore-b", device=None)
+    _, table_b, digest_b = file_table(write_lines(tmp_path / "b", files=3), "text", 1000)
+    f, s, e = zip(*table_b)
+    other.configure(digest_b, 1, f, s, e, 60)
+    before = other.export()
+    with pytest.raises(tf.errors.InvalidArgumentError) as err:
+        other.restore(saved)
+    assert digest in str(err.value) and digest_b in str(err.value)
+    assert "the files or the split size changed" in str(err.value)
+    assert other.export() == before
+    fresh = coordinator.SplitCoordinator("restore-c", device=None)
+    assert fresh.restore(saved) == 0
+    back = fresh.take(0, 0)
+    assert (back.key, back.resume) == (lease.key, lease.resume + 10)  # from its position
