@@ -208,7 +208,7 @@ void TestTextSplitsHoldEveryLineOnce() {
   const auto mid = tfpsx::ReadSplit(big_path, RecordFormat::kText, 40 << 20, 40 << 20,
                                     (40 << 20) + (1 << 20), 4 << 20);
   CHECK(mid.records.size() == (1 << 20) / 100 + 1 || mid.records.size() == (1 << 20) / 100);
-  CHECK(mid.bytes_read <= 3 << 20);
+  CHECK(mid.bytes_read <= (1 << 20) + (600 << 10));  // the split and a little past it
   ::unlink(big_path.c_str());
   bool named = false;
   try {

@@ -12,13 +12,17 @@
 namespace tfpsx {
 namespace {
 
-constexpr int64_t kBlock = int64_t{1} << 20;
+// What one read asks for at least: a line crossing the window's end costs at most this
+// much past the bytes it needs.
+constexpr int64_t kStep = int64_t{256} << 10;
 
 std::runtime_error IoError(const std::string& what, const std::string& path, int err) {
   return std::runtime_error(what + " " + path + ": " + std::strerror(err));
 }
 
-// A file read through one window of bytes: [start_, start_ + buf_.size()).
+// A file read through one window of bytes, [start_, start_ + buf_.size()), that moves
+// on by appending what is read next (a line crossing its end costs the bytes past it,
+// not a read of the window again).
 class WindowedFile {
  public:
   explicit WindowedFile(const std::string& path) : path_(path) {
@@ -43,38 +47,51 @@ class WindowedFile {
   // off's byte.
   const char* At(int64_t off, int64_t n) {
     n = std::min(n, size_ - off);
-    if (off < start_ || off + n > start_ + static_cast<int64_t>(buf_.size())) {
-      const int64_t want = std::min(size_ - off, std::max(n, kBlock));
-      buf_.resize(static_cast<size_t>(want));
-      int64_t got = 0;
-      while (got < want) {
-        const ssize_t r = ::pread(fd_, &buf_[got], static_cast<size_t>(want - got), off + got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) throw IoError("cannot read the input file", path_, errno);
-        if (r == 0) throw IoError("the input file was cut short while being read:", path_, EIO);
-        got += r;
-      }
+    const int64_t end = start_ + static_cast<int64_t>(buf_.size());
+    if (off >= start_ && off + n <= end) return buf_.data() + (off - start_);
+    if (off >= start_ && off <= end) {  // on from the window: keep [off, end), append
+      buf_.erase(0, static_cast<size_t>(off - start_));
       start_ = off;
-      bytes_read_ += want;
+      const int64_t more = std::min(size_ - end, std::max(off + n - end, kStep));
+      Append(end, more);
+    } else {
+      buf_.clear();
+      start_ = off;
+      Append(off, std::min(size_ - off, std::max(n, kStep)));
     }
     return buf_.data() + (off - start_);
   }
 
-  // The offset of the first '\n' at or after off (-1: none before the end): searched in
-  // the window first, read further only when it is not there.
+  // The offset of the first '\n' at or after off (-1: none before the end).
   int64_t FindNewline(int64_t off) {
     if (off >= size_) return -1;
+    At(off, 1);
     int64_t from = off;
-    if (!(off >= start_ && off < start_ + static_cast<int64_t>(buf_.size()))) At(off, 1);
-    for (int64_t window = kBlock;; window *= 2) {
-      const int64_t have = start_ + static_cast<int64_t>(buf_.size()) - from;
+    while (true) {
+      const int64_t end = start_ + static_cast<int64_t>(buf_.size());
       const char* p = buf_.data() + (from - start_);
-      const void* hit = std::memchr(p, '\n', static_cast<size_t>(have));
+      const void* hit = std::memchr(p, '\n', static_cast<size_t>(end - from));
       if (hit != nullptr) return from + (static_cast<const char*>(hit) - p);
-      if (start_ + static_cast<int64_t>(buf_.size()) >= size_) return -1;
-      from += have;
-      At(off, from - off + window);  // the line so far and more: one window from off
+      if (end >= size_) return -1;
+      from = end;
+      At(off, end - off + kStep);  // the line so far stays, its rest is appended
     }
+  }
+
+ private:
+  // Reads [off, off + n) onto the window's end.
+  void Append(int64_t off, int64_t n) {
+    const size_t at = buf_.size();
+    buf_.resize(at + static_cast<size_t>(n));
+    int64_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::pread(fd_, &buf_[at + got], static_cast<size_t>(n - got), off + got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) throw IoError("cannot read the input file", path_, errno);
+      if (r == 0) throw IoError("the input file was cut short while being read:", path_, EIO);
+      got += r;
+    }
+    bytes_read_ += n;
   }
 
  private:
