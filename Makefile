@@ -223,6 +223,7 @@ bench: setup tier-peer
 	$(PY) benchmarks/session_run_cost.py
 	$(PY) benchmarks/collective_scaling.py
 	$(PY) benchmarks/collective_scaling.py --criteo --rounds 2
+	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/incremental_checkpoint.py
 	$(PY) benchmarks/fault_soak.py
 	$(PY) benchmarks/startup_soak.py --kind keras --jobs 24 --parallel 2

@@ -89,7 +89,14 @@ flags.DEFINE_integer("dim", 16, "embedding width")
 flags.DEFINE_list("hidden", ["256", "128"], "the deep part's layer widths")
 flags.DEFINE_float("learning_rate", 1e-3, "Adam's, for the dense weights")
 flags.DEFINE_float("table_learning_rate", 0.05, "Adagrad's, for the tables (on the PS)")
-flags.DEFINE_integer("shuffle", 20000, "lines in the shuffle buffer (0: read in order)")
+flags.DEFINE_integer("shuffle", 20000, "--input static: lines in the shuffle buffer (0: "
+                     "read in order)")
+flags.DEFINE_enum("input", "auto", ["auto", "splits", "static"],
+                  "splits: the files leased split by split from PS 0 as each worker goes "
+                  "(tfpsx.data.splits: every line trained once an epoch whatever happens, "
+                  "its position in the checkpoint); static: each worker its fixed part; "
+                  "auto: splits on a cluster with servers, except sync")
+flags.DEFINE_integer("split_bytes", 4 << 20, "--input splits: bytes of a file's split")
 flags.DEFINE_integer("eval_rows", 0, "evaluate on the first N eval lines (0: all)")
 flags.DEFINE_integer("eval_every", 0, "also evaluate every N steps (0: at epoch ends)")
 flags.DEFINE_string("checkpoint_dir", None, "the chief saves here each epoch; a restarted "
@@ -258,8 +265,19 @@ def main(argv):
         tfpsx.metrics.set_identity("local", 0)
     chief = me == 0
     keras.utils.set_random_seed(FLAGS.seed)
-    train, steps = criteo_data.dataset(FLAGS.train_data, FLAGS.batch_size, workers, me,
-                                       shuffle=FLAGS.shuffle, seed=FLAGS.seed + me)
+    use_splits = FLAGS.input == "splits" or (
+        FLAGS.input == "auto" and strategy is not None and FLAGS.mode != "sync")
+    if use_splits:  # every line once an epoch, leased as each worker goes
+        files = criteo_data.files_of(FLAGS.train_data, "train_data")
+        train = tfpsx.data.splits(files, criteo_data.parse, FLAGS.batch_size,
+                                  split_bytes=FLAGS.split_bytes, seed=FLAGS.seed,
+                                  epochs=FLAGS.epochs)
+        lines = sum(criteo_data.count_lines(f) for f in files)
+        steps = None  # each worker's share of an epoch: as it goes
+    else:
+        train, steps = criteo_data.dataset(FLAGS.train_data, FLAGS.batch_size, workers, me,
+                                           shuffle=FLAGS.shuffle, seed=FLAGS.seed + me)
+        train, lines = train.repeat(), steps * FLAGS.batch_size * workers
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = criteo_model.build(FLAGS.model, FLAGS.dim, [int(h) for h in FLAGS.hidden],
                                    FLAGS.table_learning_rate, FLAGS.learning_rate,
@@ -293,20 +311,22 @@ def main(argv):
         callbacks.append(evaluation)
 
     start = time.perf_counter()
-    model.fit(train.repeat(), epochs=FLAGS.epochs, steps_per_epoch=steps,
+    model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps,
               initial_epoch=min(first_epoch, FLAGS.epochs), shuffle=False,
               verbose=FLAGS.verbose if chief else 0, callbacks=callbacks)
     seconds = time.perf_counter() - start
     if evaluation is not None:  # fit's own time: the chief's evaluation pauses excluded
         seconds -= evaluation._paused
-    examples = max(0, FLAGS.epochs - first_epoch) * steps * FLAGS.batch_size * workers
+    examples = max(0, FLAGS.epochs - first_epoch) * lines  # the job's, every worker's
     rate = examples / seconds if seconds > 0 else 0.0
     if strategy is not None:
         tfpsx.barrier_worker()  # every worker's last update is in: the global model
     report = {"worker": me, "mode": FLAGS.mode, "dense": FLAGS.dense, "model": FLAGS.model,
               "k_steps": k_steps(),
               "cache_size": FLAGS.cache_size, "seconds": seconds, "examples_per_sec": rate,
-              "steps_per_epoch": steps}
+              "steps_per_epoch": steps, "input": "splits" if use_splits else "static"}
+    if use_splits:
+        report["input_stats"] = tfpsx.data.input_stats()
     if strategy is not None and strategy.counters is not None:
         report.update({k: float(v) for k, v in strategy.counters.snapshot().items()})
     if chief:
