@@ -78,7 +78,8 @@ def run_job(cmd: Sequence[str], servers: int = 1, workers: int = 2, one_way: flo
         base.update(env or {})
         shim = loopback.shim_path()
         if shim is not None:  # the job's TF servers on loopback, as tfpsx-run's (the
-            loopback.confine(base, shim)  # proxies dial 127.0.0.1: docs/security.md)
+            # proxies dial 127.0.0.1: docs/security.md)
+            loopback.confine(base, loopback.preloadable(shim), ports + dense_ports)
         envs = []
         for i in range(n):
             # Every process lists the proxies (its own too: the address the others dial)
