@@ -80,6 +80,7 @@ def assert_each_once(visits, repeats_at_most, epochs=1):
     once more, none more often."""
     counts = np.array([visits.get(i, 0.0) for i in range(EXAMPLES)])
     histogram = {int(v): int((counts == v).sum()) for v in np.unique(counts)}
+    print(f"examples by visits: {histogram}")  # (the figures of docs/data.md: pytest -s)
     assert counts.min() >= epochs, f"skipped: {histogram}"
     assert counts.max() <= epochs + 1 and histogram.get(epochs + 1, 0) <= repeats_at_most, \
         histogram
@@ -88,7 +89,8 @@ def assert_each_once(visits, repeats_at_most, epochs=1):
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers (4 TensorFlow imports), a "
                             "worker SIGKILLed and started again in place")
-@pytest.mark.parametrize("mode", ["async", "geo"])
+@pytest.mark.parametrize("mode", ["async", "geo",
+                                  pytest.param("staleness", marks=pytest.mark.slow)])
 def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, examples, mode):
     """Keras fit from splits leased on PS 0, worker 1 SIGKILLed after 25 batches and
     started again in place: its leases come back from their committed positions (what
@@ -104,7 +106,7 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
     assert re.search(r"worker 1 gave back \d+ split\(s\) its earlier process held", log)
     # async: a step commits with its update (the batch in flight may repeat); GEO: with
     # the round that pushed it (a worker that dies between a push and its commit: K)
-    assert_each_once(visits, repeats_at_most=(2 if mode == "async" else 6) * BATCH)
+    assert_each_once(visits, repeats_at_most=(6 if mode == "geo" else 2) * BATCH)
 
 
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 Keras workers, the server SIGKILLed: the "

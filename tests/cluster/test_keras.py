@@ -466,6 +466,12 @@ def test_misuse_is_a_clear_error(make_cluster):
         assert "created outside tfpsx.keras.ParameterServerStrategy.scope()" in got[case]
         assert "build it inside `with strategy.scope():`" in got[case], got[case]
     assert "unknown a_sync_configs key(s) ['k_step']" in got["bad_options"]
+    # Steps that take every worker's batch, fed from splits leased as each worker goes:
+    # refused before a step trains, naming what to feed them with.
+    for case, mode in (("splits_sync", "sync"), ("splits_hybrid", "the hybrid mode")):
+        assert (got[case] or "").startswith("ValueError"), (case, got[case])
+        assert f"tfpsx.data.splits with {mode}" in got[case], got[case]
+        assert "tfpsx.data.shard" in got[case], got[case]
 
 
 def test_the_strategy_before_init_names_the_call(monkeypatch):

@@ -238,12 +238,14 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
         checkpoint_dir = None
     own = mode.hooks() if mode else []
     if positions_of_graph():  # the graph reads tfpsx.data.splits: its commits
-        if getattr(mode, "NAME", "") == "sync":
+        if getattr(mode, "NAME", "") in ("sync", "hybrid"):
             raise ValueError(
-                "tfpsx.data.splits with graph-mode sync: a worker's late gradient is dropped "
-                "(its batch then is not in the model), so a position cannot be committed "
-                "with its step; train sync in Keras (tfpsx.keras.ParameterServerStrategy, "
-                "whose steps wait for their apply), or async or GEO in graph mode")
+                f"tfpsx.data.splits with graph-mode {mode.NAME}: each step takes a batch of "
+                "every worker (sync: and drops a late one, whose batch is then not in the "
+                "model; hybrid: all-reduces the dense gradients), and splits leased as each "
+                "worker goes end the workers' data at different steps; feed it with "
+                "tfpsx.data.shard (equal parts), or train async, staleness or GEO from "
+                "splits")
         own.insert(0, InputPositionHook(getattr(mode, "positions", None)))
     own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():

@@ -129,8 +129,37 @@ record("built_outside_sgd", built_outside("sgd"))
 record("fine", fine)
 record("without_callbacks", without_callbacks)
 record("callbacks_then_without", callbacks_then_without)
+def splits_in(options):
+    """fit from tfpsx.data.splits under a strategy whose steps take every worker's
+    batch: refused when the step is traced, before it trains."""
+    def case():
+        import os
+        import tempfile
+
+        import tensorflow as tf
+
+        folder = tempfile.mkdtemp(prefix="tfpsx_misuse_")
+        with open(os.path.join(folder, "part-0.txt"), "w") as f:
+            f.write("1,2,3\n" * 64)
+
+        def parse(lines):
+            values = tf.strings.to_number(tf.strings.split(lines, ",").to_tensor(), tf.float32)
+            return values[:, :2], values[:, 2:]
+
+        data = tfpsx.data.splits(os.path.join(folder, "part-*.txt"), parse, 8,
+                                 split_bytes=64, name=f"misuse_{options.get('dense', 'sync')}")
+        other = tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(**options))
+        with other.scope():
+            model = dense_model()
+            model.compile("sgd", "mse")
+        model.fit(data, verbose=0, callbacks=other.callbacks())
+    return case
+
+
 record("bad_options", lambda: tfpsx.keras.ParameterServerStrategy(
     tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_step": 3})))
+record("splits_sync", splits_in({"a_sync": False}))
+record("splits_hybrid", splits_in({"dense": "allreduce"}))
 errors["untouched"] = untouched
 tfpsx.metrics.emit("misuse", **errors)
 tfpsx.stop_worker()

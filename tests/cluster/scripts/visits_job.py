@@ -9,7 +9,8 @@ the model. Restored and recovered like the model, its final rows say how many ti
 example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes them to
 ``<out>/visits.npz`` (ids, counts) once every worker is done.
 
-  visits_job.py --out DIR [--mode async] [--examples N] [--epochs E] [--batch B]
+  visits_job.py --out DIR [--mode async|geo|sync|staleness] [--examples N] [--epochs E]
+      [--batch B]
       [--input shard|splits]             tfpsx.data.shard of arrays (a static cut), or
                                          tfpsx.data.splits of DIR/data/part-*.txt (the
                                          chief of a first run writes them; --split_bytes)
@@ -107,7 +108,7 @@ class DieAfter(keras.callbacks.Callback):
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["async", "geo", "sync"], default="async")
+    p.add_argument("--mode", choices=["async", "geo", "sync", "staleness"], default="async")
     p.add_argument("--examples", type=int, default=6000)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
@@ -128,7 +129,8 @@ def main(argv):
         return 0
     tfpsx.init_worker()
     me = tfpsx.worker_index()
-    configs = {"async": {}, "geo": {"k_steps": 5}, "sync": {}}[args.mode]
+    configs = {"async": {}, "geo": {"k_steps": 5}, "sync": {},
+               "staleness": {"max_staleness": 2}}[args.mode]
     strategy = tfpsx.keras.ParameterServerStrategy(
         tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs))
     with strategy.scope():
