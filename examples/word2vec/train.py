@@ -20,11 +20,18 @@ cache that a tfpsx.RowStager fills ahead of the steps, --stage_batches batches p
 of the stager: the steps run no PS op (async: the cache syncs every --cache_flush_steps
 steps in the stager's flusher thread, and the stager counts the steps into global_step).
 
+With --input splits (async, geo) the workers read the corpus's sentences instead of
+sampling it: tfpsx.data.splits leases it split by split from PS 0 as each worker goes,
+every pair of a sentence's words within the window is trained once an epoch (--epochs),
+and a worker that dies gives its splits back from where its steps were in the model.
+
 At the end every worker evaluates the shared tables (its own in local mode): the loss on
 a fixed set of pairs, and how much closer words of one planted topic are than words of
 different topics. Run it with
 
   tfpsx-run --server_num 1 --worker_num 2 examples/word2vec/train.py --mode geo --k_steps 100
+  tfpsx-run --server_num 1 --worker_num 2 examples/word2vec/train.py --mode async \
+      --input splits --epochs 2
 """
 
 import hashlib
@@ -52,7 +59,16 @@ flags.DEFINE_integer("geo_hot_per_round", None, "geo: ids the workers would trai
                      "often in a round train on the PS (0: none; default: tfpsx's choice by "
                      "the worker count)")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
-flags.DEFINE_integer("steps", 1000, "local steps per worker (sync: global steps)")
+flags.DEFINE_integer("steps", 1000, "--input sample: local steps per worker (sync: global "
+                     "steps)")
+flags.DEFINE_enum("input", "sample", ["sample", "splits"],
+                  "sample: each worker draws random pairs of the whole corpus (--steps); "
+                  "splits: the corpus's sentences leased split by split from PS 0 as each "
+                  "worker goes (tfpsx.data.splits), every sentence's pairs trained once an "
+                  "epoch (--epochs), async or geo")
+flags.DEFINE_integer("epochs", 1, "--input splits: passes over the corpus")
+flags.DEFINE_integer("batch_sentences", 8, "--input splits: sentences a step (their pairs)")
+flags.DEFINE_integer("split_bytes", 32 << 10, "--input splits: bytes of a split of the corpus")
 flags.DEFINE_integer("batch_size", 512, "(center, context) pairs per step")
 flags.DEFINE_integer("negatives", 5, "negative samples per pair")
 flags.DEFINE_integer("window", 2, "context window on each side")
@@ -108,6 +124,35 @@ class Corpus:
     def negatives(self, rng, shape):
         """Negatives from the unigram distribution (random token positions)."""
         return self.tokens[rng.integers(0, len(self.tokens), size=shape)]
+
+
+def sentence_pairs(corpus: Corpus, seed: int):
+    """``parse`` of --input splits: a batch of sentences (their text) -> every (center,
+    context) pair of their words within the window and its negatives, (center ids [n],
+    context + negative ids [n, 1 + negatives]), in numpy inside the input pipeline."""
+    rng = np.random.default_rng(seed)
+    window, negatives = FLAGS.window, FLAGS.negatives
+
+    def pairs(lines):
+        center, context = [], []
+        for line in lines:
+            ids = [corpus.ids.get(w) or word_id(w) for w in line.decode().split()]
+            for i, c in enumerate(ids):
+                for j in range(max(0, i - window), min(len(ids), i + window + 1)):
+                    if j != i:
+                        center.append(c)
+                        context.append(ids[j])
+        center = np.asarray(center, np.int64)
+        negs = corpus.negatives(rng, (len(center), negatives))
+        return center, np.concatenate([np.asarray(context, np.int64)[:, None], negs], axis=1)
+
+    def parse(lines):
+        center, targets = tf.numpy_function(pairs, [lines], [tf.int64, tf.int64])
+        center.set_shape([None])
+        targets.set_shape([None, 1 + negatives])
+        return center, targets
+
+    return parse
 
 
 def eval_pairs(corpus: Corpus):
@@ -186,6 +231,13 @@ def main(argv):
     if tfpsx.is_server():
         tfpsx.run_server()
         return 0
+    splits = FLAGS.input == "splits"
+    if splits and (FLAGS.mode not in ("async", "geo") or FLAGS.cache_size):
+        raise app.UsageError(f"--input splits trains async or geo without --cache_size (got "
+                             f"--mode {FLAGS.mode} --cache_size {FLAGS.cache_size}): sync "
+                             "takes a batch of every worker a step (tfpsx.data.splits ends "
+                             "the workers' data at different steps), a cache's stager "
+                             "stages sampled batches")
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     corpus = Corpus(FLAGS.corpus, FLAGS.window)
@@ -198,6 +250,11 @@ def main(argv):
     local_device = [f"/job:{tfpsx.cluster_config().job_name}/task:{me}"]
 
     with tf.Graph().as_default():
+        if splits:  # every sentence's pairs once an epoch, leased as each worker goes
+            data = tfpsx.data.splits(FLAGS.corpus, sentence_pairs(corpus, FLAGS.seed + me),
+                                     FLAGS.batch_sentences, split_bytes=FLAGS.split_bytes,
+                                     seed=FLAGS.seed, epochs=FLAGS.epochs)
+            read_center, read_targets = tfpsx.data.next_batch(data.repeat(FLAGS.epochs))
         with tfpsx.model_scope(strategy):
             global_step = tf.compat.v1.train.get_or_create_global_step()
             devices = local_device if FLAGS.mode == "local" else None
@@ -214,9 +271,13 @@ def main(argv):
             # own increment would be a PS round trip in every step).
             stager = (tfpsx.RowStager([emb_in, emb_out], ahead=1, global_step=(
                 global_step if FLAGS.mode == "async" else None)) if cache else None)
-            center = tf.compat.v1.placeholder(tf.int64, [None], name="center")
-            targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],
-                                               name="targets")
+            if splits:
+                center, targets = read_center, read_targets
+            else:
+                center = tf.compat.v1.placeholder(tf.int64, [None], name="center")
+                targets = tf.compat.v1.placeholder(tf.int64, [None, 1 + FLAGS.negatives],
+                                                   name="targets")
+            pairs = tf.size(center)
             # The step stamps rows for TTL eviction; GEO's local copies need no PS read.
             step = global_step if FLAGS.mode in ("async", "sync") else None
             looked_in = emb_in.lookup_unique(center, step=step)
@@ -244,7 +305,7 @@ def main(argv):
 
         # Sampling happens before the clock starts: the benchmark times training.
         batches = []
-        for _ in range(FLAGS.steps):
+        for _ in range(0 if splits else FLAGS.steps):
             c, ctx = corpus.pairs(rng, FLAGS.batch_size)
             negs = corpus.negatives(rng, (FLAGS.batch_size, FLAGS.negatives))
             batches.append((c, np.concatenate([ctx[:, None], negs], axis=1)))
@@ -258,16 +319,25 @@ def main(argv):
             paused = 0.0  # seconds spent evaluating, left out of the timeline
             i = 0
             staging = stage(stager, emb_in, emb_out, batches, 0)
-            while not sess.should_stop() and (last_step or i < FLAGS.steps):
+            examples = 0
+            while not sess.should_stop() and (last_step or splits or i < FLAGS.steps):
                 if FLAGS.max_seconds and time.perf_counter() - start - paused > FLAGS.max_seconds:
                     break
-                c, t = batches[i % len(batches)]
-                if staging is not None and i % FLAGS.stage_batches == 0:
-                    staging.result()  # batches i .. i + stage_batches - 1 are cached
-                    # the next group, during these steps
-                    staging = stage(stager, emb_in, emb_out, batches, i + FLAGS.stage_batches)
-                _, value = sess.run([train_op, loss], {center: c, targets: t})
+                if splits:
+                    try:
+                        _, value, n = sess.run([train_op, loss, pairs])
+                    except tf.errors.OutOfRangeError:
+                        break  # the last epoch's end
+                else:
+                    c, t = batches[i % len(batches)]
+                    if staging is not None and i % FLAGS.stage_batches == 0:
+                        staging.result()  # batches i .. i + stage_batches - 1 are cached
+                        # the next group, during these steps
+                        staging = stage(stager, emb_in, emb_out, batches,
+                                        i + FLAGS.stage_batches)
+                    _, value, n = sess.run([train_op, loss, pairs], {center: c, targets: t})
                 losses.append(value)
+                examples += int(n)
                 i += 1
                 if FLAGS.log_every and i % FLAGS.log_every == 0:
                     print(f"worker {me}: step {i}, loss {np.mean(losses[-50:]):.4f}",
@@ -293,11 +363,13 @@ def main(argv):
             points.append({"seconds": seconds, "step": i, "loss": final})
     eval_loss, gap = evaluate(rows_in, rows_out, corpus, FLAGS.dim)
     report = {"worker": me, "mode": FLAGS.mode, "k_steps": k_steps, "steps": len(losses),
-              "seconds": seconds, "examples_per_sec": len(losses) * FLAGS.batch_size / seconds,
+              "seconds": seconds, "examples_per_sec": examples / seconds, "examples": examples,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
               "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"])),
               "global_step": global_steps,
               "points": points}
+    if splits:
+        report["input_stats"] = tfpsx.data.input_stats()
     if FLAGS.mode == "geo":
         c = tfpsx.metrics.snapshot()["geo"]  # the GEO communicator's counters
         report.update(pushes=c["pushes"], rows_sent=c["rows_sent"], mb_sent=c["bytes_sent"] / 1e6,

@@ -19,7 +19,9 @@ RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
     # a worker cache of a quarter of the vocabulary staged 4 batches per run, the
     # chief's eval loss every 100 steps
     pytest.param("async", ["--cache_size", "500", "--stage_batches", "4", "--eval_every", "100"],
-                 marks=pytest.mark.slow)])
+                 marks=pytest.mark.slow),
+    # the corpus's sentences read split by split (tfpsx.data.splits), one epoch
+    pytest.param("async", ["--input", "splits", "--epochs", "1"], marks=pytest.mark.slow)])
 def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
     proc = subprocess.run(
         RUN + ["--server_num", "1", "--worker_num", "2", "--log_dir", str(tmp_path),
@@ -27,6 +29,15 @@ def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
                "--mode", mode, "--k_steps", "50", "--steps", "300"] + extra,
         capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if "splits" in extra:
+        # Every pair of every sentence trained once: the workers' pairs sum to the
+        # corpus's (counted here: each word with its neighbours within the window of 2).
+        with open(os.path.join(ROOT, "examples/word2vec/corpus.txt")) as f:
+            lengths = [len(line.split()) for line in f]
+        pairs = sum(min(n, i + 3) - max(0, i - 2) - 1 for n in lengths for i in range(n))
+        got = [tfpsx.metrics.read(str(tmp_path), "worker", i, "word2vec")[-1] for i in range(2)]
+        assert sum(r["examples"] for r in got) == pairs, (pairs, got)
+        assert all(r["input_stats"]["leases"] >= 1 for r in got), got
     for i in range(2):
         r = tfpsx.metrics.read(str(tmp_path), "worker", i, "word2vec")[-1]
         # Before training: loss 6 x log(2) = 4.16 per pair, topic similarity gap ~0.
@@ -35,7 +46,7 @@ def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
         assert r["vocab_rows"] == 2000  # every word got a row: ids are word hashes
         if mode == "geo":
             assert r["pushes"] >= 300 // 50
-        if mode == "async":
+        if mode == "async" and "splits" not in extra:
             # Every step of both workers counted (with a cache: by the stagers, not the steps).
             assert r["global_step"] == 2 * 300, r
         if "--eval_every" in extra:
