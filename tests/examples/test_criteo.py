@@ -191,7 +191,10 @@ def test_the_export_serves_without_tfpsx_and_tensorboard_has_the_traffic(tmp_pat
             tags.update(v.tag for v in event.summary.value)
     for tag in ("train/loss", "train/examples_per_sec", "eval/auc", "eval/logloss",
                 "geo/rows_sent_per_sync", "geo/bytes_sent_per_sync", "geo/sync_seconds_per_sync",
-                "tables/embedding/size", "staleness/waits"):
+                "tables/embedding/size", "staleness/waits",
+                # the input read split by split (--input auto): PS 0's coordinator
+                "input/input/epoch", "input/input/splits_done", "input/input/splits_left",
+                "input/input/worker_leases"):
         assert tag in tags, (tag, sorted(tags))
     assert len(reports[0]["points"]) >= 2  # every 20 steps, and the epoch's end
 

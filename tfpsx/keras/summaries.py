@@ -9,7 +9,12 @@ Every ``every_steps`` training steps it writes, with ``tf.summary``:
 * ``staleness/waits``: the steps this worker waited for the slowest;
 * per ``DynamicEmbedding`` table (every ``table_every`` writes: it reads the parameter
   servers): ``tables/<name>/size`` and, with a worker cache, ``.../cache_hit_rate`` and
-  ``.../cache_size``.
+  ``.../cache_size``;
+* per input of ``tfpsx.data.splits`` (with the tables' cadence: it reads PS 0):
+  ``input/<name>/epoch`` (the job's first open epoch), ``.../splits_done``,
+  ``.../splits_leased``, ``.../splits_left`` (of that epoch), ``.../leases_returned``
+  (the job's, by dead, restarted or abandoning workers) and ``.../worker_leases`` (this
+  worker's).
 
 ``scalars({...}, step)`` writes other values (an evaluation's AUC) to the same run.
 TensorFlow 2.21 no longer ships TensorBoard: install ``tensorboard`` to read the files
@@ -31,6 +36,7 @@ import keras
 import tensorflow as tf
 
 from tfpsx import compat, metrics, settings
+from tfpsx.control import splits as input_splits
 from tfpsx.keras.layers import DynamicEmbedding
 
 
@@ -118,6 +124,21 @@ class TrainingSummaries(keras.callbacks.Callback):
         self._writes += 1
         if self._writes % self.table_every == 1 or self.table_every == 1:
             out.update(self._tables())
+            out.update(self._inputs())
+        return out
+
+    @staticmethod
+    def _inputs() -> Dict[str, float]:
+        out = {}
+        for name, source in sorted(input_splits.registered().items()):
+            if not source.clustered:
+                continue
+            stats = source.stats()
+            for tag, key in (("epoch", "first_open"), ("splits_done", "done"),
+                             ("splits_leased", "leased"), ("splits_left", "left"),
+                             ("leases_returned", "leases_returned")):
+                out[f"input/{name}/{tag}"] = float(stats[key])
+            out[f"input/{name}/worker_leases"] = float(source.counters["leases"])
         return out
 
     def _tables(self) -> Dict[str, float]:
