@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+import tfpsx
 from conftest import SCRIPTS, cluster
 import visits_job
 
@@ -96,17 +97,24 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
     started again in place: its leases come back from their committed positions (what
     its steps put in the model stays; in GEO its unpushed steps are trained again by
     whoever takes the split), and every example is in the model once. Async commits with
-    the step, so at most the batch in flight repeats; GEO with the round that pushes."""
+    the step, so at most the batch in flight repeats; GEO with the round that pushes
+    (two epochs: a step at an epoch's end is committed K steps into the next)."""
+    epochs = 2 if mode == "geo" else 1
     err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
                           ["--mode", mode, "--input", "splits", "--examples", str(EXAMPLES),
                            "--die_after", "1:25", "--step_delay", "0.02",
-                           "--split_bytes", "5000"])
+                           "--split_bytes", "5000", "--epochs", str(epochs)])
     assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
     log = (tmp_path / "logs" / "workerlog.1").read_text()
     assert re.search(r"worker 1 gave back \d+ split\(s\) its earlier process held", log)
     # async: a step commits with its update (the batch in flight may repeat); GEO: with
     # the round that pushed it (a worker that dies between a push and its commit: K)
-    assert_each_once(visits, repeats_at_most=(6 if mode == "geo" else 2) * BATCH)
+    assert_each_once(visits, repeats_at_most=(6 if mode == "geo" else 2) * BATCH,
+                     epochs=epochs)
+    if mode == "geo":  # a round every K = 5 steps, though the dataset reports no length
+        for i in (0, 2):
+            r = tfpsx.metrics.read(str(tmp_path / "logs"), "worker", i, "visits")[-1]
+            assert r["rounds"] >= r["batches"] // (2 * 5), r
 
 
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 Keras workers, the server SIGKILLed: the "
@@ -156,7 +164,9 @@ def test_graph_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, exampl
 
 @pytest.mark.budget(60, why="1 PS + 2 Keras workers through the scheduler, a third joining "
                             "while they train")
-def test_a_slow_worker_takes_fewer_splits_and_a_joiner_takes_its_own(tmp_path, examples):
+@pytest.mark.parametrize("mode", ["async", pytest.param("geo", marks=pytest.mark.slow)])
+def test_a_slow_worker_takes_fewer_splits_and_a_joiner_takes_its_own(tmp_path, examples,
+                                                                     mode):
     """Splits are leased as each worker goes: worker 1, slowed 4x, takes far fewer than
     worker 0, and a worker that joins the running job takes splits (within a lease of its
     start); every example once an epoch, 4 epochs (the job's: the joiner's fit reads no
@@ -166,7 +176,8 @@ def test_a_slow_worker_takes_fewer_splits_and_a_joiner_takes_its_own(tmp_path, e
     os.symlink(examples, out / "data")
     c = cluster(tmp_path / "logs", 1, 2, script="visits_job.py", config_mode="scheduler",
                 timeout=200, env={"TFPSX_MAX_WORKER_NUM": "3"},
-                args=["--out", str(out), "--input", "splits", "--examples", str(EXAMPLES),
+                args=["--out", str(out), "--mode", mode, "--input", "splits",
+                      "--examples", str(EXAMPLES),
                       "--epochs", "4", "--step_delay", "0.015", "--slow_worker", "1",
                       "--slow_factor", "4", "--split_bytes", "5000"])
     try:

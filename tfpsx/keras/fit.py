@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Optional
 
 import keras
 import tensorflow as tf
@@ -60,8 +61,13 @@ class StrategyCallback(keras.callbacks.Callback):
         self._steps_left = None
 
     # ------------------------------------------------------------------ Keras's hooks
+    def _epoch_steps(self) -> Optional[int]:
+        """The steps of an epoch as Keras says, None when unknown: also when Keras says 0
+        (a dataset that reports no size, as tfpsx.data.splits's: read to its end)."""
+        return (self.params.get("steps") if self.params else None) or None
+
     def on_train_begin(self, logs=None):
-        epoch_steps = self.params.get("steps") if self.params else None
+        epoch_steps = self._epoch_steps()
         self._strategy.begin_fit(self.model, epoch_steps)
         self._active = True
         self._wrap("train_function")
@@ -74,7 +80,7 @@ class StrategyCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        steps = self.params.get("steps") if self.params else None
+        steps = self._epoch_steps()
         epochs = self.params.get("epochs") if self.params else None
         per_call = getattr(self.model, "steps_per_execution", 1) or 1
         self._last_in_epoch = steps is None or batch + per_call >= steps

@@ -43,7 +43,8 @@ def main(argv):
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     strategy = tfpsx.DistributedStrategy(
-        a_sync_configs={"k_steps": args.k_steps} if args.mode == "geo" else {})
+        a_sync_configs={"k_steps": args.k_steps, "geo_table_rule": "shared_slots"}
+        if args.mode == "geo" else {})  # (the rule that sums the workers' +1s)
     files = os.path.join(args.out, "data", "part-*.txt")
     local_steps = 0
     with tf.Graph().as_default():

@@ -129,7 +129,10 @@ def main(argv):
         return 0
     tfpsx.init_worker()
     me = tfpsx.worker_index()
-    configs = {"async": {}, "geo": {"k_steps": 5}, "sync": {},
+    # GEO: the table rule that sums the workers' row changes (the visit counter's +1s
+    # add up at any worker count; 'average' would divide them by N)
+    configs = {"async": {}, "geo": {"k_steps": 5, "geo_table_rule": "shared_slots"},
+               "sync": {},
                "staleness": {"max_staleness": 2}}[args.mode]
     strategy = tfpsx.keras.ParameterServerStrategy(
         tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs))
@@ -171,6 +174,7 @@ def main(argv):
                  counts=rows["values"].numpy()[:, 0])
     tfpsx.metrics.emit("visits", worker=me, restored=restored, seconds=seconds,
                        batches=len(batches),
+                       rounds=tfpsx.metrics.snapshot().get("geo", {}).get("pushes", 0),
                        input=tfpsx.data.input_stats() if args.input == "splits" else {})
     tfpsx.stop_worker()
     return 0
