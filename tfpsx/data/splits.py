@@ -119,6 +119,10 @@ class SplitInput:
         self._next_epoch = 0
         self._generation = 0
         self._start_epochs = {}  # generation -> the epoch it read
+        # The keys each generation leased, while a newer one may give them back, and the
+        # generations that took every split they could (read to their end).
+        self._keys = {}
+        self._exhausted = set()
         self._fit_generation = 0  # the last generation of the last fit that ended
         self.counters = {"leases": 0, "epochs": 0}
         if self.clustered and len(table) < config.worker_num:
@@ -169,26 +173,33 @@ class SplitInput:
     def leases(self):
         """One epoch's leases for this worker: (key, path, start, resume, end).
 
-        Each iteration of the dataset is a generation. A new one gives back every split
-        this worker still holds: the earlier iterator's steps trained what they took of
-        it (committed, or in GEO pending until the next round: those may be trained
-        again), and the rest no step of it will train (an iterator abandoned: Keras's
-        first look at a batch to build the model, or an epoch Keras cut at the length it
-        learned from the first, while splits leased as each worker goes give a worker
-        more or fewer batches an epoch). An earlier iterator takes no split once a newer
-        one started. What comes back is read again from its committed position, by
-        whoever takes it."""
+        Each iteration of the dataset is a generation. A new one gives back the splits
+        an earlier one leased and stopped taking before its epoch's last (an iterator
+        abandoned: a new ``iter()``, a session created again): its steps trained what
+        they took of them (committed, or pending until the commit that follows their
+        step), and the rest no step of it will train. An earlier iterator takes no split
+        once a newer one started. What comes back is read again from its committed
+        position, by whoever takes it. The splits of an iterator that took its epoch's
+        last stay leased: its pipeline reads them to their end, and their steps commit
+        them (graph mode's ``repeat`` starts the next iteration while the last batches
+        are still in its buffers; GEO commits a step at the round that pushes it, K
+        steps on). Keras's look at a batch before ``fit`` is :meth:`fit_begins`'s."""
         client = self.client()
         self._start()
         with self._lock:
             self._generation += 1
             generation = self._generation
-            back = client.renew(self.worker, release=True) if self.clustered else 0
+            stale = [key for g, keys in self._keys.items() if g not in self._exhausted
+                     for key in keys]
+            self._keys = {generation: set()}
+            self._exhausted.clear()
+            back = client.give_back(self.worker, stale) if self.clustered and stale else 0
             epoch = max(self._next_epoch, client.stats()["first_open"])
             self._start_epochs[generation] = epoch
         if back:
-            logger.info("input %s: worker %d gave back %d split(s) its last iterator held "
-                        "(not trained to their end)", self.name, self.worker, back)
+            logger.info("input %s: worker %d gave back %d split(s) an abandoned iterator "
+                        "held (read again from their committed positions)", self.name,
+                        self.worker, back)
         if self.epochs is not None and epoch >= self.epochs:
             logger.info("input %s: worker %d: the job's %d epoch(s) are read", self.name,
                         self.worker, self.epochs)
@@ -203,8 +214,18 @@ class SplitInput:
                 if generation != self._generation:  # a newer iterator reads on
                     break
                 lease = client.take(self.worker, epoch)
-            if lease.status != _coordinator.OK:
-                break
+                if (lease.status != _coordinator.OK and not self._keys[generation]
+                        and (self.epochs is None or epoch + 1 < self.epochs)):
+                    # Nothing of this epoch is left for this worker (one that joins while
+                    # the others hold its last splits): the iteration reads the next
+                    # epoch rather than end empty (Keras fails on an empty epoch).
+                    epoch += 1
+                    self._start_epochs[generation] = epoch
+                    continue
+                if lease.status != _coordinator.OK:
+                    self._exhausted.add(generation)
+                    break
+                self._keys[generation].add(lease.key)
             self.counters["leases"] += 1
             if not self.clustered:  # one process: read is trained (nothing to recover)
                 client.commit([lease.key], [lease.end])
@@ -214,6 +235,11 @@ class SplitInput:
                 return  # (abandoned: the newer iterator counts the epoch)
             self._next_epoch = epoch + 1
             self.counters["epochs"] += 1
+            empty = not self._keys[generation]
+        if empty:
+            logger.warning("input %s: worker %d found no split left to read in the job's "
+                           "epoch %d, its last (the other workers hold or trained them): "
+                           "this iteration is empty", self.name, self.worker, epoch)
         stats = client.stats()
         logger.info("input %s: worker %d ended epoch %d (%d leases taken so far; the job's "
                     "epoch %d: %d of %d splits done)", self.name, self.worker, epoch,
