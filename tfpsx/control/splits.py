@@ -17,6 +17,7 @@ sees and commits it once the step is in the model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Dict, List, NamedTuple, Optional
@@ -164,28 +165,31 @@ class SplitCoordinator:
         self._renewal: Optional[BackgroundLoop] = None
 
     # ------------------------------------------------------------------ ops in a graph
+    def _placed(self):
+        """The device scope of the coordinator's ops (none: this process's)."""
+        return tf.device(self.device) if self.device else contextlib.nullcontext()
+
     def handle(self):
         """The resource handle, in the current graph or function (eager: made once)."""
         if tf.executing_eagerly() and not tf.inside_function():
             if self._eager_handle is None:
-                with tf.device(self.device) if self.device else _nullcontext():
+                with self._placed():
                     self._eager_handle = bindings.split_handle(self.shared_name)
             return self._eager_handle
-        with tf.control_dependencies(None), (tf.device(self.device) if self.device
-                                             else _nullcontext()):
+        with tf.control_dependencies(None), self._placed():
             return bindings.split_handle(self.shared_name)
 
     def commit_op(self, keys, offsets):
         """The op that commits ``keys`` trained up to ``offsets`` (a step's or a round's),
         on the coordinator's device."""
         handle = self.handle()
-        with tf.device(self.device) if self.device else _nullcontext():
+        with self._placed():
             return bindings.split_commit(handle, keys, offsets)
 
     def export_op(self):
         """The op exporting the coordinator's state (in the caller's graph)."""
         handle = self.handle()
-        with tf.device(self.device) if self.device else _nullcontext():
+        with self._placed():
             return bindings.split_export(handle)
 
     # ------------------------------------------------------------------ calls
@@ -193,7 +197,7 @@ class SplitCoordinator:
         """Runs ``build(handle, **placeholders)`` with ``feeds``: eagerly, or in this
         client's session (its graph built once per call kind)."""
         if self._target is None:
-            with tf.device(self.device) if self.device else _nullcontext():
+            with self._placed():
                 return build(self.handle(), **feeds)
         with self._lock:
             if what not in self._graph_ops:
@@ -201,7 +205,7 @@ class SplitCoordinator:
                 with graph.as_default():
                     holders = {k: tf.compat.v1.placeholder(tf.as_dtype(_dtype(v)), _shape(v),
                                                            name=k) for k, v in feeds.items()}
-                    with tf.device(self.device) if self.device else _nullcontext():
+                    with self._placed():
                         out = build(bindings.split_handle(self.shared_name), **holders)
                 self._graph_ops[what] = (holders, out)
             holders, out = self._graph_ops[what]
@@ -302,14 +306,6 @@ def _shape(value):
 
 def _numpy(value):
     return value.numpy() if hasattr(value, "numpy") else value
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------- the job's inputs

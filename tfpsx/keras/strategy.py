@@ -49,6 +49,7 @@ from tfpsx.keras import fit
 from tfpsx.keras.feeding import RowFeeder
 from tfpsx.keras.modes import mode_class
 from tfpsx.modes.group import refuse_a_late_join
+from tfpsx.modes.positions import check_feeds_splits
 from tfpsx.keras.modes.base import CreationContext
 from tfpsx.keras.partitioned import resolve_partitioner
 from tfpsx.runtime import RUNTIME
@@ -177,6 +178,7 @@ class _Extended(OneDeviceExtended):
                 return outputs  # an eval or predict step
             after = self.mode.after_step()
             if position is not None:
+                check_feeds_splits(self.mode.NAME)
                 with tf.control_dependencies(after):
                     after = after + [self.mode.commit_position(position)]
             with tf.control_dependencies(after):

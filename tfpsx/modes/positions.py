@@ -30,6 +30,30 @@ import tensorflow as tf
 from tfpsx.control import splits
 
 
+# Modes whose every step takes a batch of every worker (sync's chief applies one of each;
+# hybrid all-reduces the dense gradients): splits leased as each worker goes end the
+# workers' data at different steps, so they are fed with tfpsx.data.shard.
+_LOCKSTEP = {"sync": "sync (each step applies a batch of every worker, and graph mode "
+                     "drops a late one, whose batch is then not in the model)",
+             "hybrid": "the hybrid mode (each step all-reduces the dense gradients of "
+                       "every worker)"}
+
+
+def check_feeds_splits(mode_name: str) -> None:
+    """Raises when mode ``mode_name`` cannot train from ``tfpsx.data.splits`` (both
+    front-ends ask before a step commits a position).
+
+    Raises:
+      ValueError: a mode whose steps take a batch of every worker, named with the fix.
+    """
+    if mode_name in _LOCKSTEP:
+        raise ValueError(
+            f"tfpsx.data.splits with {_LOCKSTEP[mode_name]}: splits leased as each worker "
+            "goes end the workers' data at different steps (the others' last steps would "
+            "wait for, or never train, what is left); feed it with tfpsx.data.shard (equal "
+            "parts), or train async, staleness or GEO from splits")
+
+
 def commit_ops(position) -> tf.Operation:
     """The op committing a batch's position (after the ops it is made to depend on)."""
     name, check = splits.checked_input(position)
@@ -140,5 +164,5 @@ def positions_of_graph(graph=None) -> list:
     return list(state.positions) if state is not None else []
 
 
-__all__ = ["commit_ops", "PendingPositions", "PendingSteps", "decode_numpy",
+__all__ = ["check_feeds_splits", "commit_ops", "PendingPositions", "PendingSteps", "decode_numpy",
            "positions_of_graph"]

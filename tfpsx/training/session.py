@@ -18,7 +18,7 @@ from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.checkpoint.saver import refused_saveables
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.modes.positions import positions_of_graph
+from tfpsx.modes.positions import check_feeds_splits, positions_of_graph
 from tfpsx.training.hooks import (InputPositionHook, InputPositionListener, ResumeLogHook,
                                   TrainingDoneHook,
                                   WorkerCacheHook, restore_input_positions,
@@ -238,14 +238,7 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
         checkpoint_dir = None
     own = mode.hooks() if mode else []
     if positions_of_graph():  # the graph reads tfpsx.data.splits: its commits
-        if getattr(mode, "NAME", "") in ("sync", "hybrid"):
-            raise ValueError(
-                f"tfpsx.data.splits with graph-mode {mode.NAME}: each step takes a batch of "
-                "every worker (sync: and drops a late one, whose batch is then not in the "
-                "model; hybrid: all-reduces the dense gradients), and splits leased as each "
-                "worker goes end the workers' data at different steps; feed it with "
-                "tfpsx.data.shard (equal parts), or train async, staleness or GEO from "
-                "splits")
+        check_feeds_splits(getattr(mode, "NAME", ""))
         own.insert(0, InputPositionHook(getattr(mode, "positions", None)))
     own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():

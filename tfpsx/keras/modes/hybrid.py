@@ -34,18 +34,6 @@ class _AllReducedDense:
     """The dense half (a mixin before a :class:`KerasMode`)."""
     NAME = "hybrid"
 
-    def commit_position(self, position):
-        # Every step all-reduces the dense gradients of every worker, as a sync step
-        # takes a batch of each: splits leased as each worker goes end the workers' data
-        # at different steps, and the others' next all-reduce would wait for a worker
-        # whose data ended.
-        raise ValueError(
-            "tfpsx.data.splits with the hybrid mode: each step all-reduces the dense "
-            "gradients of every worker, and splits leased as each worker goes end the "
-            "workers' data at different steps (the others' all-reduce would wait for a "
-            "worker whose data ended); feed the hybrid mode with tfpsx.data.shard (equal "
-            "parts), or train async or GEO from splits")
-
     def dense_group(self) -> hybrid.DenseAllReduce:
         """This worker's dense all-reduce (started with the strategy)."""
         bridge = getattr(self, "_bridge", None)

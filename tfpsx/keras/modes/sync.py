@@ -49,17 +49,6 @@ class KerasSync(OnServers):
     def table_updater(self, table) -> TableUpdater:
         return SyncTableUpdater(self)
 
-    def commit_position(self, position):
-        # A sync step takes one batch of every worker, and a worker's data that ends
-        # first ends the chief's steps for all: with splits leased as each worker goes,
-        # the workers' data ends at different steps, and what the others still hold
-        # would never be trained.
-        raise ValueError(
-            "tfpsx.data.splits with sync: each sync step takes one batch of every worker, "
-            "and splits leased as each worker goes end the workers' data at different "
-            "steps (the others' last batches would never be trained); feed sync with "
-            "tfpsx.data.shard (equal parts), or train async or GEO from splits")
-
     def push(self, table, keys, grads):
         """A table's row gradients, to its shards' accumulators (SyncTableUpdater)."""
         return self.record(self.tables.push(table, keys, grads,
