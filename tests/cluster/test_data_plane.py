@@ -3,7 +3,12 @@ the model (tests/cluster/scripts/visits_job.py, graph_visits_job.py: a table key
 example id whose row moves by exactly +1 per trained visit) say how many times each
 example is in the final model, after kills, restarts and restores. 0 would be a skip, 2 a
 repeat: no run may skip one; repeats stay within the bound the modes state (the steps in
-flight when a worker dies, or between a checkpoint's position and its model)."""
+flight when a worker dies, or between a checkpoint's position and its model).
+
+Each test starts its own job under tfpsx-run: each SIGKILLs a process of it (a worker, the
+server) or slows and joins workers, and counts every visit of the whole job, which no
+shared scenario's job could give; the refusals (sync, hybrid) run in the Keras misuse
+scenario instead (tests/cluster/test_keras.py)."""
 
 import os
 import re
