@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "custom_ops/cc/core/split_coordinator.h"
 #include "custom_ops/cc/core/split_reader.h"
+#include "custom_ops/cc/kernels/scalar_input.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_op_kernel.h"
@@ -53,16 +54,6 @@ absl::Status GetCoordinator(OpKernelContext* ctx,
         *c = new SplitCoordinatorResource();
         return absl::OkStatus();
       });
-}
-
-template <typename T>
-absl::Status Scalar(OpKernelContext* ctx, int index, const char* name, T* out) {
-  const Tensor& t = ctx->input(index);
-  if (!::tensorflow::TensorShapeUtils::IsScalar(t.shape()))
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must be a scalar, got shape ", t.shape().DebugString()));
-  *out = t.scalar<T>()();
-  return absl::OkStatus();
 }
 
 void OutScalar(OpKernelContext* ctx, int index, int64_t v) {

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "custom_ops/cc/kernels/scalar_input.h"
 #include "custom_ops/cc/kernels/table_resource.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -31,17 +32,6 @@ using ::tensorflow::TensorShape;
 
 inline absl::Status GetTable(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* out) {
   return ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), out);
-}
-
-template <typename T>
-inline absl::Status Scalar(OpKernelContext* ctx, int index, const char* name, T* out) {
-  const Tensor& t = ctx->input(index);
-  if (!::tensorflow::TensorShapeUtils::IsScalar(t.shape())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must be a scalar, got shape ", t.shape().DebugString()));
-  }
-  *out = t.scalar<T>()();
-  return absl::OkStatus();
 }
 
 inline TensorShape RowsShape(const TensorShape& keys, int64_t dim) {
