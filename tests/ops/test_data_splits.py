@@ -133,3 +133,43 @@ def test_a_position_of_other_files_is_refused_naming_both_inputs(tmp_path):
     assert fresh.restore(saved) == 0
     back = fresh.take(0, 0)
     assert (back.key, back.resume) == (lease.key, lease.resume + 10)  # from its position
+
+
+def test_a_failed_lease_renewal_is_logged_and_the_renewals_go_on(caplog):
+    """PS 0 silent for a moment: the keep-alive logs the failed renewal and renews again
+    at its next tick (a renewal loop that stopped at the first failure would let this
+    worker's leases expire while it reads them, and others read the same splits)."""
+    import threading
+
+    client = coordinator.SplitCoordinator("renewals", device=None)
+    calls, renewed = [], threading.Event()
+
+    def renew(worker, release=False):
+        calls.append(worker)
+        if len(calls) == 1:
+            raise tfpsx.errors.ServerUnavailableError("parameter server ps:0 did not answer")
+        renewed.set()
+        return 0
+
+    client.renew = renew
+    with caplog.at_level("WARNING", logger="tfpsx"):
+        client.keep_alive(3, lease_seconds=0.15)
+        assert renewed.wait(10), calls
+    client._renewal.stop(timeout=5)
+    assert calls[:2] == [3, 3], calls
+    assert "renewing worker 3's leases failed (1 in a row)" in caplog.text, caplog.text
+
+
+def test_a_coordinator_call_to_a_server_that_is_gone_is_a_named_error(monkeypatch):
+    """Graph mode's client runs in a session of its own: PS 0 gone (nothing listens at
+    its address) is a ServerUnavailableError naming the input and the call, within
+    TFPSX_RPC_TIMEOUT (the watchdog's retryable exit), not TF's raw error."""
+    import portpicker
+
+    monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "3")
+    client = coordinator.SplitCoordinator(
+        "gone", session_target=f"grpc://127.0.0.1:{portpicker.pick_unused_port()}")
+    with pytest.raises(tfpsx.errors.ServerUnavailableError,
+                       match=r"parameter server ps:0 through grpc://127\.0\.0\.1:\d+ did not "
+                             r"answer the input 'gone''s take within 3 s"):
+        client.take(0, 0)

@@ -9,6 +9,7 @@ accept gRPC connections that every worker makes before it joins.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Dict, List, Optional
@@ -29,6 +30,31 @@ _PREFIX = "tfpsx/control/"
 
 def heartbeat_name(worker: int) -> str:
     return f"heartbeat/worker_{worker}"
+
+
+@contextlib.contextmanager
+def ps0_errors(what: str, where: str, timeout: Optional[float] = None):
+    """A call to PS 0 (``what``; PS 0 ``where``: "at host:port"), its failures named:
+    PS 0 gone or silent (past ``timeout`` seconds) is a ServerUnavailableError (the
+    watchdog's retryable exit), a server without the op library OpsNotLoadedOnServerError."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+        if "Op type not registered 'Tfpsx" in str(e):
+            raise errors.OpsNotLoadedOnServerError(
+                f"parameter server ps:0 {where} has not loaded the tfpsx op library "
+                "(a bare tf.distribute.Server cannot run tfpsx ops). Start servers with "
+                "tfpsx.run_server(), or call tfpsx.load_ops() before creating the "
+                f"tf.distribute.Server. TensorFlow said: {e.message.splitlines()[0]}") from e
+        raise
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError) as e:
+        within = f" within {timeout:g} s" if timeout else ""
+        raise errors.ServerUnavailableError(
+            f"parameter server ps:0 {where} did not answer {what}{within}: "
+            f"{e.message.splitlines()[0]}") from e
 
 
 class ControlClient:
@@ -71,24 +97,9 @@ class ControlClient:
         return self._run_fetches(self._ops[name][kind], f"{kind} {name!r}", feed)
 
     def _run_fetches(self, fetches, what: str, feed=None):
-        tf = self._tf
-        options = tf.compat.v1.RunOptions(timeout_in_ms=self._timeout_ms)
-        try:
-            with self._lock:
-                return self._session.run(fetches, feed_dict=feed, options=options)
-        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
-            if "Op type not registered 'Tfpsx" in str(e):
-                raise errors.OpsNotLoadedOnServerError(
-                    f"parameter server ps:0 at {self.address} has not loaded the tfpsx op library "
-                    "(a bare tf.distribute.Server cannot run tfpsx ops). Start servers with "
-                    "tfpsx.run_server(), or call tfpsx.load_ops() before creating the "
-                    f"tf.distribute.Server. TensorFlow said: {e.message.splitlines()[0]}") from e
-            raise
-        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-                tf.errors.AbortedError) as e:
-            raise errors.ServerUnavailableError(
-                f"parameter server ps:0 at {self.address} did not answer {what} within "
-                f"{self._timeout_ms / 1000:g} s: {e.message.splitlines()[0]}") from e
+        options = self._tf.compat.v1.RunOptions(timeout_in_ms=self._timeout_ms)
+        with ps0_errors(what, f"at {self.address}", self._timeout_ms / 1000), self._lock:
+            return self._session.run(fetches, feed_dict=feed, options=options)
 
     def add(self, name: str, delta: int = 1) -> int:
         return int(self._run(name, "add", {self._delta: delta}))

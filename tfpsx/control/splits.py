@@ -24,8 +24,9 @@ from typing import Dict, List, NamedTuple, Optional
 
 import tensorflow as tf
 
-from tfpsx import settings
+from tfpsx import errors, settings
 from tfpsx.background import BackgroundLoop
+from tfpsx.control.counters import ps0_errors
 from tfpsx.ops import bindings
 
 logger = logging.getLogger("tfpsx")
@@ -163,6 +164,7 @@ class SplitCoordinator:
         self._session = None
         self._graph_ops: Dict[str, tuple] = {}
         self._renewal: Optional[BackgroundLoop] = None
+        self._renew_failures = 0
 
     # ------------------------------------------------------------------ ops in a graph
     def _placed(self):
@@ -196,8 +198,9 @@ class SplitCoordinator:
     def _run(self, what: str, build, feeds: dict):
         """Runs ``build(handle, **placeholders)`` with ``feeds``: eagerly, or in this
         client's session (its graph built once per call kind)."""
+        where = f"through {self._target}" if self._target else "(eager)"
         if self._target is None:
-            with self._placed():
+            with ps0_errors(f"the input {self.name!r}'s {what}", where), self._placed():
                 return build(self.handle(), **feeds)
         with self._lock:
             if what not in self._graph_ops:
@@ -209,7 +212,9 @@ class SplitCoordinator:
                         out = build(bindings.split_handle(self.shared_name), **holders)
                 self._graph_ops[what] = (holders, out)
             holders, out = self._graph_ops[what]
-            return self._sess().run(out, {holders[k]: v for k, v in feeds.items()})
+            with ps0_errors(f"the input {self.name!r}'s {what}", where,
+                            settings.get("TFPSX_RPC_TIMEOUT")):
+                return self._sess().run(out, {holders[k]: v for k, v in feeds.items()})
 
     def _graph(self):
         if not hasattr(self, "_own_graph"):
@@ -281,16 +286,24 @@ class SplitCoordinator:
             if self._renewal is not None:
                 return
             self._renewal = BackgroundLoop(f"input {self.name} leases",
-                                           lambda: self.renew(worker) and None,
+                                           lambda: self._renew_retrying(worker),
                                            interval=max(0.05, lease_seconds / 3)).start()
 
-    def close(self) -> None:
-        loop, self._renewal = self._renewal, None
-        if loop is not None:
-            loop.stop(timeout=settings.get("TFPSX_RPC_TIMEOUT"))
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+    def _renew_retrying(self, worker: int) -> None:
+        """One renewal of the keep-alive: a failed one is logged and tried again at the
+        next (two more before the leases expire); the loop never stops on it, which
+        would let this worker's leases expire while it reads them."""
+        try:
+            self.renew(worker)
+        except (errors.ServerUnavailableError, tf.errors.OpError) as e:
+            self._renew_failures += 1
+            logger.warning("input %s: renewing worker %d's leases failed (%d in a row): %s",
+                           self.name, worker, self._renew_failures, e)
+            return
+        if self._renew_failures:
+            logger.info("input %s: worker %d's leases renewed again after %d failure(s)",
+                        self.name, worker, self._renew_failures)
+        self._renew_failures = 0
 
 
 def _dtype(value):
@@ -342,8 +355,3 @@ def registered() -> Dict[str, object]:
     """This process's inputs by name."""
     with _INPUTS_LOCK:
         return dict(_INPUTS)
-
-
-def unregister(name: str) -> None:
-    with _INPUTS_LOCK:
-        _INPUTS.pop(name, None)

@@ -119,10 +119,10 @@ class SplitInput:
         self._next_epoch = 0
         self._generation = 0
         self._start_epochs = {}  # generation -> the epoch it read
-        # The keys each generation leased, while a newer one may give them back, and the
-        # generations that took every split they could (read to their end).
-        self._keys = {}
-        self._exhausted = set()
+        # The keys the current generation leased (a newer one gives them back unless it
+        # took every split it could: read to their end).
+        self._held = set()
+        self._read_all = False
         self._fit_generation = 0  # the last generation of the last fit that ended
         self.counters = {"leases": 0, "epochs": 0}
         if self.clustered and len(table) < config.worker_num:
@@ -189,10 +189,8 @@ class SplitInput:
         with self._lock:
             self._generation += 1
             generation = self._generation
-            stale = [key for g, keys in self._keys.items() if g not in self._exhausted
-                     for key in keys]
-            self._keys = {generation: set()}
-            self._exhausted.clear()
+            stale = [] if self._read_all else sorted(self._held)
+            self._held, self._read_all = set(), False
             back = client.give_back(self.worker, stale) if self.clustered and stale else 0
             epoch = max(self._next_epoch, client.stats()["first_open"])
             self._start_epochs[generation] = epoch
@@ -214,7 +212,7 @@ class SplitInput:
                 if generation != self._generation:  # a newer iterator reads on
                     break
                 lease = client.take(self.worker, epoch)
-                if (lease.status != _coordinator.OK and not self._keys[generation]
+                if (lease.status != _coordinator.OK and not self._held
                         and (self.epochs is None or epoch + 1 < self.epochs)):
                     # Nothing of this epoch is left for this worker (one that joins while
                     # the others hold its last splits): the iteration reads the next
@@ -223,9 +221,9 @@ class SplitInput:
                     self._start_epochs[generation] = epoch
                     continue
                 if lease.status != _coordinator.OK:
-                    self._exhausted.add(generation)
+                    self._read_all = True
                     break
-                self._keys[generation].add(lease.key)
+                self._held.add(lease.key)
             self.counters["leases"] += 1
             if not self.clustered:  # one process: read is trained (nothing to recover)
                 client.commit([lease.key], [lease.end])
@@ -235,7 +233,7 @@ class SplitInput:
                 return  # (abandoned: the newer iterator counts the epoch)
             self._next_epoch = epoch + 1
             self.counters["epochs"] += 1
-            empty = not self._keys[generation]
+            empty = not self._held
         if empty:
             logger.warning("input %s: worker %d found no split left to read in the job's "
                            "epoch %d, its last (the other workers hold or trained them): "

@@ -69,20 +69,16 @@ class PendingPositions:
     def __init__(self, device: str):
         self.device = device
         self._tables: Dict[str, tf.lookup.experimental.MutableHashTable] = {}
-        self._graph_tables: Dict[Tuple[int, str], object] = {}
         self._lock = threading.Lock()
 
     def _table(self, name: str):
-        graph = None if tf.executing_eagerly() or tf.inside_function() else \
-            tf.compat.v1.get_default_graph()
+        """Input ``name``'s table (made once, outside the step function that uses it)."""
         with self._lock:
-            store, key = ((self._tables, name) if graph is None
-                          else (self._graph_tables, (id(graph), name)))
-            if key not in store:
+            if name not in self._tables:
                 with tf.init_scope(), tf.device(self.device):
-                    store[key] = tf.lookup.experimental.MutableHashTable(
+                    self._tables[name] = tf.lookup.experimental.MutableHashTable(
                         tf.int64, tf.int64, default_value=-1, name=f"tfpsx_pending_{name}")
-            return store[key]
+            return self._tables[name]
 
     def record(self, position) -> tf.Operation:
         """The op a step runs after training its copy: its batch's position, pending."""

@@ -12,7 +12,7 @@ from tfpsx import graph_state, metrics
 from tfpsx.checkpoint import evaluation
 from tfpsx.control import splits
 from tfpsx.embedding import cache as _cache
-from tfpsx.modes.positions import decode_numpy
+from tfpsx.modes.positions import PendingSteps, decode_numpy
 
 logger = logging.getLogger("tfpsx")
 
@@ -212,7 +212,7 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
         self._positions: list = []
         self._takes: set = set()
         self._reaches: Dict[tuple, bool] = {}
-        self._due: Dict[str, Dict[int, int]] = {}
+        self._due = PendingSteps()  # (not GEO) run, not committed yet
         self._last = 0.0
 
     def begin(self):
@@ -258,22 +258,14 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
             name = by_tag.get(int(tags[0]))
             if name is None:
                 raise ValueError("a batch's position names no tfpsx.data input of this process")
-            if self._pending is not None:
-                self._pending.add(name, keys, ends)
-                continue
-            due = self._due.setdefault(name, {})
-            for k, o in zip(keys.tolist(), ends.tolist()):
-                if o > due.get(k, -1):
-                    due[k] = o
-        if self._due and time.monotonic() - self._last >= self._every:
+            (self._due if self._pending is None else self._pending).add(name, keys, ends)
+        if self._pending is None and time.monotonic() - self._last >= self._every:
             self._commit()
 
     def _commit(self) -> None:
-        due, self._due = self._due, {}
         self._last = time.monotonic()
-        for name, table in due.items():
-            splits.coordinator_of(name).commit(list(table), list(table.values()))
+        self._due.commit(self._due.take())
 
     def end(self, session):
-        if self._due:
+        if self._pending is None:
             self._commit()
