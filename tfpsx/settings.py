@@ -155,6 +155,11 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "job's TF ports, whose wildcard binds the preloaded bind shim moves to loopback "
             "(a task whose server listens beyond it stops; docs/security.md)", "cluster",
             read_by="the loopback bind shim and tfpsx.control.sockets"),
+    Setting("TFPSX_DATA_SERVICE", "str", None,
+            "set by the launcher (tfpsx-run --data_workers N) in each training task: the "
+            "job's tf.data service dispatcher (grpc://host:port), through whose workers "
+            "tfpsx.data.splits reads and parses its splits (docs/data.md)", "cluster",
+            read_by="tfpsx.data.splits"),
     Setting("TFPSX_LISTEN_PORT", "port", None,
             "the port this process's server listens on, when the address the cluster lists "
             "for it is not its own (a NAT, a container's mapped port, a proxy): the others "

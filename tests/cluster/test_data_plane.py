@@ -43,11 +43,23 @@ def examples(tmp_path_factory):
     return folder / "data"
 
 
-def run_job(tmp_path, examples, script, workers, args, kill_server_after=None):
+def _kill_child(launcher, which):
+    """SIGKILLs the first-started process under ``launcher`` that ``which(psutil.Process)``
+    names."""
+    import psutil
+
+    found = [p for p in psutil.Process(launcher.pid).children(recursive=True) if which(p)]
+    assert found, "no such process"
+    min(found, key=lambda p: p.create_time()).kill()
+
+
+def run_job(tmp_path, examples, script, workers, args, kill_server_after=None,
+            data_workers=0, kill_data_worker=False):
     """tfpsx-run of ``script`` with 1 PS + ``workers`` under --max_restarts 1; with
     ``kill_server_after`` (a checkpoint folder), the server is SIGKILLed a second after
-    the chief's first checkpoint there. Returns (launcher result, {id: visits})."""
-    import psutil
+    the chief's first checkpoint there; with ``data_workers``, the job reads through a
+    tf.data service of that many data workers, and with ``kill_data_worker`` the first is
+    SIGKILLed 2 s into worker 0's reading. Returns (launcher result, {id: visits})."""
 
     out = tmp_path / "out"
     out.mkdir()
@@ -55,6 +67,7 @@ def run_job(tmp_path, examples, script, workers, args, kill_server_after=None):
     proc = subprocess.Popen(
         RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num",
                str(workers), "--max_restarts", "1", "--timeout", "240",
+               "--data_workers", str(data_workers),
                os.path.join(SCRIPTS, script), "--out", str(out)] + args,
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, cwd=str(tmp_path))
@@ -67,10 +80,16 @@ def run_job(tmp_path, examples, script, workers, args, kill_server_after=None):
                     proc.stderr.read()[-3000:]
                 time.sleep(0.1)
             time.sleep(1.0)
-            servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                       if p.environ().get("TFPSX_ROLE") == "server"]
-            assert len(servers) == 1, servers
-            servers[0].kill()
+            _kill_child(proc, lambda p: p.environ().get("TFPSX_ROLE") == "server")
+        if kill_data_worker:
+            log = tmp_path / "logs" / "workerlog.0"
+            deadline = time.monotonic() + 150
+            while not (log.exists() and "tf.data service at" in log.read_text()):
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    proc.stderr.read()[-3000:]
+                time.sleep(0.1)
+            time.sleep(2.0)
+            _kill_child(proc, lambda p: "data_worker" in p.cmdline())
         stdout, stderr = proc.communicate(timeout=280)
     finally:
         if proc.poll() is None:
@@ -120,6 +139,27 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
         for i in (0, 2):
             r = tfpsx.metrics.read(str(tmp_path / "logs"), "worker", i, "visits")[-1]
             assert r["rounds"] >= r["batches"] // (2 * 5), r
+
+
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers + TF's tf.data service (a "
+                            "dispatcher, 2 data workers), a data worker SIGKILLed")
+def test_keras_a_data_worker_killed_loses_nothing(tmp_path, examples):
+    """tfpsx-run --data_workers 2: the splits are still leased from PS 0 and committed by
+    the steps, but read and parsed on TF's tf.data workers. One is SIGKILLed while the
+    workers read: the launcher starts it again on its address, each worker reads again
+    what the service had not delivered of its leases (the service alone would lose it:
+    its visitation is at most once), and every example is in the model exactly once."""
+    err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
+                          ["--input", "splits", "--examples", str(EXAMPLES),
+                           "--step_delay", "0.1", "--split_bytes", "20000"],
+                          data_workers=2, kill_data_worker=True)
+    assert re.search(r"data_worker \d exited with code -9 .*started it again on its "
+                     r"address", err), err
+    logs = "".join((tmp_path / "logs" / f"workerlog.{i}").read_text() for i in range(3))
+    assert "read and parsed by the tf.data service" in logs
+    assert_each_once(visits, repeats_at_most=0)
+    # (splits of ~10 batches, 2 read at a time by each worker: the kill cuts some short)
+    assert "reading the rest again" in logs, logs[-3000:]
 
 
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 Keras workers, the server SIGKILLed: the "

@@ -90,6 +90,7 @@ def test_a_position_round_trips_and_the_strategy_strips_it(tmp_path):
     ("IN", {"epochs": 0}, ["epochs", "0"]),
     ("IN", {"interleave": 0}, ["interleave", "0"]),
     ("EMPTY", {}, ["every input file is empty"]),
+    ("IN", {"service": "127.0.0.1:5000"}, ["service", "'127.0.0.1:5000'", "grpc://"]),
 ])
 def test_bad_input_is_refused_before_anything_is_read(tmp_path, files, kwargs, words):
     pattern = write_lines(tmp_path / "in", files=1, lines=5)
@@ -173,3 +174,36 @@ def test_a_coordinator_call_to_a_server_that_is_gone_is_a_named_error(monkeypatc
                        match=r"parameter server ps:0 through grpc://127\.0\.0\.1:\d+ did not "
                              r"answer the input 'gone''s take within 3 s"):
         client.take(0, 0)
+
+
+def test_splits_read_and_parsed_by_a_tfdata_service_in_eager_and_graph_mode(tmp_path):
+    """service=: each lease is read and parsed on a tf.data worker (here one of this
+    process) and comes back whole, in batches of batch_size, every record once."""
+    pattern = write_lines(tmp_path / "in")
+    svc = tf.data.experimental.service
+    dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=0))
+    worker = svc.WorkerServer(svc.WorkerConfig(
+        dispatcher_address=dispatcher.target.split("://")[1], heartbeat_interval_ms=200))
+    try:
+        data = tfpsx.data.splits(pattern, parse, 64, split_bytes=1000, seed=3, epochs=None,
+                                 name="through_service", service=dispatcher.target)
+        for _ in range(2):
+            batches = [x.numpy() for x, _ in data]
+            assert sorted(np.concatenate(batches).tolist()) == list(range(1500))
+            assert [len(b) for b in batches[:-1]] == [64] * (len(batches) - 1)
+        with tf.Graph().as_default():
+            graph_data = tfpsx.data.splits(pattern, parse, 64, split_bytes=1000, epochs=1,
+                                           name="through_service_graph",
+                                           service=dispatcher.target)
+            iterator = tf.compat.v1.data.make_initializable_iterator(graph_data)
+            ids = iterator.get_next()[0]
+            got = []
+            with tf.compat.v1.Session() as session:
+                session.run(iterator.initializer)
+                with pytest.raises(tf.errors.OutOfRangeError):
+                    while True:
+                        got += session.run(ids).tolist()
+            assert sorted(got) == list(range(1500))
+    finally:
+        worker.stop()
+        dispatcher.stop()

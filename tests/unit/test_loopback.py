@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -281,3 +282,45 @@ def test_tfpsx_scheduler_exits_2_naming_the_setting_and_binds_nothing():
     assert out.returncode == 2, out
     assert f"tfpsx-scheduler: scheduler: listen address '0.0.0.0:{port}'" in out.stderr
     assert "Set TFPSX_TOKEN" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_local_jobs_tfdata_service_is_on_loopback_and_started_again(tmp_path,
+                                                                        monkeypatch):
+    """--data_workers 2: a dispatcher and two data workers, confined like the job's TF
+    servers; the training tasks get the dispatcher's address; a service task that exits
+    starts again on its address, MAX_SERVICE_RESTARTS times, then the job stops."""
+    from tfpsx.errors import ClusterTimeoutError
+    from tfpsx.launcher import local
+
+    c = LocalCluster("train.py", 1, 2, log_dir=str(tmp_path), data_workers=2)
+    service = [("dispatcher", 0), ("data_worker", 0), ("data_worker", 1)]
+    assert c.tasks()[:3] == service
+    dispatcher = c.dispatcher_address
+    ports = {int(a.rsplit(":", 1)[1]) for a in [dispatcher] + c.data_worker_addresses}
+    assert ports <= set(c.tf_ports()) and len(set(c.tf_ports())) == 1 + 2 + 3
+    for role, index in c.tasks():
+        env = c.task_env(role, index)
+        assert ports <= {int(p) for p in env[loopback.PORTS_ENV].split(",")}
+        if role in ("worker", "server"):
+            assert env["TFPSX_DATA_SERVICE"] == f"grpc://{dispatcher}"
+    assert c._service_argv("data_worker", 1)[-2:] == ["--dispatcher", dispatcher]
+    with pytest.raises(ValueError, match="data_workers"):
+        LocalCluster("train.py", 1, 2, log_dir=str(tmp_path), data_workers=-1)
+    # Each exits at once (code 3): started again, then the job stops, naming it.
+    monkeypatch.setattr(LocalCluster, "_service_argv",
+                        lambda self, role, index: ["-c", "import sys; sys.exit(3)"])
+    with LocalCluster("train.py", 1, 1, log_dir=str(tmp_path / "again"), data_workers=1,
+                      timeout=60) as job:
+        job.start(service[:2])
+        restarted = []
+        with pytest.raises(ClusterTimeoutError, match=r"(dispatcher|data_worker) 0 of the "
+                                                      r"tf\.data service exited 6 times "
+                                                      r"\(last code 3") as stopped:
+            deadline = time.monotonic() + 50
+            while time.monotonic() < deadline:
+                restarted += job.supervise()
+                time.sleep(0.05)
+        role = str(stopped.value).split(" ")[0]
+        assert len([t for t, _ in restarted if t == (role, 0)]) == local.MAX_SERVICE_RESTARTS
+        assert all(code == 3 for _, code in restarted)
+        assert all(p.poll() is not None for p in job.procs.values())

@@ -10,7 +10,8 @@ A config whose ranks a scheduler is still to assign has ``needs_scheduler`` set;
 control layer (:mod:`tfpsx.control`) completes it.
 """
 
-from tfpsx.cluster.config import (CHIEF, CLUSTER_ENV_VARS, ENV_RANK, ENV_ROLE, ENV_SCHED_ADDR,
+from tfpsx.cluster.config import (CHIEF, CLUSTER_ENV_VARS, DATA_WORKER, DISPATCHER,
+                                  ENV_DATA_SERVICE, ENV_RANK, ENV_ROLE, ENV_SCHED_ADDR,
                                   ENV_SERVER_ENDPOINTS, ENV_SERVER_NUM, ENV_TOKEN,
                                   ENV_WORKER_ENDPOINTS, ENV_WORKER_NUM, EVALUATOR, ROLES,
                                   SCHEDULER, SERVER, TF_CONFIG_JOBS, WORKER, ClusterConfig,
@@ -26,5 +27,6 @@ __all__ = [
     "AutoRoleMaker", "TFConfigRoleMaker", "EnvRoleMaker", "UserDefinedRoleMaker", "FlagsRoleMaker",
     "SERVER", "WORKER", "SCHEDULER", "EVALUATOR", "CHIEF", "ROLES", "TF_CONFIG_JOBS",
     "ENV_ROLE", "ENV_RANK", "ENV_SERVER_ENDPOINTS", "ENV_WORKER_ENDPOINTS", "ENV_SCHED_ADDR",
-    "ENV_SERVER_NUM", "ENV_WORKER_NUM", "ENV_TOKEN", "CLUSTER_ENV_VARS",
+    "ENV_SERVER_NUM", "ENV_WORKER_NUM", "ENV_TOKEN", "CLUSTER_ENV_VARS", "DISPATCHER",
+    "DATA_WORKER", "ENV_DATA_SERVICE",
 ]

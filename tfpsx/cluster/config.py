@@ -16,6 +16,9 @@ SCHEDULER = "scheduler"
 EVALUATOR = "evaluator"
 CHIEF = "chief"  # a launcher task and a TF_CONFIG job; in tfpsx it is worker rank 0
 ROLES = (SERVER, WORKER, SCHEDULER)
+# TF's tf.data service in a local job (tfpsx-run --data_workers; tfpsx.data.service).
+DISPATCHER = "dispatcher"
+DATA_WORKER = "data_worker"
 
 # TF_CONFIG job names tfpsx understands. "master" (TF1 estimator) is deliberately absent.
 TF_CONFIG_JOBS = ("chief", "worker", "ps", "evaluator")
@@ -28,6 +31,7 @@ ENV_SCHED_ADDR = "TFPSX_SCHED_ADDR"
 ENV_SERVER_NUM = "TFPSX_SERVER_NUM"
 ENV_WORKER_NUM = "TFPSX_WORKER_NUM"
 ENV_TOKEN = "TFPSX_TOKEN"
+ENV_DATA_SERVICE = "TFPSX_DATA_SERVICE"  # the job's tf.data dispatcher, grpc://host:port
 CLUSTER_ENV_VARS = (ENV_ROLE, ENV_RANK, ENV_SERVER_ENDPOINTS, ENV_WORKER_ENDPOINTS,
                     ENV_SCHED_ADDR, ENV_SERVER_NUM, ENV_WORKER_NUM)
 

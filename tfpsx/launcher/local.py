@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from tfpsx.waits import wait_for
 Task = Tuple[str, int]  # (role, index)
 # The hosts a job kept on loopback may name: the bind shim binds 127.0.0.1.
 _SHIM_HOSTS = ("127.0.0.1", "localhost")
+# Restarts of each tf.data service task before the job stops.
+MAX_SERVICE_RESTARTS = 5
 
 
 def pick_ports(count: int) -> List[int]:
@@ -108,13 +111,20 @@ class LocalCluster:
         cluster as TF defines it: its TF_CONFIG has task type ``evaluator`` and the
         training cluster, no task's cluster lists it; the other modes give it
         ``TFPSX_ROLE=evaluator`` and nothing to join.
+      data_workers: N > 0 adds TF's tf.data service (:mod:`tfpsx.data.service`): a
+        ``dispatcher`` (``dispatcherlog.0``, its journal in ``log_dir/dispatcher``) and N
+        ``data_worker`` tasks (``data_workerlog.i``), on the job's host and kept on
+        loopback like its TF servers; every training task gets the dispatcher's address
+        in ``TFPSX_DATA_SERVICE`` (``tfpsx.data.splits`` reads through it). One that exits
+        is started again on its address (:meth:`supervise`).
     """
 
     def __init__(self, script, server_num: int = 1, worker_num: int = 2,
                  args: Sequence[str] = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 120.0, log_dir: Optional[str] = None,
                  config_mode: str = "env", host: str = "127.0.0.1", token: Optional[str] = None,
-                 chief: bool = False, evaluator: bool = False, loopback_only: bool = True):
+                 chief: bool = False, evaluator: bool = False, loopback_only: bool = True,
+                 data_workers: int = 0):
         if loopback_only and not _cluster.is_loopback(host):
             raise ValueError(f"LocalCluster: host {host!r} is not a loopback address, but "
                              "loopback_only=True keeps the job's servers on loopback; give "
@@ -135,6 +145,7 @@ class LocalCluster:
         settings.parse_int(server_num, "server_num", minimum=0)
         # With a chief, the chief alone may train (TF_CONFIG then has no "worker" job).
         settings.parse_int(worker_num, "worker_num", minimum=0 if chief else 1)
+        self.data_workers = settings.parse_int(data_workers, "data_workers", minimum=0)
         self.chief, self.evaluator = bool(chief), bool(evaluator)
         self.argv = [script] if isinstance(script, str) else list(script)
         self.argv += list(args)
@@ -160,20 +171,26 @@ class LocalCluster:
         self.procs: Dict[Task, subprocess.Popen] = {}
         self._logs: Dict[Task, object] = {}
         self._started_at: Optional[float] = None
+        self.service_restarts: Dict[Task, int] = {}
 
     def _forget_journal(self) -> None:
         for stale in (self.scheduler_state, self.scheduler_state + ".tmp"):
             if os.path.exists(stale):
                 os.remove(stale)
+        # (the tf.data dispatcher's: its workers' addresses are of the last incarnation)
+        shutil.rmtree(os.path.join(self.log_dir, "dispatcher"), ignore_errors=True)
 
     def _pick_addresses(self) -> None:
+        service = 1 + self.data_workers if self.data_workers else 0
         ports = [f"{self.host}:{p}" for p in
-                 pick_ports(self.server_num + self.worker_num + 2)]
+                 pick_ports(self.server_num + self.worker_num + 2 + service)]
         self.servers = ports[:self.server_num]
         self.workers = ports[self.server_num:self.server_num + self.worker_num]
         extra = iter(ports[self.server_num + self.worker_num:])
         self.scheduler_address = next(extra) if self.config_mode == "scheduler" else None
         self.chief_address = next(extra) if self.chief else None
+        self.dispatcher_address = next(extra) if service else None
+        self.data_worker_addresses = [next(extra) for _ in range(self.data_workers)]
 
     @property
     def primary(self) -> Task:
@@ -214,7 +231,9 @@ class LocalCluster:
         # tfpsx's own roles: the chief trains as worker rank 0.
         tfpsx_role = _cluster.WORKER if role == _cluster.CHIEF else role
         rank = self.rank(role, index)
-        if self.config_mode == "tf_config":
+        if role in (_cluster.DISPATCHER, _cluster.DATA_WORKER):
+            pass  # TF's tf.data service: no part of the training cluster
+        elif self.config_mode == "tf_config":
             env["TF_CONFIG"] = json.dumps(self._tf_config(role, index))
         elif role == _cluster.EVALUATOR:
             env[_cluster.ENV_ROLE] = role  # outside the training cluster: nothing to join
@@ -239,6 +258,8 @@ class LocalCluster:
                         _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.training_workers())})
             if self.servers:
                 env[_cluster.ENV_SERVER_ENDPOINTS] = ",".join(self.servers)
+        if self.dispatcher_address is not None and role != _cluster.DATA_WORKER:
+            env[_cluster.ENV_DATA_SERVICE] = f"grpc://{self.dispatcher_address}"
         env.update(self.env)
         if self.shim is not None:
             loopback.confine(env, self.shim, self.tf_ports())
@@ -247,8 +268,11 @@ class LocalCluster:
         return env
 
     def tf_ports(self) -> List[int]:
-        """The ports of the job's TensorFlow servers (servers, chief, workers)."""
+        """The ports of the job's TensorFlow servers (servers, chief, workers, and the
+        tf.data service's)."""
         addresses = self.servers + self.workers + ([self.chief_address] if self.chief else [])
+        addresses += self.data_worker_addresses + (
+            [self.dispatcher_address] if self.dispatcher_address else [])
         return [int(a.rsplit(":", 1)[1]) for a in addresses]
 
     def _warn_if_exposed(self) -> None:
@@ -301,7 +325,8 @@ class LocalCluster:
         self._logs[task] = log
         # `-m tfpsx.control.scheduler` would warn: the package imports the module first.
         argv = (["-c", "import sys; from tfpsx.control.scheduler import main; sys.exit(main())"]
-                if role == _cluster.SCHEDULER else self.argv)
+                if role == _cluster.SCHEDULER else self._service_argv(role, index)
+                if role in (_cluster.DISPATCHER, _cluster.DATA_WORKER) else self.argv)
         proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv],
                                 env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -309,6 +334,53 @@ class LocalCluster:
         if self._started_at is None:
             self._started_at = time.monotonic()
         return proc
+
+    def _service_argv(self, role: str, index: int) -> List[str]:
+        run = ["-c", "import sys; from tfpsx.data.service import main; sys.exit(main())", role]
+        if role == _cluster.DISPATCHER:
+            port = self.dispatcher_address.rsplit(":", 1)[1]
+            return run + ["--port", port, "--work_dir", os.path.join(self.log_dir, "dispatcher")]
+        host, port = self.data_worker_addresses[index].rsplit(":", 1)
+        return run + ["--port", port, "--host", host, "--dispatcher", self.dispatcher_address]
+
+    def service_tasks(self) -> List[Task]:
+        """The tf.data service's tasks: the dispatcher, then the data workers."""
+        if not self.data_workers:
+            return []
+        return [(_cluster.DISPATCHER, 0)] + [(_cluster.DATA_WORKER, i)
+                                             for i in range(self.data_workers)]
+
+    def supervise(self) -> List[Tuple[Task, int]]:
+        """Starts again, on its address, each tf.data service task that exited (the
+        dispatcher takes the service back from its journal; what a data worker had not
+        delivered the training tasks read again, :mod:`tfpsx.data.service`), up to
+        :data:`MAX_SERVICE_RESTARTS` times each; then checks the job's ports
+        (:meth:`check_exposure`). Returns the (task, exit code) started again.
+
+        Raises:
+          ClusterTimeoutError: a service task failed more often than that (every task
+            is killed first).
+        """
+        again = []
+        for task in self.service_tasks():
+            proc = self.procs.get(task)
+            if proc is None or proc.poll() is None:
+                continue
+            count = self.service_restarts.get(task, 0)
+            if count >= MAX_SERVICE_RESTARTS:
+                self.stop()
+                raise ClusterTimeoutError(
+                    f"{task[0]} {task[1]} of the tf.data service exited {count + 1} times "
+                    f"(last code {proc.returncode}; see {self.log_path(*task)}); every task "
+                    "was killed")
+            self.service_restarts[task] = count + 1
+            with open(self.log_path(*task), "a") as log:
+                log.write(f"\n===== restart {count + 1} of {MAX_SERVICE_RESTARTS} after exit "
+                          f"code {proc.returncode} =====\n")
+            self.start_task(*task)
+            again.append((task, proc.returncode))
+        self.check_exposure()
+        return again
 
     def add_worker(self) -> Task:
         """Starts one more worker on a free port: in "scheduler" mode it joins the running
@@ -324,8 +396,10 @@ class LocalCluster:
         return task
 
     def tasks(self) -> List[Task]:
-        """Every task of the job; the scheduler (if any) first, the evaluator (if any) last."""
+        """Every task of the job; the scheduler (if any) first, then the tf.data service
+        (if any), the evaluator (if any) last."""
         return ([(_cluster.SCHEDULER, 0)] * (self.config_mode == "scheduler") +
+                self.service_tasks() +
                 [(_cluster.SERVER, i) for i in range(self.server_num)] +
                 [(_cluster.CHIEF, 0)] * self.chief +
                 [(_cluster.WORKER, i) for i in range(len(self.workers))] +
@@ -379,7 +453,7 @@ class LocalCluster:
 
         wait_for(lambda _left: [t for t in wanted if self.procs[t].poll() is None],
                  lambda running: not running, max(0.0, timeout), past_deadline,
-                 check=self.check_exposure)
+                 check=self.supervise)
         return {t: self.procs[t].returncode for t in wanted}
 
     def log(self, role: str, index: int) -> str:

@@ -3,7 +3,7 @@
 Usage::
 
   tfpsx-run --server_num 2 --worker_num 2 [--log_dir logs] [--no_scheduler]
-            [--max_restarts N] [--expose] train.py [args]
+            [--max_restarts N] [--data_workers N] [--expose] train.py [args]
 
 A scheduler (``log_dir/scheduler.log``) assigns ranks; every server and worker is a
 separate process on a free 127.0.0.1 port, logging to ``log_dir/serverlog.N`` and
@@ -33,6 +33,11 @@ gone (also on Ctrl-C / SIGTERM; on SIGKILL the children die with the launcher). 
 environment variables (``--config tf_config`` writes TF_CONFIG instead, so a plain TF
 script that reads TF_CONFIG runs unchanged).
 
+``--data_workers N`` adds TF's tf.data service (:mod:`tfpsx.data.service`): a dispatcher
+(``dispatcherlog.0``) and N tf.data workers (``data_workerlog.i``), on loopback like the
+rest; ``tfpsx.data.splits`` reads and parses its splits on them. One that exits is started
+again on its address (5 times each, then the job stops).
+
 ``--chief`` adds a ``chief`` task (``chieflog.0``; TF_CONFIG type ``chief``, as Kubeflow
 writes it; tfpsx's worker rank 0, the workers follow as ranks 1..W). The job then ends
 when the chief ends: every other process (workers and servers that only serve, as with
@@ -58,9 +63,9 @@ from typing import List, Optional
 from tfpsx import cluster as _cluster
 from tfpsx import settings
 from tfpsx.control.watchdog import EXIT_PEER_LOST, EXIT_PORT_TAKEN
-from tfpsx.errors import ExposedPortError
+from tfpsx.errors import ClusterTimeoutError, ExposedPortError
 from tfpsx.launcher import loopback
-from tfpsx.launcher.local import LocalCluster
+from tfpsx.launcher.local import MAX_SERVICE_RESTARTS, LocalCluster
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="restarts in all: a server or the chief that fails restarts the whole "
                         "job (the chief resumes from its last checkpoint); a non-chief worker "
                         "that fails is started again in place (same rank and address)")
+    p.add_argument("--data_workers", type=str, default="0",
+                   help="start TF's tf.data service with this many data workers: "
+                        "tfpsx.data.splits reads and parses its splits on them")
     p.add_argument("--expose", action="store_true",
                    help="let TensorFlow's servers listen on every interface, as TF does on "
                         "its own (default: loopback only; docs/security.md)")
@@ -214,6 +222,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    else settings.parse_float(args.timeout, "--timeout"))
         grace = settings.parse_float(args.server_grace, "--server_grace")
         max_restarts = settings.parse_int(args.max_restarts, "--max_restarts", minimum=0)
+        data_workers = settings.parse_int(args.data_workers, "--data_workers", minimum=0)
     except ValueError as e:
         print(f"tfpsx-run: {e}", file=sys.stderr)
         return 2
@@ -226,7 +235,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            log_dir=args.log_dir,
                            config_mode=args.config if args.no_scheduler else "scheduler",
                            token=settings.raw(_cluster.ENV_TOKEN), chief=args.chief,
-                           evaluator=args.evaluator, loopback_only=not args.expose)
+                           evaluator=args.evaluator, loopback_only=not args.expose,
+                           data_workers=data_workers)
     except ValueError as e:  # nothing started
         print(f"tfpsx-run: {e}", file=sys.stderr)
         return 2
@@ -264,13 +274,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         job.start()
         workers = [t for t in job.tasks() if t[0] in (_cluster.CHIEF, _cluster.WORKER)]
         evaluators = [t for t in job.tasks() if t[0] == _cluster.EVALUATOR]
+        services = job.service_tasks()  # they serve until stopped; one that exits: again
         others = [t for t in job.tasks()  # the scheduler, servers
-                  if t not in workers and t not in evaluators]
+                  if t not in workers and t not in evaluators and t not in services]
         while not interrupted:
             try:
-                job.check_exposure()  # a port another machine reaches stops the job
+                # A port another machine reaches stops the job; a tf.data service task
+                # that exited starts again on its address.
+                for task, code in job.supervise():
+                    print(f"tfpsx-run: {_name(task)} exited with code {code} ({_how(code)}; "
+                          f"see {job.log_path(*task)}); started it again on its address "
+                          f"({job.service_restarts[task]} of {MAX_SERVICE_RESTARTS}): the "
+                          "workers read again what it had not delivered", file=sys.stderr,
+                          flush=True)
             except ExposedPortError as e:
                 exposed = e
+                break
+            except ClusterTimeoutError as e:
+                print(f"tfpsx-run: {e}", file=sys.stderr, flush=True)
+                failed = (("launcher", 0), 1)
                 break
             if failed is not None:
                 if failed[0][0] == "launcher" or job_restarts >= max_restarts:
