@@ -292,6 +292,7 @@ setup(
         "cpu": ["tensorflow-cpu"],
     },
     entry_points={"console_scripts": ["tfpsx-run=tfpsx.launcher.run:main",
-                                      "tfpsx-scheduler=tfpsx.control.scheduler:main"]},
+                                      "tfpsx-scheduler=tfpsx.control.scheduler:main",
+                                      "tfpsx-data-service=tfpsx.data.service:main"]},
     zip_safe=False,
 )

@@ -266,3 +266,59 @@ def test_a_network_policy_admits_only_the_jobs_own_pods_to_its_ports(manifest):
         assert {(p["protocol"], p["port"]) for p in rule["ports"]} == \
             {("TCP", port) for port in listened}, (rule, listened)
     assert listened == ({2222} if manifest == "tfjob-criteo.yaml" else {2222, 7000})
+
+
+def test_the_tfdata_service_manifest_serves_the_tfjobs_workers():
+    """data-service.yaml: a dispatcher and data workers as tfpsx.data.service parses
+    their arguments, the address every data worker and the TFJob's training pods dial is
+    the dispatcher pod's (its StatefulSet's pod 0 under the headless service, its port),
+    the data workers read the files on the volume the TFJob mounts, and a network policy
+    admits the data pods and the TFJob's pods to its ports, nobody else."""
+    from tfpsx.data import service
+
+    docs = load("data-service.yaml")
+    (headless,) = [d for d in docs if d["kind"] == "Service"]
+    assert headless["spec"]["clusterIP"] == "None"
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    assert set(sets) == {"tfpsx-criteo-dispatcher", "tfpsx-criteo-data-worker"}
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    assert '"tfpsx-data-service=tfpsx.data.service:main"' in setup
+    parsed, ports = {}, {}
+    for name, doc in sets.items():
+        assert doc["spec"]["serviceName"] == headless["metadata"]["name"]
+        pod = doc["spec"]["template"]
+        assert all(pod["metadata"]["labels"][k] == v
+                   for k, v in doc["spec"]["selector"]["matchLabels"].items())
+        assert all(headless["spec"]["selector"][k] == pod["metadata"]["labels"][k]
+                   for k in headless["spec"]["selector"])
+        (c,) = pod["spec"]["containers"]
+        assert c["image"] == "tfpsx:latest" and c["command"][0] == "tfpsx-data-service"
+        parsed[name] = service._parser().parse_args(c["command"][1:])
+        ports[name] = [p["containerPort"] for p in c["ports"]]
+        assert ports[name] == [parsed[name].port]
+        assert {p["port"] for p in headless["spec"]["ports"]} >= set(ports[name])
+        assert [m["mountPath"] for m in c["volumeMounts"]] == ["/data"]
+    dispatcher, worker = parsed["tfpsx-criteo-dispatcher"], parsed["tfpsx-criteo-data-worker"]
+    assert dispatcher.role == "dispatcher" and dispatcher.work_dir.startswith("/data/")
+    address = f"tfpsx-criteo-dispatcher-0.tfpsx-criteo-data:{dispatcher.port}"
+    assert worker.role == "data_worker" and worker.dispatcher == address
+    assert worker.host == "$(POD_NAME).tfpsx-criteo-data"  # its own pod's name
+    (job,) = load("tfjob-criteo.yaml")
+    for rtype in ("Chief", "Worker"):
+        (c,) = job["spec"]["tfReplicaSpecs"][rtype]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in c.get("env", ())}
+        assert env["TFPSX_DATA_SERVICE"] == f"grpc://{address}", rtype
+        assert service.address(env["TFPSX_DATA_SERVICE"]) == env["TFPSX_DATA_SERVICE"]
+    # The network policy: the data pods and the TFJob's, to the service's ports.
+    data_pods = [doc["spec"]["template"]["metadata"]["labels"] for doc in sets.values()]
+    tfjob_pods = [labels for labels, _ in _pods("tfjob-criteo.yaml")]
+    (policy,) = [p for p in load("networkpolicy.yaml")
+                 if all(_selects(p["spec"]["podSelector"], labels) for labels in data_pods)]
+    assert not any(_selects(policy["spec"]["podSelector"], labels) for labels in tfjob_pods)
+    (rule,) = policy["spec"]["ingress"]
+    assert {(p["protocol"], p["port"]) for p in rule["ports"]} == \
+        {("TCP", p) for p in sum(ports.values(), [])}
+    admitted = lambda labels: any(_selects(s["podSelector"], labels)  # noqa: E731
+                                  for s in rule["from"])
+    assert all(admitted(labels) for labels in data_pods + tfjob_pods)
+    assert not any(admitted(stranger) for stranger in _STRANGERS)

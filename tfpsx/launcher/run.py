@@ -282,11 +282,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 # A port another machine reaches stops the job; a tf.data service task
                 # that exited starts again on its address.
                 for task, code in job.supervise():
+                    then = ("it takes the service back from its journal"
+                            if task[0] == _cluster.DISPATCHER else
+                            "the workers read again what it had not delivered")
                     print(f"tfpsx-run: {_name(task)} exited with code {code} ({_how(code)}; "
                           f"see {job.log_path(*task)}); started it again on its address "
-                          f"({job.service_restarts[task]} of {MAX_SERVICE_RESTARTS}): the "
-                          "workers read again what it had not delivered", file=sys.stderr,
-                          flush=True)
+                          f"({job.service_restarts[task]} of {MAX_SERVICE_RESTARTS}): {then}",
+                          file=sys.stderr, flush=True)
             except ExposedPortError as e:
                 exposed = e
                 break
