@@ -10,8 +10,12 @@ side in one run:
    workers, generated data), --input splits against --input static, interleaved.
 3. What reading one split of a large file reads: a 4 MiB split in the middle of a 1 GiB
    text file, bytes read by the process (/proc/self/io) against the split's.
+4. What exact saves cost (tfpsx.data.splits(exact_saves=True): a barrier around each of
+   the chief's saves): the visit-counter job, 1 PS + 3 Keras async workers, an
+   incremental checkpoint every 20 of the chief's batches, with and without, interleaved:
+   the epoch's time (the last worker's fit).
 
-    python benchmarks/data_plane.py [--rounds 2] [--skip criteo,read]
+    python benchmarks/data_plane.py [--rounds 2] [--skip criteo,read,exact]
 """
 
 from __future__ import annotations
@@ -65,6 +69,26 @@ def straggler(input_kind: str, examples: int, workers: int, delay: float, slow: 
             "batches": [r["batches"] for r in rows]}
 
 
+def exact_saves(exact: bool, examples: int, data: str) -> dict:
+    out = tempfile.mkdtemp(prefix="tfpsx_bench_exact_")
+    os.symlink(data, os.path.join(out, "data"))
+    logs = os.path.join(out, "logs")
+    proc = subprocess.run(
+        RUN + ["--log_dir", logs, "--server_num", "1", "--worker_num", "3", "--timeout",
+               "600", os.path.join(SCRIPTS, "visits_job.py"), "--out", out, "--input",
+               "splits", "--examples", str(examples), "--split_bytes", "10000",
+               "--checkpoint", os.path.join(out, "ckpt"), "--save_every", "20"]
+        + ["--exact"] * exact, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"exact={exact} run failed:\n{proc.stderr[-3000:]}")
+    rows = [metrics(logs, "worker", i, "visits")[-1] for i in range(3)]
+    with open(os.path.join(logs, "workerlog.0")) as f:
+        barriers = [float(line.rsplit("up ", 1)[1].split(" ms")[0]) for line in f
+                    if "exact save: the barrier was up" in line]
+    return {"epoch_s": max(r["seconds"] for r in rows),
+            "batches": sum(r["batches"] for r in rows), "barriers_ms": barriers}
+
+
 def criteo(input_kind: str, data: str, split_bytes: int) -> float:
     logs = tempfile.mkdtemp(prefix="tfpsx_bench_criteo_")
     proc = subprocess.run(
@@ -115,7 +139,8 @@ def read_cost() -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--skip", default="", help="parts to skip: straggler, criteo, read")
+    p.add_argument("--skip", default="",
+                   help="parts to skip: straggler, criteo, read, exact")
     p.add_argument("--split_bytes", type=int, default=1 << 20,
                    help="the Criteo job's --split_bytes (200,000 lines: 48 MiB)")
     args = p.parse_args(argv)
@@ -149,6 +174,27 @@ def main(argv=None) -> int:
                       f"{rates[kind][-1]:,.0f} examples/s", flush=True)
         ratio = statistics.median(rates["splits"]) / statistics.median(rates["static"])
         print(f"splits / static examples/s (medians): {ratio:.3f}")
+    if "exact" not in skip:
+        import visits_job
+        data = os.path.join(tempfile.mkdtemp(prefix="tfpsx_bench_data_"), "data")
+        examples = 30000
+        visits_job.write_files(data, examples)
+        print(f"1 PS + 3 Keras async workers, {examples:,} examples, a checkpoint every 20 "
+              "of the chief's batches")
+        print("| saves | round | epoch (s) | batches | barrier up (ms, median / max) |")
+        print("| --- | ---: | ---: | ---: | --- |")
+        epochs = {False: [], True: []}
+        for r in range(args.rounds):
+            for exact in (False, True):
+                got = exact_saves(exact, examples, data)
+                epochs[exact].append(got["epoch_s"])
+                up = got["barriers_ms"]
+                shown = (f"{statistics.median(up):.0f} / {max(up):.0f} ({len(up)} saves)"
+                         if up else "-")
+                print(f"| {'exact' if exact else 'default'} | {r + 1} | {got['epoch_s']:.1f} "
+                      f"| {got['batches']} | {shown} |", flush=True)
+        print(f"exact / default epoch time (medians): "
+              f"{statistics.median(epochs[True]) / statistics.median(epochs[False]):.3f}")
     if "read" not in skip:
         got = read_cost()
         print(f"a {got['split_bytes'] >> 20} MiB split of a {got['file_bytes'] >> 30} GiB text "

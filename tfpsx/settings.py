@@ -226,6 +226,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "a worker's input splits (tfpsx.data.splits) come back to the others when it "
             "renewed none of its leases for this long (it died); it renews every third of it",
             "timeouts"),
+    Setting("TFPSX_SAVE_BARRIER_TIMEOUT", "seconds", 30.0,
+            "tfpsx.data.splits(exact_saves=True): the chief's save waits this long for every "
+            "worker holding a lease to pause (then saves anyway, naming how many did not); "
+            "a barrier whose chief died falls after it", "timeouts"),
     Setting("TFPSX_EVAL_TIMEOUT", "seconds", 900.0,
             "an evaluator waiting for the chief's next checkpoint (or its end of training)",
             "timeouts"),

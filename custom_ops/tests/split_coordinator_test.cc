@@ -123,6 +123,35 @@ void TestAGivenBackSplitIsTakenBeforeTheNextEpoch() {
   CHECK(c.Stats().first_open == 0 && c.Stats().leased == 1);
 }
 
+void TestAnExactSavesBarrierPausesTakesAndCountsTheHoldersAcks() {
+  SplitCoordinator c;
+  c.Configure("in-barrier", 5, Ranges(1, 6, 10), /*lease_ms=*/1000);
+  const SplitLease a = c.Take(0, 0, 0), b = c.Take(1, 0, 0);
+  CHECK(a.status == SplitLease::kOk && b.status == SplitLease::kOk);
+  CHECK(!c.Barrier(0).up && c.Barrier(0).waiting == 2);  // (no barrier: nobody acked)
+  const int64_t g = c.BarrierBegin(10, /*timeout_ms=*/500);
+  CHECK(g == 1 && c.Barrier(10).up && c.Barrier(10).waiting == 2);
+  CHECK(c.Take(2, 0, 10).status == SplitLease::kPaused);  // no lease while it is up
+  c.BarrierAck(0, g);
+  CHECK(c.Barrier(20).waiting == 1);
+  c.BarrierAck(1, g - 1);  // an older barrier's ack counts for nothing
+  CHECK(c.Barrier(20).waiting == 1);
+  const int64_t both[] = {a.key(), b.key()}, ends[] = {a.end, b.end};
+  CHECK(c.Commit(both + 1, ends + 1, 1) == 1);  // worker 1's split done: it holds none
+  CHECK(c.Barrier(30).waiting == 0);
+  c.BarrierEnd(g - 1);  // not the last barrier: still up
+  CHECK(c.Barrier(30).up);
+  c.BarrierEnd(g);
+  CHECK(!c.Barrier(30).up && c.Take(2, 0, 30).status == SplitLease::kOk);
+  // A saver that dies: the barrier falls by itself at its deadline; a dead worker's
+  // expired leases stop counting.
+  const int64_t g2 = c.BarrierBegin(40, 100);
+  CHECK(g2 == 2 && c.Barrier(139).up && !c.Barrier(140).up);
+  CHECK(c.Barrier(140).waiting == 2);  // workers 0 and 2 hold leases, neither acked g2
+  CHECK(c.Barrier(5000).waiting == 0);  // both leases expired
+  (void)c.Commit(both, ends, 1);
+}
+
 void TestExportImportRestoresPositionsAndDropsLeases() {
   SplitCoordinator c;
   c.Configure("in-c", 5, Ranges(1, 6, 100), 1000);
@@ -273,6 +302,7 @@ int main() {
   TestOrderIsAPermutationThatDependsOnTheEpoch();
   TestLeasesCommitsAndExpiry();
   TestAGivenBackSplitIsTakenBeforeTheNextEpoch();
+  TestAnExactSavesBarrierPausesTakesAndCountsTheHoldersAcks();
   TestExportImportRestoresPositionsAndDropsLeases();
   TestTextSplitsHoldEveryLineOnce();
   TestTfRecordsWithTheirCrcs();

@@ -164,22 +164,31 @@ def test_keras_a_data_worker_killed_loses_nothing(tmp_path, examples):
 
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 Keras workers, the server SIGKILLed: the "
                             "whole job started again (8 TensorFlow imports)")
-def test_keras_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples):
+@pytest.mark.parametrize("exact", [False, True], ids=["", "exact_saves"])
+def test_keras_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples, exact):
     """The server SIGKILLed after the chief's first incremental checkpoint: tfpsx-run
     starts the whole job again, the chief restores the tables, the weights and the input's
     position (saved before them), and every example is in the final model: those trained
     after the checkpoint were rolled back with it and trained again; at most the steps of
-    the save's own window repeat."""
+    the save's own window repeat, and none with exact_saves (the save's barrier: every
+    worker's steps committed and paused around it)."""
     ckpt = tmp_path / "ckpt"
     err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
                           ["--input", "splits", "--examples", str(EXAMPLES), "--checkpoint",
                            str(ckpt), "--save_every", "10", "--step_delay", "0.02",
-                           "--split_bytes", "5000"], kill_server_after=ckpt)
+                           "--split_bytes", "5000"] + ["--exact"] * exact,
+                          kill_server_after=ckpt)
     assert re.search(r"server 0 exited with code -9 .*restarting the job", err), err
     chief = (tmp_path / "logs" / "workerlog.0").read_text()
     assert re.search(r"restored .*ckpt-\d+\.tables: .*input position\(s\) of \['input'\]",
                      chief), chief[-3000:]
-    assert_each_once(visits, repeats_at_most=3 * 2 * BATCH)
+    assert_each_once(visits, repeats_at_most=0 if exact else 3 * 2 * BATCH)
+    if exact:
+        paused = [re.findall(r"worker \d paused (\d+) ms for the chief's exact save",
+                             (tmp_path / "logs" / f"workerlog.{i}").read_text())
+                  for i in (1, 2)]
+        assert all(paused), "the other workers paused at the saves"
+        print("barrier pauses (ms):", paused)
 
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 graph-mode workers, a worker SIGKILLed "
@@ -197,14 +206,17 @@ def test_graph_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 graph-mode workers, the server SIGKILLed: "
                             "the whole job started again")
 @pytest.mark.slow
-def test_graph_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples):
+@pytest.mark.parametrize("exact", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["", "exact_saves"])
+def test_graph_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples, exact):
     ckpt = tmp_path / "ckpt"
     _, visits = run_job(tmp_path, examples, "graph_visits_job.py", 3,
                         ["--checkpoint", str(ckpt), "--save_steps", "20", "--step_delay",
-                         "0.03", "--split_bytes", "5000"], kill_server_after=ckpt)
+                         "0.03", "--split_bytes", "5000"] + ["--exact"] * exact,
+                        kill_server_after=ckpt)
     chief = (tmp_path / "logs" / "workerlog.0").read_text()
     assert re.search(r"input input: position restored from .*model\.ckpt-\d+", chief)
-    assert_each_once(visits, repeats_at_most=4 * 3 * BATCH)
+    assert_each_once(visits, repeats_at_most=0 if exact else 4 * 3 * BATCH)
 
 
 @pytest.mark.budget(60, why="1 PS + 2 Keras workers through the scheduler, a third joining "

@@ -472,6 +472,8 @@ def test_misuse_is_a_clear_error(make_cluster):
         assert (got[case] or "").startswith("ValueError"), (case, got[case])
         assert f"tfpsx.data.splits with {mode}" in got[case], got[case]
         assert "tfpsx.data.shard" in got[case], got[case]
+    assert (got["splits_exact_geo"] or "").startswith("ValueError"), got["splits_exact_geo"]
+    assert "exact_saves=True) with GEO" in got["splits_exact_geo"], got["splits_exact_geo"]
 
 
 def test_the_strategy_before_init_names_the_call(monkeypatch):

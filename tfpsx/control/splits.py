@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -35,7 +35,8 @@ PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 PREFIX = "tfpsx/input/"
 # Graph mode: the variable a chief's checkpoint holds an input's position in.
 STATE_VARIABLE = "tfpsx_input_position/"
-OK, WAIT, END_OF_EPOCHS = 0, 1, 2  # a take's status
+OK, WAIT, END_OF_EPOCHS, PAUSED = 0, 1, 2, 3  # a take's status
+BARRIER_STATE, BARRIER_BEGIN, BARRIER_ACK, BARRIER_END = 0, 1, 2, 3
 
 
 class Lease(NamedTuple):
@@ -265,6 +266,15 @@ class SplitCoordinator:
             worker=np.int32(worker), keys=np.asarray(list(keys), np.int64).reshape(-1)))
         return int(out)
 
+    def barrier(self, action: int, worker: int = 0, value: int = 0) -> Tuple[int, bool, int]:
+        """The exact-save barrier after ``action`` (BARRIER_*): (its last generation,
+        whether it is up, workers holding a lease that have not acked it)."""
+        import numpy as np
+        out = self._run("barrier", lambda h, **f: bindings.split_barrier(h, **f), dict(
+            action=np.int32(action), worker=np.int32(worker), value=np.int64(value)))
+        generation, up, waiting = (_numpy(v) for v in out)
+        return int(generation), bool(up), int(waiting)
+
     def stats(self) -> Dict[str, int]:
         out = self._run("stats", lambda h: bindings.split_stats(h), {})
         return dict(zip(bindings.SPLIT_STATS_FIELDS, (int(v) for v in _numpy(out))))
@@ -355,3 +365,30 @@ def registered() -> Dict[str, object]:
     """This process's inputs by name."""
     with _INPUTS_LOCK:
         return dict(_INPUTS)
+
+
+def pause_points(flush) -> None:
+    """A training step boundary of this worker: an input whose exact save's barrier is
+    up has this worker ``flush()`` its steps' commits, ack, and wait until the save is
+    done (``tfpsx.data.splits(exact_saves=True)``; nothing otherwise)."""
+    for source in registered().values():
+        pause = getattr(source, "pause_point", None)
+        if pause is not None:
+            pause(flush)
+
+
+@contextlib.contextmanager
+def save_barrier(flush):
+    """The chief's save of the model and of its inputs' positions: the exact inputs'
+    barriers are up around it (every worker's steps committed and none trained), so
+    that the saved positions are exactly the saved model's steps."""
+    held = []
+    try:
+        for source in registered().values():
+            begin = getattr(source, "begin_exact_save", None)
+            if begin is not None and begin(flush):
+                held.append(source)
+        yield
+    finally:
+        for source in held:
+            source.end_exact_save()

@@ -31,17 +31,22 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Callable, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfpsx import compat, settings
+from tfpsx import compat, errors, settings
+from tfpsx.background import BackgroundLoop
 from tfpsx.control import splits as _coordinator
 from tfpsx.data import service as _service
 from tfpsx.ops import bindings
 from tfpsx.runtime import RUNTIME
 
 logger = logging.getLogger("tfpsx")
+
+# How often a worker of an input with exact saves looks for the chief's save barrier.
+BARRIER_POLL_SECONDS = 0.05
 
 FORMATS = ("text", "tfrecord")
 
@@ -100,7 +105,7 @@ class SplitInput:
     that checkpoints save and restore its position."""
 
     def __init__(self, name: str, paths, table, digest: str, fmt: str, seed: int,
-                 chunk_bytes: int, epochs: Optional[int] = None):
+                 chunk_bytes: int, epochs: Optional[int] = None, exact_saves: bool = False):
         self.name, self.paths, self.table, self.digest = name, paths, table, digest
         self.format, self.seed, self.chunk_bytes = fmt, seed, chunk_bytes
         self.epochs = epochs
@@ -126,6 +131,12 @@ class SplitInput:
         self._read_all = False
         self._fit_generation = 0  # the last generation of the last fit that ended
         self.counters = {"leases": 0, "epochs": 0}
+        # The exact saves' barrier (exact_saves): the last generation this worker saw up
+        # (its poller) and the last it acked (or, the chief, raised itself).
+        self.exact = bool(exact_saves)
+        self._barrier_seen = self._barrier_acked = 0
+        self._barrier_poll: Optional[BackgroundLoop] = None
+        self._barrier_began = 0.0
         if self.clustered and len(table) < config.worker_num:
             raise ValueError(
                 f"tfpsx.data.splits: {digest}: {len(table)} split(s) for {config.worker_num} "
@@ -169,6 +180,77 @@ class SplitInput:
             logger.info("input %s: worker %d gave back %d split(s) its earlier process held",
                         self.name, self.worker, back)
         client.keep_alive(self.worker, self.lease_seconds)
+        if self.exact:
+            self._barrier_poll = BackgroundLoop(f"input {self.name} save barrier",
+                                                self._poll_barrier,
+                                                interval=BARRIER_POLL_SECONDS).start()
+
+    # ------------------------------------------------------------------ exact saves
+    def _poll_barrier(self) -> None:
+        try:
+            generation, up, _ = self.client().barrier(_coordinator.BARRIER_STATE)
+        except (errors.ServerUnavailableError, tf.errors.OpError) as e:
+            logger.warning("input %s: worker %d could not read the save barrier: %s",
+                           self.name, self.worker, e)
+            return
+        if up and generation > self._barrier_acked:
+            self._barrier_seen = generation
+
+    def pause_point(self, flush: Callable[[], None]) -> None:
+        """A step boundary: when the chief's exact save has its barrier up, this worker
+        commits what its steps trained (``flush``), acks, and trains nothing until the
+        save is done (at most TFPSX_SAVE_BARRIER_TIMEOUT: the barrier falls by itself)."""
+        generation = self._barrier_seen
+        if generation <= self._barrier_acked:
+            return
+        began = time.monotonic()
+        flush()
+        client = self.client()
+        client.barrier(_coordinator.BARRIER_ACK, self.worker, generation)
+        self._barrier_acked = generation
+        while True:
+            last, up, _ = client.barrier(_coordinator.BARRIER_STATE)
+            if not up or last != generation:
+                break
+            time.sleep(0.01)
+        logger.info("input %s: worker %d paused %.0f ms for the chief's exact save", self.name,
+                    self.worker, 1000 * (time.monotonic() - began))
+
+    def begin_exact_save(self, flush: Callable[[], None]) -> bool:
+        """The chief, before it saves: raises the barrier, commits its own steps
+        (``flush``) and waits until every worker holding a lease acked (its steps
+        committed, none trained now). Returns False for an input without exact saves.
+        A worker that does not ack within TFPSX_SAVE_BARRIER_TIMEOUT (a dead one's
+        leases expire and stop counting) is named in a warning and the save goes on:
+        a restore may then repeat that worker's last steps (never skip one)."""
+        if not (self.exact and self.clustered):
+            return False
+        timeout = settings.get("TFPSX_SAVE_BARRIER_TIMEOUT")
+        client = self.client()
+        self._barrier_began = time.monotonic()
+        generation, _, _ = client.barrier(_coordinator.BARRIER_BEGIN,
+                                          value=max(1, int(timeout * 1000)))
+        self._barrier_acked = generation
+        flush()
+        client.barrier(_coordinator.BARRIER_ACK, self.worker, generation)
+        while True:
+            last, up, waiting = client.barrier(_coordinator.BARRIER_STATE)
+            if waiting == 0:
+                break
+            if not up or last != generation:
+                logger.warning(
+                    "input %s: exact save: %d worker(s) holding leases did not pause within "
+                    "%g s (TFPSX_SAVE_BARRIER_TIMEOUT); saving anyway: a restore may repeat "
+                    "their last steps", self.name, waiting, timeout)
+                break
+            time.sleep(0.005)
+        return True
+
+    def end_exact_save(self) -> None:
+        """The chief's save is done: the workers train on."""
+        self.client().barrier(_coordinator.BARRIER_END, value=self._barrier_acked)
+        logger.info("input %s: exact save: the barrier was up %.0f ms", self.name,
+                    1000 * (time.monotonic() - self._barrier_began))
 
     # ------------------------------------------------------------------ leases
     def leases(self):
@@ -213,7 +295,8 @@ class SplitInput:
                 if generation != self._generation:  # a newer iterator reads on
                     break
                 lease = client.take(self.worker, epoch)
-                if (lease.status != _coordinator.OK and not self._held
+                paused = lease.status == _coordinator.PAUSED
+                if (not paused and lease.status != _coordinator.OK and not self._held
                         and (self.epochs is None or epoch + 1 < self.epochs)):
                     # Nothing of this epoch is left for this worker (one that joins while
                     # the others hold its last splits): the iteration reads the next
@@ -221,10 +304,14 @@ class SplitInput:
                     epoch += 1
                     self._start_epochs[generation] = epoch
                     continue
-                if lease.status != _coordinator.OK:
+                if not paused and lease.status != _coordinator.OK:
                     self._read_all = True
                     break
-                self._held.add(lease.key)
+                if not paused:
+                    self._held.add(lease.key)
+            if paused:  # the chief's exact save: no lease until it is done
+                time.sleep(BARRIER_POLL_SECONDS / 2)
+                continue
             self.counters["leases"] += 1
             if not self.clustered:  # one process: read is trained (nothing to recover)
                 client.commit([lease.key], [lease.end])
@@ -322,7 +409,7 @@ def splits(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
            name: str = "input",
            interleave: int = 2, chunk_bytes: int = 4 << 20, drop_remainder: bool = False,
            parse_batches: bool = True, num_parallel_calls=tf.data.AUTOTUNE,
-           service: Optional[str] = None):
+           service: Optional[str] = None, exact_saves: bool = False):
     """This worker's ``tf.data.Dataset`` of the job's input, read split by split as the
     coordinator on PS 0 leases them (see the module doc).
 
@@ -351,6 +438,12 @@ def splits(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
         and parse each split (:mod:`tfpsx.data.service`); default: the job's
         (``tfpsx-run --data_workers N`` sets ``TFPSX_DATA_SERVICE``), else none. The
         splits are still leased from PS 0 and committed by the steps that train them.
+      exact_saves: the chief's checkpoints hold exactly the steps of the saved model (a
+        restore repeats none): each save raises a barrier on PS 0, every worker commits
+        its steps and pauses at its next step boundary (each polls PS 0 every 50 ms),
+        and the save runs while none trains (async and staleness; GEO's rounds push
+        from a thread of their own: refused). Default: no pause; a restore may repeat
+        the steps trained during the save.
 
     Returns:
       A dataset whose elements are ``parse``'s, each followed by its position (a dict the
@@ -377,7 +470,11 @@ def splits(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
                                or epochs < 1):
         raise ValueError(f"tfpsx.data.splits: epochs must be an int >= 1 or None, got "
                          f"{epochs!r}")
-    source = SplitInput(name, paths, table, digest, format, seed, chunk_bytes, epochs)
+    if not isinstance(exact_saves, bool):
+        raise ValueError(f"tfpsx.data.splits: exact_saves must be True or False, got "
+                         f"{exact_saves!r}")
+    source = SplitInput(name, paths, table, digest, format, seed, chunk_bytes, epochs,
+                        exact_saves)
     if source.clustered and batch_size is None:
         raise ValueError("tfpsx.data.splits: give batch_size: on a cluster each batch carries "
                          "its input position to the step that trains it")

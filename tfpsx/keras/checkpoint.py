@@ -145,11 +145,13 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
             return out
 
         # The input's position first, then the model: a restore repeats the steps
-        # trained between the two, never skips one (tfpsx.data).
-        positions = {INPUT + name: np.frombuffer(source.position_state(), np.uint8)
-                     for name, source in splits.registered().items()}
-        dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}
-        info = self._writer.save(part, export, step, extra=dict(dense, **positions))
+        # trained between the two, never skips one (tfpsx.data); none with an input's
+        # exact_saves, whose barrier holds every worker's steps around the save.
+        with splits.save_barrier(compat.async_wait):
+            positions = {INPUT + name: np.frombuffer(source.position_state(), np.uint8)
+                         for name, source in splits.registered().items()}
+            dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}
+            info = self._writer.save(part, export, step, extra=dict(dense, **positions))
         try:
             kept = [n for n in self._state().get("kept", []) if n != name] + [name]
             kept = kept[-self.max_to_keep:]

@@ -40,6 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfpsx import compat
+from tfpsx.control import splits
 from tfpsx.embedding.cache import flush_due_eager_caches
 
 logger = logging.getLogger("tfpsx")
@@ -94,6 +95,9 @@ class StrategyCallback(keras.callbacks.Callback):
             self._strategy.translating(self._strategy.batch_end, self.model,
                                        self._steps_left)
             flush_due_eager_caches()  # worker caches sync between steps
+            # An input's exact save (tfpsx.data.splits(exact_saves=True)): this worker's
+            # steps committed, it waits here while the chief saves.
+            self._strategy.translating(splits.pause_points, compat.async_wait)
             if self._last_in_epoch:
                 # The ops this callback ran since the step's own wait are in flight too:
                 # their remote error must come out here, named, not from Keras's wait

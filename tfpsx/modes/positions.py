@@ -46,6 +46,13 @@ def check_feeds_splits(mode_name: str) -> None:
     Raises:
       ValueError: a mode whose steps take a batch of every worker, named with the fix.
     """
+    if mode_name == "geo" and any(getattr(s, "exact", False)
+                                  for s in splits.registered().values()):
+        raise ValueError(
+            "tfpsx.data.splits(exact_saves=True) with GEO: GEO's rounds push this worker's "
+            "steps from a thread of their own, which a save's barrier at the step boundary "
+            "does not pause; give exact_saves=False (a restore then repeats at most the "
+            "steps of a round per worker), or train async or staleness for exact saves")
     if mode_name in _LOCKSTEP:
         raise ValueError(
             f"tfpsx.data.splits with {_LOCKSTEP[mode_name]}: splits leased as each worker "

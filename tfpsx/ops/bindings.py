@@ -218,6 +218,13 @@ def split_give_back(handle, worker, keys):
     return load_ops().tfpsx_split_give_back(handle, worker, keys)
 
 
+def split_barrier(handle, action, worker, value):
+    """(generation, up, waiting) of the input's exact-save barrier after ``action``
+    (0 state, 1 begin for ``value`` ms, 2 ``worker`` acks generation ``value``, 3 end
+    generation ``value``)."""
+    return load_ops().tfpsx_split_barrier(handle, action, worker, value)
+
+
 def split_stats(handle):
     return load_ops().tfpsx_split_stats(handle)
 

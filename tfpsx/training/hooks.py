@@ -157,14 +157,31 @@ def graph_caches(graph=None) -> list:
     return list(state.worker_caches) if state is not None else []
 
 
+def _nothing() -> None:
+    pass
+
+
 class InputPositionListener(tf.compat.v1.train.CheckpointSaverListener):
     """Before each save of the chief's checkpoint: the positions of the graph's inputs
     (``tfpsx.data.next_batch``) go into their variables, which the save then holds. First
     the position, then the model: a restore can repeat the steps trained in between,
     never skip one."""
 
+    def __init__(self):
+        self._barrier = None
+
     def before_save(self, session, global_step_value):
+        # An input's exact save: its barrier up from here to after_save (every worker's
+        # steps committed, none training), the chief's own runs committed first.
+        hook = InputPositionHook.active
+        self._barrier = splits.save_barrier(hook.flush if hook is not None else _nothing)
+        self._barrier.__enter__()
         save_input_positions(session)
+
+    def after_save(self, session, global_step_value):
+        if self._barrier is not None:
+            barrier, self._barrier = self._barrier, None
+            barrier.__exit__(None, None, None)
 
 
 def save_input_positions(session) -> None:
@@ -215,7 +232,10 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
         self._due = PendingSteps()  # (not GEO) run, not committed yet
         self._last = 0.0
 
+    active: Optional["InputPositionHook"] = None  # the chief's (its saver's listener)
+
     def begin(self):
+        InputPositionHook.active = self
         state = graph_state.peek()
         self._positions = list(state.positions) if state is not None else []
         self._takes = {p.op for p in self._positions}
@@ -243,6 +263,9 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
         return self._reaches[key]
 
     def before_run(self, run_context):
+        # An input's exact save: this worker's steps committed, it waits while the chief
+        # saves (tfpsx.data.splits(exact_saves=True)).
+        splits.pause_points(self.flush)
         if self._positions and self._takes_a_batch(run_context.original_args.fetches):
             return tf.compat.v1.train.SessionRunArgs(self._positions)
         return None
@@ -265,6 +288,12 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
     def _commit(self) -> None:
         self._last = time.monotonic()
         self._due.commit(self._due.take())
+
+    def flush(self) -> None:
+        """Commits every run's position now (async, staleness: each run's updates are
+        applied by the time it returns)."""
+        if self._pending is None:
+            self._commit()
 
     def end(self, session):
         if self._pending is None:

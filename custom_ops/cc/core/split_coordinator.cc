@@ -170,6 +170,11 @@ SplitLease SplitCoordinator::Take(int32_t worker, int64_t epoch, int64_t now_ms)
     for (auto& [index, lease] : e.leased)
       if (lease.worker == worker) lease.deadline_ms = now_ms + lease_ms_;
   SplitLease out;
+  if (BarrierUpLocked(now_ms)) {  // a new lease now would train during the save
+    out.status = SplitLease::kPaused;
+    out.epoch = std::max(first_open_, epoch);
+    return out;
+  }
   bool waiting = false;
   for (int64_t n = first_open_; n <= epoch; ++n) {
     Epoch& e = Open(n);
@@ -219,6 +224,39 @@ int64_t SplitCoordinator::Commit(const int64_t* keys, const int64_t* offsets, in
   }
   if (finished) FinishLocked();
   return finished;
+}
+
+int64_t SplitCoordinator::BarrierBegin(int64_t now_ms, int64_t timeout_ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  barrier_deadline_ms_ = now_ms + std::max<int64_t>(1, timeout_ms);
+  return ++barrier_generation_;
+}
+
+void SplitCoordinator::BarrierAck(int32_t worker, int64_t generation) {
+  std::lock_guard<std::mutex> l(mu_);
+  int64_t& acked = acked_[worker];
+  acked = std::max(acked, generation);
+}
+
+void SplitCoordinator::BarrierEnd(int64_t generation) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (generation == barrier_generation_) barrier_deadline_ms_ = 0;
+}
+
+SplitBarrier SplitCoordinator::Barrier(int64_t now_ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  ExpireLocked(now_ms);  // a dead worker's leases: it puts nothing more in the model
+  SplitBarrier out;
+  out.generation = barrier_generation_;
+  out.up = BarrierUpLocked(now_ms);
+  std::map<int32_t, bool> holders;
+  for (const auto& [number, e] : epochs_)
+    for (const auto& [index, lease] : e.leased) holders[lease.worker] = true;
+  for (const auto& [worker, unused] : holders) {
+    auto it = acked_.find(worker);
+    if (it == acked_.end() || it->second < barrier_generation_) ++out.waiting;
+  }
+  return out;
 }
 
 void SplitCoordinator::Renew(int32_t worker, int64_t now_ms) {

@@ -47,6 +47,7 @@ struct SplitLease {
     kWait = 1,  // none to take now: other workers hold the rest of the epoch's splits
     kEnd = 2,   // none left for this worker in the epochs up to the one asked for:
                 // every split is done, or held by this worker
+    kPaused = 3,  // an exact save's barrier is up: ask again when it is down
   };
   int32_t status = kEnd;
   int64_t epoch = 0;
@@ -55,6 +56,15 @@ struct SplitLease {
   int64_t start = 0, resume = 0, end = 0;  // read from resume (committed) to end
   int64_t key() const { return Key(epoch, index); }
   static int64_t Key(int64_t epoch, int32_t index) { return (epoch << 32) | uint32_t(index); }
+};
+
+// An exact save's barrier (BarrierBegin .. BarrierEnd): no lease is given, and every
+// worker holding one acks once each step it put into the model is committed and it puts
+// in no more; the save waits for `waiting` to reach 0.
+struct SplitBarrier {
+  int64_t generation = 0;  // the last barrier begun
+  bool up = false;         // begun, not ended, not past its deadline
+  int64_t waiting = 0;     // workers holding a lease that have not acked `generation`
 };
 
 struct SplitStats {
@@ -97,6 +107,14 @@ class SplitCoordinator {
 
   SplitStats Stats() const;
 
+  // The exact save's barrier: Begin raises it for at most timeout_ms (a saver that dies
+  // does not hold the job) and returns its generation; a worker acks it; End lowers it
+  // (a generation not the last is ignored). Barrier says where it stands.
+  int64_t BarrierBegin(int64_t now_ms, int64_t timeout_ms);
+  void BarrierAck(int32_t worker, int64_t generation);
+  void BarrierEnd(int64_t generation);
+  SplitBarrier Barrier(int64_t now_ms);
+
   // The state as bytes (the table, the seed, every open epoch's positions), and back:
   // Import configures an unconfigured coordinator (or checks the digest of a configured
   // one) and clears every lease. Throws std::invalid_argument for bytes that are not an
@@ -131,6 +149,12 @@ class SplitCoordinator {
   std::map<int64_t, Epoch> epochs_;  // open ones
   int64_t first_open_ = 0;
   int64_t returned_ = 0;
+  int64_t barrier_generation_ = 0;
+  int64_t barrier_deadline_ms_ = 0;  // 0: down
+  std::map<int32_t, int64_t> acked_;  // worker -> the last generation it acked
+  bool BarrierUpLocked(int64_t now_ms) const {
+    return barrier_deadline_ms_ != 0 && now_ms < barrier_deadline_ms_;
+  }
 };
 
 // The order of a job's epoch: a permutation of [0, n) from (seed, epoch), the same on

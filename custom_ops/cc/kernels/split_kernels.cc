@@ -133,6 +133,36 @@ class SplitTakeOp : public OpKernel {
   }
 };
 
+class SplitBarrierOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    int32_t action = 0, worker = 0;
+    int64_t value = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "action", &action));
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "worker", &worker));
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "value", &value));
+    OP_REQUIRES(ctx, action >= 0 && action <= 3,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "barrier action must be 0 (state), 1 (begin), 2 (ack) or 3 (end), got ",
+                    action)));
+    ::tensorflow::core::RefCountPtr<SplitCoordinatorResource> c;
+    OP_REQUIRES_OK(ctx, GetCoordinator(ctx, &c));
+    Guarded(ctx, "barrier", [&] {
+      const int64_t now = NowMs();
+      if (action == 1) c->core.BarrierBegin(now, value);
+      if (action == 2) c->core.BarrierAck(worker, value);
+      if (action == 3) c->core.BarrierEnd(value);
+      const SplitBarrier b = c->core.Barrier(now);
+      OutScalar(ctx, 0, b.generation);
+      Tensor* up = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &up));
+      up->scalar<bool>()() = b.up;
+      OutScalar(ctx, 2, b.waiting);
+    });
+  }
+};
+
 class SplitCommitOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -279,6 +309,7 @@ class ReadSplitOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitConfigure").Device(DEVICE_CPU), SplitConfigureOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitTake").Device(DEVICE_CPU), SplitTakeOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitCommit").Device(DEVICE_CPU), SplitCommitOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxSplitBarrier").Device(DEVICE_CPU), SplitBarrierOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitRenew").Device(DEVICE_CPU), SplitRenewOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitGiveBack").Device(DEVICE_CPU), SplitGiveBackOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitStats").Device(DEVICE_CPU), SplitStatsOp);

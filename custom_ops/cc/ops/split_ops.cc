@@ -76,7 +76,8 @@ REGISTER_OP("TfpsxSplitTake")
     })
     .Doc(R"doc(
 The next split for `worker` from the oldest open epoch up to `epoch`: status 0 (a lease:
-read file's [resume, end)), 1 (none free now: wait) or 2 (those epochs are done).
+read file's [resume, end)), 1 (none free now: wait), 2 (those epochs are done) or 3 (an
+exact save's barrier is up: ask again when it is down).
 )doc");
 
 REGISTER_OP("TfpsxSplitCommit")
@@ -139,6 +140,27 @@ REGISTER_OP("TfpsxSplitStats")
     .Doc(R"doc(
 [first open epoch, splits an epoch, done, leased, left (of the first open epoch),
 leases returned ever]; all zeros before the splits are configured.
+)doc");
+
+REGISTER_OP("TfpsxSplitBarrier")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("action: int32")
+    .Input("worker: int32")
+    .Input("value: int64")
+    .Output("generation: int64")
+    .Output("up: bool")
+    .Output("waiting: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(Scalars(c, 1, 3));
+      for (int i = 0; i < 3; ++i) c->set_output(i, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+An exact save's barrier. action 0: where it stands; 1: raise it for `value` ms (returns
+its generation); 2: `worker` acks generation `value`; 3: lower generation `value`.
+Returns [the last generation, whether it is up, workers holding a lease that have not
+acked it]. While it is up no lease is given (a take says 3: paused).
 )doc");
 
 REGISTER_OP("TfpsxSplitExport")

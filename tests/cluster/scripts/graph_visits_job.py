@@ -30,6 +30,7 @@ def main(argv):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--split_bytes", type=int, default=20000)
+    p.add_argument("--exact", action="store_true", help="splits(exact_saves=True)")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--save_steps", type=int, default=20)
     p.add_argument("--die_after", default=None, help="W:S")
@@ -49,7 +50,8 @@ def main(argv):
     local_steps = 0
     with tf.Graph().as_default():
         data = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
-                                 seed=11, epochs=args.epochs).repeat(args.epochs)
+                                 seed=11, epochs=args.epochs,
+                                 exact_saves=args.exact).repeat(args.epochs)
         features, label = tfpsx.data.next_batch(data)
         with tfpsx.model_scope(strategy):
             step = tf.compat.v1.train.get_or_create_global_step()

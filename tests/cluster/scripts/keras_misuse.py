@@ -129,9 +129,10 @@ record("built_outside_sgd", built_outside("sgd"))
 record("fine", fine)
 record("without_callbacks", without_callbacks)
 record("callbacks_then_without", callbacks_then_without)
-def splits_in(options):
+def splits_in(options, exact=False):
     """fit from tfpsx.data.splits under a strategy whose steps take every worker's
-    batch: refused when the step is traced, before it trains."""
+    batch (or, with ``exact``, GEO with exact saves): refused when the step is traced,
+    before it trains."""
     def case():
         import os
         import tempfile
@@ -147,7 +148,8 @@ def splits_in(options):
             return values[:, :2], values[:, 2:]
 
         data = tfpsx.data.splits(os.path.join(folder, "part-*.txt"), parse, 8,
-                                 split_bytes=64, name=f"misuse_{options.get('dense', 'sync')}")
+                                 split_bytes=64, exact_saves=exact,
+                                 name=f"misuse_{options.get('dense', 'sync')}_{exact}")
         other = tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(**options))
         with other.scope():
             model = dense_model()
@@ -160,6 +162,8 @@ record("bad_options", lambda: tfpsx.keras.ParameterServerStrategy(
     tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_step": 3})))
 record("splits_sync", splits_in({"a_sync": False}))
 record("splits_hybrid", splits_in({"dense": "allreduce"}))
+record("splits_exact_geo", splits_in({"a_sync": True, "a_sync_configs": {"k_steps": 4}},
+                                     exact=True))
 errors["untouched"] = untouched
 tfpsx.metrics.emit("misuse", **errors)
 tfpsx.stop_worker()

@@ -19,6 +19,7 @@ example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes 
       [--die_after W:S]                  worker W SIGKILLs itself after its S-th batch,
                                          the first time it runs (a marker in DIR)
       [--step_delay SEC]
+      [--exact]                          --input splits with exact_saves (a save barrier)
 """
 import argparse
 import os
@@ -121,6 +122,7 @@ def main(argv):
     p.add_argument("--slow_factor", type=float, default=1.0)
     p.add_argument("--input", choices=["shard", "splits"], default="shard")
     p.add_argument("--split_bytes", type=int, default=20000)
+    p.add_argument("--exact", action="store_true", help="splits(exact_saves=True)")
     args = p.parse_args(argv)
 
     tfpsx.init()
@@ -156,7 +158,7 @@ def main(argv):
     if args.input == "splits":
         files = os.path.join(args.out, "data", "part-*.txt")
         train = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
-                                  seed=7, epochs=args.epochs)
+                                  seed=7, epochs=args.epochs, exact_saves=args.exact)
     else:
         features, label = data(args.examples)
         train = tfpsx.data.shard(tf.data.Dataset.from_tensor_slices((features, label))).batch(
