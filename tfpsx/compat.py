@@ -235,16 +235,19 @@ def tape_records(tensor) -> bool:
     return bool(record.should_record_backprop([tensor]))
 
 
-def read_on_service(service: str, dataset, element_spec, task_refresh_ms: int = 100):
+def read_on_service(service: str, dataset, element_spec, task_refresh_ms: int = 100,
+                    outstanding: int = 2):
     """``dataset`` read through the tf.data service at ``service`` (registered now: in a
     tf.data function, each time it runs), one data worker reading it in order under
-    ``ShardingPolicy.DYNAMIC`` when its source is a single element; uncompressed."""
+    ``ShardingPolicy.DYNAMIC`` when its source is a single element; uncompressed; at
+    most ``outstanding`` elements asked for at a time."""
     from tensorflow.python.data.experimental.ops import data_service_ops
 
     dataset_id = data_service_ops._register_dataset(service, dataset, compression=None)
     return data_service_ops._from_dataset_id(
         tf.data.experimental.service.ShardingPolicy.DYNAMIC, service, dataset_id,
-        element_spec, task_refresh_interval_hint_ms=task_refresh_ms)
+        element_spec, task_refresh_interval_hint_ms=task_refresh_ms,
+        max_outstanding_requests=outstanding)
 
 
 def sync_replicas_parts(optimizer):

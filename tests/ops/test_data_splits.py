@@ -207,3 +207,33 @@ def test_splits_read_and_parsed_by_a_tfdata_service_in_eager_and_graph_mode(tmp_
     finally:
         worker.stop()
         dispatcher.stop()
+
+
+def test_a_data_worker_lost_mid_split_is_read_again_from_what_was_delivered(tmp_path, capfd):
+    """The tf.data service delivers at most once: a data worker stopped in the middle of
+    a split takes the rest of it along. The reader reads the rest again from the end of
+    the last record it received (through the data worker started on the same address),
+    and every record comes once."""
+    from tfpsx.launcher.local import pick_ports
+
+    pattern = write_lines(tmp_path / "in", files=1, lines=3000)
+    svc = tf.data.experimental.service
+    dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=0, worker_timeout_ms=1000))
+    (port,) = pick_ports(1)
+    config = svc.WorkerConfig(dispatcher_address=dispatcher.target.split("://")[1],
+                              worker_address=f"127.0.0.1:{port}", port=port,
+                              heartbeat_interval_ms=100)
+    worker = svc.WorkerServer(config)
+    try:
+        data = tfpsx.data.splits(pattern, parse, 32, split_bytes=1 << 20, epochs=1,
+                                 name="service_lost", service=dispatcher.target)
+        iterator = iter(data)
+        got = [next(iterator)[0].numpy() for _ in range(3)]  # 96 of 3,000 in one split
+        worker.stop()  # the rest of the split goes with it
+        worker = svc.WorkerServer(config)  # started again on its address
+        got += [x.numpy() for x, _ in iterator]
+        assert sorted(np.concatenate(got).tolist()) == list(range(3000))
+        assert "reading the rest again" in capfd.readouterr().err
+    finally:
+        worker.stop()
+        dispatcher.stop()

@@ -392,3 +392,21 @@ def save_barrier(flush):
     finally:
         for source in held:
             source.end_exact_save()
+
+
+def input_scalars() -> Dict[str, float]:
+    """TensorBoard scalars of this worker's inputs on a cluster (reads PS 0):
+    ``input/<name>/epoch`` (the job's first open epoch), ``.../splits_done``,
+    ``.../splits_leased``, ``.../splits_left`` (of that epoch), ``.../leases_returned``
+    (the job's) and ``.../worker_leases`` (this worker's)."""
+    out = {}
+    for name, source in sorted(registered().items()):
+        if not getattr(source, "clustered", False):
+            continue
+        stats = source.stats()
+        for tag, key in (("epoch", "first_open"), ("splits_done", "done"),
+                         ("splits_leased", "leased"), ("splits_left", "left"),
+                         ("leases_returned", "leases_returned")):
+            out[f"input/{name}/{tag}"] = float(stats[key])
+        out[f"input/{name}/worker_leases"] = float(source.counters["leases"])
+    return out

@@ -40,6 +40,9 @@ logger = logging.getLogger("tfpsx")
 # How often a data worker tells the dispatcher it lives (and learns of new tasks: a new
 # lease's job waits for it) and how soon the dispatcher gives up on a silent one.
 HEARTBEAT_MS, WORKER_TIMEOUT_MS = 200, 5000
+# Batches of a lease asked of the service at a time: the rest waits on the data worker
+# (a trainer does not pull a whole split into its memory ahead of its steps).
+OUTSTANDING = 8
 # Reads of one lease that deliver nothing before its stream ends: then the service is
 # broken (not a data worker that died, which the launcher restarts), and the step fails.
 MAX_EMPTY_ATTEMPTS = 3
@@ -114,7 +117,7 @@ def read_through(service: str, remote: Callable, element_spec) -> Callable:
             with tf.control_dependencies(checks):
                 at = tf.identity(at)
             records = compat.read_on_service(service, remote(key, path, start, at, end),
-                                             element_spec)
+                                             element_spec, outstanding=OUTSTANDING)
 
             def note(*element):
                 ends = element[-1]
@@ -137,7 +140,7 @@ def read_through(service: str, remote: Callable, element_spec) -> Callable:
 
 # ---------------------------------------------------------------------- the processes
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfpsx.data.service",
+    p = argparse.ArgumentParser(prog="tfpsx-data-service",
                                 description="one process of a job's tf.data service")
     p.add_argument("role", choices=(DISPATCHER, DATA_WORKER))
     p.add_argument("--port", type=int, required=True, help="the port to listen on")

@@ -124,21 +124,7 @@ class TrainingSummaries(keras.callbacks.Callback):
         self._writes += 1
         if self._writes % self.table_every == 1 or self.table_every == 1:
             out.update(self._tables())
-            out.update(self._inputs())
-        return out
-
-    @staticmethod
-    def _inputs() -> Dict[str, float]:
-        out = {}
-        for name, source in sorted(input_splits.registered().items()):
-            if not source.clustered:
-                continue
-            stats = source.stats()
-            for tag, key in (("epoch", "first_open"), ("splits_done", "done"),
-                             ("splits_leased", "leased"), ("splits_left", "left"),
-                             ("leases_returned", "leases_returned")):
-                out[f"input/{name}/{tag}"] = float(stats[key])
-            out[f"input/{name}/worker_leases"] = float(source.counters["leases"])
+            out.update(input_splits.input_scalars())
         return out
 
     def _tables(self) -> Dict[str, float]:

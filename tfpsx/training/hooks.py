@@ -161,6 +161,43 @@ def _nothing() -> None:
     pass
 
 
+class InputSummaryHook(tf.compat.v1.train.SessionRunHook):
+    """The chief's TensorBoard scalars of its graph's inputs (``tfpsx.data.next_batch``):
+    ``input/<name>/...`` (:func:`tfpsx.control.splits.input_scalars`), every
+    ``every_steps`` global steps, into ``output_dir``'s run beside TF's own summaries."""
+
+    def __init__(self, output_dir: str, every_steps: int):
+        self._dir = output_dir
+        self._timer = tf.compat.v1.train.SecondOrStepTimer(every_steps=every_steps)
+        self._step = None
+
+    def begin(self):
+        self._step = tf.compat.v1.train.get_global_step()
+        self._writer = tf.compat.v1.summary.FileWriterCache.get(self._dir)
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(self._step) if self._step is not None else None
+
+    def after_run(self, run_context, run_values):
+        step = run_values.results
+        if step is None or not self._timer.should_trigger_for_step(step):
+            return
+        self._timer.update_last_triggered_step(step)
+        self._write(step)
+
+    def _write(self, step) -> None:
+        values = [tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
+                  for tag, value in splits.input_scalars().items()]
+        if values:
+            self._writer.add_summary(tf.compat.v1.Summary(value=values), step)
+            self._writer.flush()
+
+    def end(self, session):
+        step = session.run(self._step) if self._step is not None else None
+        if step is not None and step != self._timer.last_triggered_step():
+            self._write(step)
+
+
 class InputPositionListener(tf.compat.v1.train.CheckpointSaverListener):
     """Before each save of the chief's checkpoint: the positions of the graph's inputs
     (``tfpsx.data.next_batch``) go into their variables, which the save then holds. First

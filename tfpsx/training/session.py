@@ -21,7 +21,8 @@ from tfpsx.training import modes
 from tfpsx.modes.positions import check_feeds_splits, positions_of_graph
 from tfpsx.training.hooks import (InputPositionHook, InputPositionListener, ResumeLogHook,
                                   TrainingDoneHook,
-                                  WorkerCacheHook, restore_input_positions,
+                                  InputSummaryHook, WorkerCacheHook,
+                                  restore_input_positions,
                                   graph_caches)
 from tfpsx.training.staging import graph_stagers
 
@@ -307,6 +308,8 @@ def _saver_hooks(checkpoint_dir, scaffold, log_step_count_steps, save_checkpoint
     if save_summaries_steps > 0:
         hooks.append(train.SummarySaverHook(scaffold=scaffold, save_steps=save_summaries_steps,
                                             output_dir=checkpoint_dir))
+        if positions_of_graph():  # the graph reads tfpsx.data.splits: its input's scalars
+            hooks.append(InputSummaryHook(checkpoint_dir, save_summaries_steps))
     if (save_checkpoint_secs or 0) > 0 or (save_checkpoint_steps or 0) > 0:
         hooks.append(train.CheckpointSaverHook(checkpoint_dir, save_steps=save_checkpoint_steps,
                                                save_secs=save_checkpoint_secs,

@@ -170,7 +170,9 @@ SplitLease SplitCoordinator::Take(int32_t worker, int64_t epoch, int64_t now_ms)
     for (auto& [index, lease] : e.leased)
       if (lease.worker == worker) lease.deadline_ms = now_ms + lease_ms_;
   SplitLease out;
-  if (BarrierUpLocked(now_ms)) {  // a new lease now would train during the save
+  if (BarrierUpLocked(now_ms) &&
+      (sealed_ || (acked_.count(worker) && acked_[worker] >= barrier_generation_))) {
+    // A lease now would train during the save.
     out.status = SplitLease::kPaused;
     out.epoch = std::max(first_open_, epoch);
     return out;
@@ -229,6 +231,7 @@ int64_t SplitCoordinator::Commit(const int64_t* keys, const int64_t* offsets, in
 int64_t SplitCoordinator::BarrierBegin(int64_t now_ms, int64_t timeout_ms) {
   std::lock_guard<std::mutex> l(mu_);
   barrier_deadline_ms_ = now_ms + std::max<int64_t>(1, timeout_ms);
+  sealed_ = false;
   return ++barrier_generation_;
 }
 
@@ -256,6 +259,7 @@ SplitBarrier SplitCoordinator::Barrier(int64_t now_ms) {
     auto it = acked_.find(worker);
     if (it == acked_.end() || it->second < barrier_generation_) ++out.waiting;
   }
+  if (out.up && out.waiting == 0) sealed_ = true;  // the save may start: nobody joins it
   return out;
 }
 

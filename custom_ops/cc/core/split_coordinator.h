@@ -58,9 +58,12 @@ struct SplitLease {
   static int64_t Key(int64_t epoch, int32_t index) { return (epoch << 32) | uint32_t(index); }
 };
 
-// An exact save's barrier (BarrierBegin .. BarrierEnd): no lease is given, and every
-// worker holding one acks once each step it put into the model is committed and it puts
-// in no more; the save waits for `waiting` to reach 0.
+// An exact save's barrier (BarrierBegin .. BarrierEnd): every worker holding a lease acks
+// once each step it put into the model is committed and it puts in no more; the save
+// waits for `waiting` to reach 0. A worker that acked takes no lease while it is up; one
+// that did not may (its pipeline may need the next split to reach its next step
+// boundary, where it acks), and becomes one the save waits for, until every holder has
+// acked: then the barrier is sealed and no worker takes one.
 struct SplitBarrier {
   int64_t generation = 0;  // the last barrier begun
   bool up = false;         // begun, not ended, not past its deadline
@@ -152,6 +155,7 @@ class SplitCoordinator {
   int64_t barrier_generation_ = 0;
   int64_t barrier_deadline_ms_ = 0;  // 0: down
   std::map<int32_t, int64_t> acked_;  // worker -> the last generation it acked
+  bool sealed_ = false;  // every holder acked the last generation: no take at all
   bool BarrierUpLocked(int64_t now_ms) const {
     return barrier_deadline_ms_ != 0 && now_ms < barrier_deadline_ms_;
   }

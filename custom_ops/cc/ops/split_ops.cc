@@ -160,7 +160,8 @@ REGISTER_OP("TfpsxSplitBarrier")
 An exact save's barrier. action 0: where it stands; 1: raise it for `value` ms (returns
 its generation); 2: `worker` acks generation `value`; 3: lower generation `value`.
 Returns [the last generation, whether it is up, workers holding a lease that have not
-acked it]. While it is up no lease is given (a take says 3: paused).
+acked it]. While it is up a worker that acked takes no lease (a take says 3: paused), nor
+does any once every holder acked.
 )doc");
 
 REGISTER_OP("TfpsxSplitExport")
