@@ -67,6 +67,9 @@ class KerasGeo(KerasMode):
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
         self._in_fit = False
+        # A round inside the step: the positions it took before reading the copy, which
+        # it commits once it pushed (_take_pending, _commit_pending).
+        self._in_step_pending = {}
 
     # ------------------------------------------------------------------ variables
     def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
@@ -154,7 +157,7 @@ class KerasGeo(KerasMode):
         return True
 
     def _commit_pending(self) -> bool:
-        pending, self._in_step_pending = getattr(self, "_in_step_pending", {}), {}
+        pending, self._in_step_pending = self._in_step_pending, {}
         self.positions.commit(pending)
         return True
 
