@@ -95,8 +95,7 @@ flags.DEFINE_enum("input", "auto", ["auto", "splits", "static"],
                   "splits: the files leased split by split from PS 0 as each worker goes "
                   "(tfpsx.data.splits: every line trained once an epoch whatever happens, "
                   "its position in the checkpoint); static: each worker its fixed part; "
-                  "auto: splits on a cluster with servers, except sync and --dense "
-                  "allreduce")
+                  "auto: splits on a cluster with servers, except --dense allreduce")
 flags.DEFINE_integer("split_bytes", 4 << 20, "--input splits: bytes of a file's split")
 flags.DEFINE_integer("eval_rows", 0, "evaluate on the first N eval lines (0: all)")
 flags.DEFINE_integer("eval_every", 0, "also evaluate every N steps (0: at epoch ends)")
@@ -266,10 +265,9 @@ def main(argv):
         tfpsx.metrics.set_identity("local", 0)
     chief = me == 0
     keras.utils.set_random_seed(FLAGS.seed)
-    # (A sync or hybrid step takes a batch of every worker: they read equal parts.)
+    # (A hybrid step all-reduces a batch of every worker: they read equal parts.)
     use_splits = FLAGS.input == "splits" or (
-        FLAGS.input == "auto" and strategy is not None and FLAGS.mode != "sync"
-        and FLAGS.dense == "ps")
+        FLAGS.input == "auto" and strategy is not None and FLAGS.dense == "ps")
     if use_splits:  # every line once an epoch, leased as each worker goes
         files = criteo_data.files_of(FLAGS.train_data, "train_data")
         train = tfpsx.data.splits(files, criteo_data.parse, FLAGS.batch_size,

@@ -147,6 +147,28 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
             assert r["rounds"] >= r["batches"] // (2 * 5), r
 
 
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers in sync, a worker SIGKILLed "
+                            "and started again in place")
+def test_keras_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples):
+    """Sync from splits (each step the sum of every worker's gradients, so each visit
+    moves its row by +1 whatever the workers in the step): worker 1 SIGKILLed and started
+    again in place rejoins the group, its leases come back from what the chief applied,
+    and the workers' data ends at different steps: the chief, its own done first or not,
+    applies the others' last steps (they leave the group as their data ends)."""
+    err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
+                          ["--mode", "sync", "--input", "splits", "--examples", str(EXAMPLES),
+                           "--die_after", "1:25", "--split_bytes", "5000",
+                           "--chief_batch", str(3 * BATCH)])
+    assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
+    # a step commits once the chief applied it: at most the step in flight repeats
+    assert_each_once(visits, repeats_at_most=2 * BATCH)
+    # The chief's batches are 3x the others': its data ends first, and it applies theirs
+    # (without, a run lost 94 of the 6,000 examples in graph mode).
+    chief = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert re.search(r"sync: the chief applied \d+ step\(s\) of the workers still training "
+                     "after its own data ended", chief), chief[-3000:]
+
+
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers + TF's tf.data service (a "
                             "dispatcher, 2 data workers), a data worker SIGKILLed")
 def test_keras_data_workers_killed_lose_nothing(tmp_path, examples):
@@ -213,6 +235,21 @@ def test_graph_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
                         ["--mode", mode, "--die_after", "1:30", "--step_delay", "0.01",
                          "--split_bytes", "5000"])
     assert_each_once(visits, repeats_at_most=4 * BATCH)
+
+
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 graph-mode workers in sync, a worker "
+                            "SIGKILLed and started again in place")
+def test_graph_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples):
+    """Graph mode's sync from splits: the same kill; a worker commits a run's batch once
+    its hook saw the chief apply the step, and the chief, its data done first (3x the
+    batch), applies the others' last steps."""
+    _, visits = run_job(tmp_path, examples, "graph_visits_job.py", 3,
+                        ["--mode", "sync", "--die_after", "1:30", "--split_bytes", "5000",
+                         "--chief_batch", str(3 * BATCH)])
+    assert_each_once(visits, repeats_at_most=2 * BATCH)
+    chief = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert re.search(r"sync: the chief applied \d+ step\(s\) of the workers still training "
+                     "after its own data ended", chief), chief[-3000:]
 
 
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 graph-mode workers, the server SIGKILLed: "

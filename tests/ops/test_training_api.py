@@ -129,12 +129,38 @@ def test_a_joiner_runs_the_geo_rule_and_k_of_the_workers_the_job_started_with(ca
     ({"a_sync_configs": {"k_steps": 5, "geo_hot_per_round": -1}},
      ["geo_hot_per_round", "int >= 0", "-1"]),
     ({"a_sync_configs": {"geo_hot_per_round": "auto"}}, ["geo_hot_per_round", "applies to GEO"]),
+    ({"a_sync": False, "a_sync_configs": {"sync_reduction": "avg"}},
+     ["sync_reduction", "'mean', 'sum'", "'avg'"]),
+    ({"a_sync_configs": {"sync_reduction": "sum"}}, ["sync_reduction", "applies to sync"]),
 ])
 def test_bad_strategy_is_a_clear_error(kwargs, words):
     with pytest.raises(ValueError) as e:
         tfpsx.DistributedStrategy(**kwargs)
     for w in words:
         assert w in str(e.value)
+
+
+def test_sync_from_splits_needs_every_workers_gradient_in_each_step():
+    """A step that drops some workers' gradients (replicas_to_aggregate < workers) would
+    commit batches that are not in the model: refused, naming the fix; every worker's
+    gradient (the default) trains from splits, as async and GEO."""
+    from types import SimpleNamespace
+
+    from tfpsx.modes.positions import check_feeds_splits
+
+    with pytest.raises(ValueError, match=r"replicas_to_aggregate=1 of 3 workers.*leave "
+                                         r"replicas_to_aggregate unset"):
+        check_feeds_splits(SimpleNamespace(NAME="sync", replicas=1, worker_num=3))
+    with pytest.raises(ValueError, match="replicas_to_aggregate=2 of 4"):  # graph mode's
+        check_feeds_splits(SimpleNamespace(NAME="sync", replicas=2,
+                                           config=SimpleNamespace(worker_num=4)))
+    with pytest.raises(ValueError, match="hybrid mode .* tfpsx.data.shard"):
+        check_feeds_splits(SimpleNamespace(NAME="hybrid"))
+    for fine in (SimpleNamespace(NAME="sync", replicas=3, worker_num=3),
+                 SimpleNamespace(NAME="async"), None):
+        check_feeds_splits(fine)
+    assert "sync_reduction='sum'" in repr(tfpsx.DistributedStrategy(
+        a_sync=False, a_sync_configs={"sync_reduction": "sum"}))
 
 
 def test_distributed_optimizer_before_init(monkeypatch):

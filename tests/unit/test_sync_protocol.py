@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfpsx import errors
 from tfpsx.modes import DONE, GradientAccumulators, SyncGroup
+from tfpsx.modes.group import DRAINING
 
 
 def test_the_chief_waits_for_replicas_of_the_workers_still_in_the_group():
@@ -29,6 +30,13 @@ def test_the_chief_waits_for_replicas_of_the_workers_still_in_the_group():
 def test_a_worker_goes_on_once_the_step_passed_its_own_and_stops_when_the_chief_left():
     g = SyncGroup(None, None, None, 1, 2, 2, lambda: [])
     assert g.step_ready(4, False, 4) is None
+    # A draining chief (its data ended) counts as out of the group for the gradients
+    # a step needs, and applies on: the others wait for it.
+    chief = SyncGroup(None, None, None, 0, 3, 3, lambda: [])
+    assert chief.gradients_ready(np.array([DRAINING, 5, 4]), 4) is None
+    assert chief.gradients_ready(np.array([DRAINING, 5, 5]), 4) == 2
+    assert chief.others_training(np.array([DRAINING, DONE, 5]))
+    assert not chief.others_training(np.array([DRAINING, DONE, DONE]))
     assert g.step_ready(5, True, 4) == 5  # the chief's last step, then it left
     with pytest.raises(tf.errors.OutOfRangeError, match="chief .* finished training"):
         g.step_ready(4, True, 4)
@@ -38,8 +46,9 @@ class Job:
     """``workers`` threads training a scalar ``v`` by sync SGD (lr 1) in one session; a
     worker's gradient at step s is ``grads(w, s)``."""
 
-    def __init__(self, workers, replicas=None, dead=()):
+    def __init__(self, workers, replicas=None, dead=(), drains=False):
         self.workers, self.graph = workers, tf.Graph()
+        self.drains = drains  # the chief applies the others' steps after its own
         self.dead = list(dead)
         with self.graph.as_default():
             self.v = tf.compat.v1.get_variable("v", [], initializer=tf.zeros_initializer(),
@@ -59,7 +68,7 @@ class Job:
                               lambda: self.dead)
                 grad = tf.compat.v1.placeholder(tf.float32, [])
                 accs = GradientAccumulators([grad], lambda i, n: "/cpu:0", prefix="acc_")
-                ops = {"grad": grad, "join": g.join(), "leave": g.leave(),
+                ops = {"grad": grad, "join": g.join(), "leave": g.leave(), "drain": g.drain(),
                        "mark": g.mark_pushed(accs.push([grad], local.read_value())),
                        "pushed": pushed.read_value(), "step": step.read_value()}
                 if w == 0:
@@ -97,6 +106,13 @@ class Job:
                     s = g.wait_for_step(s, lambda: run(ops["step"]), pushed)
                     run(ops["follow"], {ops["new"]: s})
                 time.sleep(delay)
+            if w == 0 and self.drains:
+                run(ops["drain"])
+                while True:
+                    count = g.wait_to_drain(s, lambda: run(ops["pushed"]))
+                    if count is None:
+                        break
+                    s = int(run(ops["apply"], {ops["count"]: count}))
             run(ops["leave"])
         except BaseException as e:  # noqa: BLE001 — the test reads it
             self.errors[w] = e
@@ -146,6 +162,22 @@ def test_when_the_chief_leaves_the_others_stop_after_its_last_step():
     assert isinstance(job.errors.get(1), tf.errors.OutOfRangeError), job.errors
     assert job.seen[1] == [0, 1, 2, 3, 4]  # its push for step 4 found no chief to apply it
     assert 0 not in job.errors
+
+
+@pytest.mark.timeout(120)
+def test_a_chief_whose_data_ended_applies_the_others_steps_until_they_leave():
+    """(tfpsx.data.splits: the workers' data ends at different steps.) The chief trains
+    3 steps and drains: the next steps average only the others' gradients, each applied
+    once, and nobody stops early."""
+    job = Job(3, drains=True)
+    v, step = job.run({0: 3, 1: 8, 2: 5}, grad_of, delays={1: 0.01})
+    assert job.errors == {}
+    assert step == 8
+    assert job.seen[1] == list(range(8)) and job.seen[2] == list(range(5))
+    want = (-sum(np.mean([grad_of(w, s) for w in range(3)]) for s in range(3))
+            - sum(np.mean([grad_of(w, s) for w in (1, 2)]) for s in range(3, 5))
+            - sum(grad_of(1, s) for s in range(5, 8)))
+    assert v == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.timeout(120)

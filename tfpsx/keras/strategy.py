@@ -178,7 +178,7 @@ class _Extended(OneDeviceExtended):
                 return outputs  # an eval or predict step
             after = self.mode.after_step()
             if position is not None:
-                check_feeds_splits(self.mode.NAME)
+                check_feeds_splits(self.mode)
                 with tf.control_dependencies(after):
                     after = after + [self.mode.commit_position(position)]
             with tf.control_dependencies(after):
@@ -346,6 +346,12 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
 
     def end_fit(self, model, failed: bool = False) -> None:
         """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""
+        if not failed:
+            try:
+                self.translating(self._mode.finish_fit, model)
+            except BaseException:
+                self.end_fit(model, failed=True)
+                raise
         self._fitting = False
         self._fit_flag.assign(0)
         try:

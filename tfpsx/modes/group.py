@@ -8,6 +8,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 DONE = 2 ** 62  # a finished worker's entry: never the slowest, never waited for
+# sync's chief whose own data ended while others still train: it pushes no gradient (no
+# step waits for it, as DONE) but applies the others' steps until they leave.
+DRAINING = DONE + 1
 
 
 def op_of(x):

@@ -1,9 +1,10 @@
 """Where each mode commits a batch's input position (the data plane, :mod:`tfpsx.data`):
 once the step that trained the batch is in the model, for both front-ends.
 
-* async, bounded staleness, sync, hybrid: a step's update is applied on the servers
-  (sync: by the chief, which every worker's step waits for) within the step, so the step
-  commits its batch's position after its update (:func:`commit_ops`);
+* async, bounded staleness, sync: a step's update is applied on the servers (sync: by
+  the chief, which every worker's step waits for) within the step, so the step commits
+  its batch's position after its update (:func:`commit_ops`; graph mode's sync: after
+  its hook waited for the chief, and not when the chief ended before the step);
 * GEO: a step trains this worker's copy, which reaches the model when a round pushes
   it. The step records its position as pending (Keras: in a worker-local table,
   :class:`PendingPositions`; graph mode: the session hook, :class:`PendingSteps`); a
@@ -30,22 +31,26 @@ import tensorflow as tf
 from tfpsx.control import splits
 
 
-# Modes whose every step takes a batch of every worker (sync's chief applies one of each;
-# hybrid all-reduces the dense gradients): splits leased as each worker goes end the
-# workers' data at different steps, so they are fed with tfpsx.data.shard.
-_LOCKSTEP = {"sync": "sync (each step applies a batch of every worker, and graph mode "
-                     "drops a late one, whose batch is then not in the model)",
-             "hybrid": "the hybrid mode (each step all-reduces the dense gradients of "
-                       "every worker)"}
+# Modes whose every step takes a batch of every worker: splits leased as each worker goes
+# end the workers' data at different steps, and those left would wait in the all-reduce
+# for one whose data ended.
+_LOCKSTEP = {"hybrid": "the hybrid mode (each step all-reduces the dense gradients of "
+                       "every worker, in a group of fixed size)"}
 
 
-def check_feeds_splits(mode_name: str) -> None:
-    """Raises when mode ``mode_name`` cannot train from ``tfpsx.data.splits`` (both
-    front-ends ask before a step commits a position).
+def check_feeds_splits(mode) -> None:
+    """Raises when ``mode`` (a front-end's mode object, or None) cannot train from
+    ``tfpsx.data.splits`` (both front-ends ask before a step commits a position).
+
+    Sync trains from splits with every worker's gradient in each step: a worker whose
+    data ended leaves the group, and the chief, its own data done, applies the others'
+    steps until they leave (SyncGroup.drain).
 
     Raises:
-      ValueError: a mode whose steps take a batch of every worker, named with the fix.
+      ValueError: a mode, or a sync option, that would leave a trained batch out of the
+        model or make a worker wait for one whose data ended; named with the fix.
     """
+    mode_name = getattr(mode, "NAME", "")
     if mode_name == "geo" and any(getattr(s, "exact", False)
                                   for s in splits.registered().values()):
         raise ValueError(
@@ -58,7 +63,18 @@ def check_feeds_splits(mode_name: str) -> None:
             f"tfpsx.data.splits with {_LOCKSTEP[mode_name]}: splits leased as each worker "
             "goes end the workers' data at different steps (the others' last steps would "
             "wait for, or never train, what is left); feed it with tfpsx.data.shard (equal "
-            "parts), or train async, staleness or GEO from splits")
+            "parts), or train async, staleness, sync or GEO from splits")
+    if mode_name == "sync":
+        replicas = getattr(mode, "replicas", None)
+        workers = getattr(mode, "worker_num", None) or getattr(
+            getattr(mode, "config", None), "worker_num", None)
+        if replicas is not None and workers is not None and replicas < workers:
+            raise ValueError(
+                f"tfpsx.data.splits with sync and replicas_to_aggregate={replicas} of "
+                f"{workers} workers: a step drops the gradients of the workers that come "
+                f"after the first {replicas}, and their batches would be committed yet not "
+                "in the model; leave replicas_to_aggregate unset (every worker), or feed "
+                "the job with tfpsx.data.shard")
 
 
 def commit_ops(position) -> tf.Operation:

@@ -21,6 +21,9 @@ _CONFIG_KEYS = {
     "max_staleness": "bounded staleness: steps a worker may run ahead of the slowest",
     "geo_sync_in_train_thread": "GEO: sync between steps in the training thread (tests)",
     "replicas_to_aggregate": "sync: gradients aggregated per step (default: every worker)",
+    "sync_reduction": "sync: how a step's gradients combine, 'mean' (default, as TF's "
+                      "SyncReplicasOptimizer) or 'sum' (as tf.distribute's all-reduce, for "
+                      "a loss already divided by the global batch)",
     "geo_wire_dtype": "GEO: the dtype table rows travel in ('float32', 'bfloat16', "
                       "'float16'); values stay float32 on both sides",
     "geo_table_rule": "GEO: how the PS adds the workers' pushes of a table row: "
@@ -40,6 +43,7 @@ _CONFIG_KEYS = {
                          "the worker count",
 }
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
+_SYNC_REDUCTIONS = ("mean", "sum")
 _GEO_TABLE_RULES = ("average", "shared_slots")
 _GEO_DENSE = ("copies", "async")
 _DENSE = ("ps", "allreduce")
@@ -142,6 +146,13 @@ class DistributedStrategy:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_sync_in_train_thread'] "
                              f"must be True or False, got {self.geo_sync_in_train_thread!r}")
         self.replicas_to_aggregate = configs.get("replicas_to_aggregate")
+        self.sync_reduction = configs.get("sync_reduction", "mean")
+        if self.sync_reduction not in _SYNC_REDUCTIONS:
+            raise ValueError("DistributedStrategy: a_sync_configs['sync_reduction'] must be "
+                             f"one of {list(_SYNC_REDUCTIONS)}, got {self.sync_reduction!r}")
+        if "sync_reduction" in configs and a_sync:
+            raise ValueError("DistributedStrategy: a_sync_configs['sync_reduction'] applies "
+                             "to sync (a_sync=False); got a_sync=True")
         self.geo_wire_dtype = configs.get("geo_wire_dtype", "float32")
         if self.geo_wire_dtype not in _WIRE_DTYPES:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_wire_dtype'] must be one "
@@ -202,7 +213,7 @@ class DistributedStrategy:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.k_auto, self.max_staleness,
                 self.geo_sync_in_train_thread,
-                self.replicas_to_aggregate, self.geo_wire_dtype, self.collective, self.dense,
+                self.replicas_to_aggregate, self.sync_reduction, self.geo_wire_dtype, self.collective, self.dense,
                 self.geo_table_rule, self.geo_dense, self.geo_hot_count,
                 self.geo_hot_per_round)
 
@@ -220,6 +231,8 @@ class DistributedStrategy:
                     extra += f", {key}={getattr(self, key)!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
+        if self.mode == "sync" and self.sync_reduction != "mean":
+            extra += f", sync_reduction={self.sync_reduction!r}"
         if self.hybrid:
             extra += ", dense='allreduce'"
         k_steps = "'auto'" if self.k_auto else self.k_steps

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
-from tfpsx.modes.group import DONE, leave, op_of, set_entry
+from tfpsx.modes.group import DONE, DRAINING, leave, op_of, set_entry
 from tfpsx.modes.state import SYNC_LOCAL_STEP, SYNC_PUSHED, SYNC_STEP, StateFactory
 
 
@@ -55,6 +55,9 @@ def replicas_to_aggregate(strategy, workers: int, what: str) -> int:
 
 
 # ----------------------------------------------------------------------------- the group
+
+DRAINED = object()  # (a draining chief's wait: no other worker is left in the group)
+
 
 class SyncGroup:
     """The step protocol of one worker (see the module doc).
@@ -106,6 +109,12 @@ class SyncGroup:
     def leave(self):
         """This worker's training ended: nobody waits for it again."""
         return leave(self.pushed, self.me)
+
+    def drain(self):
+        """The chief's own data ended while others still train (an input leased as each
+        worker goes, tfpsx.data.splits): it pushes no more gradients, but applies the
+        others' steps until they leave (:meth:`wait_to_drain`), then leaves."""
+        return set_entry(self.pushed, self.me, DRAINING)
 
     def advance(self, after: Sequence = (), follow: bool = True):
         """The chief, after the ops ``after`` (the step's apply): the step + 1, and (with
@@ -210,7 +219,7 @@ class SyncGroup:
         def check():
             # The chief bumps the step before it leaves: a "left" read first, then the
             # step, never misses its last step.
-            chief_left = int(read_pushed()[0]) >= DONE
+            chief_left = int(read_pushed()[0]) == DONE  # (DRAINING: it applies on)
             return self.step_ready(int(read_step()), chief_left, s)
 
         def ready():
@@ -222,6 +231,32 @@ class SyncGroup:
             f"the chief to apply step {s}; still missing the gradients of worker(s) "
             f"{self.missing(read_pushed(), s)}. Is a worker or the chief dead?"),
             s, read_pushed, needed=(0,))
+
+    def others_training(self, pushed: np.ndarray) -> bool:
+        """Whether a worker other than this one is still in the group."""
+        return bool(np.delete(pushed < DONE, self.me).any())
+
+    def wait_to_drain(self, s: int, read_pushed: Callable[[], np.ndarray],
+                      take: Optional[Callable[[int], object]] = None):
+        """The draining chief's wait for step ``s`` (:meth:`drain`): as
+        :meth:`wait_for_gradients`, but None once no other worker is in the group (the
+        last one left rather than push)."""
+        if take is None:
+            def poll():
+                pushed = read_pushed()
+                return (self.gradients_ready(pushed, s) if self.others_training(pushed)
+                        else DRAINED)
+            result = self._poll(poll, lambda t: (
+                f"sync: the chief, its own data done, waited {t:g} s "
+                f"(TFPSX_SYNC_STEP_TIMEOUT) for the gradients of step {s} from worker(s) "
+                f"{self.missing(read_pushed(), s)}; is it dead?"), s, read_pushed)
+        else:
+            def attempt(count):
+                if not self.others_training(read_pushed()):
+                    return DRAINED
+                return take(count)
+            result = self.wait_for_gradients(s, read_pushed, take=attempt)
+        return None if result is DRAINED else result
 
     def missing(self, pushed: np.ndarray, s: int) -> List[int]:
         """The workers in the group that did not push for step ``s``."""
@@ -277,9 +312,11 @@ class GradientAccumulators:
       place: ``(i, nbytes) -> device``: where the accumulator of gradient ``i`` (of
         ``nbytes``) goes.
       prefix: the accumulators' shared-name prefix.
+      reduction: "mean" or "sum" (the strategy's ``sync_reduction``).
     """
 
-    def __init__(self, grads: Sequence, place: Callable[[int, int], str], prefix: str):
+    def __init__(self, grads: Sequence, place: Callable[[int, int], str], prefix: str,
+                 reduction: str = "mean"):
         self.accumulators = []
         for i, g in enumerate(grads):
             sparse = isinstance(g, tf.IndexedSlices)
@@ -290,7 +327,8 @@ class GradientAccumulators:
                    else tf.compat.v1.ConditionalAccumulator)
             with tf.compat.v1.device(place(i, size)):
                 self.accumulators.append(cls(g.dtype, shape=shape,
-                                             shared_name=f"{prefix}{i}"))
+                                             shared_name=f"{prefix}{i}",
+                                             reduction_type=reduction.upper()))
 
     def push(self, grads: Sequence, local_step) -> list:
         """This worker's gradients, stamped ``local_step``."""
@@ -299,7 +337,8 @@ class GradientAccumulators:
                 for acc, g in zip(self.accumulators, grads)]
 
     def take(self, count) -> list:
-        """The average of ``count`` gradients from each accumulator (waits for them)."""
+        """The average (``reduction="sum"``: the sum) of ``count`` gradients from each
+        accumulator (waits for them)."""
         return [acc.take_indexed_slices_grad(count)
                 if isinstance(acc, tf.compat.v1.SparseConditionalAccumulator)
                 else acc.take_grad(count) for acc in self.accumulators]
@@ -313,31 +352,58 @@ class TableAccumulators:
     """The sync path of tables: each table shard's row gradients go into a
     SparseConditionalAccumulator on that shard's PS, stamped with the worker's local step
     (stale ones are dropped); the chief takes ``count`` of them, sums each key's rows,
-    divides by ``count`` and applies the table's server-side optimizer once."""
+    divides by ``count`` (``reduction="sum"``: does not) and applies the table's
+    server-side optimizer once.
 
-    def __init__(self):
-        self.entries = []   # (table, shard index, SparseConditionalAccumulator)
+    The accumulators are graph objects: a graph (a TF1 graph, a trace of Keras's step)
+    pushes to and takes from its own, named by table, shard and the push's order within
+    the step, so every trace of a step names the same resources on the servers. A graph
+    that pushes nothing (sync's chief applying the steps of workers still training after
+    its own data ended) takes from those the last pushing graph named."""
+
+    def __init__(self, reduction: str = "mean"):
+        self.reduction = reduction
+        self.entries = []   # (table, shard index, accumulator, shared name): this graph's
         self.pushes = []    # the push ops of the current graph
+        self._graph = None
+
+    def _current(self) -> None:
+        """A new graph starts a new set of entries (a step's trace pushes anew)."""
+        graph = tf.compat.v1.get_default_graph()
+        if graph is not self._graph:
+            self._graph, self.entries, self.pushes = graph, [], []
 
     def push(self, table, keys, grads, local_step):
         """The op that sends a table's row gradients to its shards' accumulators."""
+        self._current()
+
         def to_accumulator(i, shard, shard_keys, shard_grads):
-            serial = sum(1 for t, s, _ in self.entries if t is table and s == i)
-            acc = tf.compat.v1.SparseConditionalAccumulator(
-                tf.float32, shape=tf.TensorShape([None, table.dim]), reduction_type="SUM",
-                shared_name=f"{table.name}/part_{i}/sync_grads_{serial}")
-            self.entries.append((table, i, acc))
+            serial = sum(1 for t, s, *_ in self.entries if t is table and s == i)
+            name = f"{table.name}/part_{i}/sync_grads_{serial}"
+            acc = _table_accumulator(table, name)
+            self.entries.append((table, i, acc, name))
             return acc.apply_grad(shard_keys, shard_grads, local_step=local_step)
 
         push = tf.group(*table.on_shards(to_accumulator, keys, [grads]), name="table_sync_push")
         self.pushes.append(push)
         return push
 
+    def _in_this_graph(self) -> list:
+        """(table, shard, accumulator) of the current graph: its own entries, or (a graph
+        that pushed nothing) the last pushing graph's, made again here by name."""
+        if self._graph is tf.compat.v1.get_default_graph():
+            return [(t, i, acc) for t, i, acc, _ in self.entries]
+        made = []
+        for table, i, _, name in self.entries:
+            with tf.compat.v1.device(table.shards[i].device):
+                made.append((table, i, _table_accumulator(table, name)))
+        return made
+
     def apply(self, count, step) -> list:
         """The chief's ops: take ``count`` (an int or int32 tensor) gradients per shard
         and apply them once."""
         updates = []
-        for table, i, acc in self.entries:
+        for table, i, acc in self._in_this_graph():
             shard = table.shards[i]
             with tf.compat.v1.device(shard.device):
                 taken = acc.take_indexed_slices_grad(count)
@@ -345,13 +411,20 @@ class TableAccumulators:
                 # gradient's rows): one summed row per key, then one optimizer step.
                 keys, where = tf.unique(taken.indices)
                 grads = tf.math.unsorted_segment_sum(taken.values, where, tf.size(keys))
-                updates.append(shard.apply(table.optimizer, keys,
-                                           grads / tf.cast(count, tf.float32), step))
+                if self.reduction == "mean":
+                    grads = grads / tf.cast(count, tf.float32)
+                updates.append(shard.apply(table.optimizer, keys, grads, step))
         return updates
 
     def set_global_step(self, step) -> list:
         """Gradients stamped before ``step`` are stale from now on."""
-        return [acc.set_global_step(step) for _, _, acc in self.entries]
+        return [acc.set_global_step(step) for _, _, acc in self._in_this_graph()]
+
+
+def _table_accumulator(table, name: str):
+    return tf.compat.v1.SparseConditionalAccumulator(
+        tf.float32, shape=tf.TensorShape([None, table.dim]), reduction_type="SUM",
+        shared_name=name)
 
 
 class SyncState(Protocol):

@@ -259,10 +259,12 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
     (``tfpsx.data.next_batch``): a run that takes a batch fetches its position too, and
     once the run returned (its updates, dense and tables, applied) the position is
     committed, every ``every`` seconds and when the session ends; in GEO it is pending
-    until the round that pushes the step (``mode.positions``)."""
+    until the round that pushes the step (``mode.positions``). ``applied``: whether the
+    last run's step is in the model (sync: False when the chief ended before applying
+    it; its batch is then not committed)."""
 
-    def __init__(self, pending=None, every: float = 0.05):
-        self._pending, self._every = pending, every
+    def __init__(self, pending=None, every: float = 0.05, applied=None):
+        self._pending, self._every, self._applied = pending, every, applied
         self._positions: list = []
         self._takes: set = set()
         self._reaches: Dict[tuple, bool] = {}
@@ -309,6 +311,8 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         if run_values.results is None:
+            return
+        if self._applied is not None and not self._applied():
             return
         by_tag = splits.inputs_by_tag()
         for value in run_values.results:

@@ -239,8 +239,13 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
         checkpoint_dir = None
     own = mode.hooks() if mode else []
     if positions_of_graph():  # the graph reads tfpsx.data.splits: its commits
-        check_feeds_splits(getattr(mode, "NAME", ""))
-        own.insert(0, InputPositionHook(getattr(mode, "positions", None)))
+        check_feeds_splits(mode)
+        commits = InputPositionHook(getattr(mode, "positions", None),
+                                    applied=getattr(mode, "last_run_applied", None))
+        if getattr(mode, "COMMITS_AFTER_HOOKS", False):  # (sync: once the step is applied)
+            own.append(commits)
+        else:
+            own.insert(0, commits)
     own += graph_stagers()  # they finish their stagings before the caches' final flush
     if graph_caches():
         own.append(WorkerCacheHook())

@@ -25,10 +25,12 @@ from visits_job import FEATURES, parse
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["async", "geo"], default="async")
+    p.add_argument("--mode", choices=["async", "geo", "sync"], default="async")
     p.add_argument("--k_steps", type=int, default=5)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--chief_batch", type=int, default=None,
+                   help="the chief's batch size (sync: its data ends first with a larger)")
     p.add_argument("--split_bytes", type=int, default=20000)
     p.add_argument("--exact", action="store_true", help="splits(exact_saves=True)")
     p.add_argument("--checkpoint", default=None)
@@ -43,13 +45,16 @@ def main(argv):
         return 0
     tfpsx.init_worker()
     me = tfpsx.worker_index()
+    # (GEO: the rule that sums the workers' +1s; sync: the sum of a step's gradients)
     strategy = tfpsx.DistributedStrategy(
-        a_sync_configs={"k_steps": args.k_steps, "geo_table_rule": "shared_slots"}
-        if args.mode == "geo" else {})  # (the rule that sums the workers' +1s)
+        a_sync=args.mode != "sync",
+        a_sync_configs={"geo": {"k_steps": args.k_steps, "geo_table_rule": "shared_slots"},
+                        "sync": {"sync_reduction": "sum"}}.get(args.mode, {}))
     files = os.path.join(args.out, "data", "part-*.txt")
     local_steps = 0
     with tf.Graph().as_default():
-        data = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
+        batch = args.chief_batch if me == 0 and args.chief_batch else args.batch
+        data = tfpsx.data.splits(files, parse, batch, split_bytes=args.split_bytes,
                                  seed=11, epochs=args.epochs,
                                  exact_saves=args.exact).repeat(args.epochs)
         features, label = tfpsx.data.next_batch(data)

@@ -42,11 +42,10 @@ class VisitCounter(keras.layers.Layer):
     """Passes the model's output through; its loss term moves each example's row by +1
     per trained visit (the loss's value stays 0: the reported loss is the model's)."""
 
-    def __init__(self, rate: float = 1.0, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        # (sync averages a step's row gradients over the workers: rate N)
         self.visits = tfpsx.keras.DynamicEmbedding(1, table_name="visits",
-                                                   optimizer=E.SGD(rate), initializer=E.zeros())
+                                                   optimizer=E.SGD(1.0), initializer=E.zeros())
 
     def call(self, inputs):
         out, ids = inputs
@@ -82,12 +81,12 @@ def parse(lines):
     return {"x": cols[:, 1:1 + FEATURES], "id": ids}, cols[:, 1 + FEATURES:]
 
 
-def build(rate: float = 1.0):
+def build():
     x = keras.Input((FEATURES,), name="x")
     ids = keras.Input((1,), dtype="int64", name="id")
     out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(8, "relu")(x))
     model = keras.Model({"x": x, "id": ids},
-                        VisitCounter(rate, name="counter")([out, ids]))
+                        VisitCounter(name="counter")([out, ids]))
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
     return model
 
@@ -113,6 +112,8 @@ def main(argv):
     p.add_argument("--examples", type=int, default=6000)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
+    p.add_argument("--chief_batch", type=int, default=None,
+                   help="the chief's batch size (sync: its data ends first with a larger)")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--save_every", type=int, default=10)
     p.add_argument("--die_after", default=None, help="W:S")
@@ -132,14 +133,16 @@ def main(argv):
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     # GEO: the table rule that sums the workers' row changes (the visit counter's +1s
-    # add up at any worker count; 'average' would divide them by N)
+    # add up at any worker count; 'average' would divide them by N); sync: the sum of a
+    # step's gradients (the mean would divide them by the workers in the step, fewer at
+    # the end of splits leased as each worker goes)
     configs = {"async": {}, "geo": {"k_steps": 5, "geo_table_rule": "shared_slots"},
-               "sync": {},
+               "sync": {"sync_reduction": "sum"},
                "staleness": {"max_staleness": 2}}[args.mode]
     strategy = tfpsx.keras.ParameterServerStrategy(
         tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs))
     with strategy.scope():
-        model = build(float(tfpsx.worker_num()) if args.mode == "sync" else 1.0)
+        model = build()
     callbacks = strategy.callbacks()
     restored = None
     if args.checkpoint:
@@ -157,7 +160,8 @@ def main(argv):
             on_train_batch_end=lambda *_, **__: time.sleep(delay)))
     if args.input == "splits":
         files = os.path.join(args.out, "data", "part-*.txt")
-        train = tfpsx.data.splits(files, parse, args.batch, split_bytes=args.split_bytes,
+        batch = args.chief_batch if me == 0 and args.chief_batch else args.batch
+        train = tfpsx.data.splits(files, parse, batch, split_bytes=args.split_bytes,
                                   seed=7, epochs=args.epochs, exact_saves=args.exact)
     else:
         features, label = data(args.examples)

@@ -169,6 +169,10 @@ class KerasMode:
         """After each execution of the train function (``steps_per_execution`` steps);
         ``steps_left``: the steps the ``fit`` still runs (None: unknown)."""
 
+    def finish_fit(self, model) -> None:
+        """``fit``'s steps ended well, before ``end_fit`` (its steps may still run: sync's
+        chief applies the steps of workers still training)."""
+
     def end_fit(self, model) -> None:
         """After ``fit``, also when it failed."""
 

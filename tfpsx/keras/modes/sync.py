@@ -13,16 +13,21 @@ every worker's compiled step:
    optimizer applies nothing.
 
 ``optimizer.iterations`` is the sync step (every worker's copy is set to it). A worker
-whose ``fit`` ends leaves the group; when the chief's ends, the others' epochs end.
+whose ``fit`` ends leaves the group; when the chief's ends, the others' epochs end. From
+an input leased as each worker goes (``tfpsx.data.splits``), whose data ends at different
+steps on different workers, the chief whose data ended first applies the others' steps
+until they leave (:meth:`KerasSync.finish_fit`, ``SyncGroup.drain``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
+from tfpsx.control import splits
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX
@@ -31,6 +36,13 @@ from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
 from tfpsx.runtime import RUNTIME
 from tfpsx.cluster.placement import GreedyByBytes
 
+logger = logging.getLogger("tfpsx")
+
+
+def _spec(grad):
+    """(sparse, dtype) of a gradient the step all-reduces."""
+    return isinstance(grad, tf.IndexedSlices), grad.dtype
+
 
 class KerasSync(OnServers):
     NAME = "sync"
@@ -38,8 +50,12 @@ class KerasSync(OnServers):
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
-        self.tables = TableAccumulators()
+        self.tables = TableAccumulators(options.sync_reduction)
         self._group: Optional[SyncGroup] = None  # made at the first fit
+        # The gradients the traced training step all-reduces, in order: (sparse, dtype)
+        # each; the chief's drain applies the others' average to the same.
+        self._reduced: Optional[list] = None
+        self._drain_count = None  # (while the drain step is traced: its count tensor)
 
     def validate(self) -> None:
         self.replicas = replicas_to_aggregate(self.options, self.worker_num,
@@ -88,8 +104,15 @@ class KerasSync(OnServers):
         placer = GreedyByBytes(len(self.ps_devices))
         accs = GradientAccumulators(
             grads, lambda i, nbytes: self.ps_devices[placer.place(nbytes)],
-            prefix=f"{SHARED_PREFIX}sync/grad_")
+            prefix=f"{SHARED_PREFIX}sync/grad_", reduction=self.options.sync_reduction)
         s = group.local_step.read_value()
+        if self._drain_count is not None:  # the chief's drain: the others' gradients only
+            (taken,), stale, applied = group.take_step([accs], self.tables,
+                                                       self._drain_count, s)
+            for op in stale + applied:
+                self.record(op)
+            return taken
+        self._reduced = [_spec(g) for g in grads]
         # The tables' pushes ran in the backward pass, before this all-reduce.
         mark = group.mark_pushed(accs.push(grads, s) + self.take_trace_ops())
         if not group.is_chief:
@@ -116,6 +139,65 @@ class KerasSync(OnServers):
             follow = group.follow(new)
         with tf.control_dependencies([follow]):
             return [it.assign(new, read_value=False) for it in self.iterations] or [follow]
+
+    # ------------------------------------------------------------------ the drain
+    def finish_fit(self, model) -> None:
+        """The chief's ``fit`` ended well while workers may still train from an input
+        leased as each worker goes: it applies their steps until they leave, so their
+        last batches are in the model (and their positions committed by their steps)."""
+        if not (self.is_chief and self._group is not None and splits.registered()):
+            return
+        group = self._group
+        group.drain()
+        read_pushed = lambda: group.pushed.read_value().numpy()  # noqa: E731
+        step = None
+        drained = 0
+        while True:
+            count = group.wait_to_drain(int(group.local_step.read_value()), read_pushed)
+            if count is None:
+                break
+            step = step or self._drain_step(model)
+            step(tf.constant(count, tf.int32))
+            drained += 1
+        if drained:
+            logger.info("sync: the chief applied %d step(s) of the workers still training "
+                        "after its own data ended", drained)
+
+    def _drain_step(self, model):
+        """A compiled step of the chief that applies ``count`` other workers' gradients
+        with the model's optimizer (zeros of its own go in, never pushed)."""
+        variables = list(model.trainable_variables)
+        if self._reduced is None or len(self._reduced) != len(variables):
+            raise ValueError(
+                f"sync: the chief's training step all-reduced "
+                f"{len(self._reduced or [])} gradient(s) but the model has "
+                f"{len(variables)} trainable variable(s) (one without a gradient?); it "
+                "cannot apply the steps of the workers still training after its own data "
+                "ended: give every trainable variable a gradient, or feed the job with "
+                "tfpsx.data.shard (equal parts)")
+
+        def zeros():
+            out = []
+            for (sparse, dtype), var in zip(self._reduced, variables):
+                shape = [int(d) for d in var.shape]
+                if sparse:
+                    out.append(tf.IndexedSlices(tf.zeros([0] + shape[1:], dtype),
+                                                tf.zeros([0], tf.int64), tf.constant(shape)))
+                else:
+                    out.append(tf.zeros(shape, dtype))
+            return out
+
+        @tf.function
+        def step(count):
+            def replica():
+                self._drain_count = count
+                try:
+                    model.optimizer.apply(zeros(), variables)
+                finally:
+                    self._drain_count = None
+            self.keras_strategy.run(replica)
+
+        return step
 
     # ------------------------------------------------------------------ the waits
     def _wait_for_gradients(self, step) -> np.int32:

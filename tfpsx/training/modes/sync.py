@@ -36,6 +36,7 @@ from tfpsx import compat, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
+from tfpsx.modes.positions import positions_of_graph
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
 from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
@@ -52,12 +53,29 @@ class SyncMode(Mode):
     def __init__(self, strategy, config, graph):
         super().__init__(strategy, config, graph)
         self.worker_device = worker_device_of(config)
-        self.tables = TableAccumulators()
+        self.tables = TableAccumulators(strategy.sync_reduction)
         self.dense = []    # (optimizer, variables, GradientAccumulators, push op)
         self.global_step = None
         self._group: Optional[SyncGroup] = None
         self._stamp = None
-        self.add_hook(_SyncHook(self))
+        self._hook = _SyncHook(self)
+        self.add_hook(self._hook)
+
+    # An input leased as each worker goes (tfpsx.data.splits) commits a batch once the
+    # chief applied its step: after this mode's hook waited for it (COMMITS_AFTER_HOOKS),
+    # and not at all when the chief ended before it (last_run_applied).
+    COMMITS_AFTER_HOOKS = True
+
+    def last_run_applied(self) -> bool:
+        """Whether the last training run's step is in the model."""
+        return self._hook.applied
+
+    @property
+    def drains(self) -> bool:
+        """The chief applies the steps of the workers still training once its own data
+        ended: the graph reads an input leased as each worker goes, whose data ends at
+        different steps on different workers (SyncGroup.drain)."""
+        return bool(positions_of_graph(self.graph))
 
     def validate(self) -> None:
         self.replicas = replicas_to_aggregate(self.strategy, self.config.worker_num,
@@ -123,7 +141,8 @@ class SyncOptimizer(WrappedOptimizer):
         variables = [v for _, v in pairs]
         accs = GradientAccumulators(
             [g for g, _ in pairs], lambda i, size: variables[i].device,
-            prefix=f"tfpsx_sync/{self.get_name()}_{len(mode.dense)}/grad_")
+            prefix=f"tfpsx_sync/{self.get_name()}_{len(mode.dense)}/grad_",
+            reduction=self._strategy.sync_reduction)
         with tf.compat.v1.device(mode.worker_device):
             push = tf.group(*accs.push([g for g, _ in pairs], mode.stamp()),
                             name=name or "sync_push")
@@ -140,6 +159,7 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
         self._built = False
         self._s = 0           # the step this worker trains
         self._marked = False  # the training run marked its push itself
+        self.applied = True   # the last training run's step is in the model
 
     def begin(self):
         # Before the session finalizes the graph: every gradient and table push exists.
@@ -166,6 +186,7 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
             self._mark_alone = tf.group(group.mark_pushed(stamp=self._stamp),
                                         arrivals.apply_grad(1.0, local_step=self._stamp))
         self._join, self._leave = group.join(), group.leave()
+        self._drain_mark = group.drain()
         self._read_pushed = group.pushed.read_value()
         self._read_step = group.step.read_value()
         now = group.step.read_value()
@@ -264,12 +285,46 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
             except tf.errors.DeadlineExceededError:
                 return None
 
+        self.applied = True
         try:
             self._s = group.wait_for_step(self._s, lambda: session.run(self._read_step),
                                           read_pushed, take=token)
         except tf.errors.OutOfRangeError:
-            run_context.request_stop()  # the chief ended training: no more sync steps
+            # The chief ended training before it applied this step: no more sync steps,
+            # and this run's batch is not in the model (its position is not committed).
+            self.applied = False
+            run_context.request_stop()
 
     def end(self, session):
-        if self._built:
-            session.run(self._leave)
+        if not self._built:
+            return
+        if self._group.is_chief and self._mode.drains:
+            self._drain(session)
+        session.run(self._leave)
+
+    def _drain(self, session) -> None:
+        """The chief's session ends (its data ended, or it stopped) while others may
+        still train from an input leased as each worker goes: it applies their steps
+        until they leave, so their last batches are in the model (see SyncGroup.drain)."""
+        group = self._group
+        session.run(self._drain_mark)
+
+        def read_pushed():
+            return session.run(self._read_pushed)
+
+        def apply(count):
+            try:
+                return int(session.run(self._apply, {self._count: count},
+                                       options=self._attempt))
+            except tf.errors.DeadlineExceededError:
+                return None
+
+        drained = 0
+        while True:
+            s = group.wait_to_drain(self._s, read_pushed, take=apply)
+            if s is None:
+                break
+            self._s, drained = s, drained + 1
+        if drained:
+            logger.info("sync: the chief applied %d step(s) of the workers still training "
+                        "after its own data ended", drained)
