@@ -155,6 +155,11 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "job's TF ports, whose wildcard binds the preloaded bind shim moves to loopback "
             "(a task whose server listens beyond it stops; docs/security.md)", "cluster",
             read_by="the loopback bind shim and tfpsx.control.sockets"),
+    Setting("TFPSX_STOPPED_FILE", "str", None,
+            "set by the launcher (tfpsx-run, LocalCluster) in each training task: a file "
+            "tfpsx.stop_worker() creates once the worker's training is done, so that a "
+            "worker killed after it is not started again into a job that ended", "cluster",
+            read_by="tfpsx.stop_worker"),
     Setting("TFPSX_DATA_SERVICE", "str", None,
             "set by the launcher (tfpsx-run --data_workers N) in each training task: the "
             "job's tf.data service dispatcher (grpc://host:port), through whose workers "

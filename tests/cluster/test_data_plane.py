@@ -56,11 +56,12 @@ def _kill_child(launcher, which, every=False):
 
 
 def run_job(tmp_path, examples, script, workers, args, kill_server_after=None,
-            data_workers=0, kill_data_worker=False, kill="server"):
+            data_workers=0, kill_data_worker=False, kill="server", delay=1.0):
     """tfpsx-run of ``script`` with 1 PS + ``workers`` under --max_restarts 1; with
-    ``kill_server_after`` (a checkpoint folder), the server (``kill="chief"``: the chief)
-    is SIGKILLed a second after the chief's first checkpoint there (either restarts the
-    whole job, restored from it); with ``data_workers``, the job reads through a
+    ``kill_server_after`` (a checkpoint folder), the server (``kill="chief"``: the chief;
+    ``"worker"``: worker 1) is SIGKILLed ``delay`` seconds after the chief's first
+    checkpoint there (a server or the chief restarts the whole job, restored from it; a
+    worker is started again in place); with ``data_workers``, the job reads through a
     tf.data service of that many data workers, and with ``kill_data_worker`` they are
     SIGKILLed 2 s into worker 0's reading (the dispatcher gives each lease to one of them,
     whichever asks first: the one that holds the reads in flight is not known). Returns (launcher result, {id: visits})."""
@@ -83,8 +84,9 @@ def run_job(tmp_path, examples, script, workers, args, kill_server_after=None,
                 assert proc.poll() is None and time.monotonic() < deadline, \
                     proc.stderr.read()[-3000:]
                 time.sleep(0.1)
-            time.sleep(1.0)
-            role, rank = ("server", None) if kill == "server" else ("worker", "0")
+            time.sleep(delay)
+            role, rank = {"server": ("server", None), "chief": ("worker", "0"),
+                          "worker": ("worker", "1")}[kill]
             _kill_child(proc, lambda p: p.environ().get("TFPSX_ROLE") == role and
                         (rank is None or p.environ().get("TFPSX_RANK") == rank))
         if kill_data_worker:
@@ -145,6 +147,31 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
         for i in (0, 2):
             r = tfpsx.metrics.read(str(tmp_path / "logs"), "worker", i, "visits")[-1]
             assert r["rounds"] >= r["batches"] // (2 * 5), r
+
+
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers, a worker SIGKILLed once "
+                            "its fit ended and started again in place")
+def test_keras_a_worker_started_again_with_nothing_left_to_train_ends_cleanly(tmp_path,
+                                                                           examples):
+    """Worker 1 SIGKILLed once its fit ended (the input's splits all trained or held by
+    the others) and started again in place: Keras's fit looks at a batch before its
+    steps and failed on an input with none (StopIteration, the job FAILED: found by
+    the kill matrix); the look now reads split 0 untrained, fit trains nothing, and the
+    job ends well with every example once. Worker 2 SIGKILLed after its
+    tfpsx.stop_worker() is done: not started again (a new process waited for the
+    scheduler of a job that had ended, and the job FAILED; with --max_restarts 1 spent
+    on worker 1, it would count as lost)."""
+    err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
+                          ["--input", "splits", "--examples", str(EXAMPLES), "--die_after",
+                           "1:end,2:stopped", "--step_delay", "0.01", "--split_bytes",
+                           "5000"])
+    assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
+    assert re.search(r"worker 2 exited with code -9 \(killed by SIGKILL\) after its "
+                     r"tfpsx.stop_worker\(\): its training was done; not started again",
+                     err), err
+    log = (tmp_path / "logs" / "workerlog.1").read_text()
+    assert "worker 1 has nothing left to train; Keras's look at a batch before fit" in log
+    assert_each_once(visits, repeats_at_most=0)
 
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers in sync, a worker SIGKILLed "
@@ -313,3 +340,40 @@ def test_a_slow_worker_takes_fewer_splits_and_a_joiner_takes_its_own(tmp_path, e
     assert batches[joiner[1]] >= 1 and records[joiner[1]]["input"]["leases"] >= 1, records
     assert_each_once(dict(zip(*(np.load(out / "visits.npz")[k].tolist()
                                 for k in ("ids", "counts")))), repeats_at_most=0, epochs=4)
+
+
+# The kill matrix: both front-ends, async / GEO / sync, a worker (started again in place),
+# the server or the chief (the whole job restarted from its checkpoint) SIGKILLed at a
+# moment drawn from the seed, within 2.5 s of the chief's first checkpoint.
+MATRIX = [(front, mode, victim) for front in ("keras", "graph")
+          for mode in ("async", "geo", "sync") for victim in ("worker", "server", "chief")]
+
+
+@pytest.mark.slow
+@pytest.mark.budget(90, why="tfpsx-run, 1 PS + 3 workers, a process SIGKILLed at a random "
+                            "moment, the job (or the worker) started again")
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("front,mode,victim", MATRIX, ids=["-".join(m) for m in MATRIX])
+def test_a_process_killed_at_a_random_moment_skips_nothing(tmp_path, examples, front, mode,
+                                                           victim, seed):
+    """No example is skipped, whatever dies when; the repeats stay within the bound the
+    modes state: the steps in flight, GEO's unpushed round, and (a restored job) the steps
+    between a checkpoint's position and its model (docs/data.md)."""
+    import random
+
+    delay = random.Random(f"{front}-{mode}-{victim}-{seed}").uniform(0.0, 2.5)
+    ckpt = tmp_path / "ckpt"
+    if front == "keras":
+        script, args = "visits_job.py", ["--input", "splits", "--examples", str(EXAMPLES),
+                                         "--checkpoint", str(ckpt), "--save_every", "10"]
+    else:
+        script, args = "graph_visits_job.py", ["--checkpoint", str(ckpt), "--save_steps", "20"]
+    err, visits = run_job(tmp_path, examples, script, 3,
+                          args + ["--mode", mode, "--step_delay", "0.03", "--split_bytes",
+                                  "5000"], kill_server_after=ckpt, kill=victim, delay=delay)
+    print(f"{front} {mode}: {victim} killed {delay:.2f} s after the first checkpoint")
+    what = {"worker": "worker 1", "server": "server 0", "chief": "worker 0"}[victim]
+    assert re.search(rf"{what} exited with code -9", err), err[-3000:]
+    # A save's window (every 10 Keras / 20 graph steps) on each of the 3 workers, and the
+    # steps in flight or in GEO's unpushed round (K = 5).
+    assert_each_once(visits, repeats_at_most=3 * (20 + 5 + 2) * BATCH)

@@ -46,6 +46,22 @@ def test_every_record_is_read_once_an_iteration_in_the_jobs_order(tmp_path):
     assert sum(int(tf.size(x)) for x, _ in bounded) == 0  # past the job's epochs
 
 
+def test_nothing_left_to_train_gives_keras_a_batch_to_look_at_and_fit_none(tmp_path):
+    """A worker started again once the job's splits are all trained: Keras's fit looks
+    at a batch before its steps (it fails on an input with none), so that look gets the
+    first split (no lease, never trained), and fit's own iteration is empty."""
+    pattern = write_lines(tmp_path / "in", files=1, lines=200)
+    data = tfpsx.data.splits(pattern, parse, 64, split_bytes=1000, epochs=1, name="done")
+    assert sum(int(tf.size(x)) for x, _ in data) == 200
+    source = coordinator.registered()["done"]
+    assert sum(int(tf.size(x)) for x, _ in data) == 0  # no look pending: nothing
+    source.keras_will_look()  # (the Keras strategy, as fit distributes its dataset)
+    looked = next(iter(data))[0].numpy()
+    assert looked.tolist() == list(range(64))  # split 0's first batch, to look at
+    source.fit_begins()
+    assert sum(int(tf.size(x)) for x, _ in data) == 0  # fit trains nothing
+
+
 def test_tfrecords_a_split_a_file(tmp_path):
     paths = []
     for f in range(2):

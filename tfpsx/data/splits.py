@@ -36,17 +36,15 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfpsx import compat, errors, settings
-from tfpsx.background import BackgroundLoop
+from tfpsx import compat, settings
 from tfpsx.control import splits as _coordinator
+from tfpsx.data import barrier as _barrier
 from tfpsx.data import service as _service
+from tfpsx.data.barrier import SaveBarrier
 from tfpsx.ops import bindings
 from tfpsx.runtime import RUNTIME
 
 logger = logging.getLogger("tfpsx")
-
-# How often a worker of an input with exact saves looks for the chief's save barrier.
-BARRIER_POLL_SECONDS = 0.05
 
 FORMATS = ("text", "tfrecord")
 
@@ -130,13 +128,16 @@ class SplitInput:
         self._held = set()
         self._read_all = False
         self._fit_generation = 0  # the last generation of the last fit that ended
+        # Keras's fit is about to look at a batch before its steps start (it fails on an
+        # input that gives none): an iteration with nothing left to train gives one to
+        # look at, never trained (:meth:`keras_will_look`).
+        self._look_pending = False
         self.counters = {"leases": 0, "epochs": 0}
         # The exact saves' barrier (exact_saves): the last generation this worker saw up
         # (its poller) and the last it acked (or, the chief, raised itself).
         self.exact = bool(exact_saves)
-        self._barrier_seen = self._barrier_acked = 0
-        self._barrier_poll: Optional[BackgroundLoop] = None
-        self._barrier_began = 0.0
+        self._barrier = (SaveBarrier(name, self.worker, self.client)
+                         if self.exact and self.clustered else None)
         if self.clustered and len(table) < config.worker_num:
             raise ValueError(
                 f"tfpsx.data.splits: {digest}: {len(table)} split(s) for {config.worker_num} "
@@ -180,80 +181,44 @@ class SplitInput:
             logger.info("input %s: worker %d gave back %d split(s) its earlier process held",
                         self.name, self.worker, back)
         client.keep_alive(self.worker, self.lease_seconds)
-        if self.exact:
-            self._barrier_poll = BackgroundLoop(f"input {self.name} save barrier",
-                                                self._poll_barrier,
-                                                interval=BARRIER_POLL_SECONDS).start()
+        if self._barrier is not None:
+            self._barrier.start()
 
     # ------------------------------------------------------------------ exact saves
-    def _poll_barrier(self) -> None:
-        try:
-            generation, up, _ = self.client().barrier(_coordinator.BARRIER_STATE)
-        except (errors.ServerUnavailableError, tf.errors.OpError) as e:
-            logger.warning("input %s: worker %d could not read the save barrier: %s",
-                           self.name, self.worker, e)
-            return
-        if up and generation > self._barrier_acked:
-            self._barrier_seen = generation
-
     def pause_point(self, flush: Callable[[], None]) -> None:
-        """A step boundary: when the chief's exact save has its barrier up, this worker
-        commits what its steps trained (``flush``), acks, and trains nothing until the
-        save is done (at most TFPSX_SAVE_BARRIER_TIMEOUT: the barrier falls by itself)."""
-        generation = self._barrier_seen
-        if generation <= self._barrier_acked:
-            return
-        began = time.monotonic()
-        flush()
-        client = self.client()
-        client.barrier(_coordinator.BARRIER_ACK, self.worker, generation)
-        self._barrier_acked = generation
-        while True:
-            last, up, _ = client.barrier(_coordinator.BARRIER_STATE)
-            if not up or last != generation:
-                break
-            time.sleep(0.01)
-        logger.info("input %s: worker %d paused %.0f ms for the chief's exact save", self.name,
-                    self.worker, 1000 * (time.monotonic() - began))
+        """A step boundary (see :meth:`SaveBarrier.pause_point`)."""
+        if self._barrier is not None:
+            self._barrier.pause_point(flush)
 
     def begin_exact_save(self, flush: Callable[[], None]) -> bool:
-        """The chief, before it saves: raises the barrier, commits its own steps
-        (``flush``) and waits until every worker holding a lease acked (its steps
-        committed, none trained now). Returns False for an input without exact saves.
-        A worker that does not ack within TFPSX_SAVE_BARRIER_TIMEOUT (a dead one's
-        leases expire and stop counting) is named in a warning and the save goes on:
-        a restore may then repeat that worker's last steps (never skip one)."""
-        if not (self.exact and self.clustered):
-            return False
-        timeout = settings.get("TFPSX_SAVE_BARRIER_TIMEOUT")
-        client = self.client()
-        self._barrier_began = time.monotonic()
-        generation, _, _ = client.barrier(_coordinator.BARRIER_BEGIN,
-                                          value=max(1, int(timeout * 1000)))
-        self._barrier_acked = generation
-        flush()
-        client.barrier(_coordinator.BARRIER_ACK, self.worker, generation)
-        while True:
-            last, up, waiting = client.barrier(_coordinator.BARRIER_STATE)
-            if waiting == 0:
-                break
-            if not up or last != generation:
-                logger.warning(
-                    "input %s: exact save: %d worker(s) holding leases did not pause within "
-                    "%g s (TFPSX_SAVE_BARRIER_TIMEOUT); saving anyway: a restore may repeat "
-                    "their last steps", self.name, waiting, timeout)
-                break
-            time.sleep(0.005)
-        return True
+        """The chief, before it saves (see :meth:`SaveBarrier.begin`); False for an input
+        without exact saves."""
+        return self._barrier is not None and self._barrier.begin(flush)
 
     def end_exact_save(self) -> None:
         """The chief's save is done: the workers train on."""
-        self.client().barrier(_coordinator.BARRIER_END, value=self._barrier_acked)
-        logger.info("input %s: exact save: the barrier was up %.0f ms", self.name,
-                    1000 * (time.monotonic() - self._barrier_began))
+        if self._barrier is not None:
+            self._barrier.end()
 
     # ------------------------------------------------------------------ leases
     def leases(self):
+        """One epoch's leases for this worker: (key, path, start, resume, end); see
+        :meth:`_leases`. An iteration with nothing left to train (a worker started again
+        once the others trained the job's last splits) gives, to Keras's look at a batch
+        before ``fit``, the first split to look at (key -1: no lease, never trained:
+        ``fit``'s own iteration is empty, and ends at once)."""
+        taken = 0
+        for lease in self._leases():
+            taken += 1
+            yield lease
+        if not taken and self._look_pending:
+            logger.info("input %s: worker %d has nothing left to train; Keras's look at a "
+                        "batch before fit reads split 0 (not trained)", self.name,
+                        self.worker)
+            file, start, end = self.table[0]
+            yield (-1, self.paths[file], start, start, end)
+
+    def _leases(self):
         """One epoch's leases for this worker: (key, path, start, resume, end).
 
         Each iteration of the dataset is a generation. A new one gives back the splits
@@ -310,7 +275,7 @@ class SplitInput:
                 if not paused:
                     self._held.add(lease.key)
             if paused:  # the chief's exact save: no lease until it is done
-                time.sleep(BARRIER_POLL_SECONDS / 2)
+                time.sleep(_barrier.POLL_SECONDS / 2)
                 continue
             self.counters["leases"] += 1
             if not self.clustered:  # one process: read is trained (nothing to recover)
@@ -333,11 +298,17 @@ class SplitInput:
                     stats["splits"])
 
     # ------------------------------------------------------------------ Keras's fit
+    def keras_will_look(self) -> None:
+        """Keras's ``fit`` starts (it distributes its dataset): it looks at a batch
+        before its steps (see :meth:`leases`)."""
+        self._look_pending = True
+
     def fit_begins(self) -> None:
         """A Keras ``fit``'s steps start: the iterators made since the last ``fit`` ended
         trained nothing (Keras looks at a batch to build the model: it takes splits, and
         may read an epoch to its end in its buffers). Every split this worker holds goes
         back, and its next iterator reads the epoch the first of them did."""
+        self._look_pending = False
         with self._lock:
             if self._generation == self._fit_generation:
                 return

@@ -284,6 +284,8 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         validation inside ``fit`` is not staged."""
         if self._fitting:
             return dataset
+        for source in splits.registered().values():  # (Keras looks at a batch first)
+            source.keras_will_look()
         self.before_inference(None)
         return self._feeder.wrap(dataset) if self._mode.supports_cache else dataset
 

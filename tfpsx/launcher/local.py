@@ -258,6 +258,8 @@ class LocalCluster:
                         _cluster.ENV_WORKER_ENDPOINTS: ",".join(self.training_workers())})
             if self.servers:
                 env[_cluster.ENV_SERVER_ENDPOINTS] = ",".join(self.servers)
+        if role in (_cluster.WORKER, _cluster.CHIEF):
+            env["TFPSX_STOPPED_FILE"] = self.stopped_path(role, index)
         if self.dispatcher_address is not None and role != _cluster.DATA_WORKER:
             env[_cluster.ENV_DATA_SERVICE] = f"grpc://{self.dispatcher_address}"
         env.update(self.env)
@@ -310,6 +312,15 @@ class LocalCluster:
             return os.path.join(self.log_dir, "scheduler.log")
         return os.path.join(self.log_dir, f"{role}log.{index}")
 
+    def stopped_path(self, role: str, index: int) -> str:
+        """The file a training task creates when its ``tfpsx.stop_worker()`` returned."""
+        return os.path.join(self.log_dir, f".stopped.{role}.{index}")
+
+    def stopped(self, role: str, index: int) -> bool:
+        """Whether the task's current process called ``tfpsx.stop_worker()``: its
+        training is done (an exit after it, even a kill, needs no new process)."""
+        return os.path.exists(self.stopped_path(role, index))
+
     def start_task(self, role: str, index: int, extra_env: Optional[Mapping[str, str]] = None
                    ) -> subprocess.Popen:
         """Starts one task (again, after it exited or was killed)."""
@@ -317,6 +328,10 @@ class LocalCluster:
         old = self.procs.get(task)
         if old is not None and old.poll() is None:
             raise RuntimeError(f"{role} {index} is still running (pid {old.pid})")
+        try:  # (the previous process's; this one has not stopped)
+            os.remove(self.stopped_path(role, index))
+        except FileNotFoundError:
+            pass
         env = self.task_env(role, index)
         env.update(extra_env or {})
         if task in self._logs:

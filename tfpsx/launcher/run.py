@@ -259,6 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.monotonic()
     failed = None  # (task, code): what ends the job
     lost_workers = []  # (task, code) of non-chief workers that failed; the others go on
+    finished = set()  # workers killed after their stop_worker(): done, not started again
     evaluator_failed = None  # (task, code) of an evaluator that failed on its own
     exposed = None  # the ExposedPortError that stopped a job kept on loopback
     scheduler_restarts = job_restarts = port_restarts = 0
@@ -268,6 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         incarnation starts with: (failed, lost_workers, scheduler_restarts,
         evaluator_failed)."""
         job.restart(reason)
+        finished.clear()
         return None, [], 0, None
 
     try:
@@ -358,7 +360,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             # (a killed rank's survivor exits 138 within moments, often before this pass).
             codes = [(task, job.procs[task].poll()) for task in workers]
             for task, code in sorted(codes, key=lambda tc: tc[1] == EXIT_PEER_LOST):
-                if failed or code in (None, 0) or task in dict(lost_workers):
+                if failed or code in (None, 0) or task in dict(lost_workers) or \
+                        task in finished:
+                    continue
+                if job.stopped(*task):
+                    # Its training was done (tfpsx.stop_worker() returned): killed on its
+                    # way out, it has nothing to do again (the job may already be over).
+                    finished.add(task)
+                    print(f"tfpsx-run: {_name(task)} exited with code {code} ({_how(code)}) "
+                          "after its tfpsx.stop_worker(): its training was done; not "
+                          "started again", file=sys.stderr, flush=True)
                     continue
                 if task == primary or job.server_num == 0:
                     # The chief initializes and checkpoints; in a collective job (no

@@ -168,6 +168,10 @@ class Runtime:
             self._coord.worker_stop()
             self._worker_state = "stopped"
             logger.info("worker %d stopped", config.index)
+            marker = settings.get("TFPSX_STOPPED_FILE")
+            if marker:  # (the launcher: killed from now on, it is not started again)
+                with open(marker, "w") as f:
+                    f.write(f"worker {config.index} stopped\n")
 
     def _stop_watch(self) -> None:
         for watch in (self._watch, self._peer_watch):

@@ -16,8 +16,10 @@ example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes 
                                          chief of a first run writes them; --split_bytes)
       [--checkpoint DIR --save_every S]  IncrementalCheckpoint every S batches; every
                                          worker calls restore(model) before fit
-      [--die_after W:S]                  worker W SIGKILLs itself after its S-th batch,
-                                         the first time it runs (a marker in DIR)
+      [--die_after W:S[,W:S]]            worker W SIGKILLs itself after its S-th batch
+                                         (S = end: once its fit ended; stopped: after its
+                                         tfpsx.stop_worker()), the first time it runs (a
+                                         marker in DIR)
       [--step_delay SEC]
       [--exact]                          --input splits with exact_saves (a save barrier)
 """
@@ -92,15 +94,24 @@ def build():
 
 
 class DieAfter(keras.callbacks.Callback):
-    """SIGKILLs this process after its ``batches``-th batch, once (a marker file)."""
+    """SIGKILLs this process after its ``batches``-th batch (None: once its fit ended),
+    once (a marker file)."""
 
-    def __init__(self, batches: int, marker: str):
+    def __init__(self, batches, marker: str):
         super().__init__()
         self.batches, self.marker, self.seen = batches, marker, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
-        if self.seen >= self.batches and not os.path.exists(self.marker):
+        if self.batches is not None and self.seen >= self.batches:
+            self._die()
+
+    def on_train_end(self, logs=None):
+        if self.batches is None:
+            self._die()
+
+    def _die(self):
+        if not os.path.exists(self.marker):
             open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -150,10 +161,11 @@ def main(argv):
                                                   save_freq=args.save_every)
         restored = saver.restore(model)  # on every worker, as docs/recovery.md shows
         callbacks.append(saver)
-    if args.die_after:
-        worker, batches = (int(v) for v in args.die_after.split(":"))
-        if worker == me:
-            callbacks.append(DieAfter(batches, os.path.join(args.out, f"died.{me}")))
+    dies = dict(spec.split(":") for spec in (args.die_after or "").split(",") if spec)
+    die = DieAfter(None if dies.get(str(me)) in ("end", "stopped") else
+                   int(dies.get(str(me), 0)), os.path.join(args.out, f"died.{me}"))
+    if dies.get(str(me)) not in (None, "stopped"):
+        callbacks.append(die)
     if args.step_delay:
         delay = args.step_delay * (args.slow_factor if args.slow_worker == me else 1.0)
         callbacks.append(keras.callbacks.LambdaCallback(
@@ -183,6 +195,8 @@ def main(argv):
                        rounds=tfpsx.metrics.snapshot().get("geo", {}).get("pushes", 0),
                        input=tfpsx.data.input_stats() if args.input == "splits" else {})
     tfpsx.stop_worker()
+    if dies.get(str(me)) == "stopped":
+        die._die()
     return 0
 
 
