@@ -203,7 +203,15 @@ def test_keras_data_workers_killed_lose_nothing(tmp_path, examples):
     the steps, but read and parsed on TF's tf.data workers. Both are SIGKILLed while the
     workers read: the launcher starts them again on their addresses, each worker reads again
     what the service had not delivered of its leases (the service alone would lose it:
-    its visitation is at most once), and every example is in the model exactly once."""
+    its visitation is at most once), and every example is in the model exactly once.
+    (On a TensorFlow before tfpsx.data.service.MIN_TF, what each training task's input
+    meets instead: the refusal, naming why.)"""
+    from tfpsx.data import service
+
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) < service.MIN_TF:
+        with pytest.raises(RuntimeError, match="needs TensorFlow 2.21 or newer"):
+            service.address("grpc://127.0.0.1:1")
+        return
     err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
                           ["--input", "splits", "--examples", str(EXAMPLES),
                            "--step_delay", "0.1", "--split_bytes", "60000"],

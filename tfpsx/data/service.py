@@ -48,15 +48,43 @@ OUTSTANDING = 8
 MAX_EMPTY_ATTEMPTS = 3
 
 
+# The oldest TensorFlow whose tf.data service client reads on from a data worker started
+# again on its address (checked: 2.21 does; on 2.16.2 a reader whose data worker stopped
+# retried the gone worker's task forever; 2.17-2.20 are not checked, so refused).
+MIN_TF = (2, 21)
+
+
 def address(service: Optional[str] = None) -> Optional[str]:
     """The dispatcher to read through: ``service`` when given, else the job's
-    (``TFPSX_DATA_SERVICE``, set by the launcher), else None (read in this process)."""
+    (``TFPSX_DATA_SERVICE``, set by the launcher), else None (read in this process).
+
+    Raises:
+      ValueError: a malformed address.
+      RuntimeError: a TensorFlow older than :data:`MIN_TF` (its reader could wait
+        forever for a data worker that died).
+    """
     if service is not None:
         if not isinstance(service, str) or "://" not in service:
             raise ValueError(f"tfpsx.data: service must be a dispatcher address such as "
                              f"'grpc://127.0.0.1:5000', got {service!r}")
-        return service
-    return settings.raw(ENV_DATA_SERVICE) or None
+    else:
+        service = settings.raw(ENV_DATA_SERVICE) or None
+    if service is not None:
+        check_tf_version(tf.__version__)
+    return service
+
+
+def check_tf_version(version: str) -> None:
+    """Refuses reading through the tf.data service on a TensorFlow before MIN_TF."""
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < MIN_TF:
+        raise RuntimeError(
+            f"tfpsx.data: reading through a tf.data service (tfpsx-run --data_workers, or "
+            f"service=) needs TensorFlow {MIN_TF[0]}.{MIN_TF[1]} or newer, this is "
+            f"{version}: on TF 2.16 a reader whose data worker died waited for it forever "
+            "instead of reading on from the one started again on its address, and "
+            "versions in between are not checked; read in the training processes (no "
+            "--data_workers), or install a newer TensorFlow")
 
 
 class _Delivered:
