@@ -73,6 +73,37 @@ def test_fit_trains_the_table_through_the_backward_pass(keras_optimizer):
     assert float(emb._trigger.numpy()) == 0.0
 
 
+def test_a_table_inside_another_layer_trains_from_an_added_loss():
+    """The visit counter's shape (tests/cluster/scripts/visits_job.py): a layer that calls
+    a DynamicEmbedding in its own call, its loss from add_loss, moves each row by exactly
+    +1 a visit (SGD at rate 1 on minus the rows). On TF 2.16 no row moved in Keras's
+    fit: the apply's only link to the step, a control dependency into a foldable zero,
+    was lost (the stateful op it waits on now keeps it)."""
+
+    class Counter(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.visits = layer(dim=1, initializer=E.zeros(), optimizer=E.SGD(1.0))
+
+        def call(self, inputs):
+            out, ids = inputs
+            rows = tf.reduce_sum(self.visits(ids))
+            self.add_loss(tf.stop_gradient(rows) - rows)
+            return out
+
+    x, ids = keras.Input((2,)), keras.Input((), dtype="int64")
+    counter = Counter()
+    model = keras.Model({"x": x, "id": ids}, counter([keras.layers.Dense(1)(x), ids]))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    data = tf.data.Dataset.from_tensor_slices(
+        ({"x": np.ones((8, 2), np.float32), "id": np.arange(8)},
+         np.ones((8, 1), np.float32))).batch(4)
+    model.fit(data, epochs=2, verbose=0)
+    rows = counter.visits.table.export()
+    assert sorted(rows["keys"].numpy().tolist()) == list(range(8))
+    assert rows["values"].numpy()[:, 0].tolist() == [2.0] * 8  # 2 epochs: 2 visits each
+
+
 def test_a_subclassed_model_without_a_training_argument_trains_its_table(caplog):
     """Keras's train_step calls a subclassed model's call(inputs) without a training flag
     when its signature has none: the layer inside still trains its table under fit (the

@@ -218,11 +218,14 @@ class DynamicEmbedding(keras.layers.Layer):
         def rows(trigger):
             def push(d_rows):
                 op = table.apply_gradients(looked, d_rows, step)
-                values = d_rows.values if isinstance(d_rows, tf.IndexedSlices) else d_rows
                 with tf.control_dependencies([op] if op is not None else []):
-                    # A zero the compiler cannot fold: a constant one lost this control
-                    # dependency, and the apply with it (measured under Keras's Adam).
-                    return tf.zeros_like(trigger) + 0.0 * tf.reduce_sum(values)
+                    # A zero the compiler cannot fold, from a stateful op that waits for
+                    # the apply: a constant lost this control dependency, and the apply
+                    # with it (measured under Keras's Adam); so did 0 * the gradient's
+                    # sum on TF 2.16, where no table trained in Keras's fit.
+                    done = tf.raw_ops.Timestamp()
+                    return tf.zeros_like(trigger) + tf.minimum(tf.cast(done, trigger.dtype),
+                                                               0.0)
 
             return tf.identity(looked.unique_rows), push
 
