@@ -64,14 +64,19 @@ def address(service: Optional[str] = None) -> Optional[str]:
         forever for a data worker that died).
     """
     if service is not None:
-        if not isinstance(service, str) or "://" not in service:
-            raise ValueError(f"tfpsx.data: service must be a dispatcher address such as "
-                             f"'grpc://127.0.0.1:5000', got {service!r}")
+        check_address(service)
     else:
         service = settings.raw(ENV_DATA_SERVICE) or None
     if service is not None:
         check_tf_version(tf.__version__)
     return service
+
+
+def check_address(service) -> None:
+    """Raises ValueError unless ``service`` is a dispatcher address (protocol://host:port)."""
+    if not isinstance(service, str) or "://" not in service:
+        raise ValueError(f"tfpsx.data: service must be a dispatcher address such as "
+                         f"'grpc://127.0.0.1:5000', got {service!r}")
 
 
 def check_tf_version(version: str) -> None:

@@ -124,11 +124,15 @@ class _Extended(OneDeviceExtended):
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         # An optimizer's slots go beside their variable; TF's own message for a variable
-        # made elsewhere names none of what to do.
+        # made elsewhere names none of what to do (and TF 2.16's raised AttributeError
+        # for one made outside any strategy: its check read None's `extended`).
+        name = getattr(colocate_with_variable, "name", "?")
+        if getattr(colocate_with_variable, "_distribute_strategy", None) is None:
+            raise ValueError(built_outside(name))
         try:
             super()._validate_colocate_with_variable(colocate_with_variable)
         except ValueError as e:
-            raise ValueError(built_outside(getattr(colocate_with_variable, "name", "?"))) from e
+            raise ValueError(built_outside(name)) from e
 
     def create_local(self, next_creator, kwargs):
         """An ordinary variable on this worker (OneDevice's placement)."""
