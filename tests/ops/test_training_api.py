@@ -140,7 +140,7 @@ def test_bad_strategy_is_a_clear_error(kwargs, words):
         assert w in str(e.value)
 
 
-def test_sync_from_splits_needs_every_workers_gradient_in_each_step():
+def test_sync_from_splits_needs_every_workers_gradient_in_each_step(monkeypatch):
     """A step that drops some workers' gradients (replicas_to_aggregate < workers) would
     commit batches that are not in the model: refused, naming the fix; every worker's
     gradient (the default) trains from splits, as async and GEO."""
@@ -159,6 +159,17 @@ def test_sync_from_splits_needs_every_workers_gradient_in_each_step():
     for fine in (SimpleNamespace(NAME="sync", replicas=3, worker_num=3),
                  SimpleNamespace(NAME="async"), None):
         check_feeds_splits(fine)
+    # Exact saves: the save's barrier waits for workers at a step boundary, where a sync
+    # worker never is while the chief saves (it waits inside its next step for the chief).
+    from tfpsx.control import splits as control_splits
+
+    with monkeypatch.context() as patched:
+        patched.setattr(control_splits, "registered",
+                        lambda: {"input": SimpleNamespace(exact=True)})
+        with pytest.raises(ValueError, match=r"exact_saves=True\) with sync: .*give "
+                                             r"exact_saves=False"):
+            check_feeds_splits(SimpleNamespace(NAME="sync", replicas=3, worker_num=3))
+        check_feeds_splits(SimpleNamespace(NAME="async"))
     assert "sync_reduction='sum'" in repr(tfpsx.DistributedStrategy(
         a_sync=False, a_sync_configs={"sync_reduction": "sum"}))
 

@@ -51,8 +51,16 @@ def check_feeds_splits(mode) -> None:
         model or make a worker wait for one whose data ended; named with the fix.
     """
     mode_name = getattr(mode, "NAME", "")
-    if mode_name == "geo" and any(getattr(s, "exact", False)
-                                  for s in splits.registered().values()):
+    exact = any(getattr(s, "exact", False) for s in splits.registered().values())
+    if mode_name == "sync" and exact:
+        raise ValueError(
+            "tfpsx.data.splits(exact_saves=True) with sync: a worker waits inside its next "
+            "step for the chief to apply it, so a save's barrier that waits for the "
+            "workers at a step boundary would wait for workers that wait for the chief "
+            "(measured: saves stalled for TFPSX_SAVE_BARRIER_TIMEOUT, then went on not "
+            "exact); give exact_saves=False (a restore then repeats at most the steps of a "
+            "save's window), or train async or staleness for exact saves")
+    if mode_name == "geo" and exact:
         raise ValueError(
             "tfpsx.data.splits(exact_saves=True) with GEO: GEO's rounds push this worker's "
             "steps from a thread of their own, which a save's barrier at the step boundary "
