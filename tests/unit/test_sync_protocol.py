@@ -108,11 +108,9 @@ class Job:
                 time.sleep(delay)
             if w == 0 and self.drains:
                 run(ops["drain"])
-                while True:
-                    count = g.wait_to_drain(s, lambda: run(ops["pushed"]))
-                    if count is None:
-                        break
-                    s = int(run(ops["apply"], {ops["count"]: count}))
+                s = g.apply_until_left(
+                    s, lambda: run(ops["pushed"]),
+                    apply=lambda count: int(run(ops["apply"], {ops["count"]: count})))
             run(ops["leave"])
         except BaseException as e:  # noqa: BLE001 — the test reads it
             self.errors[w] = e

@@ -31,6 +31,7 @@ front-end decides only how a step runs them: graph mode in its session hook
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
@@ -41,6 +42,8 @@ from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.group import DONE, DRAINING, leave, op_of, set_entry
 from tfpsx.modes.state import SYNC_LOCAL_STEP, SYNC_PUSHED, SYNC_STEP, StateFactory
+
+logger = logging.getLogger("tfpsx")
 
 
 def replicas_to_aggregate(strategy, workers: int, what: str) -> int:
@@ -257,6 +260,26 @@ class SyncGroup:
                 return take(count)
             result = self.wait_for_gradients(s, read_pushed, take=attempt)
         return None if result is DRAINED else result
+
+    def apply_until_left(self, s: int, read_pushed: Callable[[], np.ndarray],
+                         apply: Optional[Callable[[int], int]] = None,
+                         take: Optional[Callable[[int], object]] = None) -> int:
+        """The draining chief (:meth:`drain`), from step ``s``: each step the others
+        push is applied, until none of them is left in the group; returns the step then.
+        A step is ``apply(count)`` once :meth:`wait_to_drain` polled ``count`` gradients
+        in (Keras), or ``take(count)`` itself, one bounded attempt that applies and
+        returns the new step (graph mode)."""
+        drained = 0
+        while True:
+            result = self.wait_to_drain(s, read_pushed, take=take)
+            if result is None:
+                break
+            s = int(result) if take is not None else apply(result)
+            drained += 1
+        if drained:
+            logger.info("sync: the chief applied %d step(s) of the workers still training "
+                        "after its own data ended", drained)
+        return s
 
     def missing(self, pushed: np.ndarray, s: int) -> List[int]:
         """The workers in the group that did not push for step ``s``."""

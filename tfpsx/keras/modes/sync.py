@@ -21,7 +21,6 @@ until they leave (:meth:`KerasSync.finish_fit`, ``SyncGroup.drain``).
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import numpy as np
@@ -35,8 +34,6 @@ from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
 from tfpsx.runtime import RUNTIME
 from tfpsx.cluster.placement import GreedyByBytes
-
-logger = logging.getLogger("tfpsx")
 
 
 def _spec(grad):
@@ -149,19 +146,16 @@ class KerasSync(OnServers):
             return
         group = self._group
         group.drain()
-        read_pushed = lambda: group.pushed.read_value().numpy()  # noqa: E731
-        step = None
-        drained = 0
-        while True:
-            count = group.wait_to_drain(int(group.local_step.read_value()), read_pushed)
-            if count is None:
-                break
-            step = step or self._drain_step(model)
-            step(tf.constant(count, tf.int32))
-            drained += 1
-        if drained:
-            logger.info("sync: the chief applied %d step(s) of the workers still training "
-                        "after its own data ended", drained)
+        steps = []  # (the compiled step, made at the first step to apply)
+
+        def apply(count) -> int:
+            if not steps:
+                steps.append(self._drain_step(model))
+            steps[0](tf.constant(count, tf.int32))
+            return int(group.local_step.read_value())  # (the chief's follows the step)
+
+        group.apply_until_left(int(group.local_step.read_value()),
+                               lambda: group.pushed.read_value().numpy(), apply=apply)
 
     def _drain_step(self, model):
         """A compiled step of the chief that applies ``count`` other workers' gradients

@@ -269,14 +269,8 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
             return session.run(self._read_pushed)
 
         if group.is_chief:
-            def apply(count):  # one bounded attempt: waits in the arrivals accumulator
-                try:
-                    return int(session.run(self._apply, {self._count: count},
-                                           options=self._attempt))
-                except tf.errors.DeadlineExceededError:
-                    return None
-
-            self._s = group.wait_for_gradients(self._s, read_pushed, take=apply)
+            self._s = group.wait_for_gradients(
+                self._s, read_pushed, take=lambda count: self._apply_attempt(session, count))
             return
 
         def token():  # one bounded attempt: waits in this worker's token queue
@@ -302,29 +296,19 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
             self._drain(session)
         session.run(self._leave)
 
+    def _apply_attempt(self, session, count):
+        """The chief's run of a step, one bounded attempt (it waits in the arrivals
+        accumulator for ``count`` workers): the new step, or None when its bound ran out."""
+        try:
+            return int(session.run(self._apply, {self._count: count}, options=self._attempt))
+        except tf.errors.DeadlineExceededError:
+            return None
+
     def _drain(self, session) -> None:
         """The chief's session ends (its data ended, or it stopped) while others may
         still train from an input leased as each worker goes: it applies their steps
         until they leave, so their last batches are in the model (see SyncGroup.drain)."""
-        group = self._group
         session.run(self._drain_mark)
-
-        def read_pushed():
-            return session.run(self._read_pushed)
-
-        def apply(count):
-            try:
-                return int(session.run(self._apply, {self._count: count},
-                                       options=self._attempt))
-            except tf.errors.DeadlineExceededError:
-                return None
-
-        drained = 0
-        while True:
-            s = group.wait_to_drain(self._s, read_pushed, take=apply)
-            if s is None:
-                break
-            self._s, drained = s, drained + 1
-        if drained:
-            logger.info("sync: the chief applied %d step(s) of the workers still training "
-                        "after its own data ended", drained)
+        self._s = self._group.apply_until_left(
+            self._s, lambda: session.run(self._read_pushed),
+            take=lambda count: self._apply_attempt(session, count))
