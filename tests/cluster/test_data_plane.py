@@ -196,6 +196,33 @@ def test_keras_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples
                      "after its own data ended", chief), chief[-3000:]
 
 
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 2 hybrid workers (Keras or graph mode)")
+@pytest.mark.parametrize("script", ["visits_job.py", "graph_visits_job.py"])
+def test_hybrid_from_splits_every_example_once_and_equal_dense_copies(tmp_path, examples,
+                                                                      script):
+    """The hybrid mode from splits: the workers step together (each step all-reduces the
+    dense gradients), but splits leased as each goes end their data at different steps.
+    The chief reads 3x the others' batch, so its data ends first: it takes part in the
+    others' steps idle (zeros and a count of 0 in each all-reduce), applying their mean,
+    until a step no worker trains. Every example is in the model once, and every
+    worker's copy of the dense weights is the same, bit for bit (each applied every
+    step). Without the idle steps the others' all-reduce waited for the chief's."""
+    err, visits = run_job(tmp_path, examples, script, 2,
+                          ["--mode", "hybrid", "--split_bytes", "5000",
+                           "--chief_batch", str(3 * BATCH)]
+                          + (["--examples", str(EXAMPLES), "--input", "splits"]
+                             if script == "visits_job.py" else []))
+    assert_each_once(visits, repeats_at_most=0)
+    copies = [np.load(tmp_path / "out" / f"dense.{w}.npz") for w in range(2)]
+    assert len(copies[0].files) == len(copies[1].files) >= 1
+    for name in copies[0].files:
+        np.testing.assert_array_equal(copies[0][name], copies[1][name])
+        assert np.abs(copies[0][name]).sum() > 0  # trained, not zeros
+    chief = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert re.search(r"hybrid: worker 0's data ended first: it applied \d+ step\(s\) of the "
+                     "workers still training", chief), chief[-3000:]
+
+
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers + TF's tf.data service (a "
                             "dispatcher, 2 data workers), a data worker SIGKILLed")
 def test_keras_data_workers_killed_lose_nothing(tmp_path, examples):

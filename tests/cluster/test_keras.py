@@ -466,12 +466,11 @@ def test_misuse_is_a_clear_error(make_cluster):
         assert "created outside tfpsx.keras.ParameterServerStrategy.scope()" in got[case]
         assert "build it inside `with strategy.scope():`" in got[case], got[case]
     assert "unknown a_sync_configs key(s) ['k_step']" in got["bad_options"]
-    # The hybrid mode's steps all-reduce every worker's batch: fed from splits leased as
-    # each worker goes, refused before a step trains, naming what to feed it with.
-    got_hybrid = got["splits_hybrid"] or ""
+    # A hybrid's GEO tables push at rounds, from a thread an exact save's barrier does not
+    # pause: refused before a step trains, as GEO's own.
+    got_hybrid = got["splits_exact_hybrid_geo"] or ""
     assert got_hybrid.startswith("ValueError"), got_hybrid
-    assert "tfpsx.data.splits with the hybrid mode" in got_hybrid, got_hybrid
-    assert "tfpsx.data.shard" in got_hybrid, got_hybrid
+    assert "exact_saves=True) with GEO" in got_hybrid, got_hybrid
     assert (got["splits_exact_geo"] or "").startswith("ValueError"), got["splits_exact_geo"]
     assert "exact_saves=True) with GEO" in got["splits_exact_geo"], got["splits_exact_geo"]
 

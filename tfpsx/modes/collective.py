@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 import tensorflow as tf
 
@@ -120,30 +122,52 @@ _NOISE = ("Graph execution error", "From /job:", "Additional GRPC error informat
           "Detected at node", "File ")
 _CAUSE = re.compile(r"recvmsg|socket closed|connection|failed to connect|unavailable|"
                     r"deadline|timed out", re.IGNORECASE)
+def layout(dtypes: Sequence) -> List[Tuple[tf.DType, List[int]]]:
+    """The order in which values of ``dtypes`` travel: (dtype, the values' indices) for
+    each dtype, sorted by name (the same order on every rank).
+
+    Raises:
+      TypeError: a dtype a collective cannot reduce (named).
+    """
+    by_dtype: Dict[tf.DType, List[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        dtype = tf.as_dtype(dtype).base_dtype
+        if dtype not in REDUCIBLE:
+            raise TypeError(f"value {i} has dtype {dtype.name}; expected one of "
+                            f"{', '.join(d.name for d in REDUCIBLE)}")
+        by_dtype.setdefault(dtype, []).append(i)
+    return [(d, by_dtype[d]) for d in sorted(by_dtype, key=lambda d: d.name)]
+
+
+def unpacked(shapes: Sequence, flats: Sequence[tf.Tensor], order) -> List[tf.Tensor]:
+    """``flats`` (one per dtype of ``order``, :func:`layout`'s) cut back into values of
+    ``shapes`` (static, or shape tensors)."""
+    out: List[tf.Tensor] = [None] * len(shapes)
+    for (_, members), flat in zip(order, flats):
+        sizes = [tf.reduce_prod(shapes[i]) if isinstance(shapes[i], tf.Tensor)
+                 else int(np.prod(shapes[i], dtype=np.int64)) for i in members]
+        for i, piece in zip(members, tf.split(flat, sizes)):
+            out[i] = tf.reshape(piece, shapes[i])
+    return out
+
+
 def packed(values: Sequence, reduce_flat, what: str) -> List[tf.Tensor]:
     """``reduce_flat`` of ``values`` packed by dtype: one flat tensor per dtype (in the
-    same order on every rank), reduced, and cut back into the values' shapes.
-    ``IndexedSlices`` are made dense first.
+    same order on every rank, :func:`layout`), reduced, and cut back into the values'
+    shapes. ``IndexedSlices`` are made dense first.
 
     Raises:
       TypeError: a value of a dtype a collective cannot reduce (named).
     """
     tensors = [tf.convert_to_tensor(v) for v in values]
-    by_dtype: Dict[tf.DType, List[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.dtype not in REDUCIBLE:
-            raise TypeError(f"{what}: value {i} has dtype {t.dtype.name}; expected one of "
-                            f"{', '.join(d.name for d in REDUCIBLE)}")
-        by_dtype.setdefault(t.dtype, []).append(i)
-    out: List[tf.Tensor] = [None] * len(tensors)
-    for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order everywhere
-        members = by_dtype[dtype]
-        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0)
-        reduced = reduce_flat(flat)
-        sizes = [tf.size(tensors[i]) for i in members]
-        for i, piece in zip(members, tf.split(reduced, sizes)):
-            out[i] = tf.reshape(piece, tf.shape(tensors[i]))
-    return out
+    try:
+        order = layout([t.dtype for t in tensors])
+    except TypeError as e:
+        raise TypeError(f"{what}: {e}") from None
+    reduced = [reduce_flat(tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0))
+               for _, members in order]
+    return unpacked([t.shape.as_list() if t.shape.is_fully_defined() else tf.shape(t)
+                     for t in tensors], reduced, order)
 
 
 _TASK = re.compile(r"/job:(?:worker|chief)/replica:\d+/task:(\d+)")

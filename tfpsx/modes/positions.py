@@ -31,20 +31,15 @@ import tensorflow as tf
 from tfpsx.control import splits
 
 
-# Modes whose every step takes a batch of every worker: splits leased as each worker goes
-# end the workers' data at different steps, and those left would wait in the all-reduce
-# for one whose data ended.
-_LOCKSTEP = {"hybrid": "the hybrid mode (each step all-reduces the dense gradients of "
-                       "every worker, in a group of fixed size)"}
-
-
 def check_feeds_splits(mode) -> None:
     """Raises when ``mode`` (a front-end's mode object, or None) cannot train from
     ``tfpsx.data.splits`` (both front-ends ask before a step commits a position).
 
     Sync trains from splits with every worker's gradient in each step: a worker whose
     data ended leaves the group, and the chief, its own data done, applies the others'
-    steps until they leave (SyncGroup.drain).
+    steps until they leave (SyncGroup.drain). The hybrid's workers step together: one
+    whose data ended takes part idle until every one's did
+    (tfpsx.modes.hybrid.idle_until_done).
 
     Raises:
       ValueError: a mode, or a sync option, that would leave a trained batch out of the
@@ -60,18 +55,12 @@ def check_feeds_splits(mode) -> None:
             "(measured: saves stalled for TFPSX_SAVE_BARRIER_TIMEOUT, then went on not "
             "exact); give exact_saves=False (a restore then repeats at most the steps of a "
             "save's window), or train async or staleness for exact saves")
-    if mode_name == "geo" and exact:
+    if (mode_name == "geo" or getattr(mode, "ROUNDS", False)) and exact:  # (hybrid GEO too)
         raise ValueError(
             "tfpsx.data.splits(exact_saves=True) with GEO: GEO's rounds push this worker's "
             "steps from a thread of their own, which a save's barrier at the step boundary "
             "does not pause; give exact_saves=False (a restore then repeats at most the "
             "steps of a round per worker), or train async or staleness for exact saves")
-    if mode_name in _LOCKSTEP:
-        raise ValueError(
-            f"tfpsx.data.splits with {_LOCKSTEP[mode_name]}: splits leased as each worker "
-            "goes end the workers' data at different steps (the others' last steps would "
-            "wait for, or never train, what is left); feed it with tfpsx.data.shard (equal "
-            "parts), or train async, staleness, sync or GEO from splits")
     if mode_name == "sync":
         replicas = getattr(mode, "replicas", None)
         workers = getattr(mode, "worker_num", None) or getattr(

@@ -4,7 +4,7 @@ beside a table "visits" (dim 1, SGD at learning rate 1, rows from 0) whose row o
 example moves by exactly +1 each time a step that holds it is in the model. The chief
 writes the final rows to <out>/visits.npz (ids, counts) once every worker is done.
 
-  graph_visits_job.py --out DIR [--mode async|geo] [--epochs E] [--batch B]
+  graph_visits_job.py --out DIR [--mode async|geo|sync|hybrid] [--epochs E] [--batch B]
       [--checkpoint DIR --save_steps S] [--die_after W:S] [--step_delay SEC]
       (the examples: DIR/data/part-*.txt, as visits_job.write_files writes them)
 """
@@ -25,7 +25,7 @@ from visits_job import FEATURES, parse
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["async", "geo", "sync"], default="async")
+    p.add_argument("--mode", choices=["async", "geo", "sync", "hybrid"], default="async")
     p.add_argument("--k_steps", type=int, default=5)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
@@ -49,7 +49,9 @@ def main(argv):
     strategy = tfpsx.DistributedStrategy(
         a_sync=args.mode != "sync",
         a_sync_configs={"geo": {"k_steps": args.k_steps, "geo_table_rule": "shared_slots"},
-                        "sync": {"sync_reduction": "sum"}}.get(args.mode, {}))
+                        "sync": {"sync_reduction": "sum"}}.get(args.mode, {}),
+        # hybrid: w all-reduced among the workers (each holds it), the table async
+        dense="allreduce" if args.mode == "hybrid" else "ps")
     files = os.path.join(args.out, "data", "part-*.txt")
     local_steps = 0
     with tf.Graph().as_default():
@@ -94,6 +96,10 @@ def main(argv):
                 if args.step_delay:
                     time.sleep(args.step_delay)
         tfpsx.barrier_worker()
+        if args.mode == "hybrid":  # each worker's own copy of w
+            with tf.compat.v1.Session(tfpsx.server_target(),
+                                      config=tfpsx.session_config()) as s:
+                np.savez(os.path.join(args.out, f"dense.{me}.npz"), s.run(w))
         if me == 0:
             with tf.compat.v1.Session(tfpsx.server_target(),
                                       config=tfpsx.session_config()) as s:

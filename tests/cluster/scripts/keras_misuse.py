@@ -160,7 +160,8 @@ def splits_in(options, exact=False):
 
 record("bad_options", lambda: tfpsx.keras.ParameterServerStrategy(
     tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_step": 3})))
-record("splits_hybrid", splits_in({"dense": "allreduce"}))
+record("splits_exact_hybrid_geo", splits_in({"dense": "allreduce", "a_sync": True,
+                                            "a_sync_configs": {"k_steps": 4}}, exact=True))
 record("splits_exact_geo", splits_in({"a_sync": True, "a_sync_configs": {"k_steps": 4}},
                                      exact=True))
 errors["untouched"] = untouched

@@ -7,9 +7,11 @@ learning rate 1, rows starting at 0) is trained on the loss ``-row`` of each exa
 id, so a row moves by exactly +1 each time a step that holds the example is applied to
 the model. Restored and recovered like the model, its final rows say how many times each
 example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes them to
-``<out>/visits.npz`` (ids, counts) once every worker is done.
+``<out>/visits.npz`` (ids, counts) once every worker is done; in the hybrid mode each
+worker writes its own copy of the dense weights to ``<out>/dense.<rank>.npz``.
 
-  visits_job.py --out DIR [--mode async|geo|sync|staleness] [--examples N] [--epochs E]
+  visits_job.py --out DIR [--mode async|geo|sync|staleness|hybrid] [--examples N]
+      [--epochs E]
       [--batch B]
       [--input shard|splits]             tfpsx.data.shard of arrays (a static cut), or
                                          tfpsx.data.splits of DIR/data/part-*.txt (the
@@ -119,7 +121,8 @@ class DieAfter(keras.callbacks.Callback):
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["async", "geo", "sync", "staleness"], default="async")
+    p.add_argument("--mode", choices=["async", "geo", "sync", "staleness", "hybrid"],
+                   default="async")
     p.add_argument("--examples", type=int, default=6000)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
@@ -149,9 +152,11 @@ def main(argv):
     # the end of splits leased as each worker goes)
     configs = {"async": {}, "geo": {"k_steps": 5, "geo_table_rule": "shared_slots"},
                "sync": {"sync_reduction": "sum"},
-               "staleness": {"max_staleness": 2}}[args.mode]
+               "staleness": {"max_staleness": 2}, "hybrid": {}}[args.mode]
+    # hybrid: the dense weights all-reduced among the workers, the table async on the PS
     strategy = tfpsx.keras.ParameterServerStrategy(
-        tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs))
+        tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs,
+                                  dense="allreduce" if args.mode == "hybrid" else "ps"))
     with strategy.scope():
         model = build()
     callbacks = strategy.callbacks()
@@ -186,6 +191,10 @@ def main(argv):
     model.fit(train, epochs=args.epochs, verbose=0, callbacks=callbacks)
     seconds = time.time() - start
     tfpsx.barrier_worker()  # every worker's steps are in before the chief reads
+    if args.mode == "hybrid":  # each worker's own copy of the dense weights
+        np.savez(os.path.join(args.out, f"dense.{me}.npz"),
+                 *[np.asarray(w) for layer in model.layers
+                   if isinstance(layer, keras.layers.Dense) for w in layer.weights])
     if me == 0:
         rows = model.get_layer("counter").visits.table.export()
         np.savez(os.path.join(args.out, "visits.npz"), ids=rows["keys"].numpy(),

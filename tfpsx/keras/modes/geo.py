@@ -36,6 +36,7 @@ from tfpsx.waits import bounded_wait
 
 class KerasGeo(KerasMode):
     NAME = "geo"
+    ROUNDS = True  # a step reaches the model at a round (its input commits then)
 
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)

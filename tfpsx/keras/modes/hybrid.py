@@ -16,6 +16,7 @@ graph mode).
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -28,6 +29,8 @@ from tfpsx.modes import hybrid
 from tfpsx.modes.collective import REDUCIBLE, from_rank_0
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
+
+logger = logging.getLogger("tfpsx")
 
 
 class _AllReducedDense:
@@ -71,16 +74,71 @@ class _AllReducedDense:
         values = [value for value, _ in value_destination_pairs]
         if not values:
             return []
+        given = getattr(self, "_given", None)
+        if given is not None:  # the idle step (finish_fit): the others' summed step
+            return hybrid.apply_summed(
+                [(tf.convert_to_tensor(v).dtype, tf.convert_to_tensor(v).shape)
+                 for v in values], given)
         # Every gradient Keras reduces is a dense one's (a table's trigger gives zeros:
         # its rows were pushed in the backward pass).
-        bridge = self.dense_group()
-        return hybrid.mean_in_step(values, self.keras_strategy.reporting(
-            hybrid.named_peer_loss(lambda x: bridge.mean([x])[0], self.config)))
+        self._reduced = len(values)
+        return hybrid.mean_in_step(values, self._total)
+
+    def _total(self, flat):
+        return self.keras_strategy.reporting(hybrid.named_peer_loss(
+            self.dense_group().total, self.config))(flat)
 
     def update(self, extended, var, fn, args, kwargs, group):
         return KerasMode.update(self, extended, var, fn, args, kwargs, group)
 
     # ------------------------------------------------------------------ fit
+    def finish_fit(self, model) -> None:
+        """This worker's ``fit`` ended well: it takes part in the steps of the workers
+        still training, idle, applying their mean (an input leased as each worker goes
+        ends their data at different steps), until every worker's ended
+        (:func:`tfpsx.modes.hybrid.idle_until_done`)."""
+        super().finish_fit(model)
+        if getattr(self, "_bridge", None) is None:
+            return
+        variables = list(model.trainable_variables)
+        reduced = getattr(self, "_reduced", None)
+        if reduced is not None and reduced != len(variables):
+            raise ValueError(
+                f"hybrid mode: worker {self.worker_index}'s training step all-reduced "
+                f"{reduced} gradient(s) but the model has {len(variables)} trainable "
+                "variable(s) (one without a gradient?); it cannot take part in the steps "
+                "of the workers still training after its own data ended: give every "
+                "trainable variable a gradient, or feed the job with tfpsx.data.shard "
+                "(equal parts)")
+        specs = [(tf.as_dtype(v.dtype), [int(d) for d in v.shape]) for v in variables]
+        steps = []  # (the compiled step, made at the first step to apply)
+
+        def apply(sums) -> None:
+            if not steps:
+                steps.append(self._idle_step(model, variables))
+            steps[0]([tf.constant(s) for s in sums])
+
+        applied = hybrid.idle_until_done(self._total, specs, apply)
+        if applied:
+            logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of the "
+                        "workers still training", self.worker_index, applied)
+
+    def _idle_step(self, model, variables):
+        """A compiled step applying the others' summed step with the model's optimizer
+        (zeros of this worker's go in; ``reduce`` gives the step's mean instead)."""
+        @tf.function
+        def step(sums):
+            def replica():
+                self._given = sums
+                try:
+                    model.optimizer.apply([tf.zeros(v.shape, v.dtype) for v in variables],
+                                          variables)
+                finally:
+                    self._given = None
+            self.keras_strategy.run(replica)
+
+        return step
+
     def after_fit(self, model, failed: bool) -> None:
         super().after_fit(model, failed)
         if failed or getattr(self, "_bridge", None) is None:

@@ -37,6 +37,7 @@ class GeoMode(Mode):
     """GEO for one graph: the dense pairs and tables to sync, the train ops that count as
     local steps, the counters, and the communicator hook."""
     NAME = "geo"
+    ROUNDS = True  # a step reaches the model at a round (its input commits then)
     REPORTS_STEPS = True  # a round adds the local steps it pushed to global_step
 
     def __init__(self, strategy, config, graph):

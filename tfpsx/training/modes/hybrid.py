@@ -13,6 +13,7 @@ its own variables, rank 0 alone restores and saves checkpoints (tables included)
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -21,7 +22,7 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.control.watchdog import translate_uncaught
 from tfpsx.modes import hybrid
-from tfpsx.modes.collective import lost_peer_error, reducible
+from tfpsx.modes.collective import layout, lost_peer_error, reducible
 from tfpsx.modes.group import set_entry
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
@@ -29,6 +30,8 @@ from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
 from tfpsx.training.modes.geo import GeoMode
 from tfpsx.training.placement import worker_device_of
 from tfpsx.waits import bounded_wait
+
+logger = logging.getLogger("tfpsx")
 
 class _DenseHalf:
     """The dense half of a graph-mode hybrid (a mixin before a :class:`Mode`)."""
@@ -47,6 +50,9 @@ class _DenseHalf:
     def _init_dense(self) -> None:
         self.bridge: Optional[hybrid.DenseAllReduce] = None
         self.dense_train_ops = []
+        # The idle step (a worker whose data ended, in the others' steps): the specs of
+        # the values the training step all-reduces, the fed sums, the apply.
+        self.idle: Optional[tuple] = None
         self.add_hook(_DenseHook(self))
 
     def placement(self):
@@ -62,11 +68,11 @@ class _DenseHalf:
     def local_train_op(self, op) -> None:
         self.dense_train_ops.append(op)
 
-    def mean(self, flat: np.ndarray) -> np.ndarray:
+    def total(self, flat: np.ndarray) -> np.ndarray:
         if self.bridge is None:
             raise RuntimeError("hybrid mode: a training step ran before the session started "
                                "the dense all-reduce; train in tfpsx.MonitoredTrainingSession")
-        return self.bridge.mean([flat])[0]
+        return self.bridge.total(flat)
 
 
 class HybridAsyncMode(_DenseHalf, Mode):
@@ -110,11 +116,21 @@ class HybridOptimizer(WrappedOptimizer):
                 f"hybrid mode (dense='allreduce'): variables {elsewhere} live on the "
                 "parameter servers; the hybrid mode all-reduces dense variables held by "
                 "every worker: build the model inside tfpsx.model_scope(strategy)")
+        variables = [v for _, v in pairs]
         averaged = hybrid.mean_in_step(
-            [g for g, _ in pairs], hybrid.named_peer_loss(mode.mean, self._config))
-        train = self._opt.apply_gradients(list(zip(averaged, [v for _, v in pairs])),
-                                          global_step, name)
+            [g for g, _ in pairs], hybrid.named_peer_loss(mode.total, self._config))
+        train = self._opt.apply_gradients(list(zip(averaged, variables)), global_step, name)
         mode.local_train_op(train)
+        specs = [(v.dtype.base_dtype, v.shape) for v in variables]
+        if all(shape.is_fully_defined() for _, shape in specs):
+            # A worker whose data ended applies the others' steps with the same optimizer
+            # (the session hook's end): their summed step fed, its mean cut and applied.
+            specs = [(dtype, shape.as_list()) for dtype, shape in specs]
+            sums = [tf.compat.v1.placeholder(dtype, [None], name="tfpsx_hybrid_idle_sum")
+                    for dtype, _ in layout([d for d, _ in specs])]
+            idle = self._opt.apply_gradients(
+                list(zip(hybrid.apply_summed(specs, sums), variables)), global_step)
+            mode.idle = (specs, sums, idle)
         return train
 
 
@@ -178,8 +194,21 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
                          "session; is it running?"))
 
     def end(self, session):
-        bridge = self._mode.bridge
+        mode = self._mode
+        bridge = mode.bridge
         if bridge is None:
             return
+        if mode.idle is not None:
+            # This worker's data ended: it takes part in the steps of the workers still
+            # training until every one's did (an input leased as each worker goes).
+            specs, sums, op = mode.idle
+            options = tf.compat.v1.RunOptions(
+                timeout_in_ms=int(settings.get("TFPSX_SESSION_TIMEOUT") * 1000))
+            applied = hybrid.idle_until_done(
+                hybrid.named_peer_loss(bridge.total, mode.config), specs,
+                lambda got: session.run(op, dict(zip(sums, got)), options=options))
+            if applied:
+                logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of "
+                            "the workers still training", mode.config.index, applied)
         bridge.meet_at_end()
         RUNTIME.stop_peer_watch()
