@@ -56,8 +56,8 @@ def _kill_child(launcher, which, every=False):
 
 
 def run_job(tmp_path, examples, script, workers, args, kill_server_after=None,
-            data_workers=0, kill_data_worker=False, kill="server", delay=1.0):
-    """tfpsx-run of ``script`` with 1 PS + ``workers`` under --max_restarts 1; with
+            data_workers=0, kill_data_worker=False, kill="server", delay=1.0, servers=1):
+    """tfpsx-run of ``script`` with ``servers`` PS + ``workers`` under --max_restarts 1; with
     ``kill_server_after`` (a checkpoint folder), the server (``kill="chief"``: the chief;
     ``"worker"``: worker 1) is SIGKILLed ``delay`` seconds after the chief's first
     checkpoint there (a server or the chief restarts the whole job, restored from it; a
@@ -70,7 +70,7 @@ def run_job(tmp_path, examples, script, workers, args, kill_server_after=None,
     out.mkdir()
     os.symlink(examples, out / "data")
     proc = subprocess.Popen(
-        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", "1", "--worker_num",
+        RUN + ["--log_dir", str(tmp_path / "logs"), "--server_num", str(servers), "--worker_num",
                str(workers), "--max_restarts", "1", "--timeout", "240",
                "--data_workers", str(data_workers),
                os.path.join(SCRIPTS, script), "--out", str(out)] + args,
@@ -196,22 +196,28 @@ def test_keras_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples
                      "after its own data ended", chief), chief[-3000:]
 
 
-@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 2 hybrid workers (Keras or graph mode)")
+@pytest.mark.budget(60, why="tfpsx-run, 1 PS + 2 hybrid workers, or 2 collective ranks "
+                            "(Keras or graph mode)")
+@pytest.mark.parametrize("mode", ["hybrid", "collective"])
 @pytest.mark.parametrize("script", ["visits_job.py", "graph_visits_job.py"])
-def test_hybrid_from_splits_every_example_once_and_equal_dense_copies(tmp_path, examples,
-                                                                      script):
-    """The hybrid mode from splits: the workers step together (each step all-reduces the
-    dense gradients), but splits leased as each goes end their data at different steps.
-    The chief reads 3x the others' batch, so its data ends first: it takes part in the
-    others' steps idle (zeros and a count of 0 in each all-reduce), applying their mean,
-    until a step no worker trains. Every example is in the model once, and every
-    worker's copy of the dense weights is the same, bit for bit (each applied every
-    step). Without the idle steps the others' all-reduce waited for the chief's."""
+def test_lockstep_from_splits_every_example_once_and_equal_copies(tmp_path, examples, script,
+                                                                  mode):
+    """The hybrid and collective modes from splits: the workers step together (each step
+    all-reduces the gradients of the weights every worker holds), but splits leased as
+    each goes end their data at different steps. The chief reads 3x the others' batch,
+    so its data ends first: it takes part in the others' steps idle (zeros and a count
+    of 0 in each all-reduce: a batch of weight 0), applying each, until a step no worker
+    trains. Every example is in the model once (hybrid: the counter is a table on the
+    PS; collective, no servers: a dense weight of every rank, its input's coordinator
+    on rank 0), and every worker's copy of the weights is the same, bit for bit (each
+    applied every step). Without the idle steps the others' all-reduce waited for the
+    chief's and the job failed."""
     err, visits = run_job(tmp_path, examples, script, 2,
-                          ["--mode", "hybrid", "--split_bytes", "5000",
+                          ["--mode", mode, "--split_bytes", "5000",
                            "--chief_batch", str(3 * BATCH)]
                           + (["--examples", str(EXAMPLES), "--input", "splits"]
-                             if script == "visits_job.py" else []))
+                             if script == "visits_job.py" else []),
+                          servers=0 if mode == "collective" else 1)
     assert_each_once(visits, repeats_at_most=0)
     copies = [np.load(tmp_path / "out" / f"dense.{w}.npz") for w in range(2)]
     assert len(copies[0].files) == len(copies[1].files) >= 1
@@ -219,8 +225,9 @@ def test_hybrid_from_splits_every_example_once_and_equal_dense_copies(tmp_path, 
         np.testing.assert_array_equal(copies[0][name], copies[1][name])
         assert np.abs(copies[0][name]).sum() > 0  # trained, not zeros
     chief = (tmp_path / "logs" / "workerlog.0").read_text()
-    assert re.search(r"hybrid: worker 0's data ended first: it applied \d+ step\(s\) of the "
-                     "workers still training", chief), chief[-3000:]
+    who = "worker 0" if mode == "hybrid" else "rank 0"
+    assert re.search(f"{mode}: {who}'s data ended first: it applied \\d+ step\\(s\\) of the "
+                     "(workers|ranks) still training", chief), chief[-3000:]
 
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers + TF's tf.data service (a "

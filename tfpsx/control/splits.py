@@ -139,13 +139,39 @@ def checked_input(position):
                      "model trains from one at a time")
 
 
+def home(config) -> str:
+    """Where the job's input coordinators live: PS 0, or, in a collective job (no
+    servers), rank 0's own device (its process serves the others' calls; its checkpoint
+    holds the position, and a lost rank restarts the whole job anyway)."""
+    if config is None or config.server_num:
+        return PS0
+    job, task = config.worker_device_job(0)
+    return f"/job:{job}/replica:0/task:{task}/device:CPU:0"
+
+
+def session_config_for(config, base):
+    """``base`` (this process's session config) that also reaches the coordinators'
+    home: a collective rank's sessions see only its own task."""
+    if config is None or config.server_num:
+        return base
+    import tensorflow as tf
+
+    proto = tf.compat.v1.ConfigProto()
+    proto.CopyFrom(base)
+    job, task = config.worker_device_job(0)
+    if f"/job:{job}/task:{task}" not in proto.device_filters:
+        proto.device_filters.append(f"/job:{job}/task:{task}")
+    return proto
+
+
 def coordinator_of(name: str) -> "SplitCoordinator":
     """The client of input ``name`` (registered by ``tfpsx.data.splits``)."""
     return registered()[name].client()
 
 
 class SplitCoordinator:
-    """The input ``name``'s coordinator on PS 0, as this process reaches it.
+    """The input ``name``'s coordinator on PS 0 (a collective job's: on rank 0,
+    :func:`home`), as this process reaches it.
 
     Args:
       name: the input's name (its resource is ``tfpsx/input/<name>`` on PS 0).

@@ -108,13 +108,15 @@ class SplitInput:
         self.format, self.seed, self.chunk_bytes = fmt, seed, chunk_bytes
         self.epochs = epochs
         config = RUNTIME.config
-        if config is not None and config.role == "worker" and (
-                config.collective or not config.server_num):
-            raise ValueError("tfpsx.data.splits: a collective job has no parameter server to "
-                             "hold the input's coordinator (PS 0); feed it with "
-                             "tfpsx.data.shard, or run the hybrid mode (tables on the servers, "
-                             "dense weights all-reduced), whose servers hold it")
         self.clustered = config is not None and config.role == "worker"
+        # PS 0, or a collective job's rank 0 (no servers: tfpsx.control.splits.home)
+        self.home = _coordinator.home(config if self.clustered else None)
+        if self.clustered and exact_saves and not config.server_num:
+            raise ValueError(
+                "tfpsx.data.splits(exact_saves=True) in a collective job: its ranks step "
+                "together, so rank 0's checkpoint holds its positions at most a step "
+                "ahead of the others' commits; give exact_saves=False (a restore then "
+                "repeats at most the step in flight on each rank)")
         self.worker = config.index if self.clustered else 0
         self.lease_seconds = settings.get("TFPSX_LEASE_TIMEOUT")
         self._lock = threading.RLock()
@@ -153,11 +155,12 @@ class SplitInput:
                 if not self.clustered:
                     client = _coordinator.SplitCoordinator(self.name, device=None)
                 elif RUNTIME.eager_connection is not None:
-                    client = _coordinator.SplitCoordinator(self.name)
-                else:  # graph mode: its own session on this worker's server
+                    client = _coordinator.SplitCoordinator(self.name, device=self.home)
+                else:  # graph mode, a collective rank: a session on this worker's server
                     client = _coordinator.SplitCoordinator(
                         self.name, session_target=RUNTIME.server_target(),
-                        session_config=RUNTIME.session_config())
+                        device=self.home, session_config=_coordinator.session_config_for(
+                            RUNTIME.config, RUNTIME.session_config()))
                 files, starts, ends = zip(*self.table)
                 client.configure(self.digest, self.seed, list(files), list(starts), list(ends),
                                  self.lease_seconds)
@@ -166,7 +169,7 @@ class SplitInput:
 
     def client_for_graph(self) -> _coordinator.SplitCoordinator:
         """A client whose ops go into the caller's graph (the coordinator on PS 0)."""
-        return _coordinator.SplitCoordinator(self.name)
+        return _coordinator.SplitCoordinator(self.name, device=self.home)
 
     def _start(self) -> None:
         """The first take of this process: an earlier process of this worker's rank (one
@@ -546,13 +549,18 @@ def next_batch(dataset):
         state = graph_state.of()
         state.positions.append(position)
         name, _ = _coordinator.checked_input(position)
-        if name not in state.input_positions:
+        config = RUNTIME.config
+        # (a collective rank's sessions see only its own task: rank 0 alone, the home,
+        # saves the position, and only its graph holds the export)
+        saves = config.server_num or config.index == 0
+        if saves and name not in state.input_positions:
             # The chief's checkpoints hold the input's position: a string variable on PS 0
             # that a save first fills with the coordinator's state (before the model), and
             # the chief's session restores into the coordinator before TF restores the
             # model (tfpsx.training.session).
-            client = _coordinator.registered()[name].client_for_graph()
-            with tf.compat.v1.device(_coordinator.PS0), tf.control_dependencies(None):
+            source = _coordinator.registered()[name]
+            client = source.client_for_graph()
+            with tf.compat.v1.device(source.home), tf.control_dependencies(None):
                 var = tf.compat.v1.get_variable(_coordinator.STATE_VARIABLE + name, [],
                                                 tf.string, initializer=tf.constant_initializer(""),
                                                 trainable=False, use_resource=True)

@@ -27,14 +27,22 @@ Example::
 
 from __future__ import annotations
 
+import logging
+from typing import Optional
+
 import keras
 import tensorflow as tf
 
 from tfpsx import compat
+from tfpsx.control.splits import split_position
 from tfpsx.control.watchdog import translate_uncaught
 from tfpsx.keras.variables import fit_variables
+from tfpsx.modes import lockstep
 from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, from_rank_0, lost_peer_error
+from tfpsx.modes.positions import check_feeds_splits, commit_from_python
 from tfpsx.runtime import RUNTIME
+
+logger = logging.getLogger("tfpsx")
 
 
 class _CollectiveExtended(compat.OneDeviceExtended):
@@ -43,6 +51,10 @@ class _CollectiveExtended(compat.OneDeviceExtended):
     def __init__(self, container, device: str, group: CollectiveGroup):
         super().__init__(container, device)
         self.group = group
+        self.reduced: Optional[int] = None  # values the training step all-reduces
+        self._given = None  # the idle step's summed step (lockstep), while it is traced
+        self._applied: list = []  # reads after the step's updates (its commit waits)
+        self.shapes: Optional[list] = None  # the fit's trainable variables' shapes
 
     @property
     def _num_replicas_in_sync(self):
@@ -57,7 +69,90 @@ class _CollectiveExtended(compat.OneDeviceExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [value for value, _ in value_destination_pairs]
-        return self.group.all_reduce(values, mean=reduce_op == tf.distribute.ReduceOp.MEAN)
+        # Keras scales the loss by 1 / world size and asks for the sum: a rank whose
+        # data ended adds zeros, a batch of weight 0 (tfpsx.modes.lockstep).
+        divide = self.group.size if reduce_op == tf.distribute.ReduceOp.MEAN else 1
+        if self._given is not None:  # the idle step: the others' summed step
+            tensors = [tf.convert_to_tensor(v) for v in values]
+            return lockstep.apply_summed([(t.dtype, t.shape) for t in tensors], self._given,
+                                         divide)
+        self.reduced = len(values)
+        # (the gradients of the model's trainable variables, in order, unless one has
+        # none: their static shapes, which a traced gradient may lack)
+        shapes = self.shapes if self.shapes and len(self.shapes) == len(values) else None
+        return lockstep.reduce_in_step(values, self.group.total_in_step, divide,
+                                       "collective all-reduce", shapes)
+
+    def _update(self, var, fn, args, kwargs, group):
+        result = super()._update(var, fn, args, kwargs, group)
+        self._applied.append(var.read_value())  # (after the update: same resource)
+        return result
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        def step(*step_args, **step_kwargs):
+            # A batch of tfpsx.data.splits carries its input position: the model never
+            # sees it; it is committed once the step's updates are applied on this rank
+            # (every rank applies the same step: lockstep).
+            position = None
+            if step_args:
+                data, position = split_position(step_args[0])
+                step_args = (data,) + tuple(step_args[1:])
+            self._applied = []
+            outputs = fn(*step_args, **step_kwargs)
+            if position is None or not self._applied:
+                return outputs  # (an eval or predict step commits nothing)
+            check_feeds_splits(None)
+            with tf.control_dependencies(self._applied):
+                commit = commit_from_python(position)
+            with tf.control_dependencies([commit]):
+                return tf.nest.map_structure(
+                    lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, outputs)
+
+        return super()._call_for_each_replica(step, args, kwargs)
+
+    def take_part_idle(self, model) -> int:
+        """After this rank's ``fit`` ended well: it takes part in the steps of the ranks
+        still training, idle, applying each with the model's optimizer, until every
+        rank's data ended (:mod:`tfpsx.modes.lockstep`). Returns the steps applied."""
+        variables = list(model.trainable_variables)
+        if self.reduced is not None and self.reduced != len(variables):
+            raise ValueError(
+                f"collective mode: rank {self.group.rank}'s training step all-reduced "
+                f"{self.reduced} gradient(s) but the model has {len(variables)} trainable "
+                "variable(s) (one without a gradient?); it cannot take part in the steps "
+                "of the ranks still training after its own data ended: give every "
+                "trainable variable a gradient, or feed the job with tfpsx.data.shard")
+        specs = [(tf.as_dtype(v.dtype), [int(d) for d in v.shape]) for v in variables]
+        steps = []
+
+        def total(_, flat):
+            with tf.device(self.group.device):
+                return self.group.total_in_step(tf.constant(flat)).numpy()
+
+        def apply(sums) -> None:
+            if not steps:
+                steps.append(self._idle_step(model, variables))
+            steps[0]([tf.constant(s) for s in sums])
+
+        return lockstep.idle_until_done(total, specs, apply)
+
+    def _idle_step(self, model, variables):
+        """A compiled step applying the others' summed step with the model's optimizer
+        (zeros of this rank's go in; the all-reduce gives the step instead)."""
+        strategy = self._container_strategy()
+
+        @tf.function
+        def step(sums):
+            def replica():
+                self._given = sums
+                try:
+                    model.optimizer.apply([tf.zeros(v.shape, v.dtype) for v in variables],
+                                          variables)
+                finally:
+                    self._given = None
+            strategy.run(replica)
+
+        return step
 
 
 class CollectiveStrategy(tf.distribute.OneDeviceStrategy):
@@ -65,8 +160,9 @@ class CollectiveStrategy(tf.distribute.OneDeviceStrategy):
 
     Needs ``tfpsx.init(is_collective=True)`` and ``tfpsx.init_worker()`` first. Build
     and compile the model in ``strategy.scope()``; pass ``strategy.callbacks()`` to
-    ``fit``. Give every worker the same number of steps per epoch
-    (``tfpsx.data.shard``): a collective waits for every rank.
+    ``fit``. Feed it with ``tfpsx.data.splits`` (a rank whose data ends first takes part
+    in the others' steps with a batch of weight 0 until every rank's ended) or
+    ``tfpsx.data.shard``.
 
     Raises:
       tfpsx.errors.NotInitializedError / WrongRoleError: no cluster, or not a worker.
@@ -121,5 +217,14 @@ class _BroadcastAtStart(keras.callbacks.Callback):
         self._strategy = strategy
 
     def on_train_begin(self, logs=None):
+        self._strategy.extended.shapes = [v.shape for v in self.model.trainable_variables]
         from_rank_0(fit_variables(self.model), lambda variables: (
             self._strategy.group.broadcast([v.value for v in variables])))
+
+    def on_train_end(self, logs=None):
+        # An input leased as each rank goes ends the ranks' data at different steps: this
+        # rank takes part in the others' steps until every rank's ended.
+        applied = self._strategy.extended.take_part_idle(self.model)
+        if applied:
+            logger.info("collective: rank %d's data ended first: it applied %d step(s) of "
+                        "the ranks still training", self._strategy.group.rank, applied)

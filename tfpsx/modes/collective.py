@@ -52,6 +52,15 @@ def from_rank_0(variables, broadcast: Callable[[list], Sequence]) -> list:
     return [v.assign(x) for v, x in zip(variables, broadcast(variables))]
 
 
+def step_key(dtype, size: int) -> int:
+    """The instance key of a training step's all-reduce of ``size`` values of ``dtype``
+    (:meth:`CollectiveGroup.total_in_step`): the same on every rank and in every trace,
+    above the keys given in order (which start at 1)."""
+    import zlib
+
+    return (1 << 30) + zlib.crc32(f"{tf.as_dtype(dtype).name}:{size}".encode()) % (1 << 29)
+
+
 class CollectiveGroup:
     """The workers of a collective job, from one rank's side.
 
@@ -82,6 +91,24 @@ class CollectiveGroup:
             input=flat, group_size=self.size, group_key=GROUP_KEY, instance_key=key,
             ordering_token=[], merge_op="Add", final_op=final_op,
             communication_hint="ring", timeout_seconds=self.timeout)
+
+    def total_in_step(self, flat: tf.Tensor) -> tf.Tensor:
+        """A flat tensor's sum over the ranks, as a training step's all-reduce
+        (:mod:`tfpsx.modes.lockstep`): its instance key is its dtype's and size's, not
+        the next one, so a step traced again (a last, smaller batch on one rank only: an
+        input leased as each rank goes), and the idle step of a rank whose data ended,
+        meet the others' step in the same collective."""
+        n = flat.shape[0]
+        if n is None:
+            raise ValueError(f"collective all-reduce: the step's {flat.dtype.name} gradients "
+                             "have no static size; every trainable variable needs a static "
+                             "shape")
+        with tf.device(self.device):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=flat, group_size=self.size, group_key=GROUP_KEY,
+                instance_key=step_key(flat.dtype, int(n)), ordering_token=[],
+                merge_op="Add", final_op="Id", communication_hint="ring",
+                timeout_seconds=self.timeout)
 
     def all_reduce(self, values: Sequence, mean: bool = False) -> List[tf.Tensor]:
         """The sum (or mean) of each value over the ranks. Values of one dtype travel
@@ -151,15 +178,29 @@ def unpacked(shapes: Sequence, flats: Sequence[tf.Tensor], order) -> List[tf.Ten
     return out
 
 
-def packed(values: Sequence, reduce_flat, what: str) -> List[tf.Tensor]:
+def _dense(value) -> tf.Tensor:
+    """``value`` as a dense tensor, with its static shape where one is known (an
+    ``IndexedSlices``' dense shape is a tensor: its value, when TF can tell it)."""
+    tensor = tf.convert_to_tensor(value)
+    if isinstance(value, tf.IndexedSlices) and not tensor.shape.is_fully_defined():
+        shape = tf.get_static_value(value.dense_shape)
+        if shape is not None:
+            tensor.set_shape([int(d) for d in shape])
+    return tensor
+
+
+def packed(values: Sequence, reduce_flat, what: str, shapes=None) -> List[tf.Tensor]:
     """``reduce_flat`` of ``values`` packed by dtype: one flat tensor per dtype (in the
     same order on every rank, :func:`layout`), reduced, and cut back into the values'
-    shapes. ``IndexedSlices`` are made dense first.
+    shapes. ``IndexedSlices`` are made dense first. ``shapes``: the values' static
+    shapes where TF's are not known (a gradient's, as its variable's).
 
     Raises:
       TypeError: a value of a dtype a collective cannot reduce (named).
     """
-    tensors = [tf.convert_to_tensor(v) for v in values]
+    tensors = [_dense(v) for v in values]
+    for tensor, shape in zip(tensors, shapes or []):
+        tensor.set_shape(shape)
     try:
         order = layout([t.dtype for t in tensors])
     except TypeError as e:

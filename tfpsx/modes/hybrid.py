@@ -34,8 +34,8 @@ import tensorflow as tf
 from tfpsx import errors, settings
 from tfpsx.control import sockets
 from tfpsx.control.ports import listening
-from tfpsx.modes.collective import (CollectiveGroup, layout, lost_peer_error, packed,
-                                    unpacked)
+from tfpsx.modes import lockstep
+from tfpsx.modes.collective import CollectiveGroup, lost_peer_error
 from tfpsx.waits import wait_for
 
 JOB = "tfpsx_dense"
@@ -158,63 +158,18 @@ class DenseAllReduce:
         self._session.close()
 
 
-def mean_in_step(values: Sequence, total: Callable[[np.ndarray], np.ndarray]) -> List[tf.Tensor]:
+def mean_in_step(values: Sequence, total: Callable[[np.ndarray], np.ndarray],
+                 size: int) -> List[tf.Tensor]:
     """Inside a step being built (a ``tf.function`` or a TF1 graph): the mean of
-    ``values`` over the workers that train this step, by ``total`` (a flat array's sum
-    over the workers: a :class:`DenseAllReduce`'s, wrapped by the front-end) through
-    ``tf.numpy_function``. Values of one dtype travel packed in one collective, a 1
-    after them: the sum's last element counts the workers whose gradients it holds, and
-    divides it. A worker whose data ended sends zeros and a 0 until every worker's did
-    (:func:`idle_until_done`: the input leased as each worker goes, ``tfpsx.data.splits``,
-    ends the workers' data at different steps). ``IndexedSlices`` (a sparse gradient)
-    are made dense first."""
-    def reduce_flat(flat):
-        one = tf.ones([1], flat.dtype)
-        summed = tf.numpy_function(total, [tf.concat([flat, one], 0)], flat.dtype,
-                                   stateful=True, name="tfpsx_dense_all_reduce")
-        n = flat.shape[0]
-        summed.set_shape([None if n is None else n + 1])
-        return mean_of(summed)
+    ``values`` over the ``size`` workers, by ``total`` (a flat array's sum over the
+    workers: :meth:`DenseAllReduce.total`, wrapped by the front-end) through
+    ``tf.numpy_function``; a worker whose data ended takes part idle
+    (:mod:`tfpsx.modes.lockstep`)."""
+    def total_in_step(flat):
+        return tf.numpy_function(total, [flat], flat.dtype, stateful=True,
+                                 name="tfpsx_dense_all_reduce")
 
-    return packed(values, reduce_flat, "hybrid mode's all-reduce")
-
-
-def mean_of(summed: tf.Tensor) -> tf.Tensor:
-    """A step's summed flat values over their count (its last element, at least 1)."""
-    values, count = summed[:-1], tf.maximum(summed[-1], tf.ones([], summed.dtype))
-    return values / count if summed.dtype.is_floating else values // count
-
-
-def idle_until_done(total: Callable[[np.ndarray], np.ndarray], specs: Sequence[Tuple],
-                    apply: Callable[[List[np.ndarray]], None]) -> int:
-    """This worker's data ended (both front-ends, after its last step): it takes part in
-    the others' steps idle, zeros and a count of 0 to each of a step's all-reduces
-    (:func:`mean_in_step`), and applies their mean (``apply(sums)``: the step's summed
-    flat arrays, one per dtype, each ending with its count), until a step no worker
-    trains (a count of 0, which every worker sees in the same all-reduce: each leaves
-    then). So every worker applies every step and their dense weights stay equal.
-    ``specs``: (dtype, shape) of each value the training step all-reduces, in order.
-    Each all-reduce is bounded by TFPSX_COLLECTIVE_TIMEOUT. Returns the steps applied."""
-    order = layout([dtype for dtype, _ in specs])
-    sizes = [(dtype, sum(int(np.prod(specs[i][1], dtype=np.int64)) for i in members))
-             for dtype, members in order]
-    steps = 0
-    while sizes:
-        sums = [np.asarray(total(np.zeros([n + 1], dtype.as_numpy_dtype)))
-                for dtype, n in sizes]
-        if int(round(float(sums[0][-1]))) == 0:
-            break
-        apply(sums)
-        steps += 1
-    return steps
-
-
-def apply_summed(specs: Sequence[Tuple], sums: Sequence[tf.Tensor]) -> List[tf.Tensor]:
-    """The mean values of a step's summed flat arrays (:func:`idle_until_done`'s), cut
-    into ``specs``' shapes, in order: what the training step's all-reduce gave the
-    workers that trained it, computed the same way."""
-    order = layout([dtype for dtype, _ in specs])
-    return unpacked([list(shape) for _, shape in specs], [mean_of(s) for s in sums], order)
+    return lockstep.reduce_in_step(values, total_in_step, size, "hybrid mode's all-reduce")
 
 
 def named_peer_loss(fn, config):

@@ -82,6 +82,21 @@ def commit_ops(position) -> tf.Operation:
         return splits.coordinator_of(name).commit_op(keys, offsets)
 
 
+def commit_from_python(position) -> tf.Tensor:
+    """The op committing a batch's position through this process's client (a
+    ``tf.numpy_function``): a collective rank's step cannot place an op on the
+    coordinator's home, rank 0 (its sessions see only its own task)."""
+    name, check = splits.checked_input(position)
+    with tf.control_dependencies([check]):
+        keys, offsets = splits.latest(position)
+
+    def commit(keys, offsets):
+        return np.int64(splits.coordinator_of(name).commit(keys, offsets))
+
+    return tf.numpy_function(commit, [keys, offsets], tf.int64, stateful=True,
+                             name="tfpsx_commit_position")
+
+
 class PendingPositions:
     """GEO: the positions this worker trained into its copy and has not pushed, by input
     (a stock ``MutableHashTable`` on the worker: split key -> the furthest end trained)."""
@@ -180,5 +195,5 @@ def positions_of_graph(graph=None) -> list:
     return list(state.positions) if state is not None else []
 
 
-__all__ = ["check_feeds_splits", "commit_ops", "PendingPositions", "PendingSteps", "decode_numpy",
+__all__ = ["check_feeds_splits", "commit_from_python", "commit_ops", "PendingPositions", "PendingSteps", "decode_numpy",
            "positions_of_graph"]

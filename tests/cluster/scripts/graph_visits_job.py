@@ -4,7 +4,8 @@ beside a table "visits" (dim 1, SGD at learning rate 1, rows from 0) whose row o
 example moves by exactly +1 each time a step that holds it is in the model. The chief
 writes the final rows to <out>/visits.npz (ids, counts) once every worker is done.
 
-  graph_visits_job.py --out DIR [--mode async|geo|sync|hybrid] [--epochs E] [--batch B]
+  graph_visits_job.py --out DIR [--mode async|geo|sync|hybrid|collective] [--epochs E]
+      [--batch B]
       [--checkpoint DIR --save_steps S] [--die_after W:S] [--step_delay SEC]
       (the examples: DIR/data/part-*.txt, as visits_job.write_files writes them)
 """
@@ -25,7 +26,9 @@ from visits_job import FEATURES, parse
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["async", "geo", "sync", "hybrid"], default="async")
+    p.add_argument("--mode", choices=["async", "geo", "sync", "hybrid", "collective"],
+                   default="async")
+    p.add_argument("--examples", type=int, default=6000, help="(collective: the counter)")
     p.add_argument("--k_steps", type=int, default=5)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
@@ -39,7 +42,8 @@ def main(argv):
     p.add_argument("--step_delay", type=float, default=0.0)
     args = p.parse_args(argv)
 
-    tfpsx.init()
+    collective = args.mode == "collective"
+    tfpsx.init(is_collective=collective)
     if tfpsx.is_server():
         tfpsx.run_server()
         return 0
@@ -51,7 +55,7 @@ def main(argv):
         a_sync_configs={"geo": {"k_steps": args.k_steps, "geo_table_rule": "shared_slots"},
                         "sync": {"sync_reduction": "sum"}}.get(args.mode, {}),
         # hybrid: w all-reduced among the workers (each holds it), the table async
-        dense="allreduce" if args.mode == "hybrid" else "ps")
+        dense="allreduce" if args.mode == "hybrid" else "ps", collective=collective)
     files = os.path.join(args.out, "data", "part-*.txt")
     local_steps = 0
     with tf.Graph().as_default():
@@ -64,22 +68,33 @@ def main(argv):
             step = tf.compat.v1.train.get_or_create_global_step()
             w = tf.compat.v1.get_variable("w", [FEATURES, 1],
                                           initializer=tf.zeros_initializer())
-            visits = E.DynamicTable("visits", 1, optimizer=E.SGD(1.0), initializer=E.zeros())
-            looked = visits.lookup_unique(tf.reshape(features["id"], [-1]), step=step)
             logits = tf.matmul(features["x"], w)
             loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
                 labels=label, logits=logits))
             opt = tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                               strategy)
-            train = tf.group(opt.minimize(loss, global_step=step),
-                             # -row: each trained visit moves its row by +1
-                             visits.minimize(-tf.reduce_sum(looked.unique_rows *
-                                                            tf.cast(tf.reshape(
-                                                                tf.math.bincount(
-                                                                    tf.cast(looked.indices,
-                                                                            tf.int32)),
-                                                                [-1, 1]), tf.float32)),
-                                             [looked], step=step))
+        if collective:  # no servers, no tables: the counter is a dense weight of each rank
+            with tfpsx.model_scope(strategy):
+                counts = tf.compat.v1.get_variable("counts", [args.examples, 1],
+                                                   initializer=tf.zeros_initializer())
+                rows = tf.reduce_sum(tf.gather(counts, tf.reshape(features["id"], [-1])))
+                # the mean over the world size of the ranks' gradients (a rank whose data
+                # ended adds zeros) at learning rate 0.1: each visit +1
+                train = opt.minimize(loss - 10.0 * tfpsx.worker_num() * rows,
+                                     global_step=step)
+        else:
+            with tfpsx.model_scope(strategy):
+                visits = E.DynamicTable("visits", 1, optimizer=E.SGD(1.0), initializer=E.zeros())
+                looked = visits.lookup_unique(tf.reshape(features["id"], [-1]), step=step)
+                train = tf.group(opt.minimize(loss, global_step=step),
+                                 # -row: each trained visit moves its row by +1
+                                 visits.minimize(-tf.reduce_sum(looked.unique_rows *
+                                                                tf.cast(tf.reshape(
+                                                                    tf.math.bincount(
+                                                                        tf.cast(looked.indices,
+                                                                                tf.int32)),
+                                                                    [-1, 1]), tf.float32)),
+                                                 [looked], step=step))
         marker = os.path.join(args.out, f"died.{me}")
         dies = args.die_after and int(args.die_after.split(":")[0]) == me
         with tfpsx.MonitoredTrainingSession(checkpoint_dir=args.checkpoint,
@@ -95,12 +110,18 @@ def main(argv):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if args.step_delay:
                     time.sleep(args.step_delay)
-        tfpsx.barrier_worker()
-        if args.mode == "hybrid":  # each worker's own copy of w
+        if not collective:  # (a collective job's ranks end their sessions together)
+            tfpsx.barrier_worker()
+        if args.mode in ("hybrid", "collective"):  # each worker's own copy of w (and counts)
             with tf.compat.v1.Session(tfpsx.server_target(),
                                       config=tfpsx.session_config()) as s:
-                np.savez(os.path.join(args.out, f"dense.{me}.npz"), s.run(w))
-        if me == 0:
+                np.savez(os.path.join(args.out, f"dense.{me}.npz"),
+                         *s.run([w] + ([counts] if collective else [])))
+                if collective and me == 0:
+                    np.savez(os.path.join(args.out, "visits.npz"),
+                             ids=np.arange(args.examples),
+                             counts=np.round(s.run(counts)[:, 0]))
+        if me == 0 and not collective:
             with tf.compat.v1.Session(tfpsx.server_target(),
                                       config=tfpsx.session_config()) as s:
                 rows = s.run(visits.export())

@@ -8,9 +8,10 @@ id, so a row moves by exactly +1 each time a step that holds the example is appl
 the model. Restored and recovered like the model, its final rows say how many times each
 example is in the model: 1 exactly once, 0 a skip, 2 a repeat. The chief writes them to
 ``<out>/visits.npz`` (ids, counts) once every worker is done; in the hybrid mode each
-worker writes its own copy of the dense weights to ``<out>/dense.<rank>.npz``.
+worker (a collective job's rank: no servers, the counter a dense weight) writes its own
+copy of the dense weights to ``<out>/dense.<rank>.npz``.
 
-  visits_job.py --out DIR [--mode async|geo|sync|staleness|hybrid] [--examples N]
+  visits_job.py --out DIR [--mode async|geo|sync|staleness|hybrid|collective] [--examples N]
       [--epochs E]
       [--batch B]
       [--input shard|splits]             tfpsx.data.shard of arrays (a static cut), or
@@ -44,17 +45,32 @@ FEATURES = 4
 
 class VisitCounter(keras.layers.Layer):
     """Passes the model's output through; its loss term moves each example's row by +1
-    per trained visit (the loss's value stays 0: the reported loss is the model's)."""
+    per trained visit (the loss's value stays 0: the reported loss is the model's).
 
-    def __init__(self, **kwargs):
+    In a collective job (no servers, no tables) the rows are a dense weight of every
+    rank, trained by the model's SGD(0.1) on 10 x the world size x the term: Keras
+    scales a rank's loss by 1 / world size and the ranks' gradients are summed (a rank
+    whose data ended adds zeros), so a visit still moves its row by exactly +1."""
+
+    def __init__(self, examples=None, world=1, **kwargs):
         super().__init__(**kwargs)
-        self.visits = tfpsx.keras.DynamicEmbedding(1, table_name="visits",
-                                                   optimizer=E.SGD(1.0), initializer=E.zeros())
+        self.world = world
+        if examples is None:
+            self.visits = tfpsx.keras.DynamicEmbedding(1, table_name="visits",
+                                                       optimizer=E.SGD(1.0),
+                                                       initializer=E.zeros())
+        else:
+            self.counts = self.add_weight(shape=(examples, 1), initializer="zeros",
+                                          name="counts")
 
     def call(self, inputs):
         out, ids = inputs
-        rows = tf.reduce_sum(self.visits(ids))
-        self.add_loss(tf.stop_gradient(rows) - rows)
+        if hasattr(self, "visits"):
+            rows = tf.reduce_sum(self.visits(ids))
+            self.add_loss(tf.stop_gradient(rows) - rows)
+        else:
+            rows = tf.reduce_sum(tf.gather(self.counts, tf.reshape(ids, [-1])))
+            self.add_loss(10.0 * self.world * (tf.stop_gradient(rows) - rows))
         return out
 
 
@@ -85,12 +101,12 @@ def parse(lines):
     return {"x": cols[:, 1:1 + FEATURES], "id": ids}, cols[:, 1 + FEATURES:]
 
 
-def build():
+def build(examples=None, world=1):
     x = keras.Input((FEATURES,), name="x")
     ids = keras.Input((1,), dtype="int64", name="id")
     out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(8, "relu")(x))
     model = keras.Model({"x": x, "id": ids},
-                        VisitCounter(name="counter")([out, ids]))
+                        VisitCounter(examples, world, name="counter")([out, ids]))
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
     return model
 
@@ -121,8 +137,8 @@ class DieAfter(keras.callbacks.Callback):
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["async", "geo", "sync", "staleness", "hybrid"],
-                   default="async")
+    p.add_argument("--mode", choices=["async", "geo", "sync", "staleness", "hybrid",
+                                      "collective"], default="async")
     p.add_argument("--examples", type=int, default=6000)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=50)
@@ -140,7 +156,8 @@ def main(argv):
     p.add_argument("--exact", action="store_true", help="splits(exact_saves=True)")
     args = p.parse_args(argv)
 
-    tfpsx.init()
+    collective = args.mode == "collective"
+    tfpsx.init(is_collective=collective)
     if tfpsx.is_server():
         tfpsx.run_server()
         return 0
@@ -152,13 +169,15 @@ def main(argv):
     # the end of splits leased as each worker goes)
     configs = {"async": {}, "geo": {"k_steps": 5, "geo_table_rule": "shared_slots"},
                "sync": {"sync_reduction": "sum"},
-               "staleness": {"max_staleness": 2}, "hybrid": {}}[args.mode]
+               "staleness": {"max_staleness": 2}, "hybrid": {}, "collective": {}}[args.mode]
     # hybrid: the dense weights all-reduced among the workers, the table async on the PS
-    strategy = tfpsx.keras.ParameterServerStrategy(
-        tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs,
-                                  dense="allreduce" if args.mode == "hybrid" else "ps"))
+    strategy = tfpsx.keras.CollectiveStrategy() if collective else \
+        tfpsx.keras.ParameterServerStrategy(
+            tfpsx.DistributedStrategy(a_sync=args.mode != "sync", a_sync_configs=configs,
+                                      dense="allreduce" if args.mode == "hybrid" else "ps"))
     with strategy.scope():
-        model = build()
+        model = build(args.examples if collective else None,
+                      tfpsx.worker_num() if collective else 1)
     callbacks = strategy.callbacks()
     restored = None
     if args.checkpoint:
@@ -190,15 +209,24 @@ def main(argv):
     start = time.time()
     model.fit(train, epochs=args.epochs, verbose=0, callbacks=callbacks)
     seconds = time.time() - start
-    tfpsx.barrier_worker()  # every worker's steps are in before the chief reads
-    if args.mode == "hybrid":  # each worker's own copy of the dense weights
+    if not collective:  # (a collective job's ranks end their fit together)
+        tfpsx.barrier_worker()  # every worker's steps are in before the chief reads
+    if args.mode in ("hybrid", "collective"):  # each worker's own copy of the weights
         np.savez(os.path.join(args.out, f"dense.{me}.npz"),
                  *[np.asarray(w) for layer in model.layers
-                   if isinstance(layer, keras.layers.Dense) for w in layer.weights])
+                   if isinstance(layer, (keras.layers.Dense, VisitCounter))
+                   for w in layer.weights if not isinstance(layer, VisitCounter)
+                   or collective])
     if me == 0:
-        rows = model.get_layer("counter").visits.table.export()
-        np.savez(os.path.join(args.out, "visits.npz"), ids=rows["keys"].numpy(),
-                 counts=rows["values"].numpy()[:, 0])
+        counter = model.get_layer("counter")
+        if collective:
+            counts = np.asarray(counter.counts)[:, 0]
+            np.savez(os.path.join(args.out, "visits.npz"), ids=np.arange(len(counts)),
+                     counts=np.round(counts))
+        else:
+            rows = counter.visits.table.export()
+            np.savez(os.path.join(args.out, "visits.npz"), ids=rows["keys"].numpy(),
+                     counts=rows["values"].numpy()[:, 0])
     tfpsx.metrics.emit("visits", worker=me, restored=restored, seconds=seconds,
                        batches=len(batches),
                        rounds=tfpsx.metrics.snapshot().get("geo", {}).get("pushes", 0),

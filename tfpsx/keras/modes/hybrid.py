@@ -25,7 +25,7 @@ import tensorflow as tf
 from tfpsx.keras.modes.base import TRIGGER, CreationContext, KerasMode
 from tfpsx.keras.modes.geo import KerasGeo
 from tfpsx.keras.variables import SharedVariable, fit_variables
-from tfpsx.modes import hybrid
+from tfpsx.modes import hybrid, lockstep
 from tfpsx.modes.collective import REDUCIBLE, from_rank_0
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
@@ -76,13 +76,13 @@ class _AllReducedDense:
             return []
         given = getattr(self, "_given", None)
         if given is not None:  # the idle step (finish_fit): the others' summed step
-            return hybrid.apply_summed(
+            return lockstep.apply_summed(
                 [(tf.convert_to_tensor(v).dtype, tf.convert_to_tensor(v).shape)
-                 for v in values], given)
+                 for v in values], given, self.worker_num)
         # Every gradient Keras reduces is a dense one's (a table's trigger gives zeros:
         # its rows were pushed in the backward pass).
         self._reduced = len(values)
-        return hybrid.mean_in_step(values, self._total)
+        return hybrid.mean_in_step(values, self._total, self.worker_num)
 
     def _total(self, flat):
         return self.keras_strategy.reporting(hybrid.named_peer_loss(
@@ -96,7 +96,7 @@ class _AllReducedDense:
         """This worker's ``fit`` ended well: it takes part in the steps of the workers
         still training, idle, applying their mean (an input leased as each worker goes
         ends their data at different steps), until every worker's ended
-        (:func:`tfpsx.modes.hybrid.idle_until_done`)."""
+        (:mod:`tfpsx.modes.lockstep`)."""
         super().finish_fit(model)
         if getattr(self, "_bridge", None) is None:
             return
@@ -118,7 +118,7 @@ class _AllReducedDense:
                 steps.append(self._idle_step(model, variables))
             steps[0]([tf.constant(s) for s in sums])
 
-        applied = hybrid.idle_until_done(self._total, specs, apply)
+        applied = lockstep.idle_until_done(lambda _, flat: self._total(flat), specs, apply)
         if applied:
             logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of the "
                         "workers still training", self.worker_index, applied)

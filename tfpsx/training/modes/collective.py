@@ -7,14 +7,19 @@ variables, rank 0 alone restores and saves checkpoints.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import tensorflow as tf
 
+from tfpsx import settings
+from tfpsx.modes import lockstep
 from tfpsx.modes.collective import CollectiveGroup, from_rank_0
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
+
+logger = logging.getLogger("tfpsx")
 
 
 class CollectiveMode(Mode):
@@ -24,6 +29,8 @@ class CollectiveMode(Mode):
     def __init__(self, strategy, config, graph):
         super().__init__(strategy, config, graph)
         self._group: Optional[CollectiveGroup] = None
+        # The idle step of a rank whose data ended (AllReduceOptimizer builds it).
+        self.idle: Optional[tuple] = None
         self.add_hook(_BroadcastHook(self))
 
     def validate(self) -> None:
@@ -64,9 +71,28 @@ class AllReduceOptimizer(WrappedOptimizer):
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("AllReduceOptimizer: no gradients to apply (every one is None)")
-        averaged = mode.group().all_reduce([g for g, _ in pairs], mean=True)
-        return self._opt.apply_gradients(list(zip(averaged, [v for _, v in pairs])),
-                                         global_step, name)
+        group, variables = mode.group(), [v for _, v in pairs]
+        # A rank whose data ended adds zeros, a batch of weight 0 (tfpsx.modes.lockstep).
+        averaged = lockstep.reduce_in_step([g for g, _ in pairs], group.total_in_step,
+                                           group.size, "collective all-reduce",
+                                           [v.shape for v in variables])
+        train = self._opt.apply_gradients(list(zip(averaged, variables)), global_step, name)
+        specs = [(v.dtype.base_dtype, v.shape) for v in variables]
+        if all(shape.is_fully_defined() for _, shape in specs):
+            # The idle step (the session hook's end): the same all-reduces, fed zeros and
+            # a count of 0, and the optimizer's apply of their sums.
+            specs = [(dtype, shape.as_list()) for dtype, shape in specs]
+            with tf.name_scope("tfpsx_collective_idle"):
+                flats = [tf.compat.v1.placeholder(dtype, [n + 1])
+                         for dtype, n in lockstep.flat_sizes(specs)]
+                totals = [group.total_in_step(flat) for flat in flats]
+                sums = [tf.compat.v1.placeholder(dtype, [n + 1])
+                        for dtype, n in lockstep.flat_sizes(specs)]
+                apply = self._opt.apply_gradients(
+                    list(zip(lockstep.apply_summed(specs, sums, group.size), variables)),
+                    global_step)
+            mode.idle = (specs, flats, totals, sums, apply)
+        return train
 
 
 class _BroadcastHook(tf.compat.v1.train.SessionRunHook):
@@ -88,3 +114,23 @@ class _BroadcastHook(tf.compat.v1.train.SessionRunHook):
         if self._assign is not None:
             session.run(self._assign)
         RUNTIME.watch_peers()  # every peer answered: from now on a lost one is named
+
+    def end(self, session):
+        """This rank's data ended: it takes part in the steps of the ranks still
+        training until every rank's did (an input leased as each rank goes ends their
+        data at different steps; :mod:`tfpsx.modes.lockstep`)."""
+        mode = self._mode
+        if mode.idle is None:
+            return
+        specs, flats, totals, sums, apply = mode.idle
+        options = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(1000 * (settings.get("TFPSX_COLLECTIVE_TIMEOUT") + 5)))
+
+        def total(i, flat):
+            return session.run(totals[i], {flats[i]: flat}, options=options)
+
+        applied = lockstep.idle_until_done(total, specs, lambda got: session.run(
+            apply, dict(zip(sums, got)), options=options))
+        if applied:
+            logger.info("collective: rank %d's data ended first: it applied %d step(s) of "
+                        "the ranks still training", mode.config.index, applied)

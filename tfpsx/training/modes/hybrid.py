@@ -21,8 +21,8 @@ import tensorflow as tf
 
 from tfpsx import errors, settings
 from tfpsx.control.watchdog import translate_uncaught
-from tfpsx.modes import hybrid
-from tfpsx.modes.collective import layout, lost_peer_error, reducible
+from tfpsx.modes import hybrid, lockstep
+from tfpsx.modes.collective import lost_peer_error, reducible
 from tfpsx.modes.group import set_entry
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
@@ -117,8 +117,9 @@ class HybridOptimizer(WrappedOptimizer):
                 "parameter servers; the hybrid mode all-reduces dense variables held by "
                 "every worker: build the model inside tfpsx.model_scope(strategy)")
         variables = [v for _, v in pairs]
+        size = self._config.worker_num
         averaged = hybrid.mean_in_step(
-            [g for g, _ in pairs], hybrid.named_peer_loss(mode.total, self._config))
+            [g for g, _ in pairs], hybrid.named_peer_loss(mode.total, self._config), size)
         train = self._opt.apply_gradients(list(zip(averaged, variables)), global_step, name)
         mode.local_train_op(train)
         specs = [(v.dtype.base_dtype, v.shape) for v in variables]
@@ -127,9 +128,9 @@ class HybridOptimizer(WrappedOptimizer):
             # (the session hook's end): their summed step fed, its mean cut and applied.
             specs = [(dtype, shape.as_list()) for dtype, shape in specs]
             sums = [tf.compat.v1.placeholder(dtype, [None], name="tfpsx_hybrid_idle_sum")
-                    for dtype, _ in layout([d for d, _ in specs])]
+                    for dtype, _ in lockstep.flat_sizes(specs)]
             idle = self._opt.apply_gradients(
-                list(zip(hybrid.apply_summed(specs, sums), variables)), global_step)
+                list(zip(lockstep.apply_summed(specs, sums, size), variables)), global_step)
             mode.idle = (specs, sums, idle)
         return train
 
@@ -204,8 +205,9 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
             specs, sums, op = mode.idle
             options = tf.compat.v1.RunOptions(
                 timeout_in_ms=int(settings.get("TFPSX_SESSION_TIMEOUT") * 1000))
-            applied = hybrid.idle_until_done(
-                hybrid.named_peer_loss(bridge.total, mode.config), specs,
+            total = hybrid.named_peer_loss(bridge.total, mode.config)
+            applied = lockstep.idle_until_done(
+                lambda _, flat: total(flat), specs,
                 lambda got: session.run(op, dict(zip(sums, got)), options=options))
             if applied:
                 logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of "
