@@ -230,6 +230,32 @@ def test_lockstep_from_splits_every_example_once_and_equal_copies(tmp_path, exam
                      "(workers|ranks) still training", chief), chief[-3000:]
 
 
+@pytest.mark.budget(60, why="tfpsx-run, 2 collective ranks, rank 1 SIGKILLed: the whole "
+                            "job started again from rank 0's checkpoint")
+@pytest.mark.parametrize("script", ["visits_job.py", "graph_visits_job.py"])
+def test_collective_from_splits_a_rank_killed_resumes_skipping_nothing(tmp_path, examples,
+                                                                       script):
+    """A collective job from splits (its coordinator on rank 0: no servers), rank 1
+    SIGKILLed after 30 batches: a collective cannot go on without it, so tfpsx-run starts
+    every rank again, and rank 0 restores its checkpoint, the input's position saved
+    before the model (Keras: IncrementalCheckpoint; graph mode: the session's Saver).
+    No example is skipped; the repeats are the steps not committed at the save (graph
+    mode commits every ~50 ms)."""
+    ckpt = tmp_path / "ckpt"
+    err, visits = run_job(tmp_path, examples, script, 2,
+                          ["--mode", "collective", "--split_bytes", "5000", "--checkpoint",
+                           str(ckpt), "--die_after", "1:30", "--step_delay", "0.01"]
+                          + (["--examples", str(EXAMPLES), "--input", "splits",
+                              "--save_every", "10"] if script == "visits_job.py"
+                             else ["--save_steps", "10"]),
+                          servers=0)
+    assert re.search(r"worker 1 exited with code -9 .*restarting the job", err), err
+    chief = (tmp_path / "logs" / "workerlog.0").read_text()
+    assert re.search(r"(restored .*input position\(s\) of \['input'\]|input input: position "
+                     r"restored from)", chief), chief[-3000:]
+    assert_each_once(visits, repeats_at_most=(2 if script == "visits_job.py" else 10) * BATCH)
+
+
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers + TF's tf.data service (a "
                             "dispatcher, 2 data workers), a data worker SIGKILLed")
 def test_keras_data_workers_killed_lose_nothing(tmp_path, examples):

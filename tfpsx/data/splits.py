@@ -516,7 +516,8 @@ def splits(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
         logger.info("input %s: read and parsed by the tf.data service at %s", name,
                     dispatcher)
     logger.info("input %s: %s; worker %d reads splits as leased from %s", name, digest,
-                source.worker, "PS 0" if source.clustered else "this process")
+                source.worker, ("this process" if not source.clustered else "PS 0"
+                                if source.home == _coordinator.PS0 else "rank 0 (no servers)"))
     # A little read-ahead only: what a worker reads ahead of its steps it holds as leases,
     # which a slow worker must not hoard. Its size unknown to Keras, which would otherwise
     # learn an epoch's length from a worker's first and cut the later ones to it.

@@ -233,8 +233,11 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                  for k, v in weights.items() if tuple(v.shape) != dense[k].shape]
         if wrong:
             raise ValueError(f"checkpoint {part}: weights of other shapes: {wrong}")
-        for input_name, state in positions.items():  # (refuses another input's first)
-            splits.restore(input_name, state)
+        # (refuses another input's first). The chief alone restores a position: the
+        # coordinator is the job's (a collective job's ranks each restore their weights).
+        if RUNTIME.config is None or RUNTIME.config.is_chief:
+            for input_name, state in positions.items():
+                splits.restore(input_name, state)
         for path, index in steps:
             for n, t in tables.items():
                 for kind, data in parts.table_pages(path, index, n, t.page_rows):
