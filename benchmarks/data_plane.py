@@ -16,6 +16,7 @@ side in one run:
    the epoch's time (the last worker's fit).
 
     python benchmarks/data_plane.py [--rounds 2] [--skip criteo,read,exact]
+        [--criteo_rows 1000000]
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
                    help="parts to skip: straggler, criteo, read, exact")
     p.add_argument("--split_bytes", type=int, default=1 << 20,
                    help="the Criteo job's --split_bytes (200,000 lines: 48 MiB)")
+    p.add_argument("--criteo_rows", type=int, default=200000,
+                   help="the Criteo job's training lines (generated once into data/)")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if "straggler" not in skip:
@@ -160,12 +163,12 @@ def main(argv=None) -> int:
                 print(f"| {kind} | {r + 1} | {got['epoch_s']:.1f} | {got['ideal_s']:.1f} | "
                       f"{got['ratio']:.2f} | {got['batches']} |", flush=True)
     if "criteo" not in skip:
-        data = os.path.join(ROOT, "data", "bench-criteo-200000")
+        data = os.path.join(ROOT, "data", f"bench-criteo-{args.criteo_rows}")
         if not os.path.exists(os.path.join(data, "planted.json")):
             subprocess.run([sys.executable, os.path.join(ROOT, "examples", "criteo",
                                                          "make_data.py"), "--out", data,
-                            "--train_rows", "200000", "--eval_rows", "10000", "--files", "4"],
-                           check=True)
+                            "--train_rows", str(args.criteo_rows), "--eval_rows", "10000",
+                            "--files", "4"], check=True)
         rates = {"splits": [], "static": []}
         for r in range(args.rounds):
             for kind in ("static", "splits"):

@@ -157,16 +157,17 @@ def test_sync_from_splits_needs_every_workers_gradient_in_each_step(monkeypatch)
     for fine in (SimpleNamespace(NAME="sync", replicas=3, worker_num=3),
                  SimpleNamespace(NAME="async"), SimpleNamespace(NAME="hybrid"), None):
         check_feeds_splits(fine)
-    # Exact saves: the save's barrier waits for workers at a step boundary, where a sync
-    # worker never is while the chief saves (it waits inside its next step for the chief).
+    # Exact saves: GEO's rounds push from a thread of their own, which the save's barrier
+    # does not pause (sync workers ack it from their wait for the chief).
     from tfpsx.control import splits as control_splits
 
     with monkeypatch.context() as patched:
         patched.setattr(control_splits, "registered",
                         lambda: {"input": SimpleNamespace(exact=True)})
-        with pytest.raises(ValueError, match=r"exact_saves=True\) with sync: .*give "
+        with pytest.raises(ValueError, match=r"exact_saves=True\) with GEO: .*give "
                                              r"exact_saves=False"):
-            check_feeds_splits(SimpleNamespace(NAME="sync", replicas=3, worker_num=3))
+            check_feeds_splits(SimpleNamespace(NAME="geo"))
+        check_feeds_splits(SimpleNamespace(NAME="sync", replicas=3, worker_num=3))
         # (a hybrid's GEO tables push at rounds, from a thread the barrier does not pause)
         with pytest.raises(ValueError, match=r"exact_saves=True\) with GEO"):
             check_feeds_splits(SimpleNamespace(NAME="hybrid", ROUNDS=True))

@@ -403,6 +403,16 @@ def pause_points(flush) -> None:
             pause(flush)
 
 
+def waiting_points(flush) -> None:
+    """Inside this worker's wait for the chief (sync), its steps before it committed once
+    ``flush()`` ran: an input whose exact save's barrier is up has this worker ack
+    without pausing (nothing otherwise)."""
+    for source in registered().values():
+        point = getattr(source, "waiting_point", None)
+        if point is not None:
+            point(flush)
+
+
 @contextlib.contextmanager
 def save_barrier(flush):
     """The chief's save of the model and of its inputs' positions: the exact inputs'

@@ -1,7 +1,8 @@
 """The exact saves' barrier of an input (``tfpsx.data.splits(exact_saves=True)``): the
 chief raises it on PS 0 around each save; every worker holding a lease commits its steps
-and acks at its next step boundary, and trains nothing until the save is done, so the
-checkpoint's position holds exactly the steps of its model. The coordinator's side is
+and acks at its next step boundary, and trains nothing until the save is done (a sync
+worker acks from its wait for the chief instead, where it is while the chief saves), so
+the checkpoint's position holds exactly the steps of its model. The coordinator's side is
 the ``TfpsxSplitBarrier`` op (:mod:`tfpsx.control.splits`)."""
 
 from __future__ import annotations
@@ -74,6 +75,22 @@ class SaveBarrier:
             time.sleep(0.01)
         logger.info("input %s: worker %d paused %.0f ms for the chief's exact save", self.name,
                     self.worker, 1000 * (time.monotonic() - began))
+
+    def waiting_point(self, flush: Callable[[], None]) -> None:
+        """Inside a wait for the chief (sync: a worker waits in its step for the chief to
+        apply it, the steps before it trained and committed): when the chief's exact save
+        has its barrier up, this worker commits what is due (``flush``) and acks, and
+        waits on as it was (the chief applies no step while it saves). It never reaches
+        a step boundary while the chief saves, so :meth:`pause_point` alone would leave
+        the save waiting for it."""
+        generation = self._seen
+        if generation <= self._acked:
+            return
+        flush()
+        self._client().barrier(splits.BARRIER_ACK, self.worker, generation)
+        self._acked = generation
+        logger.info("input %s: worker %d acked the chief's exact save from its wait for "
+                    "the chief", self.name, self.worker)
 
     def begin(self, flush: Callable[[], None]) -> bool:
         """The chief, before it saves: raises the barrier, commits its own steps

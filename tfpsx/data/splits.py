@@ -193,6 +193,11 @@ class SplitInput:
         if self._barrier is not None:
             self._barrier.pause_point(flush)
 
+    def waiting_point(self, flush: Callable[[], None]) -> None:
+        """Inside a wait for the chief (see :meth:`SaveBarrier.waiting_point`)."""
+        if self._barrier is not None:
+            self._barrier.waiting_point(flush)
+
     def begin_exact_save(self, flush: Callable[[], None]) -> bool:
         """The chief, before it saves (see :meth:`SaveBarrier.begin`); False for an input
         without exact saves."""

@@ -47,20 +47,12 @@ def check_feeds_splits(mode) -> None:
     """
     mode_name = getattr(mode, "NAME", "")
     exact = any(getattr(s, "exact", False) for s in splits.registered().values())
-    if mode_name == "sync" and exact:
-        raise ValueError(
-            "tfpsx.data.splits(exact_saves=True) with sync: a worker waits inside its next "
-            "step for the chief to apply it, so a save's barrier that waits for the "
-            "workers at a step boundary would wait for workers that wait for the chief "
-            "(measured: saves stalled for TFPSX_SAVE_BARRIER_TIMEOUT, then went on not "
-            "exact); give exact_saves=False (a restore then repeats at most the steps of a "
-            "save's window), or train async or staleness for exact saves")
     if (mode_name == "geo" or getattr(mode, "ROUNDS", False)) and exact:  # (hybrid GEO too)
         raise ValueError(
             "tfpsx.data.splits(exact_saves=True) with GEO: GEO's rounds push this worker's "
             "steps from a thread of their own, which a save's barrier at the step boundary "
             "does not pause; give exact_saves=False (a restore then repeats at most the "
-            "steps of a round per worker), or train async or staleness for exact saves")
+            "steps of a round per worker), or train async, staleness or sync for exact saves")
     if mode_name == "sync":
         replicas = getattr(mode, "replicas", None)
         workers = getattr(mode, "worker_num", None) or getattr(

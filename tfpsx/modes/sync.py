@@ -82,6 +82,9 @@ class SyncGroup:
         self.is_chief = me == 0
         self._dead_workers = dead_workers
         self._required: Optional[int] = None  # the last count a blocking take waited for
+        # Called now and then while a worker waits for the chief (its front-end's: an
+        # exact save's ack, tfpsx.data.splits's waiting points).
+        self.while_waiting: Optional[Callable[[], None]] = None
 
     @classmethod
     def create(cls, factory: StateFactory, me: int, workers: int, replicas: int,
@@ -299,6 +302,8 @@ class SyncGroup:
             now = time.monotonic()
             if now > deadline:
                 raise errors.ClusterTimeoutError(timeout_message(timeout))
+            if self.while_waiting is not None and not self.is_chief:
+                self.while_waiting()
             if now - checked > 0.5:
                 checked = now
                 self._fail_if_dead(s, now - start, read_pushed, needed)

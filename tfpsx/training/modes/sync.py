@@ -33,12 +33,13 @@ from typing import Optional
 import tensorflow as tf
 
 from tfpsx import compat, settings
+from tfpsx.control import splits
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.sync import (GradientAccumulators, SyncGroup, SyncTableUpdater,
                               TableAccumulators, replicas_to_aggregate)
 from tfpsx.modes.positions import positions_of_graph
 from tfpsx.runtime import RUNTIME
-from tfpsx.training.hooks import TrainStepDetector
+from tfpsx.training.hooks import InputPositionHook, TrainStepDetector
 from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
@@ -105,6 +106,9 @@ class SyncMode(Mode):
             self._group = SyncGroup.create(GraphStateFactory(self.worker_device),
                                            self.config.index, self.config.worker_num,
                                            self.replicas, RUNTIME.dead_workers)
+            # An input's exact save: a worker acks it from its wait for the chief, its
+            # earlier runs' positions committed first (the input hook's flush).
+            self._group.while_waiting = lambda: splits.waiting_points(_flush_commits)
         return self._group
 
     def stamp(self):
@@ -312,3 +316,10 @@ class _SyncHook(tf.compat.v1.train.SessionRunHook):
         self._s = self._group.apply_until_left(
             self._s, lambda: session.run(self._read_pushed),
             take=lambda count: self._apply_attempt(session, count))
+
+
+def _flush_commits() -> None:
+    """Commits the positions of this worker's applied runs now (the input hook's)."""
+    hook = InputPositionHook.active
+    if hook is not None:
+        hook.flush()
