@@ -23,6 +23,7 @@ symbol has existed unchanged in that range.
 * :func:`ensure_eager_context_initialized` — creates the remote eager contexts at
   connect time (TF defers it to the first op; ``context.ensure_initialized``, TF
   2.16-2.21).
+* :func:`eager_mode` — ops run eagerly inside a TF1 graph's scope
 * :func:`async_wait` — waits for the eager ops in flight and raises a remote op's error
   now (``context.async_wait``; Keras's TF trainer calls it at each epoch's end, so an
   error of an epoch's last step would surface outside the step; TF 2.16-2.21).
@@ -182,6 +183,13 @@ def abort_collectives(message: str) -> None:
     _context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
 
 
+def eager_mode():
+    """A context in which ops run eagerly, even inside a TF1 graph's ``as_default()``
+    (where ``tf.init_scope()`` stays in the graph): a graph-mode step's
+    ``tf.numpy_function`` that runs an eager collective."""
+    return _context.eager_mode()
+
+
 def async_wait() -> None:
     """Waits for this process's eager ops in flight; raises the error of one that failed
     (a remote op whose server died)."""
@@ -257,7 +265,7 @@ def sync_replicas_parts(optimizer):
 
 __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "BaseResourceVariable", "gen_resource_variable_ops", "set_handle_shapes_and_types",
-           "ensure_eager_context_initialized", "async_wait", "Trackable",
+           "ensure_eager_context_initialized", "eager_mode", "async_wait", "Trackable",
            "enable_collectives", "abort_collectives", "collective_barrier",
            "keras_name_scopes", "keras_current_path", "flatten_layers", "unfinalize",
            "sync_replicas_parts", "tape_records", "unsized", "read_on_service"]

@@ -30,6 +30,7 @@ from tfpsx.checkpoint import evaluation, pages, parts
 from tfpsx.checkpoint.chain import ChainWriter, plan
 from tfpsx.checkpoint.parts import STATE, latest_state
 from tfpsx.control import splits
+from tfpsx.keras.fit import flush_commits
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.strategy import ParameterServerStrategy
 from tfpsx.runtime import RUNTIME
@@ -147,7 +148,7 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         # The input's position first, then the model: a restore repeats the steps
         # trained between the two, never skips one (tfpsx.data); none with an input's
         # exact_saves, whose barrier holds every worker's steps around the save.
-        with splits.save_barrier(compat.async_wait):
+        with splits.save_barrier(flush_commits):
             positions = {INPUT + name: np.frombuffer(source.position_state(), np.uint8)
                          for name, source in splits.registered().items()}
             dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}

@@ -42,8 +42,16 @@ import tensorflow as tf
 from tfpsx import compat
 from tfpsx.control import splits
 from tfpsx.embedding.cache import flush_due_eager_caches
+from tfpsx.modes.positions import COMMITS
 
 logger = logging.getLogger("tfpsx")
+
+
+def flush_commits() -> None:
+    """This worker's steps done (their ops in flight finished) and their input positions
+    committed: an exact save's barrier may go up."""
+    compat.async_wait()
+    COMMITS.flush()
 
 _STEP_FUNCTIONS = ("train_function", "test_function")
 
@@ -97,7 +105,7 @@ class StrategyCallback(keras.callbacks.Callback):
             flush_due_eager_caches()  # worker caches sync between steps
             # An input's exact save (tfpsx.data.splits(exact_saves=True)): this worker's
             # steps committed, it waits here while the chief saves.
-            self._strategy.translating(splits.pause_points, compat.async_wait)
+            self._strategy.translating(splits.pause_points, flush_commits)
             if self._last_in_epoch:
                 # The ops this callback ran since the step's own wait are in flight too:
                 # their remote error must come out here, named, not from Keras's wait

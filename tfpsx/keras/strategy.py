@@ -49,7 +49,7 @@ from tfpsx.keras import fit
 from tfpsx.keras.feeding import RowFeeder
 from tfpsx.keras.modes import mode_class
 from tfpsx.modes.group import refuse_a_late_join
-from tfpsx.modes.positions import check_feeds_splits
+from tfpsx.modes.positions import COMMITS, check_feeds_splits
 from tfpsx.keras.modes.base import CreationContext
 from tfpsx.keras.partitioned import resolve_partitioner
 from tfpsx.runtime import RUNTIME
@@ -363,12 +363,26 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         try:
             self._feeder.end(wait=not failed)
             self._mode.end_fit(model)
+            if splits.registered():  # its trained steps' positions, before it leaves
+                self._commit_due(failed)
             for source in splits.registered().values():
                 source.fit_ends()
             if not failed:
                 flush_eager_caches()  # async / staleness tables' caches (GEO's synced in end_fit)
         finally:
             self._mode.after_fit(model, failed)
+
+    def _commit_due(self, failed: bool) -> None:
+        """Commits the positions of this ``fit``'s last steps (they trained: their
+        updates are in). After a failed ``fit`` a failure here is only logged (the
+        servers may be the reason it failed): those steps are trained again."""
+        try:
+            self.translating(COMMITS.flush)
+        except Exception as e:  # noqa: BLE001 — see the docstring
+            if not failed:
+                raise
+            logger.warning("the input positions of this worker's last steps were not "
+                           "committed (%s): a restart trains those steps again", e)
 
     def check_model(self, model) -> None:
         optimizer = getattr(model, "optimizer", None)

@@ -25,7 +25,10 @@ std::runtime_error IoError(const std::string& what, const std::string& path, int
 // not a read of the window again).
 class WindowedFile {
  public:
-  explicit WindowedFile(const std::string& path) : path_(path) {
+  // `buf`: the window's storage, kept by the caller from one file to the next (its
+  // capacity stays: a chunk's read allocates no fresh pages).
+  WindowedFile(const std::string& path, std::string& buf) : path_(path), buf_(buf) {
+    buf_.clear();
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) throw IoError("cannot open the input file", path, errno);
     struct stat st;
@@ -36,7 +39,11 @@ class WindowedFile {
     }
     size_ = st.st_size;
   }
-  ~WindowedFile() { ::close(fd_); }
+  ~WindowedFile() {
+    ::close(fd_);
+    // (a window grown for huge records is not kept: at most a few MiB per thread)
+    if (buf_.capacity() > (size_t{16} << 20)) std::string().swap(buf_);
+  }
   WindowedFile(const WindowedFile&) = delete;
   WindowedFile& operator=(const WindowedFile&) = delete;
 
@@ -98,7 +105,7 @@ class WindowedFile {
   std::string path_;
   int fd_ = -1;
   int64_t size_ = 0;
-  std::string buf_;
+  std::string& buf_;
   int64_t start_ = 0;
   int64_t bytes_read_ = 0;
 };
@@ -137,12 +144,31 @@ uint32_t Crc32c(const char* data, size_t n) {
 
 SplitChunk ReadSplit(const std::string& path, RecordFormat format, int64_t start,
                      int64_t resume, int64_t end, int64_t max_bytes) {
+  SplitChunk out;
+  const SplitRead read = ReadSplitRecords(
+      path, format, start, resume, end, max_bytes,
+      [&out](const char* data, size_t size, int64_t record_end) {
+        out.records.emplace_back(data, size);
+        out.ends.push_back(record_end);
+      });
+  out.next = read.next;
+  out.bytes_read = read.bytes_read;
+  return out;
+}
+
+SplitRead ReadSplitRecords(const std::string& path, RecordFormat format, int64_t start,
+                           int64_t resume, int64_t end, int64_t max_bytes,
+                           const std::function<void(const char*, size_t, int64_t)>& emit) {
   if (start < 0 || resume < start || end < start)
     throw std::invalid_argument("a split read needs 0 <= start <= resume and start <= end, got "
                                 "start=" + std::to_string(start) + " resume=" +
                                 std::to_string(resume) + " end=" + std::to_string(end));
-  WindowedFile f(path);
-  SplitChunk out;
+  // Measured before: a fresh window per chunk cost the Criteo job 27,000 page faults in
+  // 15 s of one worker (a static cut's: 844), and 4% of its time in the kernel.
+  static thread_local std::string window;
+  WindowedFile f(path, window);
+  SplitRead out;
+  int64_t records = 0;
   const int64_t size = f.size();
   int64_t pos = resume;
   if (format == RecordFormat::kText && pos == start && start > 0) {
@@ -153,13 +179,14 @@ SplitChunk ReadSplit(const std::string& path, RecordFormat format, int64_t start
   const int64_t first = pos;
   max_bytes = std::max<int64_t>(1, max_bytes);
   while (pos < end && pos < size) {
-    if (!out.records.empty() && pos - first >= max_bytes) break;
+    if (records > 0 && pos - first >= max_bytes) break;
     if (format == RecordFormat::kText) {
       const int64_t nl = f.FindNewline(pos);
       const int64_t line_end = nl < 0 ? size : nl;
       const char* p = f.At(pos, line_end - pos);
-      out.records.emplace_back(p, static_cast<size_t>(line_end - pos));
-      pos = nl < 0 ? size : nl + 1;
+      const int64_t next = nl < 0 ? size : nl + 1;
+      emit(p, static_cast<size_t>(line_end - pos), next);
+      pos = next;
     } else {
       if (size - pos < 12)
         throw std::runtime_error("a TFRecord header is cut short at offset " +
@@ -176,10 +203,11 @@ SplitChunk ReadSplit(const std::string& path, RecordFormat format, int64_t start
       if (MaskCrc(Crc32c(d, len)) != LoadU32(d + len))
         throw std::runtime_error("a corrupt TFRecord (its data's CRC) at offset " +
                                  std::to_string(pos) + " of " + path);
-      out.records.emplace_back(d, static_cast<size_t>(len));
-      pos += 16 + static_cast<int64_t>(len);
+      const int64_t next = pos + 16 + static_cast<int64_t>(len);
+      emit(d, static_cast<size_t>(len), next);
+      pos = next;
     }
-    out.ends.push_back(pos);
+    ++records;
   }
   out.next = (pos < end && pos < size) ? pos : -1;
   out.bytes_read = f.bytes_read();

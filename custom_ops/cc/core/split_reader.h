@@ -22,6 +22,7 @@
 #define TFPSX_CORE_SPLIT_READER_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,21 @@ struct SplitChunk {
 // Records of [start, end) of `path` from `resume` (start, or a record's end offset).
 SplitChunk ReadSplit(const std::string& path, RecordFormat format, int64_t start,
                      int64_t resume, int64_t end, int64_t max_bytes);
+
+// Where a read of records stopped: next (-1: the split is read) and the bytes it read.
+struct SplitRead {
+  int64_t next = -1;
+  int64_t bytes_read = 0;
+};
+
+// The same read, each record handed to `emit(data, size, end offset)` as it is found
+// (its bytes valid during the call only): a caller copies each record once, into its
+// own storage (the kernel: straight into its output strings). The read's window of
+// bytes is this thread's, kept from one read to the next (no fresh buffer, and no
+// fresh pages, per chunk).
+SplitRead ReadSplitRecords(const std::string& path, RecordFormat format, int64_t start,
+                           int64_t resume, int64_t end, int64_t max_bytes,
+                           const std::function<void(const char*, size_t, int64_t)>& emit);
 
 // CRC-32C (Castagnoli) of data, and TFRecord's masking of it.
 uint32_t Crc32c(const char* data, size_t n);

@@ -278,9 +278,17 @@ class ReadSplitOp : public OpKernel {
     OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "resume", &resume));
     OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "end", &end));
     OP_REQUIRES_OK(ctx, Scalar(ctx, 4, "max_bytes", &max_bytes));
-    SplitChunk chunk;
+    // Each record copied once, into the string it leaves in (a tstring moves into the
+    // output without a copy).
+    std::vector<tstring> found;
+    std::vector<int64_t> found_ends;
+    SplitRead read;
     try {
-      chunk = ReadSplit(std::string(path), format_, start, resume, end, max_bytes);
+      read = ReadSplitRecords(std::string(path), format_, start, resume, end, max_bytes,
+                              [&](const char* data, size_t size, int64_t record_end) {
+                                found.emplace_back(data, size);
+                                found_ends.push_back(record_end);
+                              });
     } catch (const std::invalid_argument& e) {
       ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat("tfpsx input: ", e.what())));
       return;
@@ -288,7 +296,7 @@ class ReadSplitOp : public OpKernel {
       ctx->SetStatus(absl::DataLossError(absl::StrCat("tfpsx input: ", e.what())));
       return;
     }
-    const int64_t n = static_cast<int64_t>(chunk.records.size());
+    const int64_t n = static_cast<int64_t>(found.size());
     Tensor* records = nullptr;
     Tensor* ends = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &records));
@@ -296,10 +304,10 @@ class ReadSplitOp : public OpKernel {
     auto r = records->flat<tstring>();
     auto e = ends->flat<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
-      r(i) = std::move(chunk.records[i]);
-      e(i) = chunk.ends[i];
+      r(i) = std::move(found[i]);
+      e(i) = found_ends[i];
     }
-    OutScalar(ctx, 2, chunk.next);
+    OutScalar(ctx, 2, read.next);
   }
 
  private:

@@ -28,7 +28,7 @@ from tfpsx import errors, settings
 from tfpsx.cluster.placement import GreedyByBytes
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.partitioned import PartitionedVariable, partitions, slice_rows
-from tfpsx.modes.positions import commit_ops
+from tfpsx.modes.positions import COMMITS
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.state import State
 from tfpsx.runtime import RUNTIME
@@ -138,10 +138,10 @@ class KerasMode:
         return TableUpdater()
 
     def commit_position(self, position):
-        """The op committing a trained batch's input position (tfpsx.data.splits), after
-        the step's ``after_step`` ops: the step's update is applied by then
-        (tfpsx.modes.positions)."""
-        return commit_ops(position)
+        """The op handing a trained batch's input position (tfpsx.data.splits) to this
+        process's commits (every 50 ms, :data:`tfpsx.modes.positions.COMMITS`), after
+        the step's ``after_step`` ops: the step's update is applied by then."""
+        return COMMITS.record_op(position)
 
     def begin_fit(self, model) -> None:
         if self.is_chief:

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx.control import splits
+from tfpsx.modes.positions import COMMITS
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX
@@ -71,9 +72,9 @@ class KerasSync(OnServers):
         if self._group is None:
             self._group = SyncGroup.create(self.state, self.worker_index, self.worker_num,
                                            self.replicas, RUNTIME.dead_workers)
-            # An input's exact save: a worker acks it from its wait for the chief (its
-            # earlier steps committed their positions inside those steps).
-            self._group.while_waiting = lambda: splits.waiting_points(lambda: None)
+            # An input's exact save: a worker acks it from its wait for the chief, its
+            # earlier steps' positions committed first.
+            self._group.while_waiting = lambda: splits.waiting_points(COMMITS.flush)
         return self._group
 
     # ------------------------------------------------------------------ fit
