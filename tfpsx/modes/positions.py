@@ -9,8 +9,9 @@ once the step that trained the batch is in the model, for both front-ends.
 * collective and the hybrid: every worker applies the step within it (lockstep); a
   collective rank commits through its own client (:func:`commit_from_python`);
 * GEO: a step trains this worker's copy, which reaches the model when a round pushes
-  it. The step records its position as pending (Keras: in a worker-local table,
-  :class:`PendingPositions`; graph mode: the session hook, :class:`PendingSteps`); a
+  it. The step records its position as pending (Keras: through a
+  ``tf.numpy_function``, :class:`PendingPositions`; graph mode: the session hook,
+  :class:`PendingSteps`); a
   round takes what is pending *before* it reads the copy to push, and commits it once the
   push is in: every committed position's steps were pushed. A worker that dies takes its
   unpushed steps and their positions with it: they are trained again.
@@ -164,55 +165,43 @@ def commit_from_python(position) -> tf.Tensor:
 
 
 class PendingPositions:
-    """GEO: the positions this worker trained into its copy and has not pushed, by input
-    (a stock ``MutableHashTable`` on the worker: split key -> the furthest end trained)."""
+    """GEO on Keras: the positions this worker trained into its copy and has not pushed,
+    by input. A step hands its batch's position over after training its copy
+    (:meth:`record`, a ``tf.numpy_function``); a round takes what is pending before it
+    reads the copy (:meth:`snapshot`) and commits it once it pushed (:meth:`commit`).
+    Kept in Python under a lock (:class:`PendingSteps`, graph mode's): before, a worker
+    table whose commit removed the keys it committed by a lookup, then a remove, between
+    which a step could write a newer position for a key (lost: its split was never
+    committed to its end)."""
 
-    def __init__(self, device: str):
-        self.device = device
-        self._tables: Dict[str, tf.lookup.experimental.MutableHashTable] = {}
-        self._lock = threading.Lock()
+    def __init__(self):
+        self._pending = PendingSteps()
 
-    def _table(self, name: str):
-        """Input ``name``'s table (made once, outside the step function that uses it)."""
-        with self._lock:
-            if name not in self._tables:
-                with tf.init_scope(), tf.device(self.device):
-                    self._tables[name] = tf.lookup.experimental.MutableHashTable(
-                        tf.int64, tf.int64, default_value=-1, name=f"tfpsx_pending_{name}")
-            return self._tables[name]
-
-    def record(self, position) -> tf.Operation:
+    def record(self, position) -> tf.Tensor:
         """The op a step runs after training its copy: its batch's position, pending."""
         name, check = splits.checked_input(position)
         with tf.control_dependencies([check]):
             keys, offsets = splits.latest(position)
-            return self._table(name).insert(keys, offsets)
 
-    def names(self) -> List[str]:
-        with self._lock:
-            return sorted(self._tables)
+        def add(keys, offsets):
+            self._pending.add(name, keys, offsets)
+            return np.int64(0)
 
-    # ------------------------------------------------------------------ eager rounds
+        return tf.numpy_function(add, [keys, offsets], tf.int64, stateful=True,
+                                 name="tfpsx_position_pending")
+
     def snapshot(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
-        """What the tables hold now (eagerly; before the round reads the copy)."""
-        out = {}
-        for name in self.names():
-            keys, offsets = self._table(name).export()
-            if int(tf.size(keys)):
-                out[name] = (keys.numpy(), offsets.numpy())
-        return out
+        """What is pending now (taken: a round then pushes the copy that holds it)."""
+        return self._pending.take()
 
     def commit(self, snapshot: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> None:
-        """Commits a snapshot (after the round's push), and drops what it committed from
-        the tables (a position trained since stays: its key's end moved on)."""
-        for name, (keys, offsets) in snapshot.items():
-            splits.coordinator_of(name).commit(keys, offsets)
-            table = self._table(name)
-            now = table.lookup(tf.constant(keys)).numpy()
-            done = keys[now == offsets]
-            if len(done):
-                table.remove(tf.constant(done))
+        """Commits a snapshot, after the round's push."""
+        PendingSteps.commit(snapshot)
 
+    def put_back(self, snapshot: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> None:
+        """A round that failed before its commit: its snapshot is pending again."""
+        for name, (keys, offsets) in snapshot.items():
+            self._pending.add(name, keys, offsets)
 
 
 class PendingSteps:

@@ -47,7 +47,7 @@ class KerasGeo(KerasMode):
         self.tables = []          # GeoTable, appended by GeoTableUpdater
         self.updaters = []        # the GeoTableUpdaters, as their tables join
         self.counters = GeoCounters()
-        self.positions = PendingPositions(self.worker_device)  # input positions, unpushed
+        self.positions = PendingPositions()  # input positions, unpushed
         self._steps: Optional[tf.Variable] = None    # local steps run
         # The local steps counted when the last round started (the schedule's ``pushed``,
         # where the compiled step reads it).
@@ -145,8 +145,12 @@ class KerasGeo(KerasMode):
         assert phases == (PUSH, PULL), phases  # deterministic rounds run in the step
         start = time.monotonic()
         pending = self.positions.snapshot()
-        with caches_locked(self.tables):
-            self._count(start, *self.sync_fn()())
+        try:
+            with caches_locked(self.tables):
+                self._count(start, *self.sync_fn()())
+        except BaseException:
+            self.positions.put_back(pending)  # (not pushed: the next round's)
+            raise
         self.positions.commit(pending)
 
     def commit_position(self, position):
