@@ -128,8 +128,9 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
     """Keras fit from splits leased on PS 0, worker 1 SIGKILLed after 25 batches and
     started again in place: its leases come back from their committed positions (what
     its steps put in the model stays; in GEO its unpushed steps are trained again by
-    whoever takes the split), and every example is in the model once. Async commits with
-    the step, so at most the batch in flight repeats; GEO with the round that pushes
+    whoever takes the split), and every example is in the model once. Async commits its
+    applied steps every 50 ms, so the batches in flight and those of the last 50 ms may
+    repeat; GEO with the round that pushes
     (two epochs: a step at an epoch's end is committed K steps into the next)."""
     epochs = 2 if mode == "geo" else 1
     err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
@@ -139,9 +140,11 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
     assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
     log = (tmp_path / "logs" / "workerlog.1").read_text()
     assert re.search(r"worker 1 gave back \d+ split\(s\) its earlier process held", log)
-    # async: a step commits with its update (the batch in flight may repeat); GEO: with
-    # the round that pushed it (a worker that dies between a push and its commit: K)
-    assert_each_once(visits, repeats_at_most=(6 if mode == "geo" else 2) * BATCH,
+    # async: a step's position is committed by the CommitQueue's thread every 50 ms, so
+    # the batch in flight, the one handed over and the steps of the last 50 ms (>= 20 ms
+    # each here: 3) may repeat (CI once measured 3 batches); GEO: with the round that
+    # pushed it (a worker that dies between a push and its commit: K)
+    assert_each_once(visits, repeats_at_most=(6 if mode == "geo" else 5) * BATCH,
                      epochs=epochs)
     if mode == "geo":  # a round every K = 5 steps, though the dataset reports no length
         for i in (0, 2):
@@ -187,8 +190,9 @@ def test_keras_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples
                            "--die_after", "1:25", "--split_bytes", "5000",
                            "--chief_batch", str(3 * BATCH)])
     assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
-    # a step commits once the chief applied it: at most the step in flight repeats
-    assert_each_once(visits, repeats_at_most=2 * BATCH)
+    # a step commits once the chief applied it, from the CommitQueue every 50 ms: the
+    # step in flight and those of the last 50 ms may repeat
+    assert_each_once(visits, repeats_at_most=4 * BATCH)
     # The chief's batches are 3x the others': its data ends first, and it applies theirs
     # (without, a run lost 94 of the 6,000 examples in graph mode).
     chief = (tmp_path / "logs" / "workerlog.0").read_text()
