@@ -294,9 +294,11 @@ def test_keras_data_workers_killed_lose_nothing(tmp_path, examples):
                             "whole job started again (8 TensorFlow imports)")
 @pytest.mark.parametrize("exact,kill,mode", [
     (False, "server", "async"), (True, "server", "async"), (True, "server", "sync"),
+    (True, "server", "geo"),
     pytest.param(False, "chief", "async", marks=pytest.mark.slow),
     pytest.param(True, "chief", "async", marks=pytest.mark.slow)],
-    ids=["", "exact_saves", "sync_exact_saves", "chief", "chief_exact_saves"])
+    ids=["", "exact_saves", "sync_exact_saves", "geo_exact_saves", "chief",
+         "chief_exact_saves"])
 def test_keras_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples, exact,
                                                                 kill, mode):
     """The server (or the chief: slow) SIGKILLed after the chief's first incremental
@@ -305,7 +307,11 @@ def test_keras_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, exampl
     after the checkpoint were rolled back with it and trained again; at most the steps of
     the save's own window repeat, and none with exact_saves (the save's barrier: every
     worker's steps committed and paused around it; in sync, a worker acks it from its
-    wait for the chief, where it is while the chief saves)."""
+    wait for the chief, where it is while the chief saves; in GEO, a worker pushes its
+    unpushed steps first, in a round that commits their positions, and the chief saves
+    the job's dense weights, not its copy). Without GEO's push at the barrier, a round
+    in flight at the save was in the model and not in its positions: 50 repeats in 1
+    of 2 runs."""
     ckpt = tmp_path / "ckpt"
     err, visits = run_job(tmp_path, examples, "visits_job.py", 3,
                           ["--input", "splits", "--examples", str(EXAMPLES), "--checkpoint",
@@ -361,14 +367,16 @@ def test_graph_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 graph-mode workers, the server SIGKILLed: "
                             "the whole job started again")
 @pytest.mark.slow
-@pytest.mark.parametrize("exact,mode", [(False, "async"), (True, "async"), (True, "sync")],
-                         ids=["", "exact_saves", "sync_exact_saves"])
+@pytest.mark.parametrize("exact,mode", [(False, "async"), (True, "async"), (True, "sync"),
+                                        (True, "geo")],
+                         ids=["", "exact_saves", "sync_exact_saves", "geo_exact_saves"])
 def test_graph_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, examples, exact,
                                                                 mode):
     """Graph mode's: the server SIGKILLed after the chief's first checkpoint, the job
     restored from it (the position saved before the model); with exact saves every count
     is 1 (sync: the workers ack the save's barrier from their wait for the chief, their
-    applied runs' positions committed first)."""
+    applied runs' positions committed first; GEO: each worker pushes its unpushed steps
+    at the barrier, in a round that commits their positions)."""
     ckpt = tmp_path / "ckpt"
     _, visits = run_job(tmp_path, examples, "graph_visits_job.py", 3,
                         ["--checkpoint", str(ckpt), "--save_steps", "20", "--step_delay",

@@ -466,13 +466,15 @@ def test_misuse_is_a_clear_error(make_cluster):
         assert "created outside tfpsx.keras.ParameterServerStrategy.scope()" in got[case]
         assert "build it inside `with strategy.scope():`" in got[case], got[case]
     assert "unknown a_sync_configs key(s) ['k_step']" in got["bad_options"]
-    # A hybrid's GEO tables push at rounds, from a thread an exact save's barrier does not
-    # pause: refused before a step trains, as GEO's own.
+    # Exact saves where the workers meet inside a step (the hybrid's all-reduce, GEO's
+    # deterministic rounds): a worker paused at the save's barrier would hold the others
+    # where they cannot ack it; refused before a step trains.
     got_hybrid = got["splits_exact_hybrid_geo"] or ""
     assert got_hybrid.startswith("ValueError"), got_hybrid
-    assert "exact_saves=True) with GEO" in got_hybrid, got_hybrid
-    assert (got["splits_exact_geo"] or "").startswith("ValueError"), got["splits_exact_geo"]
-    assert "exact_saves=True) with GEO" in got["splits_exact_geo"], got["splits_exact_geo"]
+    assert "exact_saves=True) with the hybrid" in got_hybrid, got_hybrid
+    in_step = got["splits_exact_geo_in_step"] or ""
+    assert in_step.startswith("ValueError"), in_step
+    assert "exact_saves=True) with geo_sync_in_train_thread=True" in in_step, in_step
 
 
 def test_the_strategy_before_init_names_the_call(monkeypatch):

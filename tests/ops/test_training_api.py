@@ -157,22 +157,25 @@ def test_sync_from_splits_needs_every_workers_gradient_in_each_step(monkeypatch)
     for fine in (SimpleNamespace(NAME="sync", replicas=3, worker_num=3),
                  SimpleNamespace(NAME="async"), SimpleNamespace(NAME="hybrid"), None):
         check_feeds_splits(fine)
-    # Exact saves: GEO's rounds push from a thread of their own, which the save's barrier
-    # does not pause (sync workers ack it from their wait for the chief).
+    # Exact saves: refused where the workers meet inside a step (the hybrid's all-reduce,
+    # GEO's deterministic rounds: a worker paused at the save's barrier would hold the
+    # others where they cannot ack it); GEO's background rounds settle at the barrier.
     from tfpsx.control import splits as control_splits
 
     with monkeypatch.context() as patched:
         patched.setattr(control_splits, "registered",
                         lambda: {"input": SimpleNamespace(exact=True)})
-        with pytest.raises(ValueError, match=r"exact_saves=True\) with GEO: .*give "
-                                             r"exact_saves=False"):
-            check_feeds_splits(SimpleNamespace(NAME="geo"))
+        with pytest.raises(ValueError, match=r"exact_saves=True\) with geo_sync_in_train_"
+                                             r"thread=True: .*give exact_saves=False"):
+            check_feeds_splits(SimpleNamespace(NAME="geo", in_train_thread=True))
+        check_feeds_splits(SimpleNamespace(NAME="geo", in_train_thread=False))
         check_feeds_splits(SimpleNamespace(NAME="sync", replicas=3, worker_num=3))
-        # (a hybrid's GEO tables push at rounds, from a thread the barrier does not pause)
-        with pytest.raises(ValueError, match=r"exact_saves=True\) with GEO"):
-            check_feeds_splits(SimpleNamespace(NAME="hybrid", ROUNDS=True))
+        for hybrid in (SimpleNamespace(NAME="hybrid", ROUNDS=True),
+                       SimpleNamespace(NAME="hybrid")):
+            with pytest.raises(ValueError, match=r"exact_saves=True\) with the hybrid: "
+                                                 r".*give exact_saves=False"):
+                check_feeds_splits(hybrid)
         check_feeds_splits(SimpleNamespace(NAME="async"))
-        check_feeds_splits(SimpleNamespace(NAME="hybrid"))
     assert "sync_reduction='sum'" in repr(tfpsx.DistributedStrategy(
         a_sync=False, a_sync_configs={"sync_reduction": "sum"}))
 

@@ -450,3 +450,31 @@ def test_a_round_asked_for_but_not_started_holds_the_worker_k_steps_on(caplog):
     for step in range(11, 15):
         s.step_done(step)
     assert s.end(14) and [pushed for pushed, _ in rec.rounds] == [10, 14]
+
+
+def test_an_exact_saves_barrier_settles_the_round_in_flight_then_pushes_the_rest():
+    """At an exact save's barrier (tfpsx.data.splits(exact_saves=True)) a worker's
+    background round in flight ends first, then its steps since that round's start go in
+    a round of their own: every step it trained is pushed (its positions committed by the
+    round) before it acks; with every step pushed, nothing runs; deterministic rounds,
+    which meet every worker inside a step, cannot settle (refused with exact saves)."""
+    rec = Recorder()
+    rec.slow = True
+    s = rec.make(4, deterministic=False)
+    s.start(0)
+    for step in range(1, 5):
+        s.step_done(step)  # the round of steps 1-4, held in flight
+    wait_until(lambda: rec.entered)
+    s.step_done(5)
+    s.step_done(6)
+    threading.Timer(0.2, rec.block.set).start()
+    began = time.monotonic()
+    assert s.settle(6) == 2  # waited for the round in flight, then pushed steps 5-6
+    assert time.monotonic() - began >= 0.15
+    assert rec.rounds == [(4, (PUSH, PULL)), (6, (PUSH, PULL))]
+    assert s.settle(6) == 0 and len(rec.rounds) == 2  # all pushed: no round
+    s.step_done(7)  # the next round comes K steps after the settled one
+    assert not s._requested
+    assert s.end(7) and rec.rounds[-1] == (7, (PUSH, PULL))
+    with pytest.raises(ValueError, match="geo_sync_in_train_thread=True"):
+        Recorder().make(4, deterministic=True).settle(3)

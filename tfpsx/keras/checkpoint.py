@@ -148,10 +148,15 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         # The input's position first, then the model: a restore repeats the steps
         # trained between the two, never skips one (tfpsx.data); none with an input's
         # exact_saves, whose barrier holds every worker's steps around the save.
-        with splits.save_barrier(flush_commits):
+        # (GEO: the barrier's flush pushes each worker's unpushed steps, and the dense
+        # weights saved are the job's, on the servers, not the chief's copy.)
+        strategy = getattr(model, "distribute_strategy", None)
+        ours = isinstance(strategy, ParameterServerStrategy)
+        with splits.save_barrier(strategy.flush_for_save if ours else flush_commits):
             positions = {INPUT + name: np.frombuffer(source.position_state(), np.uint8)
                          for name, source in splits.registered().items()}
-            dense = {key: np.asarray(v.numpy()) for key, v in _weights(model).items()}
+            dense = {key: np.asarray((strategy.job_value(v) if ours else v).numpy())
+                     for key, v in _weights(model).items()}
             info = self._writer.save(part, export, step, extra=dict(dense, **positions))
         try:
             kept = [n for n in self._state().get("kept", []) if n != name] + [name]

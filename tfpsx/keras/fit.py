@@ -105,7 +105,7 @@ class StrategyCallback(keras.callbacks.Callback):
             flush_due_eager_caches()  # worker caches sync between steps
             # An input's exact save (tfpsx.data.splits(exact_saves=True)): this worker's
             # steps committed, it waits here while the chief saves.
-            self._strategy.translating(splits.pause_points, flush_commits)
+            self._strategy.translating(splits.pause_points, self._strategy.flush_for_save)
             if self._last_in_epoch:
                 # The ops this callback ran since the step's own wait are in flight too:
                 # their remote error must come out here, named, not from Keras's wait

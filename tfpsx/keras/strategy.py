@@ -308,6 +308,25 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         return f"tfpsx.keras.ParameterServerStrategy({self.options!r})"
 
     # ------------------------------------------------------------------ around fit
+    def flush_for_save(self) -> None:
+        """An exact save's barrier (``tfpsx.data.splits(exact_saves=True)``), at this
+        worker's step boundary: its steps' ops done, every step in the model (GEO: its
+        unpushed local steps pushed in a round, ``settle_for_save``) and their input
+        positions committed."""
+        compat.async_wait()
+        settle = getattr(self._mode, "settle_for_save", None)
+        if settle is not None:
+            settle()
+        fit.flush_commits()
+
+    def job_value(self, variable):
+        """``variable``'s value in the job's model (GEO: the global value of a model
+        weight, a tensor, not this worker's copy; what a checkpoint saves); else the
+        variable itself."""
+        of_mode = getattr(self._mode, "job_value", None)
+        value = of_mode(variable) if of_mode is not None else None
+        return variable if value is None else value
+
     @property
     def is_chief(self) -> bool:
         """This worker is the chief (it initializes, restores and checkpoints)."""

@@ -14,7 +14,9 @@ once the step that trained the batch is in the model, for both front-ends.
   :class:`PendingSteps`); a
   round takes what is pending *before* it reads the copy to push, and commits it once the
   push is in: every committed position's steps were pushed. A worker that dies takes its
-  unpushed steps and their positions with it: they are trained again.
+  unpushed steps and their positions with it: they are trained again. At an exact
+  save's barrier a worker pushes its unpushed steps in a round of its own
+  (``GeoSchedule.settle``): the checkpoint then holds every step it committed.
 
 In graph mode a session hook fetches the position of each run that takes a batch and
 commits it after the run (every ~50 ms, and when the session ends): the run applied the
@@ -54,12 +56,21 @@ def check_feeds_splits(mode) -> None:
     """
     mode_name = getattr(mode, "NAME", "")
     exact = any(getattr(s, "exact", False) for s in splits.registered().values())
-    if (mode_name == "geo" or getattr(mode, "ROUNDS", False)) and exact:  # (hybrid GEO too)
+    if exact and mode_name == "hybrid":
         raise ValueError(
-            "tfpsx.data.splits(exact_saves=True) with GEO: GEO's rounds push this worker's "
-            "steps from a thread of their own, which a save's barrier at the step boundary "
-            "does not pause; give exact_saves=False (a restore then repeats at most the "
-            "steps of a round per worker), or train async, staleness or sync for exact saves")
+            "tfpsx.data.splits(exact_saves=True) with the hybrid: its workers step together "
+            "(each step all-reduces the dense gradients), so a worker paused at the save's "
+            "barrier would hold the others inside their step, where they cannot ack it; "
+            "give exact_saves=False (a restore then repeats at most the steps of the save's "
+            "window), or train async, staleness, sync or GEO for exact saves")
+    if exact and (mode_name == "geo" or getattr(mode, "ROUNDS", False)) and \
+            getattr(mode, "in_train_thread", False):
+        raise ValueError(
+            "tfpsx.data.splits(exact_saves=True) with geo_sync_in_train_thread=True: its "
+            "rounds meet every worker inside a step, so a worker paused at the save's "
+            "barrier would hold the others inside their round, where they cannot ack it; "
+            "leave geo_sync_in_train_thread=False (the background communicator: a worker "
+            "pushes its last steps at the barrier), or give exact_saves=False")
     if mode_name == "sync":
         replicas = getattr(mode, "replicas", None)
         workers = getattr(mode, "worker_num", None) or getattr(

@@ -263,8 +263,9 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
     last run's step is in the model (sync: False when the chief ended before applying
     it; its batch is then not committed)."""
 
-    def __init__(self, pending=None, every: float = 0.05, applied=None):
+    def __init__(self, pending=None, every: float = 0.05, applied=None, settle=None):
         self._pending, self._every, self._applied = pending, every, applied
+        self._settle = settle  # GEO: its unpushed steps pushed (an exact save's flush)
         self._positions: list = []
         self._takes: set = set()
         self._reaches: Dict[tuple, bool] = {}
@@ -332,7 +333,10 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
 
     def flush(self) -> None:
         """Commits every run's position now (async, staleness: each run's updates are
-        applied by the time it returns)."""
+        applied by the time it returns; GEO: its unpushed steps pushed first, in a round
+        that commits their positions)."""
+        if self._settle is not None:
+            self._settle()
         if self._pending is None:
             self._commit()
 

@@ -241,7 +241,8 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
     if positions_of_graph():  # the graph reads tfpsx.data.splits: its commits
         check_feeds_splits(mode)
         commits = InputPositionHook(getattr(mode, "positions", None),
-                                    applied=getattr(mode, "last_run_applied", None))
+                                    applied=getattr(mode, "last_run_applied", None),
+                                    settle=getattr(mode, "settle_for_save", None))
         if getattr(mode, "COMMITS_AFTER_HOOKS", False):  # (sync: once the step is applied)
             own.append(commits)
         else:

@@ -131,8 +131,9 @@ record("without_callbacks", without_callbacks)
 record("callbacks_then_without", callbacks_then_without)
 def splits_in(options, exact=False):
     """fit from tfpsx.data.splits under a strategy whose steps take every worker's
-    batch (or, with ``exact``, GEO with exact saves): refused when the step is traced,
-    before it trains."""
+    batch (or, with ``exact``, exact saves in the hybrid or GEO's deterministic rounds:
+    the save's barrier would hold the others inside their step): refused when the step
+    is traced, before it trains."""
     def case():
         import os
         import tempfile
@@ -162,8 +163,9 @@ record("bad_options", lambda: tfpsx.keras.ParameterServerStrategy(
     tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_step": 3})))
 record("splits_exact_hybrid_geo", splits_in({"dense": "allreduce", "a_sync": True,
                                             "a_sync_configs": {"k_steps": 4}}, exact=True))
-record("splits_exact_geo", splits_in({"a_sync": True, "a_sync_configs": {"k_steps": 4}},
-                                     exact=True))
+record("splits_exact_geo_in_step", splits_in(
+    {"a_sync": True, "a_sync_configs": {"k_steps": 4, "geo_sync_in_train_thread": True}},
+    exact=True))
 errors["untouched"] = untouched
 tfpsx.metrics.emit("misuse", **errors)
 tfpsx.stop_worker()

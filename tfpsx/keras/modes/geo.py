@@ -15,6 +15,7 @@ runs when ``fit`` returns, and then the worker's copy takes the global values: a
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import List, Optional
 
@@ -32,6 +33,8 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              track_snapshot)
 from tfpsx.modes.positions import PendingPositions
 from tfpsx.waits import bounded_wait
+
+logger = logging.getLogger("tfpsx")
 
 
 class KerasGeo(KerasMode):
@@ -165,6 +168,28 @@ class KerasGeo(KerasMode):
         pending, self._in_step_pending = self._in_step_pending, {}
         self.positions.commit(pending)
         return True
+
+    def job_value(self, variable):
+        """The job's value of a model weight (or ``optimizer.iterations``): its global
+        counterpart on the PS, not this worker's copy, which holds its own unpushed
+        steps and lacks the others' since its last pull (what a checkpoint saved during
+        ``fit`` must hold); None for a variable GEO does not pair."""
+        backend = getattr(variable, "value", variable)  # (a Keras variable's tf.Variable)
+        for pair in self.dense + self.step_pairs:
+            if pair.local is variable or pair.local is backend:
+                return pair.global_.read_value()
+        return None
+
+    def settle_for_save(self) -> None:
+        """An exact save's barrier, at a step boundary (its steps' ops done): this
+        worker's local steps pushed and their positions committed
+        (:meth:`GeoSchedule.settle`); outside ``fit`` every step was pushed already."""
+        if not self.schedule.running:
+            return
+        pushed = self.schedule.settle(int(self._steps.read_value()))
+        if pushed:
+            logger.info("GEO: worker %d pushed its last %d local step(s) for the chief's "
+                        "exact save", self.worker_index, pushed)
 
     # ------------------------------------------------------------------ the step
     def after_step(self) -> list:

@@ -288,6 +288,34 @@ class GeoSchedule:
         finally:
             self._idle.set()
 
+    def settle(self, steps: int) -> int:
+        """An exact save's barrier (``tfpsx.data.splits(exact_saves=True)``), at a step
+        boundary of the training thread after ``steps`` local steps: every one of them
+        reaches the PS now. The background round in flight, or asked for and not
+        started, ends first (bounded by TFPSX_RPC_TIMEOUT; a failed one raises its
+        error), then the steps it did not push go in a round of their own (push, pull).
+        Each round commits the input positions of the steps it pushed, so the chief's
+        checkpoint then holds exactly this worker's steps and their positions, and no
+        round runs until the next step asks for one. Returns the steps pushed here.
+        Deterministic rounds meet every worker inside a step: refused with exact saves
+        (:func:`tfpsx.modes.positions.check_feeds_splits`)."""
+        if self.deterministic:
+            raise ValueError("GEO: an exact save's barrier cannot settle deterministic "
+                             "rounds (geo_sync_in_train_thread=True)")
+        self._steps = steps
+        if self._loop is not None and not self._idle.is_set():
+            timeout = settings.get("TFPSX_RPC_TIMEOUT")
+            bounded_wait(self._idle.is_set, timeout, lambda _: errors.ClusterTimeoutError(
+                f"GEO communicator: the round started at local step {self.pushed} had not "
+                f"ended after TFPSX_RPC_TIMEOUT={timeout:g} s, at an exact save's barrier "
+                f"(local step {steps}); is a parameter server alive?"),
+                poll=0.01, check=self._loop.check)
+            self._loop.check()
+        rest = steps - self.pushed
+        if rest > 0:
+            self.round(steps, self.phases(deterministic=False))
+        return max(rest, 0)
+
     def end(self, steps: int, raise_failure: bool = True) -> bool:
         """Training ended after ``steps`` local steps: the communicator stops (bounded by
         TFPSX_RPC_TIMEOUT) and the steps not pushed yet reach the PS in a final round

@@ -61,7 +61,8 @@ class GeoMode(Mode):
         self.train_ops = []
         self.counters = GeoCounters()
         self.positions = PendingSteps()  # the input positions of steps not pushed
-        self.add_hook(_GeoSyncHook(self))
+        self._sync_hook = _GeoSyncHook(self)
+        self.add_hook(self._sync_hook)
 
     @classmethod
     def wrap_optimizer(cls, optimizer, strategy, config):
@@ -108,6 +109,11 @@ class GeoMode(Mode):
 
     def round_steps(self) -> int:
         return self.k_steps
+
+    def settle_for_save(self) -> None:
+        """An exact save's barrier, before a run: this worker's local steps pushed and
+        their positions committed (:meth:`GeoSchedule.settle`)."""
+        self._sync_hook.settle()
 
 
 class GeoAsyncDenseMode(GeoMode):
@@ -263,6 +269,16 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         count_trained(self._mode.counters, self._mode.worker_index,
                       [u.trained_since(session) + (u.dim,) for u in self._mode.updaters],
                       self._steps)
+
+    def settle(self) -> None:
+        """(:meth:`GeoMode.settle_for_save`; nothing before the session or after its
+        final round.)"""
+        if self._session is None:
+            return
+        pushed = self._schedule.settle(self._steps)
+        if pushed:
+            logger.info("GEO: worker %d pushed its last %d local step(s) for the chief's "
+                        "exact save", self._mode.worker_index, pushed)
 
     def _run_round(self, phases: Tuple[str, ...]) -> None:
         session, start = self._session, time.monotonic()
