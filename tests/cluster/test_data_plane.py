@@ -30,7 +30,9 @@ EXAMPLES, BATCH = 6000, 50
 
 
 def _env(**extra):
-    env = dict(os.environ, TFPSX_HEARTBEAT_INTERVAL="0.5")
+    # Commits every 50 ms (0.2 s by default): the repeat bounds below count the batches
+    # in flight and those of the last 50 ms.
+    env = dict(os.environ, TFPSX_HEARTBEAT_INTERVAL="0.5", TFPSX_INPUT_COMMIT_SECONDS="0.05")
     env["PYTHONPATH"] = SCRIPTS + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -140,9 +142,9 @@ def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
     assert re.search(r"worker 1 exited with code -9 .*starting it again in place", err), err
     log = (tmp_path / "logs" / "workerlog.1").read_text()
     assert re.search(r"worker 1 gave back \d+ split\(s\) its earlier process held", log)
-    # async: a step's position is committed by the CommitQueue's thread every 50 ms, so
-    # the batch in flight, the one handed over and the steps of the last 50 ms (>= 20 ms
-    # each here: 3) may repeat (CI once measured 3 batches); GEO: with the round that
+    # async: a step's position is committed by the CommitQueue's thread every 50 ms
+    # (TFPSX_INPUT_COMMIT_SECONDS, _env), so the batch in flight, the one handed over
+    # and the steps of the last 50 ms (>= 20 ms each here: 3) may repeat (CI once measured 3 batches); GEO: with the round that
     # pushed it (a worker that dies between a push and its commit: K)
     assert_each_once(visits, repeats_at_most=(6 if mode == "geo" else 5) * BATCH,
                      epochs=epochs)

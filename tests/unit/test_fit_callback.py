@@ -27,6 +27,9 @@ class RecordingStrategy:
     def translating(self, step, *args, **kwargs):
         return step(*args, **kwargs)
 
+    def flush_for_save(self):
+        """(An exact save's flush at a step boundary: no input here has exact saves.)"""
+
 
 @pytest.mark.parametrize("per_call,initial_epoch,expected", [
     (1, 0, list(range(14, -1, -1))),       # 3 epochs of 5 steps
@@ -59,3 +62,41 @@ def test_an_epoch_of_unknown_length_leaves_the_count_unknown():
     model.fit(data, epochs=2, verbose=0, shuffle=False, callbacks=[StrategyCallback(strategy)])
     assert strategy.calls == ["begin"] + [None] * 6 + ["end"]
     assert strategy.epoch_steps is None
+
+
+def test_an_epoch_of_unknown_length_from_splits_waits_for_its_ops_only_near_its_end(
+        monkeypatch):
+    """An epoch of unknown length may end at any step, so the wrapped step waits for its
+    ops in flight (a remote error then comes out named, not from Keras's own wait at the
+    epoch's end); that wait syncs the remote executors, a round trip to every server. An
+    epoch from tfpsx.data.splits whose iteration still has splits to take is at least a
+    split from its end: no wait (with it, the Criteo job ran 12% slower than a static
+    cut)."""
+    import tensorflow as tf
+
+    from tfpsx import compat
+    from tfpsx.control import splits
+
+    waits = []
+    monkeypatch.setattr(compat, "async_wait", lambda: waits.append(1))
+
+    class Input:
+        left = True
+
+        def leases_left(self):
+            return self.left
+
+    source = Input()
+    monkeypatch.setattr(splits, "registered", lambda: {"input": source})
+    strategy = RecordingStrategy()
+    strategy.extended = type("Extended", (), {"feeds_splits": True})()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((6, 3), np.float32), np.zeros((6, 1), np.float32))).batch(2).filter(
+        lambda x, y: True)  # (a filter: no cardinality)
+    model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[StrategyCallback(strategy)])
+    assert waits == []
+    source.left = False  # its last split taken: every step may be the epoch's last
+    model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[StrategyCallback(strategy)])
+    assert len(waits) == 2 * 3  # after each of the 3 steps, and after its callback's ops

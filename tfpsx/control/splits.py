@@ -393,6 +393,13 @@ def registered() -> Dict[str, object]:
         return dict(_INPUTS)
 
 
+def leases_left() -> bool:
+    """Whether every input of this process still has splits to take in its iteration
+    (its end is then at least a split's batches away); False with none."""
+    sources = list(registered().values())
+    return bool(sources) and all(getattr(s, "leases_left", lambda: False)() for s in sources)
+
+
 def pause_points(flush) -> None:
     """A training step boundary of this worker: an input whose exact save's barrier is
     up has this worker ``flush()`` its steps' commits, ack, and wait until the save is

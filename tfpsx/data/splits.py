@@ -257,6 +257,9 @@ class SplitInput:
         if self.epochs is not None and epoch >= self.epochs:
             logger.info("input %s: worker %d: the job's %d epoch(s) are read", self.name,
                         self.worker, self.epochs)
+            with self._lock:
+                if generation == self._generation:
+                    self._read_all = True  # (it holds nothing: nothing to give back)
             return
         while True:
             # No split left to take ends this worker's epoch: the splits others hold are
@@ -304,6 +307,12 @@ class SplitInput:
                     "epoch %d: %d of %d splits done)", self.name, self.worker, epoch,
                     self.counters["leases"], stats["first_open"], stats["done"],
                     stats["splits"])
+
+    def leases_left(self) -> bool:
+        """Whether this worker's iteration may still take a split (it has not found the
+        epoch's splits all taken): its last batch is then at least a split away."""
+        with self._lock:
+            return self.clustered and self._generation > 0 and not self._read_all
 
     # ------------------------------------------------------------------ Keras's fit
     def keras_will_look(self) -> None:

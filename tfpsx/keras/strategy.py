@@ -100,6 +100,7 @@ class _Extended(OneDeviceExtended):
         self._owner = weakref.ref(container)
         self.mode = mode
         self._trained = False  # the step being traced updated variables (a training step)
+        self.feeds_splits = False  # a traced training step took an input position
         self._guard = None  # the step being traced: its fit check
         # Every variable made in the strategy's scope, by id (TF variables are not
         # hashable), held weakly.
@@ -183,6 +184,7 @@ class _Extended(OneDeviceExtended):
             after = self.mode.after_step()
             if position is not None:
                 check_feeds_splits(self.mode)
+                self.feeds_splits = True
                 with tf.control_dependencies(after):
                     after = after + [self.mode.commit_position(position)]
             with tf.control_dependencies(after):

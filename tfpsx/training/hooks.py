@@ -12,7 +12,7 @@ from tfpsx import graph_state, metrics
 from tfpsx.checkpoint import evaluation
 from tfpsx.control import splits
 from tfpsx.embedding import cache as _cache
-from tfpsx.modes.positions import PendingSteps, decode_numpy
+from tfpsx.modes.positions import PendingSteps, commit_seconds, decode_numpy
 
 logger = logging.getLogger("tfpsx")
 
@@ -258,13 +258,15 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
     """Commits the input positions of the batches a graph's runs train
     (``tfpsx.data.next_batch``): a run that takes a batch fetches its position too, and
     once the run returned (its updates, dense and tables, applied) the position is
-    committed, every ``every`` seconds and when the session ends; in GEO it is pending
-    until the round that pushes the step (``mode.positions``). ``applied``: whether the
+    committed, every ``every`` seconds (TFPSX_INPUT_COMMIT_SECONDS) and when the session
+    ends; in GEO it is pending until the round that pushes the step (``mode.positions``). ``applied``: whether the
     last run's step is in the model (sync: False when the chief ended before applying
     it; its batch is then not committed)."""
 
-    def __init__(self, pending=None, every: float = 0.05, applied=None, settle=None):
-        self._pending, self._every, self._applied = pending, every, applied
+    def __init__(self, pending=None, every: Optional[float] = None, applied=None,
+                 settle=None):
+        self._pending, self._applied = pending, applied
+        self._every = commit_seconds() if every is None else every
         self._settle = settle  # GEO: its unpushed steps pushed (an exact save's flush)
         self._positions: list = []
         self._takes: set = set()
