@@ -4,8 +4,8 @@ once the step that trained the batch is in the model, for both front-ends.
 * async, bounded staleness, sync: a step's update is applied on the servers (sync: by
   the chief, which every worker's step waits for) within the step, so the step hands its
   batch's position over after its update (Keras: to :data:`COMMITS`, which commits every
-  TFPSX_INPUT_COMMIT_SECONDS (0.2 s) from a thread of its own; graph mode's sync: after its hook waited for the
-  chief, and not when the chief ended before the step);
+  TFPSX_INPUT_COMMIT_SECONDS (0.2 s) from a thread of its own; graph mode's sync: after
+  its hook waited for the chief, and not when the chief ended before the step);
 * collective and the hybrid: every worker applies the step within it (lockstep); a
   collective rank commits through its own client (:func:`commit_from_python`);
 * GEO: a step trains this worker's copy, which reaches the model when a round pushes
@@ -19,8 +19,8 @@ once the step that trained the batch is in the model, for both front-ends.
   (``GeoSchedule.settle``): the checkpoint then holds every step it committed.
 
 In graph mode a session hook fetches the position of each run that takes a batch and
-commits it after the run (every TFPSX_INPUT_COMMIT_SECONDS, and when the session ends): the run applied the
-step's updates, dense and tables, by then.
+commits it after the run (every TFPSX_INPUT_COMMIT_SECONDS, and when the session
+ends): the run applied the step's updates, dense and tables, by then.
 
 A commit moves a split's position forward only (the coordinator keeps the furthest), so
 committing a position twice, or late, is harmless.

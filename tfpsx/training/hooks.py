@@ -259,9 +259,10 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
     (``tfpsx.data.next_batch``): a run that takes a batch fetches its position too, and
     once the run returned (its updates, dense and tables, applied) the position is
     committed, every ``every`` seconds (TFPSX_INPUT_COMMIT_SECONDS) and when the session
-    ends; in GEO it is pending until the round that pushes the step (``mode.positions``). ``applied``: whether the
-    last run's step is in the model (sync: False when the chief ended before applying
-    it; its batch is then not committed)."""
+    ends; in GEO it is pending until the round that pushes the step
+    (``mode.positions``). ``applied``: whether the last run's step is in the model
+    (sync: False when the chief ended before applying it; its batch is then not
+    committed)."""
 
     def __init__(self, pending=None, every: Optional[float] = None, applied=None,
                  settle=None):

@@ -139,8 +139,9 @@ class KerasMode:
 
     def commit_position(self, position):
         """The op handing a trained batch's input position (tfpsx.data.splits) to this
-        process's commits (every TFPSX_INPUT_COMMIT_SECONDS, :data:`tfpsx.modes.positions.COMMITS`), after
-        the step's ``after_step`` ops: the step's update is applied by then."""
+        process's commits (every TFPSX_INPUT_COMMIT_SECONDS,
+        :data:`tfpsx.modes.positions.COMMITS`), after the step's ``after_step`` ops: the
+        step's update is applied by then."""
         return COMMITS.record_op(position)
 
     def begin_fit(self, model) -> None:
