@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfpsx import compat
 from tfpsx.control.splits import split_position
 from tfpsx.control.watchdog import translate_uncaught
+from tfpsx.keras import idle
 from tfpsx.keras.variables import fit_variables
 from tfpsx.modes import lockstep
 from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, from_rank_0, lost_peer_error
@@ -113,46 +114,14 @@ class _CollectiveExtended(compat.OneDeviceExtended):
     def take_part_idle(self, model) -> int:
         """After this rank's ``fit`` ended well: it takes part in the steps of the ranks
         still training, idle, applying each with the model's optimizer, until every
-        rank's data ended (:mod:`tfpsx.modes.lockstep`). Returns the steps applied."""
-        variables = list(model.trainable_variables)
-        if self.reduced is not None and self.reduced != len(variables):
-            raise ValueError(
-                f"collective mode: rank {self.group.rank}'s training step all-reduced "
-                f"{self.reduced} gradient(s) but the model has {len(variables)} trainable "
-                "variable(s) (one without a gradient?); it cannot take part in the steps "
-                "of the ranks still training after its own data ended: give every "
-                "trainable variable a gradient, or feed the job with tfpsx.data.shard")
-        specs = [(tf.as_dtype(v.dtype), [int(d) for d in v.shape]) for v in variables]
-        steps = []
-
+        rank's data ended (:mod:`tfpsx.keras.idle`). Returns the steps applied."""
         def total(_, flat):
             with tf.device(self.group.device):
                 return self.group.total_in_step(tf.constant(flat)).numpy()
 
-        def apply(sums) -> None:
-            if not steps:
-                steps.append(self._idle_step(model, variables))
-            steps[0]([tf.constant(s) for s in sums])
-
-        return lockstep.idle_until_done(total, specs, apply)
-
-    def _idle_step(self, model, variables):
-        """A compiled step applying the others' summed step with the model's optimizer
-        (zeros of this rank's go in; the all-reduce gives the step instead)."""
-        strategy = self._container_strategy()
-
-        @tf.function
-        def step(sums):
-            def replica():
-                self._given = sums
-                try:
-                    model.optimizer.apply([tf.zeros(v.shape, v.dtype) for v in variables],
-                                          variables)
-                finally:
-                    self._given = None
-            strategy.run(replica)
-
-        return step
+        return idle.take_part_idle(model, self, self._container_strategy(), total,
+                                   self.reduced, "collective", f"rank {self.group.rank}",
+                                   "ranks")
 
 
 class CollectiveStrategy(tf.distribute.OneDeviceStrategy):

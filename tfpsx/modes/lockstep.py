@@ -23,12 +23,15 @@ trained a batch of weight 0.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from tfpsx.modes.collective import layout, packed, unpacked
+
+logger = logging.getLogger("tfpsx")
 
 
 def reduce_in_step(values: Sequence, total: Callable[[tf.Tensor], tf.Tensor], divide: int,
@@ -89,6 +92,23 @@ def idle_until_done(total: Callable[[int, np.ndarray], np.ndarray], specs: Seque
     return steps
 
 
+def idle_in_session(session, total: Callable[[np.ndarray], np.ndarray], specs, sums, op,
+                    timeout: float, who: str) -> int:
+    """Graph mode's :func:`idle_until_done`, in a session hook's ``end``: each step applied
+    by running ``op`` with the step's sums fed to ``sums`` (placeholders), bounded by
+    ``timeout`` seconds a run; ``total(flat)``: the step's all-reduce. Logs what ``who``
+    (e.g. ``("collective", "rank 1", "ranks")``) applied. Returns the steps applied."""
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(1000 * timeout))
+    applied = idle_until_done(lambda _, flat: total(flat), specs,
+                              lambda got: session.run(op, dict(zip(sums, got)),
+                                                      options=options))
+    if applied:
+        mode, one, others = who
+        logger.info("%s: %s's data ended first: it applied %d step(s) of the %s still "
+                    "training", mode, one, applied, others)
+    return applied
+
+
 def apply_summed(specs: Sequence[Tuple], sums: Sequence[tf.Tensor], divide: int
                  ) -> List[tf.Tensor]:
     """The values a step's summed flat arrays (:func:`idle_until_done`'s) give, cut into
@@ -99,4 +119,5 @@ def apply_summed(specs: Sequence[Tuple], sums: Sequence[tf.Tensor], divide: int
                     order)
 
 
-__all__ = ["apply_summed", "flat_sizes", "idle_until_done", "mean_of", "reduce_in_step"]
+__all__ = ["apply_summed", "flat_sizes", "idle_in_session", "idle_until_done", "mean_of",
+           "reduce_in_step"]

@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tfpsx.keras import idle
 from tfpsx.keras.modes.base import TRIGGER, CreationContext, KerasMode
 from tfpsx.keras.modes.geo import KerasGeo
 from tfpsx.keras.variables import SharedVariable, fit_variables
@@ -100,44 +101,13 @@ class _AllReducedDense:
         super().finish_fit(model)
         if getattr(self, "_bridge", None) is None:
             return
-        variables = list(model.trainable_variables)
-        reduced = getattr(self, "_reduced", None)
-        if reduced is not None and reduced != len(variables):
-            raise ValueError(
-                f"hybrid mode: worker {self.worker_index}'s training step all-reduced "
-                f"{reduced} gradient(s) but the model has {len(variables)} trainable "
-                "variable(s) (one without a gradient?); it cannot take part in the steps "
-                "of the workers still training after its own data ended: give every "
-                "trainable variable a gradient, or feed the job with tfpsx.data.shard "
-                "(equal parts)")
-        specs = [(tf.as_dtype(v.dtype), [int(d) for d in v.shape]) for v in variables]
-        steps = []  # (the compiled step, made at the first step to apply)
-
-        def apply(sums) -> None:
-            if not steps:
-                steps.append(self._idle_step(model, variables))
-            steps[0]([tf.constant(s) for s in sums])
-
-        applied = lockstep.idle_until_done(lambda _, flat: self._total(flat), specs, apply)
+        applied = idle.take_part_idle(
+            model, self, self.keras_strategy, lambda _, flat: self._total(flat),
+            getattr(self, "_reduced", None), "hybrid", f"worker {self.worker_index}",
+            "workers")
         if applied:
             logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of the "
                         "workers still training", self.worker_index, applied)
-
-    def _idle_step(self, model, variables):
-        """A compiled step applying the others' summed step with the model's optimizer
-        (zeros of this worker's go in; ``reduce`` gives the step's mean instead)."""
-        @tf.function
-        def step(sums):
-            def replica():
-                self._given = sums
-                try:
-                    model.optimizer.apply([tf.zeros(v.shape, v.dtype) for v in variables],
-                                          variables)
-                finally:
-                    self._given = None
-            self.keras_strategy.run(replica)
-
-        return step
 
     def after_fit(self, model, failed: bool) -> None:
         super().after_fit(model, failed)

@@ -7,7 +7,6 @@ variables, rank 0 alone restores and saves checkpoints.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import tensorflow as tf
@@ -19,8 +18,6 @@ from tfpsx.modes.positions import positions_of_graph
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.modes.base import Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
-
-logger = logging.getLogger("tfpsx")
 
 
 class CollectiveMode(Mode):
@@ -146,11 +143,6 @@ class _BroadcastHook(tf.compat.v1.train.SessionRunHook):
         if mode.idle is None:
             return
         specs, eager_total, sums, apply = mode.idle
-        options = tf.compat.v1.RunOptions(
-            timeout_in_ms=int(1000 * (settings.get("TFPSX_COLLECTIVE_TIMEOUT") + 5)))
-        applied = lockstep.idle_until_done(
-            lambda _, flat: eager_total(flat), specs,
-            lambda got: session.run(apply, dict(zip(sums, got)), options=options))
-        if applied:
-            logger.info("collective: rank %d's data ended first: it applied %d step(s) of "
-                        "the ranks still training", mode.config.index, applied)
+        lockstep.idle_in_session(session, eager_total, specs, sums, apply,
+                                 settings.get("TFPSX_COLLECTIVE_TIMEOUT") + 5,
+                                 ("collective", f"rank {mode.config.index}", "ranks"))

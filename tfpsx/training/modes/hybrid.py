@@ -13,7 +13,6 @@ its own variables, rank 0 alone restores and saves checkpoints (tables included)
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import numpy as np
@@ -31,7 +30,6 @@ from tfpsx.training.modes.geo import GeoMode
 from tfpsx.training.placement import worker_device_of
 from tfpsx.waits import bounded_wait
 
-logger = logging.getLogger("tfpsx")
 
 class _DenseHalf:
     """The dense half of a graph-mode hybrid (a mixin before a :class:`Mode`)."""
@@ -203,14 +201,9 @@ class _DenseHook(tf.compat.v1.train.SessionRunHook):
             # This worker's data ended: it takes part in the steps of the workers still
             # training until every one's did (an input leased as each worker goes).
             specs, sums, op = mode.idle
-            options = tf.compat.v1.RunOptions(
-                timeout_in_ms=int(settings.get("TFPSX_SESSION_TIMEOUT") * 1000))
-            total = hybrid.named_peer_loss(bridge.total, mode.config)
-            applied = lockstep.idle_until_done(
-                lambda _, flat: total(flat), specs,
-                lambda got: session.run(op, dict(zip(sums, got)), options=options))
-            if applied:
-                logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of "
-                            "the workers still training", mode.config.index, applied)
+            lockstep.idle_in_session(
+                session, hybrid.named_peer_loss(bridge.total, mode.config), specs, sums, op,
+                settings.get("TFPSX_SESSION_TIMEOUT"),
+                ("hybrid", f"worker {mode.config.index}", "workers"))
         bridge.meet_at_end()
         RUNTIME.stop_peer_watch()
