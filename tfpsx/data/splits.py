@@ -429,9 +429,10 @@ def splits(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
       exact_saves: the chief's checkpoints hold exactly the steps of the saved model (a
         restore repeats none): each save raises a barrier on PS 0, every worker commits
         its steps and pauses at its next step boundary (each polls PS 0 every 50 ms),
-        and the save runs while none trains (async and staleness; GEO's rounds push
-        from a thread of their own: refused). Default: no pause; a restore may repeat
-        the steps trained during the save.
+        and the save runs while none trains (async, staleness, sync, GEO: a worker
+        pushes its unpushed steps at the barrier; refused where workers meet inside a
+        step: collective, the hybrid, GEO's deterministic rounds). Default: no pause; a
+        restore may repeat the steps trained during the save.
 
     Returns:
       A dataset whose elements are ``parse``'s, each followed by its position (a dict the
