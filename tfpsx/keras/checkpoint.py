@@ -66,11 +66,22 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
       full_every: saves per full table export (1: every save is full).
       save_freq: ``"epoch"``, or a number of batches.
       max_to_keep: checkpoints kept (their chains' parts too); older ones are deleted.
+      publish_to: a folder where each save is also published for serving
+        (:mod:`tfpsx.serving.publish`): a full save as a base (an ``export_serving``
+        that stock TF loads), a delta save as a delta of the rows it holds, which
+        ``tfpsx/serving/follower.py`` applies to a loaded base. None: nothing published.
+      publish_inputs: the export's input specs, for a subclassed model
+        (``export_serving``'s ``inputs=``).
     """
 
     def __init__(self, directory: str, full_every: int = 10, save_freq="epoch",
-                 max_to_keep: int = 5):
+                 max_to_keep: int = 5, publish_to: Optional[str] = None,
+                 publish_inputs=None):
         super().__init__()
+        self._publisher = None
+        if publish_to is not None:
+            from tfpsx.serving.publish import Publisher
+            self._publisher = Publisher(publish_to, inputs=publish_inputs)
         if save_freq != "epoch":
             save_freq = settings.parse_int(save_freq, "IncrementalCheckpoint(save_freq=...) "
                                            "('epoch' or batches)", minimum=1)
@@ -171,7 +182,28 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         logger.info("checkpoint %s: tables %s (%d rows, %d removed), %d weights, in %.2f s",
                     part, info["kind"], info["rows"], info["removed"], len(dense),
                     info["seconds"])
+        if self._publisher is not None:
+            self._publish(model, part, info, step, dense)
         return part
+
+    @property
+    def last_publish(self) -> Dict[str, object]:
+        """What the last publish wrote (``publish_to``): kind, sequence, path, rows,
+        removed, bytes, seconds; empty before one."""
+        return self._publisher.last if self._publisher is not None else {}
+
+    def _publish(self, model, part, info, step, dense) -> None:
+        """Publishes the save just made. A publish that fails is logged as an error and
+        the next save is made full, so that the next publish is a base: serving misses
+        no row, it waits for that base."""
+        try:
+            self._publisher.publish(model, part, info, step,
+                                    {int(k): v for k, v in dense.items()})
+        except Exception as e:  # noqa: BLE001 — training goes on; the next save re-bases
+            self._writer.reset()
+            logger.error("publish to %s failed for checkpoint %s (%s: %s); the next save is "
+                         "full and publishes a new base, which serving will then load",
+                         self._publisher.directory, part, type(e).__name__, e)
 
     def _state(self) -> dict:
         return latest_state(self.directory) or {}

@@ -35,6 +35,9 @@ def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
     and a variable of the rows; an id the table does not hold gets the row the table's
     initializer would give it, computed with stock ops. The signature ``serving_default``
     runs the model's inference with named inputs and outputs, in TF Serving's layout.
+    A Keras model's export also has the signatures ``apply_delta`` and
+    ``applied_sequence`` (:mod:`tfpsx.serving.delta`): it can be the base that a
+    follower keeps fresh with the deltas of ``IncrementalCheckpoint(publish_to=...)``.
 
     Example::
 
@@ -73,13 +76,7 @@ def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
             raise ValueError("export_serving: outputs= is for a graph-mode session; a Keras "
                              "model's outputs are its own")
         from tfpsx.serving import keras as _keras
-        _keras.before_export(model_or_session)
-
-        def build_and_write():
-            module, concrete = _keras.build_module(model_or_session, inputs)
-            return _export.write(module, concrete, path, version)
-
-        return _export.in_clean_thread(build_and_write)
+        return _keras.export(model_or_session, path, version, inputs)
     if _is_session(model_or_session):
         from tfpsx.serving import graph as _graph
         return _graph.export(model_or_session, path, version, inputs, outputs)

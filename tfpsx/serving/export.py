@@ -88,17 +88,27 @@ def tfpsx_ops(saved_model_dir: str) -> Dict[str, int]:
     return found
 
 
-def write(module: tf.Module, concrete, path: str, version: Optional[int]) -> str:
-    """Saves ``module`` with ``concrete`` as ``serving_default`` into the next version folder
-    of ``path``, atomically (a temporary folder renamed into place, so TF Serving, which
-    polls the base path, never loads a half-written version)."""
+def write(module: tf.Module, signatures, path: str, version: Optional[int],
+          extra_files: Optional[Dict[str, bytes]] = None) -> str:
+    """Saves ``module`` with ``signatures`` (``{name: concrete function}``, or one
+    concrete function: ``serving_default``) into the next version folder of ``path``,
+    atomically (a temporary folder renamed into place, so TF Serving, which
+    polls the base path, never loads a half-written version). ``extra_files``: {path in
+    the version folder: bytes} written in before it is renamed into place."""
     target = version_dir(path, version)
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
     # TF Serving ignores folders whose names are not numbers.
     tmp = os.path.join(os.path.dirname(target), f".tmp-{os.path.basename(target)}-"
                                                 f"{uuid.uuid4().hex[:8]}")
     try:
-        tf.saved_model.save(module, tmp, signatures={SERVING_DEFAULT: concrete})
+        if not isinstance(signatures, dict):
+            signatures = {SERVING_DEFAULT: signatures}
+        tf.saved_model.save(module, tmp, signatures=signatures)
+        for name, data in (extra_files or {}).items():
+            file = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+            with open(file, "wb") as f:
+                f.write(data)
         leftover = tfpsx_ops(tmp)
         if leftover:
             raise RuntimeError(f"export_serving: the served graph still holds tfpsx ops "

@@ -27,7 +27,9 @@ from tfpsx import compat
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.row_sources import reading_rows_from
 from tfpsx.keras.strategy import ParameterServerStrategy
-from tfpsx.serving import signature
+from tfpsx.serving import delta, signature
+from tfpsx.serving import export as _export
+from tfpsx.serving.export import SERVING_DEFAULT
 from tfpsx.serving.table import ServingTable, from_trained
 
 logger = logging.getLogger("tfpsx.serving")
@@ -102,15 +104,29 @@ def before_export(model) -> None:
         strategy.before_inference(model)  # what predict reads (GEO: the global model)
 
 
-def build_module(model, inputs=None):
-    """(the module to save, the ``serving_default`` concrete function) of a built Keras
-    model (:func:`before_export` first); in a thread without a strategy scope.
+def _internal(layers) -> set:
+    """Ids of the variables of ``DynamicEmbedding`` layers (the step, the gradient
+    trigger): not read by inference."""
+    return {id(v) for layer in layers for v in layer.variables}
+
+
+def delta_weights(model) -> List[str]:
+    """The ``apply_delta`` weight inputs of ``model``'s export
+    (:func:`tfpsx.serving.delta.weight_input` of their position in ``model.weights``)."""
+    internal = _internal(_embedding_layers(model))
+    return [delta.weight_input(i) for i, v in enumerate(model.weights) if id(v) not in internal]
+
+
+def build_module(model, inputs=None, sequence: int = 0):
+    """(the module to save, its signatures: ``serving_default`` and the delta ones of
+    :mod:`tfpsx.serving.delta`) of a built Keras model (:func:`before_export` first); in
+    a thread without a strategy scope. ``sequence``: the delta sequence the export is at.
 
     Raises:
       ValueError: the model has no known inputs and none were given.
     """
     layers = _embedding_layers(model)
-    tables, sources, internal = [], {}, set()
+    tables, sources, internal = [], {}, _internal(layers)
     for layer in layers:
         if layer.table is None:
             raise ValueError(f"export_serving: DynamicEmbedding layer {layer.name!r} is not "
@@ -119,11 +135,11 @@ def build_module(model, inputs=None):
         served = from_trained(table, table.updater.rows_source(table))
         tables.append(served)
         sources[layer] = served.lookup
-        internal.update(id(v) for v in layer.variables)  # the step, the gradient trigger
     if not layers:
         logger.info("export_serving: model %r has no tfpsx DynamicEmbedding layer; it is "
                     "exported as it is", model.name)
-    mapping, weights = [], []
+    mapping, weights, by_input = [], [], {}
+    position = {id(v): i for i, v in enumerate(model.weights)}  # as a checkpoint's
     for v in model.variables:
         if id(v) in internal:  # not read by inference: a constant, not a saved weight
             mapping.append((v, tf.zeros(v.shape, v.dtype)))
@@ -131,6 +147,8 @@ def build_module(model, inputs=None):
         copy = tf.Variable(np.asarray(v.numpy()), trainable=False, name=_var_name(v))
         weights.append(copy)
         mapping.append((v, copy))
+        if id(v) in position:  # (a variable that is no weight, e.g. a seed: not in deltas)
+            by_input[delta.weight_input(position[id(v)])] = copy
     items, arguments = _keras_inputs(model, inputs)
     names = _output_names(model)
 
@@ -144,9 +162,25 @@ def build_module(model, inputs=None):
     module = KerasServingModule(tables, weights)
     module.serve = tf.function(serve, input_signature=signature.flat_specs(items),
                                autograph=False)
-    concrete = module.serve.get_concrete_function()
-    return module, concrete
+    signatures = {SERVING_DEFAULT: module.serve.get_concrete_function()}
+    signatures.update(delta.add_signatures(
+        module, {t.table_name: t for t in tables}, by_input, sequence))
+    return module, signatures
 
 
 def _var_name(v) -> str:
     return (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")
+
+
+def export(model, path: str, version, inputs=None, sequence: int = 0,
+           extra_files=None) -> str:
+    """``export_serving`` of a Keras model: checks, then the module built and written in
+    a clean thread (:func:`tfpsx.serving.export.in_clean_thread`); ``sequence`` and
+    ``extra_files`` as a publisher's base needs them (:mod:`tfpsx.serving.publish`)."""
+    before_export(model)
+
+    def build_and_write():
+        module, signatures = build_module(model, inputs, sequence)
+        return _export.write(module, signatures, path, version, extra_files)
+
+    return _export.in_clean_thread(build_and_write)

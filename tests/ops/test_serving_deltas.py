@@ -1,0 +1,198 @@
+"""A served model that follows training by deltas (tfpsx.serving.publish, delta and
+follower.py): a Keras model trained with ``IncrementalCheckpoint(publish_to=...)``
+publishes a base and deltas; a fresh process that never imports tfpsx
+(tests/serving_follow_check.py) follows them with stock TF and must predict exactly
+what a full export taken at the same step predicts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpsx
+import tfpsx.keras
+from tfpsx import embedding as E
+from tfpsx.keras.checkpoint import IncrementalCheckpoint
+from tfpsx.serving import publish
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK = os.path.join(TESTS, "serving_follow_check.py")
+FOLLOWER = os.path.join(os.path.dirname(os.path.abspath(tfpsx.__file__)), "serving",
+                        "follower.py")
+_names = iter(range(10 ** 6))
+
+
+def name(prefix="dl"):
+    return f"{prefix}{next(_names)}"
+
+
+def model_and_tables():
+    ids = keras.Input((3,), dtype="int64", name="ids")
+    words = keras.Input((2,), dtype="string", name="words")
+    dense = keras.Input((4,), name="features")
+    e_ids = tfpsx.keras.DynamicEmbedding(4, table_name=name(), combiner="mean", pad_id=-1,
+                                         initializer=E.uniform(-0.3, 0.3), seed=7,
+                                         optimizer=E.Adagrad(0.3))
+    e_words = tfpsx.keras.DynamicEmbedding(3, table_name=name(), optimizer=E.SGD(0.1))
+    x = keras.layers.Concatenate()([e_ids(ids), keras.layers.Flatten()(e_words(words)), dense])
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8, activation="relu")(x))
+    model = keras.Model({"ids": ids, "words": words, "features": dense},
+                        keras.layers.Dense(1, activation="sigmoid", name="score")(hidden))
+    model.compile("adam", "binary_crossentropy")
+    return model, e_ids, e_words
+
+
+def data(seed, n, lo=-1, vocab=60):
+    rng = np.random.default_rng(seed)
+    x = {"ids": rng.integers(lo, lo + vocab, (n, 3)).astype(np.int64),
+         "words": rng.choice(["a", "b", "c", "d", "e"], (n, 2)).astype(bytes),
+         "features": rng.normal(size=(n, 4)).astype(np.float32)}
+    return x, (x["features"][:, :1] > 0).astype(np.float32)
+
+
+def fit(model, callback, seed, n=256, lo=-1):
+    x, y = data(seed, n, lo)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0,
+              callbacks=[callback])
+
+
+def follow(model_dir, full, query, tmp_path):
+    feed, out = str(tmp_path / "query.npz"), str(tmp_path / "followed.json")
+    np.savez(feed, **query)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, CHECK, str(model_dir), str(full), feed, FOLLOWER,
+                           out], capture_output=True, text=True, timeout=300,
+                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0 and "FOLLOWED" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.heavy
+def test_a_base_and_its_deltas_serve_what_a_full_export_at_the_same_step_serves(tmp_path):
+    model, e_ids, _ = model_and_tables()
+    served = tmp_path / "served"
+    ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=100, save_freq=3,
+                                 publish_to=str(served))
+    fit(model, ckpt, 0)  # 8 batches: saves after 3 and 6, and at the end
+    assert publish.published(str(served))["bases"] == [1]
+    assert publish.published(str(served))["deltas"] == [2, 3]
+    # Rows that a later delta removes (as an eviction would): written, published, removed.
+    extra = np.arange(10_000, 10_040, dtype=np.int64)
+    e_ids.table.insert(extra, np.full((40, 4), 0.5, np.float32))
+    fit(model, ckpt, 1)
+    e_ids.table.remove(extra[:30])
+    fit(model, ckpt, 2, lo=500)  # new ids too: rows inserted since the base
+    last = ckpt.last_publish["sequence"]
+    got = publish.published(str(served))
+    assert got["bases"] == [1] and got["deltas"] == list(range(2, last + 1)) and \
+        not got["partial"]
+    manifests = [json.load(open(served / "deltas" / str(s) / publish.MANIFEST))
+                 for s in got["deltas"]]
+    assert sum(m["removed"] for m in manifests) == 30
+    assert [m["base"] for m in manifests] == [1] * len(manifests)
+    assert manifests[-1]["global_step"] == int(model.optimizer.iterations.numpy())
+
+    full = tfpsx.export_serving(model, tmp_path / "full")
+    query, _ = data(9, 64, lo=-1, vocab=700)
+    query["ids"][:8, 0] = extra[24:32]  # removed ones (initial rows) and kept ones
+    out = follow(served, full, query, tmp_path)
+    assert out["unregistered_ops"] == [] and out["tfpsx_ops"] == []
+    assert (out["base"], out["base_sequence"], out["applied"], out["sequence"]) == (
+        1, 1, last - 1, last)
+    assert out["base_diff"] > 0  # the base alone is behind the trained model
+    assert out["diff"] == 0.0  # base + every delta: exactly the full export
+    assert out["duplicate"] == "refused"
+    assert (out["duplicate_sequence"], out["duplicate_diff"]) == (last, 0.0)
+    assert out["tf1_applied"] == list(range(2, last + 1)) and out["tf1_diff"] == 0.0
+    assert (out["restarted_sequence"], out["restarted_diff"]) == (last, 0.0)
+    assert out["tfpsx_imported"] is False
+
+
+@pytest.mark.heavy
+@pytest.mark.budget(45, why="three fits of which three saves export a base each, then a "
+                    "follower process that imports TensorFlow and loads two models")
+def test_a_new_base_every_full_save_and_a_restarted_publisher_continues_the_sequence(
+        tmp_path):
+    model, _, _ = model_and_tables()
+    served = tmp_path / "served"
+    ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=2, save_freq=4,
+                                 publish_to=str(served))
+    fit(model, ckpt, 0)  # saves after 4 and 8 batches: a base, a delta
+    assert publish.published(str(served)) == {"bases": [1], "deltas": [2], "partial": []}
+    fit(model, ckpt, 1)  # a full save (base 3), a delta (4)
+    assert publish.published(str(served)) == {"bases": [1, 3], "deltas": [2, 4],
+                                              "partial": []}
+    # A chief killed while writing delta 5: its folder without DONE.
+    partial = served / "deltas" / "5"
+    partial.mkdir()
+    (partial / publish.MANIFEST).write_text("{}")
+    # The chief started again: a new callback (its first save is full: a base), which
+    # removes the partial delta and takes its sequence; the oldest base (keep_bases=2)
+    # goes with its deltas.
+    again = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=2, save_freq=4,
+                                  publish_to=str(served))
+    fit(model, again, 2)
+    assert publish.published(str(served)) == {"bases": [3, 5], "deltas": [4, 6],
+                                              "partial": []}
+    full = tfpsx.export_serving(model, tmp_path / "full")
+    query, _ = data(9, 32)
+    out = follow(served, full, query, tmp_path)
+    assert (out["base"], out["base_sequence"], out["sequence"], out["diff"]) == (5, 5, 6, 0.0)
+
+
+@pytest.mark.heavy
+def test_a_publish_that_fails_makes_the_next_publish_a_base(tmp_path, caplog):
+    model, _, _ = model_and_tables()
+    served = tmp_path / "served"
+    ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=100, save_freq=4,
+                                 publish_to=str(served))
+    fit(model, ckpt, 0)
+    assert publish.published(str(served))["deltas"] == [2]
+    # The next delta cannot be written: a file where its folder goes.
+    os.rename(served / "deltas", served / "deltas.away")
+    (served / "deltas").write_text("")
+    try:
+        with caplog.at_level("ERROR", logger="tfpsx"):
+            fit(model, ckpt, 1, n=128)  # one save: its publish fails, training goes on
+        assert "publish to" in caplog.text and "next save is full" in caplog.text
+    finally:
+        os.remove(served / "deltas")
+        os.rename(served / "deltas.away", served / "deltas")
+    fit(model, ckpt, 2, n=128)
+    assert ckpt.last_publish["kind"] == "base" and ckpt.last_publish["sequence"] == 3
+    assert publish.published(str(served))["bases"] == [1, 3]
+
+
+def test_a_delta_out_of_order_or_with_a_reserved_key_changes_nothing(tmp_path):
+    model, e_ids, _ = model_and_tables()
+    model.predict({k: tf.constant(v) for k, v in data(0, 8)[0].items()}, verbose=0)
+    e_ids.table.insert(np.arange(5, dtype=np.int64), np.ones((5, 4), np.float32))
+    path = tfpsx.export_serving(model, tmp_path / "m")
+    loaded = tf.saved_model.load(path)
+    apply = loaded.signatures["apply_delta"]
+    specs = apply.structured_input_signature[1]
+    feed = {k: tf.zeros([0 if d is None else d for d in s.shape], s.dtype)
+            for k, s in specs.items()}
+    keys = f"table_{e_ids.table.name}_keys"
+    assert keys in specs, sorted(specs)
+    rows = keys[:-len("keys")] + "rows"
+    query = {"ids": tf.constant([[0, 1, 2]], tf.int64),
+             "words": tf.constant([[b"a", b"b"]]),
+             "features": tf.zeros([1, 4])}
+    before = loaded.signatures["serving_default"](**query)["score"].numpy()
+    for sequence, key in ((2, 0), (1, -2 ** 63)):  # out of order; the empty key
+        bad = dict(feed, sequence=tf.constant(sequence, tf.int64),
+                   **{keys: tf.constant([key], tf.int64), rows: tf.fill([1, 4], 9.0)})
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="out of order" if sequence == 2 else "cannot hold key"):
+            apply(**bad)
+        assert int(loaded.signatures["applied_sequence"]()["applied_sequence"]) == 0
+        np.testing.assert_array_equal(
+            loaded.signatures["serving_default"](**query)["score"].numpy(), before)
