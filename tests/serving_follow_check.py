@@ -16,15 +16,17 @@ With stock TensorFlow only (tfpsx is made unimportable first):
 5. a second ``Follower`` (a restarted follower) catches up to the same sequence and the
    same outputs.
 
-Writes the results to OUT.json.
+Writes the results to OUT.json. Tests call :func:`follow`, which runs it.
 """
 
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
-sys.modules["tfpsx"] = None  # an import of tfpsx would fail: stock TF only
+if __name__ == "__main__":
+    sys.modules["tfpsx"] = None  # an import of tfpsx would fail: stock TF only
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -71,6 +73,24 @@ def tf1_outputs(path, inputs, deltas=()):
 def max_diff(a, b):
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in a)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOLLOWER = os.path.join(ROOT, "tfpsx", "serving", "follower.py")
+
+
+def follow(model_dir, full, query, tmp_path) -> dict:
+    """Runs this check in a fresh process on ``query`` ({input name: array}); returns
+    its results."""
+    feed, out = str(tmp_path / "query.npz"), str(tmp_path / "followed.json")
+    np.savez(feed, **query)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(model_dir),
+                           str(full), feed, FOLLOWER, out], capture_output=True, text=True,
+                          timeout=300, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0 and "FOLLOWED" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)
 
 
 def main(model_dir, full, inputs_path, follower_py, out_path):

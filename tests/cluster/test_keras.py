@@ -11,6 +11,7 @@ import pytest
 
 from conftest import SCRIPTS, scenario, wait_for_log
 from test_training import geo_reference, served_outputs
+from serving_follow_check import follow
 import training_job as linear
 
 import tfpsx
@@ -175,8 +176,9 @@ def test_worker_caches_are_fed_by_fits_input_pipeline(make_cluster, mode, extra)
 def two_servers(tmp_path_factory):
     """The async job on 2 PS + 2 workers that the next tests read: weights of 512 bytes or
     more cut over both servers, the users' table tiered, the chief's saved model
-    (model.save) and its serving export (tfpsx.export_serving) written after fit. (c,
-    folder of the saved files)"""
+    (model.save) and its serving export (tfpsx.export_serving) written after fit, its
+    incremental checkpoints published for serving (a base, then deltas). (c, folder of
+    the saved files)"""
     out = tmp_path_factory.mktemp("keras_two_servers_out")
     # tfpsx installed under a path with a space (a virtualenv in "My Projects"): the
     # loader splits LD_PRELOAD there, so the launcher preloads a copy of the bind shim.
@@ -191,6 +193,8 @@ def two_servers(tmp_path_factory):
                       env=FAST, timeout=300,
                       args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
                             "--save", str(out / "saved"), "--export", str(out / "export"),
+                            "--checkpoint", str(out / "ckpt"), "--incremental", "5",
+                            "--publish", str(out / "published"),
                             "--table_ram_bytes", "2000000", "--own_server",
                             "--table_dir", str(out / "tables")]) as c:
             yield c, out
@@ -387,6 +391,22 @@ def test_the_chief_exports_a_model_that_serves_without_tfpsx(two_servers, tmp_pa
     """Async: the tables' rows come from their shards on two PS (the weights cut over both).
     Served in a process without tfpsx (TF2 and TF1 loaders)."""
     check_served(two_servers[1] / "export", tmp_path)
+
+
+@pytest.mark.timeout(400)
+def test_the_chiefs_published_base_and_deltas_serve_what_its_export_serves(two_servers,
+                                                                           tmp_path):
+    """The chief published a base and deltas while both workers trained (the users'
+    table tiered: its delta parts in pages); followed in a process without tfpsx, they
+    serve exactly what the export taken after the last step serves."""
+    c, out = two_servers
+    published = reports(c, 2)[0]["published"]
+    assert published["kind"] == "delta" and published["sequence"] >= 2, published
+    got = follow(out / "published", out / "export" / "model" / "1",
+                           dict(np.load(out / "export" / "feed.npz")), tmp_path)
+    assert (got["base"], got["sequence"]) == (1, published["sequence"]), got
+    assert got["applied"] >= 1 and got["diff"] == 0.0 and got["tf1_diff"] == 0.0, got
+    assert got["unregistered_ops"] == [] and got["tfpsx_imported"] is False, got
 
 
 @pytest.mark.timeout(400)

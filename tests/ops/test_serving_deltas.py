@@ -7,8 +7,6 @@ what a full export taken at the same step predicts.
 
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -20,11 +18,8 @@ import tfpsx.keras
 from tfpsx import embedding as E
 from tfpsx.keras.checkpoint import IncrementalCheckpoint
 from tfpsx.serving import publish
+from serving_follow_check import follow
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECK = os.path.join(TESTS, "serving_follow_check.py")
-FOLLOWER = os.path.join(os.path.dirname(os.path.abspath(tfpsx.__file__)), "serving",
-                        "follower.py")
 _names = iter(range(10 ** 6))
 
 
@@ -60,18 +55,6 @@ def fit(model, callback, seed, n=256, lo=-1):
     x, y = data(seed, n, lo)
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0,
               callbacks=[callback])
-
-
-def follow(model_dir, full, query, tmp_path):
-    feed, out = str(tmp_path / "query.npz"), str(tmp_path / "followed.json")
-    np.savez(feed, **query)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, CHECK, str(model_dir), str(full), feed, FOLLOWER,
-                           out], capture_output=True, text=True, timeout=300,
-                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 0 and "FOLLOWED" in proc.stdout, proc.stdout + proc.stderr[-4000:]
-    with open(out) as f:
-        return json.load(f)
 
 
 @pytest.mark.heavy

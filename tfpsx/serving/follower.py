@@ -72,6 +72,19 @@ def read_delta(path: str) -> Dict[str, tf.Tensor]:
             for name in reader.get_variable_to_shape_map()}
 
 
+def _read(path: str):
+    """(manifest, tensors) of the delta folder ``path``, or None when it went while it
+    was read (the publisher pruned it)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        return manifest, read_delta(path)
+    except (OSError, tf.errors.NotFoundError):
+        if os.path.isdir(path):
+            raise
+        return None
+
+
 class Follower:
     """Serves the latest base of ``model_dir`` with the deltas published after it.
 
@@ -112,16 +125,16 @@ class Follower:
                 self._load(following)
                 return "base"
             path = _delta_dir(self.model_dir, following)
-            if path is not None:
-                with open(os.path.join(path, MANIFEST)) as f:
-                    manifest = json.load(f)
+            delta = _read(path) if path else None
+            if delta is not None:
+                manifest, tensors = delta
                 if manifest["base"] != self.base:
                     raise RuntimeError(
                         f"follower: delta {following} in {path} follows base "
                         f"{manifest['base']}, this model was loaded from base {self.base}; "
                         "the folder holds two jobs' publishes? (start the follower again: it "
                         "loads the latest base)")
-                got = self.model.signatures[APPLY](**read_delta(path))
+                got = self.model.signatures[APPLY](**tensors)
                 self.applied = int(got[APPLIED])
                 logger.info("follower: applied delta %d (%d rows, %d removed)", following,
                             manifest.get("rows", -1), manifest.get("removed", -1))
@@ -154,7 +167,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     follower = Follower(args.model_dir)
     while True:
-        follower.catch_up()
+        try:
+            follower.catch_up()
+        except (OSError, tf.errors.OpError) as e:  # a publisher mid-write; tried again
+            if args.once:
+                raise
+            logger.error("follower: %s: %s (tried again in %g s)", type(e).__name__, e,
+                         args.poll_seconds)
         if args.once:
             print(json.dumps({"base": follower.base, "applied_sequence": follower.applied}))
             return 0

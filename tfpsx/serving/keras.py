@@ -117,10 +117,14 @@ def delta_weights(model) -> List[str]:
     return [delta.weight_input(i) for i, v in enumerate(model.weights) if id(v) not in internal]
 
 
-def build_module(model, inputs=None, sequence: int = 0):
+def build_module(model, inputs=None, sequence: int = 0, job_values: bool = False):
     """(the module to save, its signatures: ``serving_default`` and the delta ones of
     :mod:`tfpsx.serving.delta`) of a built Keras model (:func:`before_export` first); in
     a thread without a strategy scope. ``sequence``: the delta sequence the export is at.
+    ``job_values``: the rows and weights the job's checkpoint saves (the servers'
+    tables, ``strategy.job_value`` of each weight), not what this worker's ``predict``
+    reads: they differ in GEO (the worker's copy), and a publisher's deltas are of the
+    checkpoint's.
 
     Raises:
       ValueError: the model has no known inputs and none were given.
@@ -132,7 +136,7 @@ def build_module(model, inputs=None, sequence: int = 0):
             raise ValueError(f"export_serving: DynamicEmbedding layer {layer.name!r} is not "
                              "built; call the model on data first")
         table = layer.table
-        served = from_trained(table, table.updater.rows_source(table))
+        served = from_trained(table, table if job_values else table.updater.rows_source(table))
         tables.append(served)
         sources[layer] = served.lookup
     if not layers:
@@ -140,11 +144,15 @@ def build_module(model, inputs=None, sequence: int = 0):
                     "exported as it is", model.name)
     mapping, weights, by_input = [], [], {}
     position = {id(v): i for i, v in enumerate(model.weights)}  # as a checkpoint's
+    strategy = getattr(model, "_distribute_strategy", None)
+    value_of = (strategy.job_value if job_values and isinstance(
+        strategy, ParameterServerStrategy) else (lambda v: v))
     for v in model.variables:
         if id(v) in internal:  # not read by inference: a constant, not a saved weight
             mapping.append((v, tf.zeros(v.shape, v.dtype)))
             continue
-        copy = tf.Variable(np.asarray(v.numpy()), trainable=False, name=_var_name(v))
+        value = value_of(v) if id(v) in position else v
+        copy = tf.Variable(np.asarray(value.numpy()), trainable=False, name=_var_name(v))
         weights.append(copy)
         mapping.append((v, copy))
         if id(v) in position:  # (a variable that is no weight, e.g. a seed: not in deltas)
@@ -173,14 +181,19 @@ def _var_name(v) -> str:
 
 
 def export(model, path: str, version, inputs=None, sequence: int = 0,
-           extra_files=None) -> str:
+           extra_files=None, job_values: bool = False) -> str:
     """``export_serving`` of a Keras model: checks, then the module built and written in
-    a clean thread (:func:`tfpsx.serving.export.in_clean_thread`); ``sequence`` and
-    ``extra_files`` as a publisher's base needs them (:mod:`tfpsx.serving.publish`)."""
-    before_export(model)
+    a clean thread (:func:`tfpsx.serving.export.in_clean_thread`); ``sequence``,
+    ``extra_files`` and ``job_values`` as a publisher's base needs them
+    (:mod:`tfpsx.serving.publish`, :func:`build_module`)."""
+    if job_values:
+        if not model.built:
+            raise ValueError(f"export_serving: model {model.name!r} is not built")
+    else:
+        before_export(model)
 
     def build_and_write():
-        module, signatures = build_module(model, inputs, sequence)
+        module, signatures = build_module(model, inputs, sequence, job_values)
         return _export.write(module, signatures, path, version, extra_files)
 
     return _export.in_clean_thread(build_and_write)

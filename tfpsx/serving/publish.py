@@ -100,6 +100,10 @@ class Publisher:
         """Continues the sequence after what ``directory`` holds; partial deltas (a chief
         killed while writing one) removed."""
         got = published(self.directory)
+        for folder in (self.directory, os.path.join(self.directory, DELTAS)):
+            for name in os.listdir(folder) if os.path.isdir(folder) else []:
+                if name.startswith(".tmp-"):  # a base or a delta its writer left
+                    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
         for seq in got["partial"]:
             path = os.path.join(self.directory, DELTAS, str(seq))
             logger.warning("publish: removing the partial delta %s (no %s: its writer "
@@ -146,7 +150,8 @@ class Publisher:
 
         manifest = self._manifest("base", part, step, sequence)
         path = _keras.export(model, self.directory, sequence, self.inputs, sequence,
-                             {BASE_MANIFEST: json.dumps(manifest, indent=1).encode()})
+                             {BASE_MANIFEST: json.dumps(manifest, indent=1).encode()},
+                             job_values=True)  # the checkpoint's, as the deltas are
         self._base = sequence
         return {"kind": "base", "sequence": sequence, "path": path,
                 "bytes": _bytes(path)}

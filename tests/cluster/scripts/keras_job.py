@@ -14,6 +14,9 @@ per worker at the end.
   --save DIR   the chief saves DIR/model.keras and DIR/predictions.npy.
   --export DIR the chief exports DIR/model/1 (tfpsx.export_serving), DIR/feed.npz (ids
                seen in training and never seen) and DIR/predictions.npy (model.predict).
+  --publish DIR with --checkpoint and --incremental: the chief's saves are published for
+               serving into DIR (IncrementalCheckpoint(publish_to=DIR)), and once every
+               worker's fit ended, its last steps too (the export then serves the same).
   --own_server each worker listens on 0.0.0.0 itself (a user's metrics server) and reports
                the addresses it listens on.
 """
@@ -164,6 +167,7 @@ def main(argv):
     p.add_argument("--uneven", action="store_true")
     p.add_argument("--save", default=None)
     p.add_argument("--export", default=None)
+    p.add_argument("--publish", default=None)
     p.add_argument("--incremental", type=int, default=None,
                    help="with --checkpoint: tfpsx.keras.IncrementalCheckpoint, a full table "
                         "export every N saves")
@@ -211,7 +215,8 @@ def main(argv):
 
     callbacks = [] if strategy is None else strategy.callbacks()
     if args.checkpoint and args.incremental:
-        saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=args.incremental)
+        saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=args.incremental,
+                                                  publish_to=args.publish)
         if me == 0:
             saver.restore(model)  # the job restarts from it, if any (published at fit)
         callbacks.append(saver)  # saves on the chief only
@@ -282,6 +287,10 @@ def main(argv):
         report["kernel_device"] = [l for l in model.layers if isinstance(
             l, keras.layers.Dense)][0].kernel.value.device
         tfpsx.barrier_worker()  # every worker's last push is in before the chief reads
+        if args.publish and me == 0 and saver._step(model) != saver._saved_step:
+            saver.save(model)  # the others' last steps, published
+        if args.publish and me == 0:
+            report["published"] = saver.last_publish
         # The PS tables' optimizer slots (their mean, by table): in GEO they move only
         # when the rows travel with them (geo_table_rule="shared_slots").
         report["tiers"] = {
