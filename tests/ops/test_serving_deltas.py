@@ -71,6 +71,8 @@ def test_a_base_and_its_deltas_serve_what_a_full_export_at_the_same_step_serves(
     e_ids.table.insert(extra, np.full((40, 4), 0.5, np.float32))
     fit(model, ckpt, 1)
     e_ids.table.remove(extra[:30])
+    # Evicted too (the least frequent rows: the 10 extras no step looked up).
+    assert int(e_ids.table.evict(keep_top_n=int(e_ids.table.size()) - 10)) == 10
     fit(model, ckpt, 2, lo=500)  # new ids too: rows inserted since the base
     last = ckpt.last_publish["sequence"]
     got = publish.published(str(served))
@@ -78,13 +80,13 @@ def test_a_base_and_its_deltas_serve_what_a_full_export_at_the_same_step_serves(
         not got["partial"]
     manifests = [json.load(open(served / "deltas" / str(s) / publish.MANIFEST))
                  for s in got["deltas"]]
-    assert sum(m["removed"] for m in manifests) == 30
+    assert sum(m["removed"] for m in manifests) == 40
     assert [m["base"] for m in manifests] == [1] * len(manifests)
     assert manifests[-1]["global_step"] == int(model.optimizer.iterations.numpy())
 
     full = tfpsx.export_serving(model, tmp_path / "full")
     query, _ = data(9, 64, lo=-1, vocab=700)
-    query["ids"][:8, 0] = extra[24:32]  # removed ones (initial rows) and kept ones
+    query["ids"][:8, 0] = extra[24:32]  # removed and evicted ones: initial rows
     out = follow(served, full, query, tmp_path)
     assert out["unregistered_ops"] == [] and out["tfpsx_ops"] == []
     assert (out["base"], out["base_sequence"], out["applied"], out["sequence"]) == (

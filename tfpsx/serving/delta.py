@@ -96,8 +96,8 @@ def add_signatures(module: tf.Module, tables: Mapping[str, ServingTable],
             checks += table.delta_checks(keys, removed, APPLY)
             table_parts.append((table, keys, rows, removed))
         with tf.control_dependencies(checks):
-            writes = [table.apply(keys, rows, removed)
-                      for table, keys, rows, removed in table_parts]
+            writes = [w for table, keys, rows, removed in table_parts
+                      for w in table.apply(keys, rows, removed)]
             writes += [weights[n].assign(value) for n, value in zip(weight_names, flat[at:])]
         with tf.control_dependencies(writes):
             done = module.applied.assign(sequence)

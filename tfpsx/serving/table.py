@@ -178,23 +178,24 @@ class ServingTable(tf.Module):
         parts = tf.dynamic_partition(keys, shard, len(self.shards))
         return [s.check_keys(k, what) for s, k in zip(self.shards, parts)]
 
-    def apply(self, keys: tf.Tensor, rows: tf.Tensor, removed: tf.Tensor):
-        """The writes of a delta of this table (after its :meth:`delta_checks`):
+    def apply(self, keys: tf.Tensor, rows: tf.Tensor, removed: tf.Tensor) -> List:
+        """The write ops of a delta of this table (after its :meth:`delta_checks`):
         ``removed`` keys removed, then ``keys`` (int64 ``[n]``) given ``rows``
-        (``[n, dim]``, absolute values), each shard its own keys."""
+        (``[n, dim]``, absolute values), each shard its own keys. (A list, not a
+        ``tf.group``: that pins a no-op to each input's device, which a model exported
+        on a cluster's worker would carry into a server that has no such device.)"""
         rows = tf.reshape(rows, [-1, self.dim])
         count = len(self.shards)
         if count == 0:
-            return tf.no_op()
+            return []
         if count == 1:
-            return tf.group(*self.shards[0].apply(keys, rows, removed))
+            return self.shards[0].apply(keys, rows, removed)
         shard, _ = self._partition(keys)
         gone_shard, _ = self._partition(removed)
         parts = zip(tf.dynamic_partition(keys, shard, count),
                     tf.dynamic_partition(rows, shard, count),
                     tf.dynamic_partition(removed, gone_shard, count))
-        return tf.group(*[w for s, (k, r, g) in zip(self.shards, parts)
-                          for w in s.apply(k, r, g)])
+        return [w for s, (k, r, g) in zip(self.shards, parts) for w in s.apply(k, r, g)]
 
     def find(self, keys: tf.Tensor):
         """(rows ``[n, dim]``, found ``[n]``) of a key vector: the table's ``find``."""
