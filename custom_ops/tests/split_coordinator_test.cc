@@ -300,6 +300,65 @@ void TestTfRecordsWithTheirCrcs() {
   ::unlink(bad.c_str());
 }
 
+void TestAStreamGrowsAsFilesLandWaitsForMoreAndStops() {
+  SplitCoordinator c;
+  c.ConfigureStream("stream-a", 3, 1000);
+  CHECK(c.streaming() && c.Take(0, 0, 0).status == SplitLease::kWait);  // nothing yet
+  // Two files land: 2 splits, then 1.
+  CHECK(c.Append({"/d/h0/a", "/d/h0/b"}, {{0, 0, 50}, {0, 50, 100}, {1, 0, 40}}) == 3);
+  CHECK(c.Append({"/d/h0/a"}, {{0, 0, 50}}) == 0);  // a file appended again: nothing
+  CHECK(c.Files(0) == std::vector<std::string>({"/d/h0/a", "/d/h0/b"}));
+  const SplitLease a = c.Take(0, 0, 0), b = c.Take(1, 5, 0);  // (a stream's epoch is 0)
+  CHECK(a.status == SplitLease::kOk && a.index == 0 && b.index == 1 && b.epoch == 0);
+  const int64_t keys[] = {a.key(), b.key()}, offs[] = {a.end, b.end};
+  CHECK(c.Commit(keys, offs, 2) == 2);
+  const SplitLease d = c.Take(0, 0, 0);
+  CHECK(d.status == SplitLease::kOk && d.file == 1 && c.Files(1)[0] == "/d/h0/b");
+  const int64_t dk[] = {d.key()}, doff[] = {d.start + 10};
+  c.Commit(dk, doff, 1);
+  // Everything landed is taken: wait (even with no other holder), the epoch stays open.
+  CHECK(c.Take(1, 0, 0).status == SplitLease::kWait && c.Stats().first_open == 0);
+  CHECK(c.Append({"/d/h1/a"}, {{0, 0, 30}}) == 1);
+  const SplitLease e = c.Take(1, 0, 0);
+  CHECK(e.status == SplitLease::kOk && e.file == 2 && e.index == 3);
+  // Saved and restored: the files and positions come back; more land after.
+  const std::string saved = c.Export();
+  SplitCoordinator r;
+  r.ConfigureStream("stream-a", 3, 1000);
+  r.Import(saved);
+  CHECK(r.Export() == saved && r.Files(0).size() == 3);
+  std::map<int32_t, int64_t> resumed;
+  for (SplitLease l = r.Take(2, 0, 0); l.status == SplitLease::kOk; l = r.Take(2, 0, 0))
+    resumed[l.index] = l.resume;
+  CHECK(resumed.size() == 2 && resumed[2] == d.start + 10 && resumed[3] == 0);
+  CHECK(r.Append({"/d/h1/a", "/d/h2/a"}, {{0, 0, 30}, {1, 0, 8}}) == 1);  // only h2/a
+  // Stopped: every take ends, what is left stays in the position.
+  r.StopStream();
+  CHECK(r.Take(2, 0, 0).status == SplitLease::kEnd);
+  SplitCoordinator again;
+  again.ConfigureStream("stream-a", 3, 1000);
+  again.Import(r.Export());
+  const SplitLease next = again.Take(0, 0, 0);
+  CHECK(next.status == SplitLease::kOk);  // a restored stream follows on
+  // A file input's position into a stream (and back) is refused, naming both.
+  SplitCoordinator files;
+  files.Configure("stream-a", 3, Ranges(1, 2, 10), 1000);
+  bool refused = false;
+  try {
+    files.Import(saved);
+  } catch (const std::invalid_argument& err) {
+    refused = std::string(err.what()).find("stream") != std::string::npos;
+  }
+  CHECK(refused);
+  bool not_a_stream = false;
+  try {
+    files.Append({"x"}, {{0, 0, 1}});
+  } catch (const std::logic_error&) {
+    not_a_stream = true;
+  }
+  CHECK(not_a_stream);
+}
+
 }  // namespace
 
 int main() {
@@ -308,6 +367,7 @@ int main() {
   TestAGivenBackSplitIsTakenBeforeTheNextEpoch();
   TestAnExactSavesBarrierPausesTakesAndCountsTheHoldersAcks();
   TestExportImportRestoresPositionsAndDropsLeases();
+  TestAStreamGrowsAsFilesLandWaitsForMoreAndStops();
   TestTextSplitsHoldEveryLineOnce();
   TestTfRecordsWithTheirCrcs();
   return tfpsx_test::Finish("split_coordinator_test");

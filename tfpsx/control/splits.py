@@ -267,6 +267,39 @@ class SplitCoordinator:
             lease_ms=np.int64(max(1, int(lease_seconds * 1000)))))
         return int(out)
 
+    def _stream(self, what: str, action: int, digest: str = "", seed: int = 0,
+                lease_seconds: float = 0.0, names=(), table=(), start: int = 0):
+        import numpy as np
+        files, starts, ends = (zip(*table) if table else ((), (), ()))
+        return self._run(f"stream {what}", lambda h, **f: bindings.split_stream(h, **f), dict(
+            action=np.int32(action), digest=digest, seed=np.int64(seed),
+            lease_ms=np.int64(max(1, int(lease_seconds * 1000))),
+            names=np.asarray(list(names), dtype=object).reshape(-1),
+            files=np.asarray(files, np.int32), starts=np.asarray(starts, np.int64),
+            ends=np.asarray(ends, np.int64), start=np.int64(start)))
+
+    def configure_stream(self, digest: str, seed: int, lease_seconds: float) -> int:
+        """Sets the input as the stream ``digest`` (the first caller's; a later one must
+        match). Returns the oldest epoch not finished (a stream's: 0)."""
+        value, _ = self._stream("configure", bindings.STREAM_CONFIGURE, digest, seed,
+                                lease_seconds)
+        return int(_numpy(value))
+
+    def append(self, names: List[str], table) -> int:
+        """Adds the stream's files ``names`` not added before, with their splits
+        ``table`` ([(index into names, start, end)]); returns the splits added."""
+        value, _ = self._stream("append", bindings.STREAM_APPEND, names=names, table=table)
+        return int(_numpy(value))
+
+    def files(self, start: int = 0) -> List[str]:
+        """The stream's file names from index ``start`` on."""
+        _, names = self._stream("files", bindings.STREAM_FILES, start=start)
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in _numpy(names)]
+
+    def stop(self) -> None:
+        """Every take from now on ends: the job stops (its position keeps the rest)."""
+        self._stream("stop", bindings.STREAM_STOP)
+
     def take(self, worker: int, epoch: int) -> Lease:
         import numpy as np
         out = self._run("take", lambda h, **f: bindings.split_take(h, **f),

@@ -225,6 +225,15 @@ def split_barrier(handle, action, worker, value):
     return load_ops().tfpsx_split_barrier(handle, action, worker, value)
 
 
+STREAM_CONFIGURE, STREAM_APPEND, STREAM_FILES, STREAM_STOP = 0, 1, 2, 3
+
+
+def split_stream(handle, action, digest, seed, lease_ms, names, files, starts, ends, start):
+    """A stream input's coordinator (action STREAM_*): (value, file names)."""
+    return load_ops().tfpsx_split_stream(handle, action, digest, seed, lease_ms, names, files,
+                                         starts, ends, start)
+
+
 def split_stats(handle):
     return load_ops().tfpsx_split_stats(handle)
 

@@ -9,7 +9,7 @@ namespace tfpsx {
 namespace {
 
 constexpr char kMagic[8] = {'T', 'F', 'P', 'S', 'X', 'S', 'P', 'L'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: a stream's flag and file names (1 still read)
 
 uint64_t SplitMix64(uint64_t* state) {
   uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
@@ -105,6 +105,76 @@ void SplitCoordinator::Configure(const std::string& digest, uint64_t seed,
   lease_ms_ = lease_ms;
 }
 
+void SplitCoordinator::ConfigureStream(const std::string& digest, uint64_t seed,
+                                       int64_t lease_ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!digest_.empty()) {
+    if (digest != digest_)
+      throw std::invalid_argument("the job's input is " + digest_ + ", and this worker's is " +
+                                  digest + ": every worker must follow the same stream");
+    lease_ms_ = lease_ms;
+    return;
+  }
+  if (digest.empty()) throw std::invalid_argument("an input needs a digest");
+  digest_ = digest;
+  seed_ = seed;
+  lease_ms_ = lease_ms;
+  streaming_ = true;
+}
+
+int64_t SplitCoordinator::Append(const std::vector<std::string>& names,
+                                 const std::vector<SplitSpec>& splits) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!streaming_) throw std::logic_error("files are appended to a stream only");
+  for (const SplitSpec& s : splits)
+    if (s.start < 0 || s.end < s.start || s.file < 0 ||
+        s.file >= static_cast<int32_t>(names.size()))
+      throw std::invalid_argument(
+          "a split must have 0 <= start <= end and a file that indexes the names given");
+  std::vector<int32_t> index(names.size(), -1);  // the new files' indexes in files_
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (known_.count(names[i])) continue;
+    if (files_.size() >= 0x7fffffff) throw std::invalid_argument("too many files");
+    index[i] = static_cast<int32_t>(files_.size());
+    known_[names[i]] = index[i];
+    files_.push_back(names[i]);
+  }
+  int64_t added = 0;
+  for (const SplitSpec& s : splits) {
+    if (index[s.file] < 0) continue;  // a file added before
+    if (splits_.size() >= 0x7fffffff) throw std::invalid_argument("too many splits");
+    const int32_t i = static_cast<int32_t>(splits_.size());
+    splits_.push_back({index[s.file], s.start, s.end});
+    for (auto& [number, e] : epochs_) {
+      e.committed.push_back(s.start);
+      if (Done(e, i)) {
+        ++e.done;
+      } else {
+        e.available.push_back(i);
+      }
+    }
+    ++added;
+  }
+  return added;
+}
+
+std::vector<std::string> SplitCoordinator::Files(int64_t from) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (from < 0) from = 0;
+  if (from >= static_cast<int64_t>(files_.size())) return {};
+  return std::vector<std::string>(files_.begin() + from, files_.end());
+}
+
+void SplitCoordinator::StopStream() {
+  std::lock_guard<std::mutex> l(mu_);
+  stopping_ = true;
+}
+
+bool SplitCoordinator::streaming() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return streaming_;
+}
+
 bool SplitCoordinator::configured() const {
   std::lock_guard<std::mutex> l(mu_);
   return !digest_.empty();
@@ -127,7 +197,10 @@ SplitCoordinator::Epoch& SplitCoordinator::Open(int64_t epoch) {
   const int32_t n = static_cast<int32_t>(splits_.size());
   e.committed.resize(splits_.size());
   for (int32_t i = 0; i < n; ++i) e.committed[i] = splits_[i].start;
-  for (int32_t i : EpochOrder(seed_, epoch, n)) {
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) order[i] = i;  // a stream: in landing order
+  if (!streaming_) order = EpochOrder(seed_, epoch, n);
+  for (int32_t i : order) {
     if (Done(e, i)) {
       ++e.done;  // an empty range: nothing to train
     } else {
@@ -152,6 +225,7 @@ void SplitCoordinator::ExpireLocked(int64_t now_ms) {
 }
 
 void SplitCoordinator::FinishLocked() {
+  if (streaming_) return;  // a stream's epoch never finishes
   while (!epochs_.empty()) {
     auto it = epochs_.begin();
     if (it->first != first_open_ ||
@@ -177,7 +251,13 @@ SplitLease SplitCoordinator::Take(int32_t worker, int64_t epoch, int64_t now_ms)
     out.epoch = std::max(first_open_, epoch);
     return out;
   }
-  bool waiting = false;
+  if (streaming_ && stopping_) {  // the job stops: the rest stays in the position
+    out.status = SplitLease::kEnd;
+    out.epoch = first_open_;
+    return out;
+  }
+  bool waiting = streaming_;  // a stream: more may land
+  if (streaming_) epoch = first_open_;
   for (int64_t n = first_open_; n <= epoch; ++n) {
     Epoch& e = Open(n);
     while (!e.available.empty()) {
@@ -332,6 +412,9 @@ std::string SplitCoordinator::Export() const {
   w.PutBytes(digest_);
   w.Put<uint64_t>(seed_);
   w.Put<int64_t>(lease_ms_);
+  w.Put<uint8_t>(streaming_ ? 1 : 0);
+  w.Put<uint32_t>(static_cast<uint32_t>(files_.size()));
+  for (const std::string& f : files_) w.PutBytes(f);
   w.Put<uint32_t>(static_cast<uint32_t>(splits_.size()));
   for (const SplitSpec& s : splits_) {
     w.Put<int32_t>(s.file);
@@ -354,12 +437,19 @@ void SplitCoordinator::Import(const std::string& bytes) {
     throw std::invalid_argument("these bytes are not a tfpsx input position");
   r.Skip(sizeof kMagic);
   const uint32_t version = r.Get<uint32_t>();
-  if (version != kVersion)
+  if (version != kVersion && version != 1)
     throw std::invalid_argument("an input position of format " + std::to_string(version) +
                                 "; this build reads format " + std::to_string(kVersion));
   const std::string digest = r.GetBytes();
   const uint64_t seed = r.Get<uint64_t>();
   const int64_t lease_ms = r.Get<int64_t>();
+  bool streaming = false;
+  std::vector<std::string> files;
+  if (version >= 2) {
+    streaming = r.Get<uint8_t>() != 0;
+    files.resize(r.Get<uint32_t>());
+    for (std::string& f : files) f = r.GetBytes();
+  }
   const uint32_t n = r.Get<uint32_t>();
   std::vector<SplitSpec> splits(n);
   for (SplitSpec& s : splits) {
@@ -381,18 +471,32 @@ void SplitCoordinator::Import(const std::string& bytes) {
     throw std::invalid_argument("the checkpoint's input position is of " + digest +
                                 ", but this job reads " + digest_ + ": the files or the split "
                                 "size changed since it was saved");
+  if (!digest_.empty() && streaming_ != streaming)
+    throw std::invalid_argument("the checkpoint's input position is " +
+                                std::string(streaming ? "a stream's" : "of files") +
+                                ", but this job's input " + digest_ + " is " +
+                                (streaming_ ? "a stream" : "files"));
   if (digest_.empty()) {
     digest_ = digest;
     seed_ = seed;
-    splits_ = std::move(splits);
     lease_ms_ = lease_ms;
   }
+  // The saved table (a stream's: the files landed by then; files': the same table).
+  splits_ = std::move(splits);
+  streaming_ = streaming;
+  stopping_ = false;  // a restored stream follows on
+  files_ = std::move(files);
+  known_.clear();
+  for (size_t i = 0; i < files_.size(); ++i) known_[files_[i]] = static_cast<int32_t>(i);
   epochs_.clear();
   first_open_ = first_open;
   for (auto& [number, committed] : epochs) {
     Epoch& e = epochs_[number];
     e.committed = std::move(committed);
-    for (int32_t i : EpochOrder(seed_, number, static_cast<int32_t>(splits_.size()))) {
+    std::vector<int32_t> order(splits_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+    if (!streaming_) order = EpochOrder(seed_, number, static_cast<int32_t>(splits_.size()));
+    for (int32_t i : order) {
       if (Done(e, i)) {
         ++e.done;
       } else {

@@ -19,6 +19,13 @@
 // one finishes its last split); a take serves the oldest open epoch up to the one asked
 // for first, so that a split given back is trained before its epoch ends.
 //
+// A stream (ConfigureStream, tfpsx.data.stream) is an input whose files keep landing:
+// its table starts empty and grows (Append, files named, each once), in landing order,
+// as one epoch (0) that never finishes; a take with nothing to lease waits for more
+// (kWait), until StopStream: every take then ends (kEnd), and what is left stays in the
+// position for the job's next run. The files' names are the coordinator's (Files), as
+// the workers cannot list what landed the same way at the same moment.
+//
 // The state (the splits' committed positions of every open epoch) exports as bytes,
 // which the job's checkpoint saves before the model (a restore can repeat steps but
 // never skip one); an import clears every lease. Thread-safe (one mutex: every call is
@@ -88,6 +95,19 @@ class SplitCoordinator {
   bool configured() const;
   std::string digest() const;
 
+  // A stream's table (see above): empty, growing by Append. `digest` names the stream
+  // (its pattern, format and split size); a second call with it does nothing.
+  void ConfigureStream(const std::string& digest, uint64_t seed, int64_t lease_ms);
+  // Adds the files `names` not added before, with their splits (`splits[i].file`: an
+  // index into `names`), at the end of the stream. Returns the splits added. Throws
+  // std::logic_error for an input that is not a stream.
+  int64_t Append(const std::vector<std::string>& names, const std::vector<SplitSpec>& splits);
+  // The stream's file names from index `from` on (a lease's `file` indexes them).
+  std::vector<std::string> Files(int64_t from) const;
+  // Every take from now on ends (kEnd): the job stops; its position keeps the rest.
+  void StopStream();
+  bool streaming() const;
+
   // The oldest epoch not finished (0 before any; epochs are opened by takes).
   int64_t FirstOpen() const;
 
@@ -156,6 +176,9 @@ class SplitCoordinator {
   int64_t barrier_deadline_ms_ = 0;  // 0: down
   std::map<int32_t, int64_t> acked_;  // worker -> the last generation it acked
   bool sealed_ = false;  // every holder acked the last generation: no take at all
+  bool streaming_ = false, stopping_ = false;
+  std::vector<std::string> files_;         // a stream's files, by index
+  std::map<std::string, int32_t> known_;  // their indexes, by name
   bool BarrierUpLocked(int64_t now_ms) const {
     return barrier_deadline_ms_ != 0 && now_ms < barrier_deadline_ms_;
   }

@@ -233,6 +233,60 @@ class SplitStatsOp : public OpKernel {
   }
 };
 
+class SplitStreamOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    int32_t action = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "action", &action));
+    ::tensorflow::core::RefCountPtr<SplitCoordinatorResource> c;
+    OP_REQUIRES_OK(ctx, GetCoordinator(ctx, &c));
+    std::vector<std::string> files_out;
+    int64_t value = 0;
+    if (action == 0) {
+      tstring digest;
+      int64_t seed = 0, lease_ms = 0;
+      OP_REQUIRES_OK(ctx, Scalar(ctx, 2, "digest", &digest));
+      OP_REQUIRES_OK(ctx, Scalar(ctx, 3, "seed", &seed));
+      OP_REQUIRES_OK(ctx, Scalar(ctx, 4, "lease_ms", &lease_ms));
+      Guarded(ctx, "configure a stream", [&] {
+        c->core.ConfigureStream(std::string(digest), static_cast<uint64_t>(seed), lease_ms);
+        value = c->core.FirstOpen();
+      });
+    } else if (action == 1) {
+      const auto names = ctx->input(5).flat<tstring>();
+      const auto files = ctx->input(6).flat<int32_t>();
+      const auto starts = ctx->input(7).flat<int64_t>();
+      const auto ends = ctx->input(8).flat<int64_t>();
+      OP_REQUIRES(ctx, files.size() == starts.size() && starts.size() == ends.size(),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "files, starts and ends must have one entry a split, got ",
+                      files.size(), ", ", starts.size(), " and ", ends.size())));
+      std::vector<std::string> list(static_cast<size_t>(names.size()));
+      for (int64_t i = 0; i < names.size(); ++i) list[i] = std::string(names(i));
+      std::vector<SplitSpec> splits(static_cast<size_t>(files.size()));
+      for (int64_t i = 0; i < files.size(); ++i) splits[i] = {files(i), starts(i), ends(i)};
+      Guarded(ctx, "append to a stream", [&] { value = c->core.Append(list, splits); });
+    } else if (action == 2) {
+      int64_t from = 0;
+      OP_REQUIRES_OK(ctx, Scalar(ctx, 9, "from", &from));
+      files_out = c->core.Files(from);
+    } else if (action == 3) {
+      c->core.StopStream();
+    } else {
+      ctx->SetStatus(absl::InvalidArgumentError(
+          absl::StrCat("tfpsx input: a stream's action is 0..3, got ", action)));
+    }
+    if (!ctx->status().ok()) return;
+    OutScalar(ctx, 0, value);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({static_cast<int64_t>(files_out.size())}), &out));
+    auto flat = out->flat<tstring>();
+    for (size_t i = 0; i < files_out.size(); ++i) flat(i) = files_out[i];
+  }
+};
+
 class SplitExportOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -321,6 +375,7 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxSplitBarrier").Device(DEVICE_CPU), SplitBarri
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitRenew").Device(DEVICE_CPU), SplitRenewOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitGiveBack").Device(DEVICE_CPU), SplitGiveBackOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitStats").Device(DEVICE_CPU), SplitStatsOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxSplitStream").Device(DEVICE_CPU), SplitStreamOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitExport").Device(DEVICE_CPU), SplitExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxSplitImport").Device(DEVICE_CPU), SplitImportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxReadSplit").Device(DEVICE_CPU), ReadSplitOp);

@@ -164,6 +164,35 @@ acked it]. While it is up a worker that acked takes no lease (a take says 3: pau
 does any once every holder acked.
 )doc");
 
+REGISTER_OP("TfpsxSplitStream")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("action: int32")
+    .Input("digest: string")
+    .Input("seed: int64")
+    .Input("lease_ms: int64")
+    .Input("names: string")
+    .Input("files: int32")
+    .Input("starts: int64")
+    .Input("ends: int64")
+    .Input("from: int64")
+    .Output("value: int64")
+    .Output("files_out: string")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(Scalars(c, 1, 4));
+      TF_RETURN_IF_ERROR(Scalars(c, 9, 1));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A stream input (files that keep landing). action 0: configure the coordinator as the
+stream `digest` (seed, lease_ms), returns its first open epoch; 1: append the files
+`names` not appended before with their splits (split i: bytes [starts[i], ends[i]) of
+names[files[i]]), returns the splits added; 2: the stream's file names from index
+`from` (files_out); 3: stop (every take ends from now on). Unused inputs are ignored.
+)doc");
+
 REGISTER_OP("TfpsxSplitExport")
     .SetIsStateful()
     .Input("handle: resource")
