@@ -256,6 +256,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_LOST_GRACE", "seconds", 10.0,
             "a worker that lost a server: how long its training code gets to fail by "
             "itself before the process exits with code 138 (retryable)", "timeouts"),
+    Setting("TFPSX_STOP_GRACE", "seconds", 60.0,
+            "tfpsx-run on SIGTERM: how long the chief and the workers get to end on their "
+            "own (a stream input stops and the chief saves its last checkpoint) before "
+            "every process is stopped", "timeouts"),
     Setting("TFPSX_INPUT_COMMIT_SECONDS", "seconds", 0.5,
             "how often a worker commits the input positions of its applied steps to PS 0 "
             "(tfpsx.data.splits): a worker killed repeats at most its steps of this long "

@@ -10,6 +10,7 @@ server) or slows and joins workers, and counts every visit of the whole job, whi
 shared scenario's job could give; the refusals (sync, hybrid) run in the Keras misuse
 scenario instead (tests/cluster/test_keras.py)."""
 
+import json
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import tensorflow as tf
 
 import tfpsx
+from tfpsx.serving import publish
 from conftest import SCRIPTS, cluster
 import visits_job
 
@@ -474,3 +476,87 @@ def test_a_process_killed_at_a_random_moment_skips_nothing(tmp_path, examples, f
     # A save's window (every 10 Keras / 20 graph steps) on each of the 3 workers, and the
     # steps in flight or in GEO's unpushed round (K = 5).
     assert_each_once(visits, repeats_at_most=3 * (20 + 5 + 2) * BATCH)
+
+
+def _wait_for_log(proc, log, needle, count=1, timeout=150):
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and log.read_text().count(needle) >= count):
+        assert proc.poll() is None, f"the job ended: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"waited {timeout} s for {needle!r} in {log}"
+        time.sleep(0.1)
+
+
+@pytest.mark.budget(90, why="two runs of tfpsx-run, 1 PS + 2 Keras workers each (3 "
+                            "TensorFlow imports a run), each stopped by SIGTERM")
+def test_keras_a_stream_trains_files_as_they_land_and_sigterm_stops_it_losing_nothing(
+        tmp_path):
+    """A job on tfpsx.data.stream: two hours' folders land before it starts, a third
+    while it runs; SIGTERM to tfpsx-run stops it in order (exit 0: the workers end their
+    datasets, the chief saves its last checkpoint and publishes it); a fourth hour lands
+    while it is down; started again, the job restores the position and trains the rest
+    of the third hour and the fourth, until SIGTERM again. Every example is in the final
+    model (visit counts of 1; a save's window may repeat a few batches), and the
+    published sequence goes on across the restart (a new base), as does the global step
+    (restored with the checkpoint: it counted from 0 again before)."""
+    out, ckpt, published = tmp_path / "out", tmp_path / "ckpt", tmp_path / "published"
+    stream = out / "stream"
+    hour = 600
+    for h in range(2):
+        visits_job.write_files(str(stream / f"h{h:02d}"), hour, first=h * hour, marker=True)
+
+    def start(run):
+        return subprocess.Popen(
+            RUN + ["--log_dir", str(tmp_path / f"logs{run}"), "--server_num", "1",
+                   "--worker_num", "2", "--timeout", "200",
+                   os.path.join(SCRIPTS, "visits_job.py"), "--out", str(out), "--input",
+                   "stream", "--checkpoint", str(ckpt), "--save_every", "5", "--publish",
+                   str(published), "--split_bytes", "5000", "--step_delay", "0.01"],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, cwd=str(tmp_path))
+
+    def stop(proc):
+        proc.send_signal(15)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "stopped on SIGTERM: every worker ended on its own" \
+            in stderr, stderr[-3000:]
+
+    out.mkdir(exist_ok=True)
+    proc = start(1)
+    try:
+        logs = tmp_path / "logs1"
+        _wait_for_log(proc, logs / "workerlog.0", "waits for files matching")
+        visits_job.write_files(str(stream / "h02"), hour, first=2 * hour, marker=True)
+        _wait_for_log(proc, logs / "workerlog.0", "h02")  # (the chief's scan appended it)
+        stop(proc)
+        first = publish.published(str(published))
+        assert first["bases"] and not first["partial"], first
+        visits_job.write_files(str(stream / "h03"), hour, first=3 * hour, marker=True)
+        proc = start(2)
+        logs = tmp_path / "logs2"
+        chief = logs / "workerlog.0"
+        _wait_for_log(proc, chief, "input position(s) of ['input']")  # restored
+        for i in range(2):
+            _wait_for_log(proc, logs / f"workerlog.{i}", "waits for files matching")
+        stop(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+    got = np.load(out / "visits.npz")
+    visits = dict(zip(got["ids"].tolist(), got["counts"].tolist()))
+    counts = np.array([visits.get(i, 0.0) for i in range(4 * hour)])
+    histogram = {int(v): int((counts == v).sum()) for v in np.unique(counts)}
+    assert counts.min() == 1 and counts.max() <= 2 and histogram.get(2, 0) <= 3 * 2 * BATCH, \
+        histogram
+    after = publish.published(str(published))
+    assert max(after["bases"]) > max(first["bases"] + first["deltas"]), (first, after)
+
+    def step(sequence):
+        folder = published / str(sequence)
+        manifest = (folder / publish.BASE_MANIFEST if folder.exists() else
+                    published / publish.DELTAS / str(sequence) / publish.MANIFEST)
+        return json.loads(manifest.read_text())["global_step"]
+
+    # The restored job's global step goes on from its checkpoint's.
+    last_before = max(first["bases"] + first["deltas"])
+    assert step(last_before + 1) > step(last_before), (step(last_before), after)

@@ -158,8 +158,8 @@ class StreamInput(SplitInput):
 
     def wait_for_more(self) -> None:
         now = time.monotonic()
-        if self._waited_since is None:
-            self._waited_since = now
+        if self._waited_since is None:  # a wait begins: said at once, then every minute
+            self._waited_since, self._logged_at = now, 0.0
         if now - self._logged_at >= LOG_EVERY:
             self._logged_at = now
             logger.info("input %s: worker %d waits for files matching %s to land (a folder "

@@ -283,8 +283,13 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                                        full=kind == parts.FULL)
         for key, v in weights.items():
             v.assign(dense[key])
-        self._writer.reset()
         index = parts.read_index(part)
+        if model.optimizer is not None:
+            # The global step goes on from the checkpoint's (the next saves' names, a
+            # learning-rate schedule, the published deltas' steps); before, a restored
+            # job counted from 0 again and its saves took the names of older ones.
+            model.optimizer.iterations.assign(int(index["step"]))
+        self._writer.reset()
         logger.info("restored %s: tables from %d part(s), %d weights (step %d)%s", part,
                     len(steps), len(weights), index["step"],
                     f", input position(s) of {sorted(positions)}" if positions else "")

@@ -47,6 +47,13 @@ stopped, and the exit code is the chief's. ``--evaluator`` adds an ``evaluator``
 training ended and ``--server_grace`` passed (``tfpsx.evaluate_checkpoints`` returns on
 its own when the chief's last checkpoint is evaluated); one that fails on its own is
 reported at once, training goes on, and the job's exit code is then the evaluator's.
+
+SIGTERM stops a job in order: the launcher forwards it to the chief and the workers and
+gives them ``TFPSX_STOP_GRACE`` seconds (60) to end on their own (a job that reads
+``tfpsx.data.stream`` stops its stream: each worker trains what it holds, ``fit``
+returns and the chief saves its last checkpoint), then stops every process. The exit
+code is 0 when every worker ended with 0 in that time, else 143. A second SIGTERM or
+Ctrl-C stops everything at once.
 """
 
 from __future__ import annotations
@@ -211,6 +218,35 @@ def _how(code: int) -> str:
     return "failed"
 
 
+def _stop_in_order(job, workers, interrupted) -> Optional[float]:
+    """SIGTERM forwarded to the chief and the workers, which get TFPSX_STOP_GRACE seconds
+    to end (a second signal cuts it short). Returns the seconds they took when every
+    one ended with 0, else None."""
+    grace = settings.get("TFPSX_STOP_GRACE")
+    started = time.monotonic()
+    live = [t for t in workers if job.procs[t].poll() is None]
+    for task in live:
+        try:
+            job.procs[task].send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    print(f"tfpsx-run: SIGTERM: asked {len(live)} worker(s) to stop; they have {grace:g} s "
+          "(TFPSX_STOP_GRACE) to end on their own", file=sys.stderr, flush=True)
+    while any(job.procs[t].poll() is None for t in live):
+        if len(interrupted) > 1 or time.monotonic() - started > grace:
+            stuck = [_name(t) for t in live if job.procs[t].poll() is None]
+            print(f"tfpsx-run: {', '.join(stuck)} still running "
+                  f"{time.monotonic() - started:.1f} s after SIGTERM; stopping everything",
+                  file=sys.stderr, flush=True)
+            return None
+        time.sleep(0.1)
+    codes = {_name(t): job.procs[t].poll() for t in live}
+    if any(code != 0 for code in codes.values()):
+        print(f"tfpsx-run: after SIGTERM the workers exited with {codes}", file=sys.stderr)
+        return None
+    return time.monotonic() - started
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -248,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         open(job.log_path(role, index), "w").close()
 
     interrupted = []
+    stopped_in_order = None  # seconds the workers took to end on SIGTERM
 
     def on_signal(signum, _frame):
         interrupted.append(signum)
@@ -427,6 +464,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 code = job.procs[task].poll()
                 if code not in (None, 0) and evaluator_failed is None:
                     evaluator_failed = (task, code)
+        if interrupted == [signal.SIGTERM] and not failed:
+            stopped_in_order = _stop_in_order(job, workers, interrupted)
         if failed is None and lost_workers and not job.chief:
             failed = lost_workers[0]
         if failed is None and evaluator_failed is not None:
@@ -441,6 +480,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if exposed is not None:
         print(f"tfpsx-run: FAILED after {seconds:.1f} s: {exposed}", file=sys.stderr)
         return 1
+    if stopped_in_order is not None:
+        print(f"tfpsx-run: stopped on SIGTERM: every worker ended on its own in "
+              f"{stopped_in_order:.1f} s (a stream input keeps what is left in the chief's "
+              f"last checkpoint); stopped all {len(job.procs)} processes (logs in "
+              f"{job.log_dir})", file=sys.stderr)
+        return 0
     if interrupted:
         print(f"tfpsx-run: interrupted by signal {interrupted[0]}; stopped all "
               f"{len(job.procs)} processes (logs in {job.log_dir})", file=sys.stderr)

@@ -25,6 +25,10 @@ copy of the dense weights to ``<out>/dense.<rank>.npz``.
                                          marker in DIR)
       [--step_delay SEC]
       [--exact]                          --input splits with exact_saves (a save barrier)
+      [--input stream]                   tfpsx.data.stream of DIR/stream/h*/part-*.txt (a
+                                         folder ready with its _SUCCESS; the test lands
+                                         them, write_files(first=...)), until SIGTERM
+      [--publish DIR]                    with --checkpoint: publish_to=DIR
 """
 import argparse
 import os
@@ -81,17 +85,22 @@ def data(n: int):
     return {"x": x, "id": np.arange(n, dtype=np.int64)[:, None]}, y
 
 
-def write_files(folder: str, n: int, files: int = 4) -> None:
-    """The examples as text: a line "id x0 x1 x2 x3 label", in `files` files."""
-    features, label = data(n)
+def write_files(folder: str, n: int, files: int = 4, first: int = 0,
+                marker: bool = False) -> None:
+    """The examples ``first`` .. ``first + n - 1`` as text: a line "id x0 x1 x2 x3
+    label", in ``files`` files (each written aside, then renamed into place); with
+    ``marker``, the folder's _SUCCESS last (a stream's hour landed)."""
+    features, label = data(first + n)
     os.makedirs(folder, exist_ok=True)
     for f in range(files):
-        rows = range(f, n, files)
+        rows = range(first + f, first + n, files)
         with open(os.path.join(folder, f"part-{f}.txt.tmp"), "w") as out:
             for i in rows:
                 out.write(" ".join([str(i)] + [f"{v:.6f}" for v in features["x"][i]] +
                                    [str(int(label[i, 0]))]) + "\n")
         os.replace(os.path.join(folder, f"part-{f}.txt.tmp"), os.path.join(folder, f"part-{f}.txt"))
+    if marker:
+        open(os.path.join(folder, "_SUCCESS"), "w").close()
 
 
 def parse(lines):
@@ -151,7 +160,8 @@ def main(argv):
     p.add_argument("--slow_worker", type=int, default=None,
                    help="this worker sleeps --slow_factor times --step_delay after each batch")
     p.add_argument("--slow_factor", type=float, default=1.0)
-    p.add_argument("--input", choices=["shard", "splits"], default="shard")
+    p.add_argument("--input", choices=["shard", "splits", "stream"], default="shard")
+    p.add_argument("--publish", default=None)
     p.add_argument("--split_bytes", type=int, default=20000)
     p.add_argument("--exact", action="store_true", help="splits(exact_saves=True)")
     args = p.parse_args(argv)
@@ -182,7 +192,8 @@ def main(argv):
     restored = None
     if args.checkpoint:
         saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=3,
-                                                  save_freq=args.save_every)
+                                                  save_freq=args.save_every,
+                                                  publish_to=args.publish)
         restored = saver.restore(model)  # on every worker, as docs/recovery.md shows
         callbacks.append(saver)
     dies = dict(spec.split(":") for spec in (args.die_after or "").split(",") if spec)
@@ -199,6 +210,10 @@ def main(argv):
         batch = args.chief_batch if me == 0 and args.chief_batch else args.batch
         train = tfpsx.data.splits(files, parse, batch, split_bytes=args.split_bytes,
                                   seed=7, epochs=args.epochs, exact_saves=args.exact)
+    elif args.input == "stream":
+        files = os.path.join(args.out, "stream", "h*", "part-*.txt")
+        train = tfpsx.data.stream(files, parse, args.batch, split_bytes=args.split_bytes,
+                                  poll_seconds=0.2, exact_saves=args.exact)
     else:
         features, label = data(args.examples)
         train = tfpsx.data.shard(tf.data.Dataset.from_tensor_slices((features, label))).batch(
@@ -230,7 +245,7 @@ def main(argv):
     tfpsx.metrics.emit("visits", worker=me, restored=restored, seconds=seconds,
                        batches=len(batches),
                        rounds=tfpsx.metrics.snapshot().get("geo", {}).get("pushes", 0),
-                       input=tfpsx.data.input_stats() if args.input == "splits" else {})
+                       input=tfpsx.data.input_stats() if args.input != "shard" else {})
     tfpsx.stop_worker()
     if dies.get(str(me)) == "stopped":
         die._die()

@@ -144,6 +144,17 @@ class KerasAsync(OnServers):
                        settings.get("TFPSX_SESSION_TIMEOUT"))
         return self._global_step
 
+    def publish(self, model) -> None:
+        # A restore before the first fit set the chief's step (IncrementalCheckpoint's
+        # restore): the job's global step goes on from it.
+        published = self._published
+        super().publish(model)
+        if published or not self.iterations:
+            return
+        step = self.iterations[0].read_value()
+        if int(step) != 0 and int(self.global_step().read_value()) == 0:
+            self.global_step().assign(tf.cast(step, tf.int64))
+
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
         now = self.global_step().read_value()
