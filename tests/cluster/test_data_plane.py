@@ -524,7 +524,8 @@ def test_keras_a_stream_trains_files_as_they_land_and_sigterm_stops_it_losing_no
     proc = start(1)
     try:
         logs = tmp_path / "logs1"
-        _wait_for_log(proc, logs / "workerlog.0", "waits for files matching")
+        for i in range(2):  # (both workers in their fit, the landed hours taken)
+            _wait_for_log(proc, logs / f"workerlog.{i}", "waits for files matching")
         visits_job.write_files(str(stream / "h02"), hour, first=2 * hour, marker=True)
         _wait_for_log(proc, logs / "workerlog.0", "h02")  # (the chief's scan appended it)
         stop(proc)

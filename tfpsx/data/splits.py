@@ -233,12 +233,18 @@ class SplitInput:
         for lease in self._leases():
             taken += 1
             yield lease
-        if not taken and self._look_pending and self.table:
+        look = self.look_split() if not taken and self._look_pending else None
+        if look is not None:
             logger.info("input %s: worker %d has nothing left to train; Keras's look at a "
                         "batch before fit reads split 0 (not trained)", self.name,
                         self.worker)
-            file, start, end = self.table[0]
-            yield (-1, self.paths[file], start, start, end)
+            path, start, end = look
+            yield (-1, path, start, start, end)
+
+    def look_split(self):
+        """(path, start, end) of the split Keras's look reads when nothing is left."""
+        file, start, end = self.table[0]
+        return self.paths[file], start, end
 
     def _leases(self):
         """One epoch's leases for this worker: (key, path, start, resume, end).

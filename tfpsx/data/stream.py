@@ -97,6 +97,15 @@ class StreamInput(SplitInput):
                                    f"a stream that names {len(self.paths)} files")
             return self.paths[file]
 
+    def look_split(self):
+        """The stream's first file's first split, when one landed (a worker whose fit
+        starts after the stream stopped: Keras looks at a batch before fit); else None."""
+        try:
+            path = self.path_of(0)
+        except RuntimeError:  # nothing landed
+            return None
+        return path, 0, min(self.split_bytes, os.path.getsize(path))
+
     # ------------------------------------------------------------------ landing files
     def ready_files(self) -> List[str]:
         """The files matching the patterns whose folder holds the done-marker (every
@@ -265,21 +274,57 @@ _SIGTERM_SET = False
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM stops this process's streams (from a thread: the handler may run while
-    the main thread is inside TensorFlow) instead of killing it; a second one kills."""
+    """SIGTERM stops this process's streams instead of killing it; a second one exits.
+
+    A Python signal handler runs in the main thread between bytecodes, and a worker's
+    main thread waits inside TensorFlow (fit's step waits for the next batch, which
+    waits for files to land): it would run only when the step returns. So the handler
+    does nothing, and the signal's wakeup fd (written by the C-level handler, from any
+    thread, at once) wakes a thread of our own that stops the streams."""
     global _SIGTERM_SET
     if _SIGTERM_SET or threading.current_thread() is not threading.main_thread():
         return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum, frame):
-        signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
-        logger.warning("SIGTERM: stopping this job's stream input(s); a second SIGTERM "
-                       "kills the process")
-        threading.Thread(target=_stop_logged, name="tfpsx-stream-stop", daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # (not the main thread of the main interpreter)
+        os.close(read)
+        os.close(write)
+        return
+    if previous_fd != -1:  # someone else's wakeup fd (an event loop): leave it theirs
+        signal.set_wakeup_fd(previous_fd)
+        os.close(read)
+        os.close(write)
+        logger.warning("tfpsx.data.stream: this process already has a signal wakeup fd "
+                       "(an event loop?); SIGTERM will not stop the stream: call "
+                       "tfpsx.data.stream_stop() yourself")
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    threading.Thread(target=_on_sigterm, args=(read,), name="tfpsx-sigterm",
+                     daemon=True).start()
     _SIGTERM_SET = True
+
+
+def _on_sigterm(read: int) -> None:
+    terms = 0
+    while True:
+        try:
+            got = os.read(read, 64)
+        except OSError:
+            return
+        if not got:
+            return
+        for signum in got:
+            if signum != signal.SIGTERM:
+                continue
+            terms += 1
+            if terms > 1:
+                logger.warning("a second SIGTERM: exiting now")
+                os._exit(128 + signal.SIGTERM)
+            logger.warning("SIGTERM: stopping this job's stream input(s); a second SIGTERM "
+                           "exits the process")
+            _stop_logged()
 
 
 def _stop_logged() -> None:
