@@ -2,13 +2,13 @@
 side in one process (Keras, no cluster).
 
 A model of one ``DynamicEmbedding`` table of ``--rows`` keys (10M by default), dim
-``--dim`` (16) with Adagrad, and a dense head. ``IncrementalCheckpoint(publish_to=...)``
+``--dim`` (16) with Adagrad, and a dense head. ``IncrementalCheckpoint(publisher=...)``
 saves and publishes: the first save publishes a base (an ``export_serving``); then, each
 round, ``--changed`` of the rows (1%) are written and one save publishes a delta.
 Timed each round, interleaved:
 
 - the delta's publish alone (read the part the save wrote, write the bundle), and the
-  delta save with its publish (what a job with publish_to pays at a save);
+  delta save with its publish (what a job with a publisher pays at a save);
 - ``export_serving`` of the model (a full export: what publishing costs without deltas).
 
 Also: the delta's bytes against its changed rows (keys and values: 8 + 4 dim bytes a
@@ -40,6 +40,7 @@ import tfpsx
 import tfpsx.keras
 from tfpsx import embedding as E
 from tfpsx.keras.checkpoint import IncrementalCheckpoint
+from tfpsx.serving import Publisher
 from tfpsx.serving.keras import delta_weights
 
 FOLLOWER = os.path.join(os.path.dirname(os.path.abspath(tfpsx.__file__)), "serving",
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
         write_rows(table, keys, args.dim, 0)
         served = os.path.join(work, "served")
         ckpt = IncrementalCheckpoint(os.path.join(work, "ckpt"), full_every=10 ** 6,
-                                     max_to_keep=2, publish_to=served)
+                                     max_to_keep=2, publisher=Publisher(served))
         ckpt.set_model(model)
         started = time.monotonic()
         ckpt.save(model)

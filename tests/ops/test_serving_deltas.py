@@ -1,5 +1,5 @@
 """A served model that follows training by deltas (tfpsx.serving.publish, delta and
-follower.py): a Keras model trained with ``IncrementalCheckpoint(publish_to=...)``
+follower.py): a Keras model trained with ``IncrementalCheckpoint(publisher=Publisher(...))``
 publishes a base and deltas; a fresh process that never imports tfpsx
 (tests/serving_follow_check.py) follows them with stock TF and must predict exactly
 what a full export taken at the same step predicts.
@@ -17,7 +17,7 @@ import tfpsx
 import tfpsx.keras
 from tfpsx import embedding as E
 from tfpsx.keras.checkpoint import IncrementalCheckpoint
-from tfpsx.serving import publish
+from tfpsx.serving import Publisher, publish
 from serving_follow_check import follow
 
 _names = iter(range(10 ** 6))
@@ -62,7 +62,7 @@ def test_a_base_and_its_deltas_serve_what_a_full_export_at_the_same_step_serves(
     model, e_ids, _ = model_and_tables()
     served = tmp_path / "served"
     ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=100, save_freq=3,
-                                 publish_to=str(served))
+                                 publisher=Publisher(str(served)))
     fit(model, ckpt, 0)  # 8 batches: saves after 3 and 6, and at the end
     assert publish.published(str(served))["bases"] == [1]
     assert publish.published(str(served))["deltas"] == [2, 3]
@@ -108,7 +108,7 @@ def test_a_new_base_every_full_save_and_a_restarted_publisher_continues_the_sequ
     model, _, _ = model_and_tables()
     served = tmp_path / "served"
     ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=2, save_freq=4,
-                                 publish_to=str(served))
+                                 publisher=Publisher(str(served)))
     fit(model, ckpt, 0)  # saves after 4 and 8 batches: a base, a delta
     assert publish.published(str(served)) == {"bases": [1], "deltas": [2], "partial": []}
     fit(model, ckpt, 1)  # a full save (base 3), a delta (4)
@@ -122,7 +122,7 @@ def test_a_new_base_every_full_save_and_a_restarted_publisher_continues_the_sequ
     # removes the partial delta and takes its sequence; the oldest base (keep_bases=2)
     # goes with its deltas.
     again = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=2, save_freq=4,
-                                  publish_to=str(served))
+                                  publisher=Publisher(str(served)))
     fit(model, again, 2)
     assert publish.published(str(served)) == {"bases": [3, 5], "deltas": [4, 6],
                                               "partial": []}
@@ -137,7 +137,7 @@ def test_a_publish_that_fails_makes_the_next_publish_a_base(tmp_path, caplog):
     model, _, _ = model_and_tables()
     served = tmp_path / "served"
     ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=100, save_freq=4,
-                                 publish_to=str(served))
+                                 publisher=Publisher(str(served)))
     fit(model, ckpt, 0)
     assert publish.published(str(served))["deltas"] == [2]
     # The next delta cannot be written: a file where its folder goes.
@@ -181,3 +181,13 @@ def test_a_delta_out_of_order_or_with_a_reserved_key_changes_nothing(tmp_path):
         assert int(loaded.signatures["applied_sequence"]()["applied_sequence"]) == 0
         np.testing.assert_array_equal(
             loaded.signatures["serving_default"](**query)["score"].numpy(), before)
+
+
+def test_a_publisher_that_is_not_one_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="publisher=.*expected a tfpsx.serving.Publisher"):
+        IncrementalCheckpoint(str(tmp_path / "ckpt"), publisher=str(tmp_path / "models"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        Publisher(str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="keep_bases"):
+        Publisher(str(tmp_path / "m"), keep_bases=0)

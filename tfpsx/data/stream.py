@@ -14,7 +14,7 @@ restored job reads on from its checkpoint's position, and appends what landed si
 The job runs until it is told to stop: :func:`stop` (or SIGTERM to a worker, which
 ``tfpsx-run`` forwards on its own SIGTERM) makes every take end, each worker's dataset
 ends after the splits it holds, ``fit`` returns, and the chief's last checkpoint (and
-its last serving delta, ``IncrementalCheckpoint(publish_to=...)``) keeps what is left
+its last serving delta, ``IncrementalCheckpoint(publisher=...)``) keeps what is left
 for the next run.
 """
 

@@ -66,22 +66,20 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
       full_every: saves per full table export (1: every save is full).
       save_freq: ``"epoch"``, or a number of batches.
       max_to_keep: checkpoints kept (their chains' parts too); older ones are deleted.
-      publish_to: a folder where each save is also published for serving
-        (:mod:`tfpsx.serving.publish`): a full save as a base (an ``export_serving``
-        that stock TF loads), a delta save as a delta of the rows it holds, which
-        ``tfpsx/serving/follower.py`` applies to a loaded base. None: nothing published.
-      publish_inputs: the export's input specs, for a subclassed model
-        (``export_serving``'s ``inputs=``).
+      publisher: what publishes each save for serving (a
+        ``tfpsx.serving.Publisher("/models/ctr")``: a full save as a base, an export
+        that stock TF loads, a delta save as a delta of the rows it holds, which
+        ``tfpsx/serving/follower.py`` applies to a loaded base); None: nothing published.
     """
 
     def __init__(self, directory: str, full_every: int = 10, save_freq="epoch",
-                 max_to_keep: int = 5, publish_to: Optional[str] = None,
-                 publish_inputs=None):
+                 max_to_keep: int = 5, publisher=None):
         super().__init__()
-        self._publisher = None
-        if publish_to is not None:
-            from tfpsx.serving.publish import Publisher
-            self._publisher = Publisher(publish_to, inputs=publish_inputs)
+        if publisher is not None and not callable(getattr(publisher, "publish", None)):
+            raise ValueError(f"IncrementalCheckpoint(publisher=...): expected a "
+                             f"tfpsx.serving.Publisher (an object with publish()), got "
+                             f"{publisher!r}")
+        self._publisher = publisher
         if save_freq != "epoch":
             save_freq = settings.parse_int(save_freq, "IncrementalCheckpoint(save_freq=...) "
                                            "('epoch' or batches)", minimum=1)
@@ -188,7 +186,7 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
 
     @property
     def last_publish(self) -> Dict[str, object]:
-        """What the last publish wrote (``publish_to``): kind, sequence, path, rows,
+        """What the last publish wrote (``publisher``): kind, sequence, path, rows,
         removed, bytes, seconds; empty before one."""
         return self._publisher.last if self._publisher is not None else {}
 

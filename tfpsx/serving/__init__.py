@@ -8,7 +8,9 @@ TensorFlow and TF Serving load and run.
 * :mod:`~tfpsx.serving.keras`: a Keras 3 model traced with its tables swapped;
 * :mod:`~tfpsx.serving.graph`: a TF1 graph's inference subgraph, re-imported with its
   tables and variables swapped;
-* :mod:`~tfpsx.serving.export`: TF Serving's layout, the check that no tfpsx op is left.
+* :mod:`~tfpsx.serving.export`: TF Serving's layout, the check that no tfpsx op is left;
+* :mod:`~tfpsx.serving.delta`, :mod:`~tfpsx.serving.publish`, ``follower.py``: a served
+  model that follows training by deltas (docs/online.md).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import tensorflow as tf
 
 from tfpsx.serving import export as _export
 from tfpsx.serving.export import SERVING_DEFAULT, tfpsx_ops, version_dir
+from tfpsx.serving.publish import Publisher, published
 from tfpsx.serving.table import ServingTable
 
-__all__ = ["export_serving", "ServingTable", "SERVING_DEFAULT", "tfpsx_ops", "version_dir"]
+__all__ = ["export_serving", "Publisher", "published", "ServingTable", "SERVING_DEFAULT",
+           "tfpsx_ops", "version_dir"]
 
 
 def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
@@ -37,7 +41,7 @@ def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
     runs the model's inference with named inputs and outputs, in TF Serving's layout.
     A Keras model's export also has the signatures ``apply_delta`` and
     ``applied_sequence`` (:mod:`tfpsx.serving.delta`): it can be the base that a
-    follower keeps fresh with the deltas of ``IncrementalCheckpoint(publish_to=...)``.
+    follower keeps fresh with the deltas of a :class:`Publisher`.
 
     Example::
 

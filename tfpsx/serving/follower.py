@@ -2,7 +2,7 @@
 applies its deltas in order, with stock TensorFlow only.
 
 This file imports nothing of tfpsx (copy it next to a server; it needs TensorFlow alone).
-The folder it follows is what ``IncrementalCheckpoint(publish_to=...)`` writes
+The folder it follows is what ``IncrementalCheckpoint(publisher=Publisher(model_dir))`` writes
 (``tfpsx/serving/publish.py``):
 
     <model_dir>/<sequence>/              a base: a SavedModel (TF Serving's version folder)
@@ -99,7 +99,7 @@ class Follower:
             raise FileNotFoundError(
                 f"follower: no base in {self.model_dir!r} (a folder <sequence>/ with a "
                 "saved_model.pb); a job publishes one with its first save "
-                "(IncrementalCheckpoint(publish_to=...))")
+                "(IncrementalCheckpoint(publisher=tfpsx.serving.Publisher(...)))")
         self._lock = threading.Lock()
         self.base: Optional[int] = None
         self.model = None

@@ -1,7 +1,7 @@
 """Publishing a training model for serving, a base then deltas, from the chief's saves.
 
-``IncrementalCheckpoint(publish_to=directory)`` gives each save of the chief to a
-:class:`Publisher`, which turns it into what a served model takes:
+``IncrementalCheckpoint(publisher=Publisher(directory))`` gives each save of the chief
+to the :class:`Publisher`, which turns it into what a served model takes:
 
 * a save whose tables are a full part becomes a **base**: an export
   (``export_serving``, stock TF only) in ``directory/<sequence>/``, TF Serving's
@@ -84,7 +84,7 @@ class Publisher:
     def __init__(self, directory: str, keep_bases: int = 2, inputs=None):
         self.directory = os.fspath(directory)
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise ValueError(f"publish_to={self.directory!r} is a file; it must be a folder "
+            raise ValueError(f"Publisher: {self.directory!r} is a file; it must be a folder "
                              "(new, or one this job published into before)")
         if isinstance(keep_bases, bool) or not isinstance(keep_bases, int) or keep_bases < 1:
             raise ValueError(f"keep_bases must be an int >= 1 (bases kept with their deltas), "

@@ -15,7 +15,7 @@ per worker at the end.
   --export DIR the chief exports DIR/model/1 (tfpsx.export_serving), DIR/feed.npz (ids
                seen in training and never seen) and DIR/predictions.npy (model.predict).
   --publish DIR with --checkpoint and --incremental: the chief's saves are published for
-               serving into DIR (IncrementalCheckpoint(publish_to=DIR)), and once every
+               serving into DIR (IncrementalCheckpoint(publisher=Publisher(DIR))), and once every
                worker's fit ended, its last steps too (the export then serves the same).
   --own_server each worker listens on 0.0.0.0 itself (a user's metrics server) and reports
                the addresses it listens on.
@@ -216,7 +216,8 @@ def main(argv):
     callbacks = [] if strategy is None else strategy.callbacks()
     if args.checkpoint and args.incremental:
         saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=args.incremental,
-                                                  publish_to=args.publish)
+                                                  publisher=tfpsx.serving.Publisher(args.publish)
+                                                  if args.publish else None)
         if me == 0:
             saver.restore(model)  # the job restarts from it, if any (published at fit)
         callbacks.append(saver)  # saves on the chief only

@@ -28,7 +28,7 @@ copy of the dense weights to ``<out>/dense.<rank>.npz``.
       [--input stream]                   tfpsx.data.stream of DIR/stream/h*/part-*.txt (a
                                          folder ready with its _SUCCESS; the test lands
                                          them, write_files(first=...)), until SIGTERM
-      [--publish DIR]                    with --checkpoint: publish_to=DIR
+      [--publish DIR]                    with --checkpoint: a Publisher(DIR)
 """
 import argparse
 import os
@@ -120,6 +120,11 @@ def build(examples=None, world=1):
     return model
 
 
+def publisher_of(folder):
+    """A tfpsx.serving.Publisher of ``folder`` (None: none)."""
+    return tfpsx.serving.Publisher(folder) if folder else None
+
+
 class DieAfter(keras.callbacks.Callback):
     """SIGKILLs this process after its ``batches``-th batch (None: once its fit ended),
     once (a marker file)."""
@@ -193,7 +198,7 @@ def main(argv):
     if args.checkpoint:
         saver = tfpsx.keras.IncrementalCheckpoint(args.checkpoint, full_every=3,
                                                   save_freq=args.save_every,
-                                                  publish_to=args.publish)
+                                                  publisher=publisher_of(args.publish))
         restored = saver.restore(model)  # on every worker, as docs/recovery.md shows
         callbacks.append(saver)
     dies = dict(spec.split(":") for spec in (args.die_after or "").split(",") if spec)
