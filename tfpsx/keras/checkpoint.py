@@ -93,7 +93,15 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
 
     @staticmethod
     def _step(model) -> int:
-        return int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
+        """The job's global step (a strategy's: the one on the servers, which the
+        chief's copy lags by the others' steps since its own last)."""
+        if model.optimizer is None:
+            return 0
+        strategy = getattr(model, "distribute_strategy", None)
+        iterations = model.optimizer.iterations
+        if isinstance(strategy, ParameterServerStrategy):
+            return int(strategy.job_value(iterations).numpy())
+        return int(iterations.numpy())
 
     @property
     def last_save(self) -> Dict[str, object]:

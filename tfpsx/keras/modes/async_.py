@@ -144,6 +144,15 @@ class KerasAsync(OnServers):
                        settings.get("TFPSX_SESSION_TIMEOUT"))
         return self._global_step
 
+    def job_value(self, variable):
+        """``optimizer.iterations``: the job's global step on PS 0 (this worker's copy
+        lags the others' steps since its own last one); None for any other variable
+        (the weights live on the servers already)."""
+        backend = getattr(variable, "value", variable)  # (a Keras variable's tf.Variable)
+        if any(it is variable or it is backend for it in self.iterations):
+            return self.global_step().read_value()
+        return None
+
     def publish(self, model) -> None:
         # A restore before the first fit set the chief's step (IncrementalCheckpoint's
         # restore): the job's global step goes on from it.
