@@ -4,6 +4,10 @@
   tfpsx-run --server_num 2 --worker_num 2 examples/criteo/train.py \\
       --train_data 'data/criteo/train-*' --eval_data data/criteo/eval.txt --mode geo
   python examples/criteo/train.py --mode local --train_data ... --eval_data ...   # no cluster
+  # online: files that keep landing, published for a stock-TF follower (docs/criteo.md)
+  tfpsx-run --server_num 1 --worker_num 2 examples/criteo/train.py --mode async \
+      --input stream --train_data 'data/online/*/train-*.txt' --checkpoint_dir ckpt \
+      --save_steps 200 --publish_dir models/ctr
 
 The 26 categorical fields go through a ``tfpsx.keras.DynamicEmbedding`` table (ids
 made field-aware, hashed, sharded over the parameter servers, trained there by Adagrad);
@@ -91,16 +95,24 @@ flags.DEFINE_float("learning_rate", 1e-3, "Adam's, for the dense weights")
 flags.DEFINE_float("table_learning_rate", 0.05, "Adagrad's, for the tables (on the PS)")
 flags.DEFINE_integer("shuffle", 20000, "--input static: lines in the shuffle buffer (0: "
                      "read in order)")
-flags.DEFINE_enum("input", "auto", ["auto", "splits", "static"],
+flags.DEFINE_enum("input", "auto", ["auto", "splits", "static", "stream"],
                   "splits: the files leased split by split from PS 0 as each worker goes "
                   "(tfpsx.data.splits: every line trained once an epoch whatever happens, "
                   "its position in the checkpoint); static: each worker its fixed part; "
-                  "auto: splits on a cluster with servers, except --dense allreduce")
+                  "auto: splits on a cluster with servers, except --dense allreduce; "
+                  "stream: --train_data is a pattern of files that keep landing in folders "
+                  "with a _SUCCESS marker (examples/criteo/land_data.py), trained as they "
+                  "come until SIGTERM (tfpsx.data.stream; one endless epoch)")
 flags.DEFINE_integer("split_bytes", 4 << 20, "--input splits: bytes of a file's split")
 flags.DEFINE_integer("eval_rows", 0, "evaluate on the first N eval lines (0: all)")
 flags.DEFINE_integer("eval_every", 0, "also evaluate every N steps (0: at epoch ends)")
 flags.DEFINE_string("checkpoint_dir", None, "the chief saves here each epoch; a restarted "
                     "job resumes from it")
+flags.DEFINE_integer("save_steps", 0, "with --checkpoint_dir: also save every N of the "
+                     "chief's steps (0: at epoch ends only; a stream's epoch never ends)")
+flags.DEFINE_string("publish_dir", None, "with --checkpoint_dir: publish each save for "
+                    "serving (tfpsx.serving.Publisher: a base, then deltas of the changed "
+                    "rows), which tfpsx/serving/follower.py serves with stock TF")
 flags.DEFINE_string("export_dir", None, "a serving SavedModel (plain TF) at the end")
 flags.DEFINE_string("tensorboard_dir", None, "TensorBoard scalars (loss, AUC, examples/s, "
                     "PS traffic) from the chief")
@@ -268,7 +280,14 @@ def main(argv):
     # (A hybrid step all-reduces a batch of every worker: they read equal parts.)
     use_splits = FLAGS.input == "splits" or (
         FLAGS.input == "auto" and strategy is not None and FLAGS.dense == "ps")
-    if use_splits:  # every line once an epoch, leased as each worker goes
+    if FLAGS.input == "stream":  # files as they land, until SIGTERM
+        if FLAGS.epochs != 1:
+            raise app.UsageError(f"--input stream is one endless epoch: give --epochs 1, got "
+                                 f"{FLAGS.epochs}")
+        train = tfpsx.data.stream(FLAGS.train_data, criteo_data.parse, FLAGS.batch_size,
+                                  split_bytes=FLAGS.split_bytes, poll_seconds=1.0)
+        lines, steps = 0, None  # (unknown: no examples/s reported)
+    elif use_splits:  # every line once an epoch, leased as each worker goes
         files = criteo_data.files_of(FLAGS.train_data, "train_data")
         train = tfpsx.data.splits(files, criteo_data.parse, FLAGS.batch_size,
                                   split_bytes=FLAGS.split_bytes, seed=FLAGS.seed,
@@ -288,14 +307,23 @@ def main(argv):
 
     callbacks = strategy.callbacks() if strategy else []
     first_epoch = 0
+    if FLAGS.publish_dir and not FLAGS.checkpoint_dir:
+        raise app.UsageError("--publish_dir publishes the chief's saves: give --checkpoint_dir")
+    if FLAGS.save_steps < 0:
+        raise app.UsageError(f"--save_steps must be >= 0, got {FLAGS.save_steps}")
     if FLAGS.checkpoint_dir:
-        saver = tfpsx.keras.IncrementalCheckpoint(FLAGS.checkpoint_dir, full_every=5)
-        first_epoch = epochs_done(FLAGS.checkpoint_dir)
+        saver = tfpsx.keras.IncrementalCheckpoint(
+            FLAGS.checkpoint_dir, full_every=5,
+            save_freq=FLAGS.save_steps or "epoch",
+            publisher=tfpsx.serving.Publisher(FLAGS.publish_dir) if FLAGS.publish_dir else None)
+        stream = FLAGS.input == "stream"  # (its position says where it is, not epochs)
+        first_epoch = 0 if stream else epochs_done(FLAGS.checkpoint_dir)
         if chief:
             if saver.restore(model) is not None:
-                print(f"resumed from {FLAGS.checkpoint_dir} after epoch {first_epoch}",
-                      flush=True)
-            callbacks += [saver, Progress(FLAGS.checkpoint_dir, first_epoch)]
+                print(f"resumed from {FLAGS.checkpoint_dir}" +
+                      ("" if stream else f" after epoch {first_epoch}"), flush=True)
+            callbacks += [saver] + ([] if stream else
+                                    [Progress(FLAGS.checkpoint_dir, first_epoch)])
     summaries = None
     if chief and FLAGS.tensorboard_dir:
         summaries = tfpsx.keras.TrainingSummaries(FLAGS.tensorboard_dir, strategy=strategy,
@@ -322,11 +350,15 @@ def main(argv):
     rate = examples / seconds if seconds > 0 else 0.0
     if strategy is not None:
         tfpsx.barrier_worker()  # every worker's last update is in: the global model
+    if chief and FLAGS.checkpoint_dir:
+        saver.save_if_changed(model)  # (and published) the other workers' last steps
     report = {"worker": me, "mode": FLAGS.mode, "dense": FLAGS.dense, "model": FLAGS.model,
               "k_steps": k_steps(),
               "cache_size": FLAGS.cache_size, "seconds": seconds, "examples_per_sec": rate,
-              "steps_per_epoch": steps, "input": "splits" if use_splits else "static"}
-    if use_splits:
+              "steps_per_epoch": steps,
+              "input": FLAGS.input if FLAGS.input == "stream" else
+              "splits" if use_splits else "static"}
+    if use_splits or FLAGS.input == "stream":
         report["input_stats"] = tfpsx.data.input_stats()
     if strategy is not None and strategy.counters is not None:
         report.update({k: float(v) for k, v in strategy.counters.snapshot().items()})

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -211,3 +212,56 @@ def test_bad_input_is_named(tmp_path, data):
                           cwd=str(tmp_path))
     assert proc.returncode != 0
     assert "fewer than one batch of 100000" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_an_online_job_trains_as_hours_land_and_a_follower_serves_its_deltas(tmp_path, data):
+    """docs/criteo.md's online job: land_data.py lands hours, train.py --input stream
+    trains them as they come and publishes its saves, SIGTERM stops it (exit 0, its last
+    checkpoint and delta); a follower in a process without tfpsx serves exactly what the
+    job's final export serves."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from serving_follow_check import follow
+    from tfpsx.serving import published
+    import land_data
+
+    online, models = tmp_path / "online", tmp_path / "models"
+    land_data.main(["--out", str(online), "--hours", "2", "--every", "0", "--rows", "3000"])
+    proc = subprocess.Popen(
+        RUN + ["--server_num", "1", "--worker_num", "2", "--log_dir", str(tmp_path / "logs"),
+               "--timeout", "240", TRAIN, "--mode", "async", "--input", "stream",
+               "--train_data", str(online / "*" / "train-*.txt"), "--eval_data",
+               str(data / "eval.txt"), "--batch_size", "128", "--verbose", "0",
+               "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_steps", "10",
+               "--publish_dir", str(models), "--export_dir", str(tmp_path / "export")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 150
+        while len(published(str(models))["deltas"]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        land_data.main(["--out", str(online), "--hours", "1", "--every", "0", "--rows",
+                        "3000"])  # hour 2, while the job runs
+        log = tmp_path / "logs" / "workerlog.0"
+        while "h00002" not in log.read_text():  # (appended by the chief's scan)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(15)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0 and "stopped on SIGTERM" in stderr, stdout[-3000:] + stderr[-3000:]
+    auc, _, _ = final_line(stdout)
+    assert auc > 0.55, auc
+    import criteo_data
+
+    rows, _ = criteo_data.dataset(str(data / "eval.txt"), 500, flag="eval_data")
+    x, _ = next(iter(rows))
+    feed = {k: v.numpy() for k, v in x.items()}
+    feed["cat"] = feed["cat"].astype("S")  # fixed-width bytes: npz without pickles
+    got = follow(models, tmp_path / "export" / "1", feed, tmp_path)
+    assert got["applied"] >= 1 and got["diff"] == 0.0 and got["tf1_diff"] == 0.0, got

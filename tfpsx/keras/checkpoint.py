@@ -120,8 +120,7 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if not self._is_chief():
             return
-        if self._step(self.model) != self._saved_step:
-            self.save()  # the last batches since a save_freq save
+        self.save_if_changed()  # the last batches since a save_freq save
         evaluation.mark_training_done(self.directory, self._saved_step)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -210,6 +209,15 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
             logger.error("publish to %s failed for checkpoint %s (%s: %s); the next save is "
                          "full and publishes a new base, which serving will then load",
                          self._publisher.directory, part, type(e).__name__, e)
+
+    def save_if_changed(self, model=None) -> Optional[str]:
+        """Saves unless the job's global step is the last save's (what ``fit``'s end
+        does; call it again once every worker ended, after ``tfpsx.barrier_worker()``,
+        for the other workers' last steps); returns the part, or None."""
+        if not self._is_chief():
+            return None
+        model = model or self.model
+        return self.save(model) if self._step(model) != self._saved_step else None
 
     def _state(self) -> dict:
         return latest_state(self.directory) or {}

@@ -288,8 +288,8 @@ def main(argv):
         report["kernel_device"] = [l for l in model.layers if isinstance(
             l, keras.layers.Dense)][0].kernel.value.device
         tfpsx.barrier_worker()  # every worker's last push is in before the chief reads
-        if args.publish and me == 0 and saver._step(model) != saver._saved_step:
-            saver.save(model)  # the others' last steps, published
+        if args.publish:
+            saver.save_if_changed(model)  # the others' last steps, published
         if args.publish and me == 0:
             report["published"] = saver.last_publish
         # The PS tables' optimizer slots (their mean, by table): in GEO they move only
