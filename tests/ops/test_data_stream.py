@@ -3,6 +3,7 @@ done-marker are read as they come, each record once, in the order of their paths
 until the stream stops; bad arguments are refused before anything is read.
 (On a cluster, with a checkpoint and SIGTERM: tests/cluster/test_data_plane.py.)"""
 
+import json
 import os
 import threading
 import time
@@ -78,6 +79,7 @@ def test_files_are_read_as_they_land_each_record_once_until_the_stream_stops(tmp
     (dict(poll_seconds=0), "poll_seconds"),
     (dict(done_marker="a/b"), "done_marker"),
     (dict(exact_saves="yes"), "exact_saves"),
+    (dict(data_time="hour"), "data_time"),
 ])
 def test_a_bad_argument_is_refused_by_name(tmp_path, kwargs, match):
     args = dict(files=str(tmp_path / "*"), name=f"bad{next(_names)}", stop_on_sigterm=False)
@@ -102,3 +104,62 @@ def test_a_streams_position_is_refused_by_an_input_of_files(tmp_path):
     files.configure("d-files", 0, [0], [0], [10], 1.0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="stream"):
         files.restore(source.position_state())
+
+
+def test_rows_unseen_for_a_span_of_data_time_are_evicted_and_leave_serving(tmp_path):
+    """Four hours land, ids [100 h, 100 h + 100) in hour h; ExpireByDataTime(1.5 h) on
+    the stream's data time (each folder's hour): by the end, hour 0's rows are gone (unseen
+    since data time 0 h, 3 h before), hours 2 and 3 are there; the published deltas
+    remove exactly the rows evicted."""
+    import keras
+    import numpy as np
+
+    from tfpsx.keras.checkpoint import IncrementalCheckpoint
+    from tfpsx.serving import Publisher, publish
+
+    name = f"expiry{next(_names)}"
+    folder = tmp_path / "data"
+    for hour in range(4):
+        path = folder / f"h{hour:02d}"
+        path.mkdir(parents=True)
+        (path / "part-0").write_text("".join(f"{100 * hour + i}\n" for i in range(100)))
+        (path / "_SUCCESS").write_text("")
+    data = tfpsx.data.stream(str(folder / "*" / "part-*"), batch_size=10, split_bytes=100,
+                             name=name, poll_seconds=0.1, stop_on_sigterm=False,
+                             data_time=lambda p: 3600.0 * int(os.path.basename(
+                                 os.path.dirname(p))[1:]))
+    data = data.map(lambda r: (tf.strings.to_number(r, tf.int64)[:, None],
+                               tf.zeros([tf.shape(r)[0], 1])))
+    ids = keras.Input((1,), dtype="int64")
+    layer = tfpsx.keras.DynamicEmbedding(2, table_name=f"t{name}",
+                                         optimizer=tfpsx.embedding.SGD(0.1))
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+    model.compile("sgd", "mse")
+    expire = tfpsx.keras.ExpireByDataTime(1.5 * 3600, input=name, every_steps=1)
+    served = tmp_path / "served"
+    ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=1000, save_freq=5,
+                                 publisher=Publisher(str(served)))
+
+    class StopWhenRead(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            stats = tfpsx.data.input_stats(name)
+            if stats["splits"] >= 4 * 3 and stats["done"] == stats["splits"]:
+                tfpsx.data.stream_stop(name)
+
+    model.fit(data, epochs=1, verbose=0, callbacks=[expire, ckpt, StopWhenRead()])
+    keys = set(layer.table.export()["keys"].numpy().tolist())
+    assert not keys & set(range(100)), sorted(keys & set(range(100)))[:5]  # hour 0: gone
+    assert set(range(200, 400)) <= keys  # hours 2 and 3: seen within the span
+    evicted = expire.evicted[layer.table.name]
+    assert evicted >= 100 and 400 - len(keys) == evicted, (evicted, len(keys))
+    removed = sum(json.loads((served / publish.DELTAS / str(s) / publish.MANIFEST)
+                             .read_text())["removed"]
+                  for s in publish.published(str(served))["deltas"])
+    assert removed == evicted
+    other = tfpsx.keras.ExpireByDataTime(60, input="nope")
+    other.set_model(model)
+    with pytest.raises(ValueError, match="input 'nope' is not a stream with a data time"):
+        other.check()
+    for bad, match in (((0,), "seconds"), ((60, "input", 0), "every_steps")):
+        with pytest.raises(ValueError, match=match):
+            tfpsx.keras.ExpireByDataTime(*bad)

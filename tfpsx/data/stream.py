@@ -67,7 +67,7 @@ class StreamInput(SplitInput):
 
     def __init__(self, name: str, patterns: List[str], fmt: str, split_bytes: int, seed: int,
                  chunk_bytes: int, done_marker: Optional[str], poll_seconds: float,
-                 exact_saves: bool):
+                 exact_saves: bool, data_time: Optional[Callable[[str], float]] = None):
         listing = "\n".join(patterns)
         digest = hashlib.sha256(f"stream\n{fmt}\n{split_bytes}\n{done_marker}\n"
                                 f"{listing}".encode()).hexdigest()[:16]
@@ -81,6 +81,10 @@ class StreamInput(SplitInput):
         self._watcher = None
         self._waited_since: Optional[float] = None
         self._logged_at = 0.0
+        self._data_time_of = data_time
+        # The newest data time this worker took a lease of (None: no data_time, or no
+        # lease yet): where its training stands in the stream's time, a lease ahead.
+        self.data_time: Optional[float] = None
         config = RUNTIME.config
         self.watches = not self.clustered or config.is_chief
 
@@ -181,7 +185,18 @@ class StreamInput(SplitInput):
         self.start_watching()
         for lease in super()._leases():
             self._waited_since = None
+            if self._data_time_of is not None:
+                self._note_data_time(lease[1])
             yield lease
+
+    def _note_data_time(self, path: str) -> None:
+        try:
+            value = float(self._data_time_of(path))
+        except Exception as e:
+            raise ValueError(f"input {self.name}: data_time({path!r}) failed: {e}; expected "
+                             "the data time of the file (seconds) from its path") from e
+        if self.data_time is None or value > self.data_time:
+            self.data_time = value
 
     def stop(self) -> None:
         """Every take of every worker ends from now on (see :func:`stop`)."""
@@ -197,7 +212,7 @@ def stream(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
            interleave: int = 2, chunk_bytes: int = 4 << 20, drop_remainder: bool = False,
            parse_batches: bool = True, num_parallel_calls=tf.data.AUTOTUNE,
            service: Optional[str] = None, exact_saves: bool = False,
-           stop_on_sigterm: bool = True):
+           stop_on_sigterm: bool = True, data_time: Optional[Callable[[str], float]] = None):
     """This worker's ``tf.data.Dataset`` of a stream: the files matching ``files`` as they
     land (see the module doc), read as :func:`tfpsx.data.splits` reads a job's files.
 
@@ -208,6 +223,9 @@ def stream(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
         None: every matching file as soon as it is seen (the writer must then move each
         file into place whole, e.g. by a rename).
       poll_seconds: how often the chief scans for files that landed.
+      data_time: ``data_time(path)`` -> the data time of a file, in seconds (e.g. from its
+        hourly folder's name): what ``tfpsx.keras.ExpireByDataTime`` expires rows by;
+        None: the stream has no data time.
       stop_on_sigterm: SIGTERM stops the stream (:func:`stop`) rather than kill the
         process: its dataset ends, ``fit`` returns and the callbacks save (called from
         the main thread; ``tfpsx-run`` forwards its SIGTERM to the workers).
@@ -240,9 +258,12 @@ def stream(files: Union[str, Sequence[str]], parse: Optional[Callable] = None,
     if not isinstance(exact_saves, bool):
         raise ValueError(f"tfpsx.data.stream: exact_saves must be True or False, got "
                          f"{exact_saves!r}")
+    if data_time is not None and not callable(data_time):
+        raise ValueError(f"tfpsx.data.stream: data_time must be a function of a file's path "
+                         f"(or None), got {data_time!r}")
     _service.address(service)  # (a bad one named before anything starts)
     source = StreamInput(name, patterns, format, split_bytes, seed, chunk_bytes, done_marker,
-                         float(poll_seconds), exact_saves)
+                         float(poll_seconds), exact_saves, data_time)
     if source.clustered and batch_size is None:
         raise ValueError("tfpsx.data.stream: give batch_size: on a cluster each batch carries "
                          "its input position to the step that trains it")

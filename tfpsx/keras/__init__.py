@@ -13,6 +13,8 @@
   evaluator task's loop over them;
 * :mod:`~tfpsx.keras.schedules`: ``ScaledLearningRate``, the learning rate proportional
   to the global batch, with a warm-up;
+* :mod:`~tfpsx.keras.expiry`: ``ExpireByDataTime``, a callback evicting the rows a
+  stream has not seen for a span of its data time;
 * :mod:`~tfpsx.keras.summaries`: ``TrainingSummaries``, a callback writing loss,
   examples/s and the PS traffic as TensorBoard scalars.
 
@@ -26,7 +28,8 @@ from tfpsx.keras.checkpoint import IncrementalCheckpoint, evaluate_checkpoints
 from tfpsx.keras.layers import DynamicEmbedding
 from tfpsx.keras.schedules import ScaledLearningRate
 from tfpsx.keras.strategy import ParameterServerStrategy
+from tfpsx.keras.expiry import ExpireByDataTime
 from tfpsx.keras.summaries import TrainingSummaries
 
 __all__ = ["ParameterServerStrategy", "CollectiveStrategy", "DynamicEmbedding", "IncrementalCheckpoint",
-           "evaluate_checkpoints", "TrainingSummaries", "ScaledLearningRate", "layers"]
+           "evaluate_checkpoints", "TrainingSummaries", "ExpireByDataTime", "ScaledLearningRate", "layers"]
