@@ -110,6 +110,8 @@ flags.DEFINE_string("checkpoint_dir", None, "the chief saves here each epoch; a 
                     "job resumes from it")
 flags.DEFINE_integer("save_steps", 0, "with --checkpoint_dir: also save every N of the "
                      "chief's steps (0: at epoch ends only; a stream's epoch never ends)")
+flags.DEFINE_float("save_seconds", 0, "with --checkpoint_dir: also save every N seconds "
+                   "(0: not by time): an online job's freshness")
 flags.DEFINE_string("publish_dir", None, "with --checkpoint_dir: publish each save for "
                     "serving (tfpsx.serving.Publisher: a base, then deltas of the changed "
                     "rows), which tfpsx/serving/follower.py serves with stock TF")
@@ -309,12 +311,13 @@ def main(argv):
     first_epoch = 0
     if FLAGS.publish_dir and not FLAGS.checkpoint_dir:
         raise app.UsageError("--publish_dir publishes the chief's saves: give --checkpoint_dir")
-    if FLAGS.save_steps < 0:
-        raise app.UsageError(f"--save_steps must be >= 0, got {FLAGS.save_steps}")
+    if FLAGS.save_steps < 0 or FLAGS.save_seconds < 0:
+        raise app.UsageError(f"--save_steps and --save_seconds must be >= 0, got "
+                             f"{FLAGS.save_steps} and {FLAGS.save_seconds}")
     if FLAGS.checkpoint_dir:
         saver = tfpsx.keras.IncrementalCheckpoint(
             FLAGS.checkpoint_dir, full_every=5,
-            save_freq=FLAGS.save_steps or "epoch",
+            save_freq=FLAGS.save_steps or "epoch", save_seconds=FLAGS.save_seconds or None,
             publisher=tfpsx.serving.Publisher(FLAGS.publish_dir) if FLAGS.publish_dir else None)
         stream = FLAGS.input == "stream"  # (its position says where it is, not epochs)
         first_epoch = 0 if stream else epochs_done(FLAGS.checkpoint_dir)

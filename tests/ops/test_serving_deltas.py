@@ -191,3 +191,23 @@ def test_a_publisher_that_is_not_one_is_refused_by_name(tmp_path):
         Publisher(str(tmp_path / "file"))
     with pytest.raises(ValueError, match="keep_bases"):
         Publisher(str(tmp_path / "m"), keep_bases=0)
+
+
+def test_saves_by_time_publish_as_training_goes(tmp_path):
+    """save_seconds: a save (and a publish) at the first batch end that long after the
+    last: an online job's freshness, whatever its batches' pace."""
+    import time as _time
+
+    model, _, _ = model_and_tables()
+    served = tmp_path / "served"
+    ckpt = IncrementalCheckpoint(str(tmp_path / "ckpt"), full_every=100, save_seconds=0.3,
+                                 publisher=Publisher(str(served)))
+    x, y = data(0, 640)
+    slow = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: _time.sleep(0.1))
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0,
+              callbacks=[slow, ckpt])  # 20 batches, 2 s or more
+    got = publish.published(str(served))
+    # every 3-4 batches, and the end's: 5 or more publishes, far fewer than 20
+    assert got["bases"] == [1] and 4 <= len(got["deltas"]) <= 10, got
+    with pytest.raises(ValueError, match="save_seconds"):
+        IncrementalCheckpoint(str(tmp_path / "c2"), save_seconds=0)

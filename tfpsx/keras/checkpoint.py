@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Callable, Dict, List, Optional
 
 import keras
@@ -59,12 +60,15 @@ def _weights(model) -> Dict[str, object]:
 
 class IncrementalCheckpoint(keras.callbacks.Callback):
     """Saves the model into ``directory`` at the end of every epoch (or every
-    ``save_freq`` batches), on the chief only; tables incrementally.
+    ``save_freq`` batches, or every ``save_seconds``), on the chief only; tables
+    incrementally.
 
     Args:
       directory: where the parts and ``checkpoint.json`` go.
       full_every: saves per full table export (1: every save is full).
       save_freq: ``"epoch"``, or a number of batches.
+      save_seconds: also save at the first batch end this long after the last save (an
+        online job's freshness: a stream's epoch never ends); None: not by time.
       max_to_keep: checkpoints kept (their chains' parts too); older ones are deleted.
       publisher: what publishes each save for serving (a
         ``tfpsx.serving.Publisher("/models/ctr")``: a full save as a base, an export
@@ -73,8 +77,14 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
     """
 
     def __init__(self, directory: str, full_every: int = 10, save_freq="epoch",
-                 max_to_keep: int = 5, publisher=None):
+                 max_to_keep: int = 5, publisher=None, save_seconds: Optional[float] = None):
         super().__init__()
+        if save_seconds is not None and (isinstance(save_seconds, bool) or not isinstance(
+                save_seconds, (int, float)) or save_seconds <= 0):
+            raise ValueError(f"IncrementalCheckpoint(save_seconds=...): expected seconds > 0 "
+                             f"or None, got {save_seconds!r}")
+        self.save_seconds = save_seconds
+        self._saved_at = time.monotonic()
         if publisher is not None and not callable(getattr(publisher, "publish", None)):
             raise ValueError(f"IncrementalCheckpoint(publisher=...): expected a "
                              f"tfpsx.serving.Publisher (an object with publish()), got "
@@ -127,10 +137,13 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         self._batches += 1
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
             self.save()
+        elif self.save_seconds is not None and \
+                time.monotonic() - self._saved_at >= self.save_seconds:
+            self.save()
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
-            self.save()
+            self.save_if_changed()  # (a save by time may have just saved this step)
 
     # ------------------------------------------------------------------ save
     def save(self, model=None) -> Optional[str]:
@@ -184,6 +197,7 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         parts.remove_unreferenced(self.directory, BASE, [
             parts.part_path(os.path.join(self.directory, n)) for n in kept])
         self._saved_step = step
+        self._saved_at = time.monotonic()
         logger.info("checkpoint %s: tables %s (%d rows, %d removed), %d weights, in %.2f s",
                     part, info["kind"], info["rows"], info["removed"], len(dense),
                     info["seconds"])
