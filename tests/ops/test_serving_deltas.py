@@ -58,6 +58,8 @@ def fit(model, callback, seed, n=256, lo=-1):
 
 
 @pytest.mark.heavy
+@pytest.mark.budget(60, why="three fits through a dozen saves, then three processes that "
+                    "import TensorFlow (the check, a follower SIGKILLed, one started again)")
 def test_a_base_and_its_deltas_serve_what_a_full_export_at_the_same_step_serves(tmp_path):
     model, e_ids, _ = model_and_tables()
     served = tmp_path / "served"
@@ -98,6 +100,36 @@ def test_a_base_and_its_deltas_serve_what_a_full_export_at_the_same_step_serves(
     assert out["tf1_applied"] == list(range(2, last + 1)) and out["tf1_diff"] == 0.0
     assert (out["restarted_sequence"], out["restarted_diff"]) == (last, 0.0)
     assert out["tfpsx_imported"] is False
+
+    # follower.py as a server runs it: SIGKILLed once it applied a delta, started again,
+    # it reloads the base and replays every delta (--once: then says where it is).
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from serving_follow_check import FOLLOWER
+
+    env = dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+               TF_CPP_MIN_LOG_LEVEL="2")
+    log = tmp_path / "follower.log"
+    with open(log, "w") as out_file:
+        proc = subprocess.Popen([sys.executable, FOLLOWER, "--model_dir", str(served),
+                                 "--poll_seconds", "0.2"], stdout=out_file,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "applied delta 2" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    again = subprocess.run([sys.executable, FOLLOWER, "--model_dir", str(served), "--once"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == {"base": 1,
+                                                                "applied_sequence": last}
 
 
 @pytest.mark.heavy
