@@ -243,3 +243,43 @@ def test_saves_by_time_publish_as_training_goes(tmp_path):
     assert got["bases"] == [1] and 4 <= len(got["deltas"]) <= 10, got
     with pytest.raises(ValueError, match="save_seconds"):
         IncrementalCheckpoint(str(tmp_path / "c2"), save_seconds=0)
+
+
+@pytest.mark.heavy
+@pytest.mark.budget(40, why="a graph trained through four saves, a full export, then a "
+                    "follower process that imports TensorFlow and loads two models")
+def test_a_graph_jobs_saves_publish_a_base_and_deltas_that_serve_what_its_export_serves(
+        tmp_path):
+    """Graph mode: IncrementalSaver(publisher=Publisher(..., inputs=, outputs=)): a
+    two-shard table and a one-shard one, a resource and a ref variable; the base and its
+    deltas, followed without tfpsx, serve exactly a full export of the last step."""
+    from test_serving_export import graph_model
+    from tfpsx.checkpoint import IncrementalSaver
+
+    rng = np.random.default_rng(0)
+    served = tmp_path / "served"
+    with tf.Graph().as_default() as graph:
+        ids, x, y, pred, train = graph_model()
+        publisher = Publisher(str(served), inputs={"ids": ids, "x": x},
+                              outputs={"pred": pred})
+        saver = IncrementalSaver(full_every=100, publisher=publisher)
+        step = tf.compat.v1.train.get_global_step()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(4):
+                for _ in range(5):
+                    sess.run(train, {ids: rng.integers(0, 60, (32, 3)),
+                                     x: rng.normal(size=(32, 4)), y: rng.random(32)})
+                saver.save(sess, str(tmp_path / "ckpt" / "model"), global_step=step)
+            graph.finalize()  # as a MonitoredSession leaves it
+            full = tfpsx.export_serving(sess, tmp_path / "full", inputs={"ids": ids, "x": x},
+                                        outputs={"pred": pred})
+    assert publish.published(str(served)) == {"bases": [1], "deltas": [2, 3, 4],
+                                              "partial": []}
+    query = {"ids": np.concatenate([rng.integers(0, 60, (6, 3)),
+                                    rng.integers(100, 200, (4, 3))]),
+             "x": rng.normal(size=(10, 4)).astype(np.float32)}
+    out = follow(served, full, query, tmp_path)
+    assert (out["base"], out["sequence"], out["applied"]) == (1, 4, 3), out
+    assert out["base_diff"] > 0 and out["diff"] == 0.0 and out["tf1_diff"] == 0.0, out
+    assert out["unregistered_ops"] == [] and out["tfpsx_imported"] is False, out

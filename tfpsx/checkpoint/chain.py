@@ -4,6 +4,7 @@ chain against the tables it is restored into (before any table changes)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -13,6 +14,8 @@ import numpy as np
 
 from tfpsx import settings
 from tfpsx.checkpoint import pages, parts
+
+logger = logging.getLogger("tfpsx")
 
 Rows = Dict[str, Dict[str, np.ndarray]]  # table name -> field -> array (or pages.Pages)
 
@@ -60,6 +63,28 @@ class ChainWriter:
                      "pages": sum(r.pages for r in rows.values() if isinstance(r, pages.Pages)),
                      "seconds": time.monotonic() - started}
         return self.last
+
+
+def check_publisher(publisher, what: str) -> None:
+    """Raises ValueError for a ``publisher=`` that is not one (an object with
+    ``publish``: ``tfpsx.serving.Publisher``)."""
+    if publisher is not None and not callable(getattr(publisher, "publish", None)):
+        raise ValueError(f"{what}(publisher=...): expected a tfpsx.serving.Publisher (an "
+                         f"object with publish()), got {publisher!r}")
+
+
+def publish_save(writer: ChainWriter, publisher, model, part: str, step: int,
+                 weights=None) -> None:
+    """Publishes the save just made (``writer.last``) for serving. A publish that fails is
+    logged as an error and the next save is made full, so that the next publish is a
+    base: serving misses no row, it waits for that base; training goes on."""
+    try:
+        publisher.publish(model, part, writer.last, step, weights)
+    except Exception as e:  # noqa: BLE001 — training goes on; the next save re-bases
+        writer.reset()
+        logger.error("publish to %s failed for checkpoint %s (%s: %s); the next save is "
+                     "full and publishes a new base, which serving will then load",
+                     getattr(publisher, "directory", publisher), part, type(e).__name__, e)
 
 
 def _write(part, rows, kind, step, chain, extra) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpsx.checkpoint import pages, parts
-from tfpsx.checkpoint.chain import ChainWriter, plan
+from tfpsx.checkpoint.chain import ChainWriter, check_publisher, plan, publish_save
 from tfpsx.embedding.saveable import TableSaveable
 
 logger = logging.getLogger("tfpsx")
@@ -86,13 +86,19 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
       tables: the tables to save (default: every tfpsx table of the graph).
       var_list: what TF's checkpoint holds (default: what a default Saver saves, minus
         the tables).
+      publisher: what publishes each save for serving (a ``tfpsx.serving.Publisher``
+        given the inference's ``inputs`` and ``outputs``: a full save as a base, an
+        export that stock TF loads, a delta save as a delta of the rows it holds, with
+        the inference's variables read with the session); None: nothing published.
       **kwargs: ``tf.compat.v1.train.Saver``'s other arguments (``max_to_keep``...).
 
     Build it after the model (its export and restore ops are added to the graph).
     """
 
     def __init__(self, full_every: int = 10, tables: Optional[Sequence] = None,
-                 var_list=None, **kwargs):
+                 var_list=None, publisher=None, **kwargs):
+        check_publisher(publisher, "IncrementalSaver")
+        self._publisher = publisher
         self._writer = ChainWriter(full_every, "IncrementalSaver")
         self.full_every = self._writer.full_every
         graph = tf.compat.v1.get_default_graph()
@@ -147,6 +153,9 @@ class IncrementalSaver(tf.compat.v1.train.Saver):
             directory = os.path.dirname(os.path.abspath(save_path))
             parts.remove_unreferenced(directory, os.path.basename(save_path),
                                       [parts.part_path(p) for p in self.last_checkpoints])
+        if self._publisher is not None:
+            publish_save(self._writer, self._publisher, sess, parts.part_path(prefix),
+                         int(global_step or 0))
         return path
 
     # ------------------------------------------------------------------ restore

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tfpsx import compat, settings
 from tfpsx.checkpoint import evaluation, pages, parts
-from tfpsx.checkpoint.chain import ChainWriter, plan
+from tfpsx.checkpoint.chain import ChainWriter, check_publisher, plan, publish_save
 from tfpsx.checkpoint.parts import STATE, latest_state
 from tfpsx.control import splits
 from tfpsx.keras.fit import flush_commits
@@ -85,10 +85,7 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                              f"or None, got {save_seconds!r}")
         self.save_seconds = save_seconds
         self._saved_at = time.monotonic()
-        if publisher is not None and not callable(getattr(publisher, "publish", None)):
-            raise ValueError(f"IncrementalCheckpoint(publisher=...): expected a "
-                             f"tfpsx.serving.Publisher (an object with publish()), got "
-                             f"{publisher!r}")
+        check_publisher(publisher, "IncrementalCheckpoint")
         self._publisher = publisher
         if save_freq != "epoch":
             save_freq = settings.parse_int(save_freq, "IncrementalCheckpoint(save_freq=...) "
@@ -202,7 +199,8 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
                     part, info["kind"], info["rows"], info["removed"], len(dense),
                     info["seconds"])
         if self._publisher is not None:
-            self._publish(model, part, info, step, dense)
+            publish_save(self._writer, self._publisher, model, part, step,
+                         {int(k): v for k, v in dense.items()})
         return part
 
     @property
@@ -210,19 +208,6 @@ class IncrementalCheckpoint(keras.callbacks.Callback):
         """What the last publish wrote (``publisher``): kind, sequence, path, rows,
         removed, bytes, seconds; empty before one."""
         return self._publisher.last if self._publisher is not None else {}
-
-    def _publish(self, model, part, info, step, dense) -> None:
-        """Publishes the save just made. A publish that fails is logged as an error and
-        the next save is made full, so that the next publish is a base: serving misses
-        no row, it waits for that base."""
-        try:
-            self._publisher.publish(model, part, info, step,
-                                    {int(k): v for k, v in dense.items()})
-        except Exception as e:  # noqa: BLE001 — training goes on; the next save re-bases
-            self._writer.reset()
-            logger.error("publish to %s failed for checkpoint %s (%s: %s); the next save is "
-                         "full and publishes a new base, which serving will then load",
-                         self._publisher.directory, part, type(e).__name__, e)
 
     def save_if_changed(self, model=None) -> Optional[str]:
         """Saves unless the job's global step is the last save's (what ``fit``'s end

@@ -39,7 +39,7 @@ def export_serving(model_or_session, path, *, inputs: Optional[Mapping] = None,
     and a variable of the rows; an id the table does not hold gets the row the table's
     initializer would give it, computed with stock ops. The signature ``serving_default``
     runs the model's inference with named inputs and outputs, in TF Serving's layout.
-    A Keras model's export also has the signatures ``apply_delta`` and
+    Every export also has the signatures ``apply_delta`` and
     ``applied_sequence`` (:mod:`tfpsx.serving.delta`): it can be the base that a
     follower keeps fresh with the deltas of a :class:`Publisher`.
 

@@ -8,7 +8,8 @@ them):
 * ``apply_delta``: inputs ``sequence`` (int64 scalar), per table ``table_<name>_keys``
   (int64 ``[n]``), ``table_<name>_rows`` (float32 ``[n, dim]``, the rows' absolute
   values) and ``table_<name>_removed`` (int64 ``[m]``), and per weight
-  ``weight_<i>`` (the i-th of the Keras model's ``weights``, its whole value). It
+  ``weight_<i>`` (the i-th of the Keras model's ``weights``; a graph's:
+  ``weight_<variable name>``), its whole value. It
   removes the removed keys, writes the rows, assigns the weights, and returns
   ``applied_sequence``, an output that depends on every write: TF Serving's ``Predict``
   runs no target nodes, only what its outputs need, so the writes must be needed.
@@ -29,7 +30,7 @@ from typing import Dict, List, Mapping
 
 import tensorflow as tf
 
-from tfpsx.serving.table import ServingTable
+from tfpsx.serving.table import ServingTable  # noqa: F401 (the tables' type)
 
 APPLY = "apply_delta"
 APPLIED = "applied_sequence"
@@ -38,7 +39,8 @@ FIELDS = ("keys", "rows", "removed")
 
 
 def table_input(table_name: str, field: str) -> str:
-    """The ``apply_delta`` input (and delta tensor) of a table's field."""
+    """The ``apply_delta`` input (and delta tensor) of a table's field (a table's
+    trained name: a graph's shards of it are one table here)."""
     if field not in FIELDS:
         raise ValueError(f"a delta's table field is one of {FIELDS}, got {field!r}")
     return f"table_{re.sub(r'[^A-Za-z0-9_]', '_', table_name)}_{field}"
@@ -47,6 +49,37 @@ def table_input(table_name: str, field: str) -> str:
 def weight_input(index: int) -> str:
     """The ``apply_delta`` input (and delta tensor) of the model's ``index``-th weight."""
     return f"weight_{int(index):04d}"
+
+
+def named_weight_input(name: str) -> str:
+    """The ``apply_delta`` input of a graph's variable ``name`` (its op's name)."""
+    return "weight_" + re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+class ShardedServing:
+    """A graph export's table for deltas: its served shards (a ``ServingTable`` each,
+    shard i of ``count``), keys routed as the trained table's (``key mod count``); a
+    shard the inference does not read (not exported) takes none."""
+
+    def __init__(self, shards: Dict[int, ServingTable], count: int):
+        self.shards, self.count = dict(shards), int(count)
+        self.dim = next(iter(self.shards.values())).dim
+
+    def _parts(self, keys):
+        index = tf.cast(tf.math.floormod(keys, self.count), tf.int32)
+        return tf.dynamic_partition(keys, index, self.count), index
+
+    def delta_checks(self, keys, removed, what: str) -> List:
+        parts, _ = self._parts(keys)
+        return [c for i, table in self.shards.items()
+                for c in table.delta_checks(parts[i], removed[:0], what)]
+
+    def apply(self, keys, rows, removed) -> List:
+        parts, index = self._parts(keys)
+        row_parts = tf.dynamic_partition(tf.reshape(rows, [-1, self.dim]), index, self.count)
+        gone, _ = self._parts(removed)
+        return [w for i, table in self.shards.items()
+                for w in table.apply(parts[i], row_parts[i], gone[i])]
 
 
 def add_signatures(module: tf.Module, tables: Mapping[str, ServingTable],

@@ -22,6 +22,8 @@ own predictions use.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
@@ -33,11 +35,14 @@ from tfpsx.compat import gen_resource_variable_ops
 from tfpsx.checkpoint.pages import page_ranges
 from tfpsx.embedding.initializers import Initializer
 from tfpsx.ops import bindings
+from tfpsx.serving import delta
 from tfpsx.serving import export as _export
 from tfpsx.serving import signature
 from tfpsx.serving.table import ServingTable
 
 HANDLE = "TfpsxHashTableHandleOp"
+# An export's weights by delta input: {input name: the variable's op name}.
+WEIGHTS_FILE = os.path.join("assets.extra", "tfpsx_weights.json")
 READS = ("TfpsxHashTableFind", "TfpsxHashTableFindOrInsert")
 VARIABLES = ("VarHandleOp", "VariableV2", "Variable")
 PLACEHOLDERS = ("Placeholder", "PlaceholderV2")
@@ -178,23 +183,39 @@ class _Cut:
         return order
 
 
+def _variable_reads(graph: tf.Graph, names) -> Dict[str, tf.Tensor]:
+    """A tensor reading each variable ``names`` (its op's name), in ``graph`` (open:
+    :func:`_extending`)."""
+    fetches: Dict[str, tf.Tensor] = {}
+    for name in names:
+        tensor = graph.get_tensor_by_name(f"{name}:0")
+        if tensor.op.type != "VarHandleOp":
+            fetches[name] = tensor
+            continue
+        reads = [c for c in tensor.consumers() if c.type == "ReadVariableOp"]
+        if reads:
+            fetches[name] = reads[0].outputs[0]
+        else:
+            with tf.compat.v1.colocate_with(tensor.op):
+                fetches[name] = gen_resource_variable_ops.read_variable_op(
+                    tensor, tensor.op.get_attr("dtype"))
+    return fetches
+
+
+def read_variables(session, names) -> Dict[str, np.ndarray]:
+    """The values of the variables ``names`` (their ops' names) in ``session`` (a
+    publisher's delta: the weights a graph export copied)."""
+    raw = _raw_session(session)
+    with _extending(raw.graph):
+        fetches = _variable_reads(raw.graph, names)
+    return raw.run(fetches) if fetches else {}
+
+
 def _read_values(session, cut: _Cut):
     """(variable name -> value, handle name -> (keys, rows)), read with the user's session."""
     graph = cut.graph
-    fetches: Dict[str, tf.Tensor] = {}
     with _extending(graph):
-        for name in cut.variables:
-            tensor = graph.get_tensor_by_name(f"{name}:0")
-            if cut.nodes[name].op != "VarHandleOp":
-                fetches[name] = tensor
-                continue
-            reads = [c for c in tensor.consumers() if c.type == "ReadVariableOp"]
-            if reads:
-                fetches[name] = reads[0].outputs[0]
-            else:
-                with tf.compat.v1.colocate_with(tensor.op):
-                    fetches[name] = gen_resource_variable_ops.read_variable_op(
-                        tensor, tensor.op.get_attr("dtype"))
+        fetches = _variable_reads(graph, cut.variables)
         # Each shard in pages (a tiered one: a 32nd of its ram_bytes; one in RAM: one
         # page), so that its server holds a page of rows at a time, not the shard.
         lo = tf.compat.v1.placeholder(tf.int64, [])
@@ -335,9 +356,28 @@ def _import(cut: _Cut, batch: List[str], known, consumers, wanted_out, stage: in
     return dict(zip(returned, tensors))
 
 
+def _table_shards(cut: _Cut, tables: Dict[str, ServingTable]) -> Dict[str, object]:
+    """The served shards grouped by trained table (a delta's unit): shard
+    ``<table>/part_<i>`` of a table with n shards in the graph (its handles)."""
+    counts: Dict[str, int] = {}
+    for node in cut.graph_def.node:
+        if node.op == HANDLE:
+            table = node.attr["shared_name"].s.decode().rsplit("/part_", 1)[0]
+            counts[table] = counts.get(table, 0) + 1
+    groups: Dict[str, Dict[int, ServingTable]] = {}
+    for handle, served in tables.items():
+        table, _, index = served.table_name.rpartition("/part_")
+        groups.setdefault(table, {})[int(index)] = served
+    return {t: delta.ShardedServing(shards, counts.get(t, len(shards)))
+            for t, shards in groups.items()}
+
+
 def export(session, path: str, version: Optional[int], inputs: Optional[Mapping],
-           outputs: Optional[Mapping]) -> str:
-    """Exports the inference ``outputs`` of ``inputs`` (see the module doc)."""
+           outputs: Optional[Mapping], sequence: int = 0, extra_files=None) -> str:
+    """Exports the inference ``outputs`` of ``inputs`` (see the module doc), with the
+    delta signatures (:mod:`tfpsx.serving.delta`: its tables by trained table, its
+    weights by variable, named in ``assets.extra/tfpsx_weights.json``); ``sequence`` and
+    ``extra_files`` as a publisher's base needs them."""
     if not inputs or not outputs:
         raise ValueError("export_serving of a session needs inputs={name: placeholder} and "
                          "outputs={name: tensor} (the inference to serve)")
@@ -367,6 +407,12 @@ def export(session, path: str, version: Optional[int], inputs: Optional[Mapping]
         serve = _serve_fn(cut, items, dict(inputs), dict(outputs), tables, copies)
         module.serve = tf.function(serve, input_signature=signature.flat_specs(items),
                                    autograph=False)
-        return _export.write(module, module.serve.get_concrete_function(), path, version)
+        weights = {delta.named_weight_input(name): name for name in copies}
+        signatures = {_export.SERVING_DEFAULT: module.serve.get_concrete_function()}
+        signatures.update(delta.add_signatures(
+            module, _table_shards(cut, tables), {k: copies[v] for k, v in weights.items()},
+            sequence))
+        files = dict(extra_files or {}, **{WEIGHTS_FILE: json.dumps(weights).encode()})
+        return _export.write(module, signatures, path, version, files)
 
     return _export.in_clean_thread(build_and_write)

@@ -74,14 +74,15 @@ class Publisher:
     Args:
       directory: the model base path a follower (or TF Serving, for the bases) reads.
       keep_bases: bases kept, with the deltas after each (older ones are deleted).
-      inputs: the export's input specs (``export_serving``'s ``inputs=``), for a
-        subclassed model.
+      inputs, outputs: the export's (``export_serving``'s): a subclassed Keras model's
+        input specs; a graph's ``{name: placeholder}`` and ``{name: tensor}`` (required
+        to publish a graph-mode job, ``IncrementalSaver(publisher=...)``).
 
     Raises:
       ValueError: ``directory`` is a file, or ``keep_bases`` < 1.
     """
 
-    def __init__(self, directory: str, keep_bases: int = 2, inputs=None):
+    def __init__(self, directory: str, keep_bases: int = 2, inputs=None, outputs=None):
         self.directory = os.fspath(directory)
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ValueError(f"Publisher: {self.directory!r} is a file; it must be a folder "
@@ -89,7 +90,8 @@ class Publisher:
         if isinstance(keep_bases, bool) or not isinstance(keep_bases, int) or keep_bases < 1:
             raise ValueError(f"keep_bases must be an int >= 1 (bases kept with their deltas), "
                              f"got {keep_bases!r}")
-        self.keep_bases, self.inputs = keep_bases, inputs
+        self.keep_bases, self.inputs, self.outputs = keep_bases, inputs, outputs
+        self._graph_weights: Dict[str, str] = {}  # a graph base's: input -> variable
         self._started = False
         self._sequence = 0          # the last sequence published
         self._base: Optional[int] = None
@@ -113,10 +115,12 @@ class Publisher:
         self._started = True
 
     def publish(self, model, part: str, info: Dict[str, object], step: int,
-                weights: Dict[int, np.ndarray]) -> Dict[str, object]:
+                weights: Optional[Dict[int, np.ndarray]] = None) -> Dict[str, object]:
         """Publishes the save that wrote ``part`` (``ChainWriter.last`` as ``info``):
         a base when it is full or when its chain does not follow the last publish, else
-        a delta. ``weights``: the saved weights by position in ``model.weights``.
+        a delta. ``model``: the Keras model, or a graph-mode job's session. ``weights``
+        (Keras): the saved weights by position in ``model.weights``; a graph's are read
+        with the session.
         Returns what it wrote (kind, sequence, path, rows, removed, bytes, seconds)."""
         if not self._started:
             self._start()
@@ -146,18 +150,30 @@ class Publisher:
                      "checkpoint": os.path.basename(part), "created": time.time()}, **more)
 
     def _base_of(self, model, part: str, step: int, sequence: int) -> Dict[str, object]:
-        from tfpsx.serving import keras as _keras
+        manifest = {BASE_MANIFEST: json.dumps(self._manifest("base", part, step, sequence),
+                                              indent=1).encode()}
+        if _is_session(model):
+            from tfpsx.serving import graph as _graph
 
-        manifest = self._manifest("base", part, step, sequence)
-        path = _keras.export(model, self.directory, sequence, self.inputs, sequence,
-                             {BASE_MANIFEST: json.dumps(manifest, indent=1).encode()},
-                             job_values=True)  # the checkpoint's, as the deltas are
+            if not self.inputs or not self.outputs:
+                raise ValueError("Publisher of a graph-mode job: give inputs={name: "
+                                 "placeholder} and outputs={name: tensor} (the inference "
+                                 "to serve, as export_serving takes them)")
+            path = _graph.export(model, self.directory, sequence, self.inputs, self.outputs,
+                                 sequence, manifest)
+            with open(os.path.join(path, _graph.WEIGHTS_FILE)) as f:
+                self._graph_weights = json.load(f)
+        else:
+            from tfpsx.serving import keras as _keras
+
+            path = _keras.export(model, self.directory, sequence, self.inputs, sequence,
+                                 manifest, job_values=True)  # the checkpoint's, as deltas
         self._base = sequence
         return {"kind": "base", "sequence": sequence, "path": path,
                 "bytes": _bytes(path)}
 
     def _delta_of(self, model, part: str, step: int, sequence: int,
-                  weights: Dict[int, np.ndarray]) -> Dict[str, object]:
+                  weights: Optional[Dict[int, np.ndarray]]) -> Dict[str, object]:
         from tfpsx.serving import keras as _keras
 
         index = parts.read_index(part)
@@ -172,9 +188,17 @@ class Publisher:
             gone = np.load(f"{stem}.removed.npy", allow_pickle=False)
             tensors[delta.table_input(name, "removed")] = gone
             rows, removed = rows + len(keys), removed + len(gone)
-        wanted = _keras.delta_weights(model)
-        for key in wanted:
-            tensors[key] = np.asarray(weights[int(key.rsplit("_", 1)[1])])
+        if _is_session(model):
+            from tfpsx.serving import graph as _graph
+
+            values = _graph.read_variables(model, sorted(set(self._graph_weights.values())))
+            wanted = sorted(self._graph_weights)
+            for key in wanted:
+                tensors[key] = np.asarray(values[self._graph_weights[key]])
+        else:
+            wanted = _keras.delta_weights(model)
+            for key in wanted:
+                tensors[key] = np.asarray(weights[int(key.rsplit("_", 1)[1])])
         folder = os.path.join(self.directory, DELTAS)
         os.makedirs(folder, exist_ok=True)
         final = os.path.join(folder, str(sequence))
@@ -209,6 +233,10 @@ class Publisher:
             if seq < oldest:
                 shutil.rmtree(os.path.join(self.directory, DELTAS, str(seq)),
                               ignore_errors=True)
+
+
+def _is_session(model) -> bool:
+    return not hasattr(model, "weights") and callable(getattr(model, "run", None))
 
 
 def _save_bundle(prefix: str, tensors: Dict[str, np.ndarray]) -> None:
