@@ -283,3 +283,35 @@ def test_a_graph_jobs_saves_publish_a_base_and_deltas_that_serve_what_its_export
     assert (out["base"], out["sequence"], out["applied"]) == (1, 4, 3), out
     assert out["base_diff"] > 0 and out["diff"] == 0.0 and out["tf1_diff"] == 0.0, out
     assert out["unregistered_ops"] == [] and out["tfpsx_imported"] is False, out
+
+
+@pytest.mark.heavy
+@pytest.mark.budget(60, why="two chief processes (one killed mid-delta), each importing "
+                    "TensorFlow, fitting and exporting, then a follower process")
+def test_a_chief_killed_mid_delta_leaves_it_partial_and_its_restart_goes_on(tmp_path):
+    """The chief process dies (exit 137) at its delta's DONE marker, after the delta's
+    files were renamed into place: no follower applies it; started again, the chief
+    restores its checkpoint, removes the partial delta and publishes a base under its
+    sequence, then deltas; a follower serves exactly the restarted job's export."""
+    import subprocess
+    import sys
+
+    job = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "serving_publish_job.py")
+    ckpt, served, full = tmp_path / "ckpt", tmp_path / "served", tmp_path / "full"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    first = subprocess.run([sys.executable, job, str(ckpt), str(served), "0",
+                            "--die_at_done"], capture_output=True, text=True, timeout=180,
+                           env=env)
+    assert first.returncode == 137, first.stdout + first.stderr[-3000:]
+    assert publish.published(str(served)) == {"bases": [1], "deltas": [], "partial": [2]}
+    assert (served / "deltas" / "2" / publish.MANIFEST).exists()  # complete but for DONE
+    again = subprocess.run([sys.executable, job, str(ckpt), str(served), "1", "--export",
+                            str(full)], capture_output=True, text=True, timeout=180, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    assert "removing the partial delta" in again.stderr, again.stderr[-3000:]
+    assert publish.published(str(served)) == {"bases": [1, 2], "deltas": [3, 4],
+                                              "partial": []}
+    query, _ = data(9, 32)
+    out = follow(served, full / "1", query, tmp_path)
+    assert (out["base"], out["sequence"], out["diff"], out["tf1_diff"]) == (2, 4, 0.0, 0.0)
