@@ -222,6 +222,7 @@ bench: setup tier-peer
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/session_run_cost.py
 	$(PY) benchmarks/serving_deltas.py
+	$(PY) benchmarks/online_freshness.py
 	$(PY) benchmarks/collective_scaling.py
 	$(PY) benchmarks/collective_scaling.py --criteo --rounds 2
 	$(PY) benchmarks/data_plane.py
