@@ -53,7 +53,14 @@ def _kill_child(launcher, which, every=False):
     names (``every``: each one)."""
     import psutil
 
-    found = [p for p in psutil.Process(launcher.pid).children(recursive=True) if which(p)]
+    def matches(p):
+        try:
+            return which(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied,
+                ProcessLookupError):
+            return False  # (a child that exited meanwhile: not the one to kill)
+
+    found = [p for p in psutil.Process(launcher.pid).children(recursive=True) if matches(p)]
     assert found, "no such process"
     for process in found if every else [min(found, key=lambda p: p.create_time())]:
         process.kill()
