@@ -24,8 +24,9 @@ def op_types(path):
     types = set()
     for meta in proto.meta_graphs:
         types.update(n.op for n in meta.graph_def.node)
-        for fn in meta.graph_def.library.function:
-            types.update(n.op for n in fn.node_def)
+        functions = {f.signature.name for f in meta.graph_def.library.function}
+        for fn in meta.graph_def.library.function:  # (a call of a library function: no op)
+            types.update(n.op for n in fn.node_def if n.op not in functions)
     return types
 
 

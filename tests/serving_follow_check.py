@@ -30,21 +30,9 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.core.protobuf import saved_model_pb2  # noqa: E402
 from tensorflow.python.framework import op_def_registry  # noqa: E402
 
-
-def op_types(path):
-    proto = saved_model_pb2.SavedModel()
-    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
-        proto.ParseFromString(f.read())
-    types = set()
-    for meta in proto.meta_graphs:
-        types.update(n.op for n in meta.graph_def.node)
-        functions = {f.signature.name for f in meta.graph_def.library.function}
-        for fn in meta.graph_def.library.function:
-            types.update(n.op for n in fn.node_def if n.op not in functions)
-    return types
+from serving_check import op_types  # noqa: E402  (tests/, beside this script)
 
 
 def bundle(delta):

@@ -504,7 +504,9 @@ def test_keras_a_stream_trains_files_as_they_land_and_sigterm_stops_it_losing_no
     of the third hour and the fourth, until SIGTERM again. Every example is in the final
     model (visit counts of 1; a save's window may repeat a few batches), and the
     published sequence goes on across the restart (a new base), as does the global step
-    (restored with the checkpoint: it counted from 0 again before)."""
+    (restored with the checkpoint: it counted from 0 again before). Its own two clusters:
+    a stream job ends only when stopped, and its restart from the checkpoint is the
+    point; no scenario's records hold that."""
     out, ckpt, published = tmp_path / "out", tmp_path / "ckpt", tmp_path / "published"
     stream = out / "stream"
     hour = 600

@@ -43,7 +43,8 @@ def part_path(checkpoint_prefix: str) -> str:
     return checkpoint_prefix + SUFFIX
 
 
-def _sync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a rename's folder: the rename is then durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -102,9 +103,9 @@ def write(path: str, tables: Dict[str, Dict[str, np.ndarray]], kind: str, step: 
         json.dump(index, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _sync(tmp)
+    fsync_path(tmp)
     os.rename(tmp, path)
-    _sync(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def _save(file: str, array) -> None:

@@ -246,15 +246,7 @@ def _save_bundle(prefix: str, tensors: Dict[str, np.ndarray]) -> None:
         tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
                           tensors=[tf.constant(tensors[n]) for n in names])
     for file in os.listdir(os.path.dirname(prefix)):
-        _fsync(os.path.join(os.path.dirname(prefix), file))
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        parts.fsync_path(os.path.join(os.path.dirname(prefix), file))
 
 
 def _write_synced(path: str, data: bytes) -> None:
@@ -262,7 +254,7 @@ def _write_synced(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    _fsync(os.path.dirname(path))
+    parts.fsync_path(os.path.dirname(path))
 
 
 def _bytes(path: str) -> int:
