@@ -168,6 +168,11 @@ class Word2vecJob:
         "async_cache_stage1": ["--mode", "async", "--cache_size", "CACHE"],
         "local": ["--mode", "local"],
         "tf_async": [],
+        "geo_auto": ["--mode", "geo", "--k_steps", "auto"],
+        "geo50": ["--mode", "geo", "--k_steps", "50"],
+        "geo50_bf16": ["--mode", "geo", "--k_steps", "50", "--geo_wire_dtype", "bfloat16"],
+        "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
+        "geo100_uncontended": ["--mode", "geo", "--k_steps", "100", "--geo_hot_per_round", "0"],
     }
 
     def __init__(self, args):

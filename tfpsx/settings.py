@@ -266,6 +266,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "(and the batches in flight); each commit is a remote call (every 50 ms cost "
             "the Criteo job 11% more context switches than a static cut's, every 0.2 s "
             "3% of its examples/s)", "timeouts"),
+    Setting("TFPSX_GEO_RECHECK_SECONDS", "seconds", 300.0,
+            "GEO with geo_table_choice='auto': how long a table trains async before the "
+            "chief has it run rounds again for a few rounds, to re-check whether they pay "
+            "(each re-check pulls the rows its copy missed)", "timeouts"),
     # runtime switches
     Setting("TFPSX_METRICS_DIR", "path", None,
             "folder where every process appends its metrics as JSON lines "

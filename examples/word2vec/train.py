@@ -49,7 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "geo", ["sync", "async", "geo", "local"],
                   "how workers share the tables")
-flags.DEFINE_integer("k_steps", 100, "geo: local steps between syncs")
+flags.DEFINE_string("k_steps", "100", "geo: local steps between syncs, or \"auto\" (tfpsx "
+                    "chooses K and, table by table, whether rounds pay: docs/modes.md)")
 flags.DEFINE_enum("geo_table_rule", None, ["average", "shared_slots"],
                   "geo: how the PS adds the workers' pushes of a row (default: tfpsx's "
                   "choice by the worker count; docs/modes.md)")
@@ -58,6 +59,8 @@ flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch
 flags.DEFINE_integer("geo_hot_per_round", None, "geo: ids the workers would train this "
                      "often in a round train on the PS (0: none; default: tfpsx's choice by "
                      "the worker count)")
+flags.DEFINE_enum("geo_wire_dtype", None, ["float32", "bfloat16", "float16"],
+                  "geo: the dtype table rows travel in (default: tfpsx's)")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
 flags.DEFINE_integer("steps", 1000, "--input sample: local steps per worker (sync: global "
                      "steps)")
@@ -242,8 +245,10 @@ def main(argv):
     me = tfpsx.worker_index()
     corpus = Corpus(FLAGS.corpus, FLAGS.window)
     rng = np.random.default_rng(FLAGS.seed + me)
-    k_steps = FLAGS.k_steps if FLAGS.mode == "geo" else 0
-    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_hot_count", "geo_hot_per_round")
+    k_steps = (FLAGS.k_steps if FLAGS.k_steps == "auto" else int(FLAGS.k_steps)) \
+        if FLAGS.mode == "geo" else 0
+    rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_hot_count",
+                                                 "geo_hot_per_round", "geo_wire_dtype")
             if k_steps and getattr(FLAGS, key) is not None}  # unnamed: tfpsx's choice
     strategy = tfpsx.DistributedStrategy(a_sync=FLAGS.mode != "sync",
                                          a_sync_configs={"k_steps": k_steps, **rule})

@@ -96,6 +96,7 @@ def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
         worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 4
         hot_per_round, named, updaters = 0, frozenset(), []
+        table_choice = False
 
     table = E.DynamicTable("hot_cached", DIM, optimizer=E.Adagrad(0.1), cache_size=16)
     updater = GeoTableUpdater(Mode())
@@ -228,6 +229,7 @@ def test_geos_updater_gives_a_table_the_estimate_under_the_rule():
         worker_index, worker_num, worker_device = 1, 8, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 0
         hot_per_round, named, updaters = 40, frozenset(), []
+        table_choice = False
 
         def round_steps(self):
             return 10
@@ -249,7 +251,7 @@ class _CountingMode:
     """A GEO mode as GeoTableUpdater sees it (this process's device), hot count 2."""
     worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
     wire_dtype, in_train_thread, share_slots, hot_count = None, True, True, 2
-    hot_per_round, named = 0, frozenset()
+    hot_per_round, named, table_choice = 0, frozenset(), False
 
     def __init__(self):
         self.tables, self.updaters, self.train_ops = [], [], []

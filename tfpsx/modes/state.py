@@ -49,12 +49,19 @@ HYBRID_PORTS = State("tfpsx_hybrid_ports", True, False,
                      "hybrid: per worker, the port of its dense all-reduce server (0: not "
                      "yet); made only when TFPSX_DENSE_ENDPOINTS does not give them")
 
+GEO_TABLE_CHOICE = State("tfpsx_geo_table_choice", False, False,
+                         "GEO with geo_table_choice='auto': bit i set, the job's i-th table "
+                         "(in the order the tables are built) trains async; the chief "
+                         "decides (tfpsx.modes.geo.choice)")
+
 # sync's own variable on each worker (not shared): the step it trains, its pushes' stamp.
 SYNC_LOCAL_STEP = "tfpsx_sync_local_step"
 
 MODE_STATE: Dict[str, Tuple[State, ...]] = {
     "async": (),
-    "geo": (),  # (its rounds move the model's own rows and weights)
+    # (its rounds move the model's own rows and weights; GEO_TABLE_CHOICE only where
+    # geo_table_choice="auto" has tables to choose for: the rule for many workers)
+    "geo": (),
     "sync": (SYNC_STEP, SYNC_PUSHED),
     "staleness": (WORKER_CLOCKS,),
     "collective": (),  # (no servers)

@@ -41,7 +41,12 @@ _CONFIG_KEYS = {
                          f"async (0: never; 'auto': {GEO_AUTO_KN} in deterministic rounds, "
                          f"{GEO_HOT_PER_ROUND_BACKGROUND} in background ones); default: by "
                          "the worker count",
+    "geo_table_choice": "GEO: 'auto' (each table runs rounds while they move fewer bytes "
+                        "than async would, else trains async: the chief decides from GEO's "
+                        "traffic counters, re-checked as the job runs) or 'rounds' (every "
+                        "table runs rounds); default: by the worker count",
 }
+_GEO_TABLE_CHOICES = ("auto", "rounds")
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 _SYNC_REDUCTIONS = ("mean", "sum")
 _GEO_TABLE_RULES = ("average", "shared_slots")
@@ -77,7 +82,10 @@ class DistributedStrategy:
         worker's last K batches held it; "auto": :data:`~tfpsx.modes.geo.GEO_AUTO_KN`
         in deterministic rounds (the K x N that ``k_steps="auto"`` keeps there),
         :data:`~tfpsx.modes.geo.GEO_HOT_PER_ROUND_BACKGROUND` in background ones (half
-        the K x N it keeps there); 0: never).
+        the K x N it keeps there); 0: never), ``geo_table_choice`` (GEO: "auto": a table
+        whose rounds move more bytes than async would for the same rows trains async,
+        decided by the chief from GEO's traffic counters and re-checked as the job runs
+        (:mod:`tfpsx.modes.geo.choice`); "rounds": every table runs rounds).
         A key left unnamed is chosen by the job's worker count: from
         :data:`~tfpsx.modes.geo.GEO_MANY_WORKERS` workers GEO's rule for many workers
         (:data:`~tfpsx.modes.geo.GEO_FOR_MANY`: shared slots, dense weights async, hot
@@ -173,6 +181,11 @@ class DistributedStrategy:
         self.geo_hot_per_round = configs.get("geo_hot_per_round")
         if self.geo_hot_per_round != "auto" and "geo_hot_per_round" in configs:
             self.geo_hot_per_round = _int_config(configs, "geo_hot_per_round", 0)
+        self.geo_table_choice = configs.get("geo_table_choice")
+        if "geo_table_choice" in configs and self.geo_table_choice not in _GEO_TABLE_CHOICES:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_table_choice'] must be "
+                             f"one of {list(_GEO_TABLE_CHOICES)}, got "
+                             f"{self.geo_table_choice!r}")
         for key in sorted(self.geo_explicit):
             if not self.k_steps:
                 raise ValueError(f"DistributedStrategy: a_sync_configs['{key}'] applies to "
@@ -215,7 +228,7 @@ class DistributedStrategy:
                 self.geo_sync_in_train_thread,
                 self.replicas_to_aggregate, self.sync_reduction, self.geo_wire_dtype, self.collective, self.dense,
                 self.geo_table_rule, self.geo_dense, self.geo_hot_count,
-                self.geo_hot_per_round)
+                self.geo_hot_per_round, self.geo_table_choice)
 
     def __repr__(self):
         if self.collective:
@@ -226,7 +239,8 @@ class DistributedStrategy:
         if self.mode == "geo" and self.geo_wire_dtype != "float32":
             extra += f", geo_wire_dtype={self.geo_wire_dtype!r}"
         if self.mode == "geo":
-            for key in ("geo_table_rule", "geo_dense", "geo_hot_count", "geo_hot_per_round"):
+            for key in ("geo_table_rule", "geo_dense", "geo_hot_count", "geo_hot_per_round",
+                        "geo_table_choice"):
                 if key in self.geo_explicit:
                     extra += f", {key}={getattr(self, key)!r}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:

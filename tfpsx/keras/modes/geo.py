@@ -31,7 +31,9 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              pull_ops, push_ops, rule_workers, table_readers, take_global,
                              track_snapshot)
+from tfpsx.modes.geo.tables import async_flag, table_choice
 from tfpsx.modes.positions import PendingPositions
+from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.waits import bounded_wait
 
 logger = logging.getLogger("tfpsx")
@@ -55,7 +57,9 @@ class KerasGeo(KerasMode):
         # The local steps counted when the last round started (the schedule's ``pushed``,
         # where the compiled step reads it).
         self._pushed: Optional[tf.Variable] = None
-        self._sync_fn = None
+        self._sync_fns = {}  # the background round's function, by the tables' actions
+        self._choice = False  # geo_table_choice="auto": made at the first round
+        self._choice_var = None
         # Deterministic rounds run inside the step (after_step) when the schedule's rule
         # says; the schedule runs the background and final ones. The communicator's first
         # wake-up traces the sync function (0.7 s on the examples/keras_ctr model: off
@@ -63,10 +67,10 @@ class KerasGeo(KerasMode):
         self.schedule = GeoSchedule(
             options.k_steps, self.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in self.tables), barrier=self.barrier,
-            first_round=lambda: self.sync_fn().get_concrete_function(),
+            first_round=self._trace_round,
             rounds_in_step=self.in_train_thread,
             auto_workers=rule_workers(config) if options.k_auto else 0,
-            counters=self.counters)
+            counters=self.counters, holds=self._holds)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
@@ -116,6 +120,12 @@ class KerasGeo(KerasMode):
         return self._steps
 
     # ------------------------------------------------------------------ the rule
+    def _trace_round(self) -> None:
+        """The communicator's first wake-up: the round's function is traced off fit's
+        path."""
+        choice = self._table_choice()
+        self.sync_fn(None if choice is None else choice.actions()).get_concrete_function()
+
     def _push_ops(self):
         return push_ops(self.dense, self.tables, float(self.rule_workers),
                         counters=self.step_pairs)
@@ -123,20 +133,27 @@ class KerasGeo(KerasMode):
     def _pull_ops(self, after):
         return pull_ops(self.dense + self.step_pairs, self.tables, after)
 
-    def sync_fn(self):
-        """push + pull in one function (the background communicator's round)."""
-        if self._sync_fn is None:
+    def sync_fn(self, actions=None):
+        """push + pull in one function (the background communicator's round); under
+        geo_table_choice="auto", one per ``actions`` (each table's pull as the job's
+        choice has it: :mod:`tfpsx.modes.geo.choice`)."""
+        if actions not in self._sync_fns:
             # No AutoGraph: the rule functions are graph code already (graph mode runs
             # them as is), and converting them took 4.6 s of every fit's start (measured).
             @tf.function(autograph=False)
             def sync():
-                pushes, sent = self._push_ops()
-                pulls, received = self._pull_ops(pushes)
+                pushed, pulled = [], []
+                pushes, sent = push_ops(self.dense, self.tables, float(self.rule_workers),
+                                        counters=self.step_pairs, per_table=pushed,
+                                        actions=actions)
+                pulls, received = pull_ops(self.dense + self.step_pairs, self.tables, pushes,
+                                           actions, per_table=pulled)
                 with tf.control_dependencies(pulls):
-                    return tuple(tf.identity(x) for x in sent + received)
+                    return tuple(tf.identity(x) for x in sent + received + tuple(pushed) +
+                                 tuple(pulled))
 
-            self._sync_fn = sync
-        return self._sync_fn
+            self._sync_fns[actions] = sync
+        return self._sync_fns[actions]
 
     def _count(self, start: float, rows_sent, bytes_sent, rows_received, bytes_received):
         count_round(self.counters, start, dense_size(self.dense), (rows_sent, bytes_sent),
@@ -148,13 +165,46 @@ class KerasGeo(KerasMode):
         assert phases == (PUSH, PULL), phases  # deterministic rounds run in the step
         start = time.monotonic()
         pending = self.positions.snapshot()
+        choice = self._table_choice()
+        actions = None if choice is None else choice.actions()
         try:
             with caches_locked(self.tables):
-                self._count(start, *self.sync_fn()())
+                done = [int(x) for x in self.sync_fn(actions)()]
         except BaseException:
             self.positions.put_back(pending)  # (not pushed: the next round's)
             raise
         self.positions.commit(pending)
+        self._count(start, *done[:4])
+        if choice is not None:
+            n = len(self.tables)
+            self._after_choice_round(choice, actions, done[4:4 + n], done[4 + n:])
+
+    def _holds(self) -> bool:
+        """A round in flight holds the training thread (not while every table trains
+        async and no dense copy syncs: geo_table_choice="auto")."""
+        choice = self._choice or None
+        return choice is None or bool(self.dense) or not choice.all_async()
+
+    def _table_choice(self):
+        """geo_table_choice="auto"'s choice (or None: :func:`table_choice`), made at the
+        first round; the job's is on PS 0."""
+        if self._choice is False:
+            self._choice = table_choice(self, self.is_chief, self.counters)
+            if self._choice is not None:
+                self._choice_var = self.state.shared(GEO_TABLE_CHOICE, 0)
+        return self._choice
+
+    def _after_choice_round(self, choice, actions, pushed, pulled) -> None:
+        totals = []
+        for u in self.updaters:
+            var = u.trained_variable()
+            totals.append((0, 0) if var is None else tuple(int(x) for x in var.numpy()))
+        to_ps, to_copy = choice.after_round(actions, pushed, pulled, totals,
+                                            self._choice_var.assign,
+                                            lambda: int(self._choice_var.read_value()))
+        for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
+            async_flag(self.tables[i]).assign(flag)
+            self.tables[i].trains_async = flag
 
     def commit_position(self, position):
         # A step trains the copy: its position waits for the round that pushes it.
@@ -300,6 +350,8 @@ class KerasGeo(KerasMode):
             v.local.assign(value)
             v.old.assign(value)
         for t in self.tables:
+            if t.trains_async:
+                continue  # (its lookups read the PS: geo_table_choice="auto")
             evicted = self._ps_evictions(t)
             moved = evicted != self._evicted.get(t.global_.name, evicted)
             take_global(t, refresh_all=moved or (refresh_rounded and t.wire is not None))

@@ -34,6 +34,11 @@ class GeoTable(RowCopy):
     # the next take then copies every row and trusts the reader again.
     old_tracked: bool = False
     snapshot_reader: bool = False  # track_snapshot registered the reader
+    # geo_table_choice="auto" (:mod:`.choice`): the job chooses for this table, and
+    # whether it trains async now (lookups read the PS; set by the front-end as the job
+    # chooses).
+    chosen: bool = False
+    trains_async: bool = False
 
 
 def take_global(t: GeoTable, refresh_all: bool = False) -> None:

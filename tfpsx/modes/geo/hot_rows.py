@@ -32,41 +32,60 @@ class HotRows:
     doc). The table's ``lookup_source`` in GEO with ``geo_hot_count`` or
     ``geo_hot_per_round``."""
 
-    def __init__(self, t: GeoTable, hot_count: int, contention: Optional[Contention] = None):
+    def __init__(self, t: GeoTable, hot_count: int, contention: Optional[Contention] = None,
+                 on_ps=None):
         self.geo, self.hot_count, self.contention = t, hot_count, contention
+        # geo_table_choice="auto": a bool variable, True while the table trains async
+        # (every row read and trained on the PS, evaluations read the PS too).
+        self.on_ps = on_ps
 
     def _hot(self, unique, counts) -> tf.Tensor:
         """Which of a batch's unique keys (seen ``counts`` times) train on the PS."""
         hot = (counts >= self.hot_count if self.hot_count
                else tf.zeros(tf.shape(counts), tf.bool))
         contended = self.contention.hot(unique) if self.contention else None
-        return hot if contended is None else tf.logical_or(hot, contended)
+        hot = hot if contended is None else tf.logical_or(hot, contended)
+        return hot if self.on_ps is None else tf.logical_or(hot, self._all(unique))
+
+    def _all(self, unique) -> tf.Tensor:
+        """The table trains async now: every key, else none."""
+        return tf.fill(tf.shape(unique), tf.convert_to_tensor(self.on_ps))
 
     def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
-        if not train:  # evaluation reads the copy, as GEO's lookups do
-            return self.geo.local.lookup_unique(ids, train=False, step=step, tape=tape)
-        local, global_ = self.geo.local, self.geo.global_
+        local = self.geo.local
+        if not train and self.on_ps is None:  # evaluation reads the copy, as GEO's do
+            return local.lookup_unique(ids, train=False, step=step, tape=tape)
         keys = local._keys(ids)
         unique, index, counts = tf.unique_with_counts(tf.reshape(keys, [-1]))
-        hot = self._hot(unique, counts)
-        at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
-        at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
-        hot_rows = ShardedTable.rows(global_, tf.gather(unique, at_hot), True, step)
-        # A worker cache's rows() caches what it fetches (its counts: the batch's ids).
-        tail_keys = tf.gather(unique, at_tail)
-        tail_rows = (local.rows(tail_keys, True, step, tf.gather(counts, at_tail))
-                     if self.geo.cached else local.rows(tail_keys, True, step))
-        unique_rows = tf.reshape(tf.dynamic_stitch([at_hot, at_tail], [hot_rows, tail_rows]),
-                                 [-1, local.dim])
+        # Evaluation reads the copy, or the PS while the table trains async. (One path
+        # for both: a tf.cond between them, whose branches hold the PS's ops, cost a
+        # word2vec worker 13% of its examples/s on a cluster, measured.)
+        hot = self._hot(unique, counts) if train else self._all(unique)
+        unique_rows = self._rows(unique, hot, counts, train, step)
         if tape is not None:
             tape.watch(unique_rows)
         embeddings = tf.reshape(tf.gather(unique_rows, index),
                                 tf.concat([tf.shape(keys), [local.dim]], axis=0))
-        return EmbeddingLookup(unique, unique_rows, index, embeddings, hot=hot)
+        return EmbeddingLookup(unique, unique_rows, index, embeddings,
+                               hot=hot if train else None)
+
+    def _rows(self, unique, hot, counts, train: bool, step) -> tf.Tensor:
+        """The rows of ``unique`` keys: the ``hot`` ones from the PS, the others from the
+        copy."""
+        local, global_ = self.geo.local, self.geo.global_
+        at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
+        at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
+        hot_rows = ShardedTable.rows(global_, tf.gather(unique, at_hot), train, step)
+        # A worker cache's rows() caches what it fetches (its counts: the batch's ids).
+        tail_keys = tf.gather(unique, at_tail)
+        tail_rows = (local.rows(tail_keys, train, step, tf.gather(counts, at_tail))
+                     if self.geo.cached else local.rows(tail_keys, train, step))
+        return tf.reshape(tf.dynamic_stitch([at_hot, at_tail], [hot_rows, tail_rows]),
+                          [-1, local.dim])
 
     def lookup(self, ids, train: bool = False, step=None, dedup=None) -> tf.Tensor:
-        if train:
-            return self.lookup_unique(ids, train=True, step=step).embeddings
+        if train or self.on_ps is not None:
+            return self.lookup_unique(ids, train=train, step=step).embeddings
         return self.geo.local.lookup(ids, train=False, step=step, dedup=dedup)
 
     def apply(self, keys, grads, hot, step):

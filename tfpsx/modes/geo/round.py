@@ -34,9 +34,12 @@ class GeoCounters(metrics.Counters):
     # async_table_bytes, what async would have moved for trained_rows (a row read and
     # its gradient sent, each with its key); hot_table_bytes, what the hot rows moved so;
     # table_bytes, what the rounds moved for the tables, both ways.
+    # geo_table_choice="auto" (tfpsx.modes.geo.choice): tables_async, the tables that
+    # train async now; table_switches, the switches between rounds and async.
     FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
               "sync_seconds", "round_waits", "round_wait_seconds", "trained_rows",
-              "hot_rows", "async_table_bytes", "hot_table_bytes", "table_bytes")
+              "hot_rows", "async_table_bytes", "hot_table_bytes", "table_bytes",
+              "tables_async", "table_switches")
 
     @property
     def mean_sync_seconds(self) -> float:

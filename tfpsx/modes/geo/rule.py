@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from tfpsx.embedding.row_copy import table_pull, table_push
+from tfpsx.modes.geo.choice import IDLE, SKIP
 from tfpsx.modes.geo.copies import GeoTable
 
 logger = logging.getLogger("tfpsx")
@@ -89,30 +90,51 @@ def dense_pull(v: GeoVariable, after=()):
 
 
 def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=None,
-             counters: List[GeoVariable] = ()):
+             counters: List[GeoVariable] = (), per_table: Optional[list] = None,
+             actions: Optional[Sequence[str]] = None):
     """The push phase: every dense pair (``delta / n``), every counter pair (n = 1: the
     job's step count) and every table's changed rows (whole deltas, n = 1: a row is
-    rarely trained by every worker between two syncs). Returns (ops, (rows, bytes) the
-    tables sent)."""
+    rarely trained by every worker between two syncs; none for a table whose action is
+    IDLE: :mod:`.choice`). Returns (ops, (rows, bytes) the tables sent); ``per_table``
+    (a list) gets each table's rows sent."""
     ops = [dense_push(v, n) for v in dense] + [dense_push(v, 1) for v in counters]
     rows = []
-    for t in tables:
+    for i, t in enumerate(tables):
+        if actions is not None and actions[i] == IDLE:
+            rows.append((tf.constant(0, tf.int32), 0, 0))
+            continue
         op, count = table_push(t, 1.0, step)
         ops.append(op)
         rows.append((count, _row_floats(t), _value_bytes(t)))
+    if per_table is not None:
+        per_table.extend(tf.cast(count, tf.int64) for count, _, _ in rows)
     return ops, rows_and_bytes(rows)
 
 
-def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=()):
+def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=(),
+             actions: Optional[Sequence[str]] = None, per_table: Optional[list] = None):
     """The pull phase, after the ops ``after``: every pair and the rows any worker
-    changed on the PS. Returns (ops, (rows, bytes) the tables received)."""
+    changed on the PS. Under ``geo_table_choice="auto"``, ``actions`` says per table
+    what its pull does (:mod:`.choice`: none for a table that trains async, SKIP or
+    IDLE; else a pull). Returns (ops, (rows, bytes) the tables received); ``per_table`` (a list) gets
+    each table's rows pulled."""
     ops = [dense_pull(v, after) for v in variables]
     rows = []
-    for t in tables:
+    for i, t in enumerate(tables):
+        if actions is not None and actions[i] in (SKIP, IDLE):
+            rows.append((tf.constant(0, tf.int32), 0, 0))
+            continue
         op, count = table_pull(t, after)
         ops.append(op)
         rows.append((count, _row_floats(t), _value_bytes(t)))
+    if per_table is not None:
+        per_table.extend(tf.cast(count, tf.int64) for count, _, _ in rows)
     return ops, rows_and_bytes(rows)
+
+
+def row_bytes(t: GeoTable) -> int:
+    """A row's bytes in a round, one way: its key and its floats as they travel."""
+    return 8 + _row_floats(t) * _value_bytes(t)
 
 
 def combine_for(deterministic: bool) -> str:
@@ -182,9 +204,9 @@ def auto_hot_per_round(deterministic: bool) -> int:
 # that does not apply is an error).
 GEO_MANY_WORKERS = 3
 GEO_FOR_MANY = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4,
-                "geo_hot_per_round": "auto"}
+                "geo_hot_per_round": "auto", "geo_table_choice": "auto"}
 GEO_EARLIER = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0,
-               "geo_hot_per_round": 0}
+               "geo_hot_per_round": 0, "geo_table_choice": "rounds"}
 
 
 def rule_workers(config) -> int:
@@ -274,6 +296,7 @@ def adopt_rule(state, options, config) -> None:
     state.share_slots = shares_slots(options, workers)
     state.hot_count = hot_count(options, workers)
     state.hot_per_round = hot_per_round(options, workers)
+    state.table_choice = rule_for(options, workers)["geo_table_choice"] == "auto"
     state.named = named_rule_keys(options)
     log_rule(options, workers, now=int(config.worker_num))
 

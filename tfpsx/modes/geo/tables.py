@@ -14,10 +14,12 @@ from tfpsx import graph_state
 from tfpsx.embedding.cache import WorkerCache
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
+from tfpsx.modes.geo.choice import TableChoice, TableTraffic
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable
 from tfpsx.modes.geo.hot_rows import HotRows
-from tfpsx.modes.geo.rule import combine_for
+from tfpsx.modes.geo.round import row_trip_bytes
+from tfpsx.modes.geo.rule import combine_for, row_bytes
 
 logger = logging.getLogger("tfpsx")
 
@@ -35,6 +37,7 @@ class GeoState(Protocol):
     hot_count: int  # ids seen this often in a batch train on the PS (0: none)
     # ids the N workers would train more often in a round train on the PS (0: none)
     hot_per_round: int
+    table_choice: bool  # geo_table_choice="auto": rounds or async, table by table
     named: frozenset  # the rule's keys the user named (named_rule_keys)
 
     def local_train_op(self, op) -> None:
@@ -81,6 +84,31 @@ def slots_add_up(mode: GeoState, table) -> bool:
 
 _TOLD: set = set()
 _TRAINED = "geo_trained"  # the kind of _trained_rows' worker-local variable
+
+
+def table_choice(mode: GeoState, is_chief: bool, counters=None) -> Optional[TableChoice]:
+    """The choice between rounds and async of ``mode``'s tables (a table with a worker
+    cache always runs rounds), or None without ``geo_table_choice="auto"`` or with
+    deterministic rounds (``geo_sync_in_train_thread=True``: the workers would adopt a
+    choice at different steps, and the rounds are there to be reproducible)."""
+    if not mode.table_choice or mode.in_train_thread or \
+            not any(t.chosen for t in mode.tables):
+        return None
+    return TableChoice([TableTraffic(u.name, row_bytes(t), row_trip_bytes(u.dim),
+                                     fixed=not t.chosen)
+                        for u, t in zip(mode.updaters, mode.tables)], is_chief, counters)
+
+
+def async_flag(t: GeoTable):
+    """A GEO table's worker-local bool variable under ``geo_table_choice="auto"``
+    (:mod:`.choice`): True while the table trains async (its lookups read the PS). Set
+    by the front-end as the job's choice changes (graph mode: built before the graph is
+    finalized); False when a session or process starts."""
+    def make(collections):
+        return tf.compat.v1.Variable(False, trainable=False, collections=collections,
+                                     use_resource=True, name="tfpsx_geo_trains_async")
+
+    return graph_state.worker_local(t, "geo_trains_async", t.global_.name, t.device, make)
 
 
 class GeoTableUpdater(TableUpdater):
@@ -133,21 +161,24 @@ class GeoTableUpdater(TableUpdater):
         old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim,
                            optimizer=table.optimizer if share else None, **copy)
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
-                             combine=combine_for(mode.in_train_thread), share_slots=share)
+                             combine=combine_for(mode.in_train_thread), share_slots=share,
+                             chosen=mode.table_choice and not mode.in_train_thread)
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
         # (an estimate that cannot find a row, K x N within its bound, adds nothing)
         contention = (self._contention if self._contention is not None
                       and self._contention.active() else None)
-        if self._hot or contention is not None:
-            return HotRows(self._geo, self._hot, contention)
+        on_ps = async_flag(self._geo) if self._geo.chosen else None
+        if self._hot or contention is not None or on_ps is not None:
+            return HotRows(self._geo, self._hot, contention, on_ps)
         return self._geo.local
 
     def rows_source(self, table):
         # The copy, whole: the hot rows' PS moves reach it at every pull (the last one in
-        # the final sync), as an evaluation reads it (HotRows.lookup).
-        return self._geo.local
+        # the final sync), as an evaluation reads it (HotRows.lookup); the PS's table
+        # while the job trains it async (geo_table_choice="auto").
+        return self._geo.global_ if self._geo.trains_async else self._geo.local
 
     def apply_gradients(self, table, keys, grads, step, hot=None):
         if hot is not None:  # the hot rows on the PS, the rest in the copy
@@ -177,6 +208,14 @@ class GeoTableUpdater(TableUpdater):
         """A session of this graph initialized its local variables: the count starts
         again from 0 (a session lost to an error takes its steps' count with it)."""
         self._counted[session.graph] = np.zeros([2], np.int64)
+
+    def trained_variable(self, graph=None):
+        """The int64 [rows, hot rows] count of what the training steps held: of eager
+        code, or of ``graph``; None before a step was built."""
+        if graph is None:
+            return getattr(self, "_eager_locals", None)  # (graph_state.worker_local's)
+        state = graph_state.peek(graph)
+        return None if state is None else state.worker_locals.get((_TRAINED, self.name))
 
     def trained_since(self, session=None) -> Tuple[int, int]:
         """(rows, hot rows) the training steps held since the last call: of eager code,

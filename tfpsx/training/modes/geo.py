@@ -22,10 +22,13 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              auto_k_steps, caches_locked, count_round, count_trained,
                              dense_async, dense_size, pull_ops, push_ops, rule_workers,
                              table_readers)
+from tfpsx.modes.geo.choice import IDLE, SKIP
+from tfpsx.modes.geo.tables import async_flag, table_choice
+from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.modes.positions import PendingSteps
 from tfpsx.runtime import RUNTIME
 from tfpsx.training.hooks import TrainStepDetector
-from tfpsx.training.modes.base import Mode, WrappedOptimizer
+from tfpsx.training.modes.base import GraphStateFactory, Mode, WrappedOptimizer
 from tfpsx.training.placement import worker_device_of
 
 logger = logging.getLogger("tfpsx")
@@ -202,7 +205,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._schedule = GeoSchedule(
             mode.k_steps, mode.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in mode.tables),
-            barrier=RUNTIME.barrier_worker, counters=mode.counters)
+            barrier=RUNTIME.barrier_worker, counters=mode.counters, holds=self._holds)
+        self._choice = None
 
     # -------------------------------------------------------------- graph
     def begin(self):
@@ -213,34 +217,72 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._built = True
         mode = self._mode
         step = as_step(tf.compat.v1.train.get_global_step())
-        pushes, (rows, nbytes) = push_ops(mode.dense, mode.tables, float(mode.rule_workers),
-                                          step)
         registrations = [op for t in mode.tables for op in table_readers(t)]
         self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
-        global_step = tf.compat.v1.train.get_global_step()
-        with tf.control_dependencies(pushes):
-            # global_step counts every worker's local steps, reported at each push.
-            report = ([tf.compat.v1.assign_add(global_step, self._new_steps)]
-                      if global_step is not None and mode.REPORTS_STEPS else [])
-            self._push = dict(rows=rows, bytes=nbytes, done=tf.group(*report, name="geo_push"))
-        self._push_pull = None
-        if mode.in_train_thread:
+        self._choice = table_choice(mode, RUNTIME.config.is_chief, mode.counters)
+        if self._choice is None:
+            self._push = self._push_ops(mode.dense, mode.tables, step, report=True)
             # Deterministic: the pull is a phase of its own (after a barrier).
-            self._pull = self._pull_ops([])
+            # Background: it runs right after the push in the same step (one round of
+            # RPCs less per sync).
+            after = [] if mode.in_train_thread else [self._push["done"]]
+            self._pulls = {None: self._pull_ops(mode.dense, mode.tables, after)}
         else:
-            # Background: the pull runs right after the push in the same step (one
-            # round of RPCs less per sync).
-            self._pull = self._pull_ops(list(self._push.values()))
-            self._push_pull = {"push": self._push, "pull": self._pull}
+            # geo_table_choice="auto" (background rounds only): each table's push and
+            # pull as the job's choice has them, fetched by the round; a catch-up is a
+            # pull, of every key changed since the table went async.
+            self._push = self._push_ops(mode.dense, [], step, report=True)
+            self._pulls = {"dense": self._pull_ops(mode.dense, [], [self._push["done"]])}
+            self._table_pushes = [self._push_ops([], [t], step) for t in mode.tables]
+            for i, t in enumerate(mode.tables):
+                self._pulls[i] = self._pull_ops([], [t], [self._table_pushes[i]["done"]])
+            zero = tf.constant(0, tf.int64)
+            self._skipped = dict(rows=zero, bytes=zero, per_table=[zero])
+            self._choice_ops = ChoiceOps(mode, self._choice)
         self._register = tf.group(*registrations, name="geo_register")
 
         self._dense = dense_size(mode.dense)
         self._detector = TrainStepDetector(mode.train_ops)
 
-    def _pull_ops(self, after):
-        """The pull of every GEO variable and table, after the ops ``after``."""
-        pulls, (rows, nbytes) = pull_ops(self._mode.dense, self._mode.tables, after)
-        return dict(rows=rows, bytes=nbytes, done=tf.group(*pulls, name="geo_pull"))
+    def _holds(self) -> bool:
+        """A round in flight holds the training thread (not while every table trains
+        async and no dense copy syncs: geo_table_choice="auto")."""
+        return self._choice is None or bool(self._mode.dense) or not self._choice.all_async()
+
+    def _push_ops(self, dense, tables, step, report: bool = False):
+        """The push of ``dense`` and ``tables``; with ``report``, global_step counts the
+        local steps pushed (every worker's)."""
+        per_table = []
+        pushes, (rows, nbytes) = push_ops(dense, tables, float(self._mode.rule_workers),
+                                          step, per_table=per_table)
+        global_step = tf.compat.v1.train.get_global_step()
+        with tf.control_dependencies(pushes):
+            done = ([tf.compat.v1.assign_add(global_step, self._new_steps)]
+                    if report and global_step is not None and self._mode.REPORTS_STEPS
+                    else [])
+            return dict(rows=rows, bytes=nbytes, per_table=per_table,
+                        done=tf.group(*done, name="geo_push"))
+
+    def _pull_ops(self, dense, tables, after):
+        """The pull of ``dense`` and ``tables``, after the ops ``after``."""
+        per_table = []
+        pulls, (rows, nbytes) = pull_ops(dense, tables, after, per_table=per_table)
+        return dict(rows=rows, bytes=nbytes, per_table=per_table,
+                    done=tf.group(*pulls, name="geo_pull"))
+
+    def _round_fetch(self):
+        """What a round runs: (the pushes, the pulls, the tables' actions): every table's,
+        or as the job's choice has them (geo_table_choice="auto": a table that trains
+        async pushes what its copy trained before, once, then neither pushes nor pulls)."""
+        if self._choice is None:
+            return [self._push], [self._pulls[None]], None
+        actions = self._choice.actions()
+        pushes = [self._push] + [self._skipped if action == IDLE else self._table_pushes[i]
+                                 for i, action in enumerate(actions)]
+        pulls = [self._pulls["dense"]] + [self._skipped if action in (SKIP, IDLE)
+                                          else self._pulls[i]
+                                          for i, action in enumerate(actions)]
+        return pushes, pulls, actions
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
@@ -251,6 +293,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         session.run(self._register)
         for u in self._mode.updaters:  # the session initialized their counts
             u.session_started(session)
+        if self._choice is not None:
+            self._choice_ops.session_started(session, RUNTIME.config.is_chief)
         if again:
             self._schedule.restart(self._steps)
         else:
@@ -287,21 +331,85 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # The input positions of the steps so far: taken before the round reads the copy,
         # committed once it pushed (tfpsx.modes.positions).
         pending = self._mode.positions.take()
-        if phases == (PUSH, PULL) and self._push_pull is not None:
+        pushes, pulls, actions = self._round_fetch()
+        # (geo_table_choice="auto": what the tables trained, and the job's choice)
+        choice = self._choice_ops.fetch() if self._choice is not None else {}
+        if phases == (PUSH, PULL) and not self._mode.in_train_thread:
             with caches_locked(self._mode.tables):
-                done = session.run(self._push_pull, new_steps)
-            pushed, pulled = done["push"], done["pull"]
+                done = session.run({"push": pushes, "pulls": pulls, "choice": choice},
+                                   new_steps)
+            pushed, pulled = done["push"], done["pulls"]
         else:
+            done = {}
             for phase in phases:
                 if phase == BARRIER:
                     RUNTIME.barrier_worker()
                 elif phase == PUSH:
                     with caches_locked(self._mode.tables):
-                        pushed = session.run(self._push, new_steps)
+                        pushed = session.run(pushes, new_steps)
                 else:
                     with caches_locked(self._mode.tables):
-                        pulled = session.run(self._pull)
+                        done = session.run({"pulls": pulls, "choice": choice})
+                    pulled = done["pulls"]
         self._reported = steps
         self._mode.positions.commit(pending)
         count_round(self._mode.counters, start, self._dense,
-                    (pushed["rows"], pushed["bytes"]), (pulled["rows"], pulled["bytes"]))
+                    (sum(p["rows"] for p in pushed), sum(p["bytes"] for p in pushed)),
+                    (sum(p["rows"] for p in pulled), sum(p["bytes"] for p in pulled)))
+        if self._choice is not None:
+            self._choice_ops.after_round(session, actions,
+                                         [n for p in pushed[1:] for n in p["per_table"]],
+                                         [n for p in pulled[1:] for n in p["per_table"]],
+                                         done["choice"])
+
+
+class ChoiceOps:
+    """Graph mode's ops for ``geo_table_choice="auto"`` (:mod:`tfpsx.modes.geo.choice`),
+    built before the graph is finalized: the job's choice on PS 0 (read; the chief
+    writes it), each table's lookup flag (set), and what the tables trained (read)."""
+
+    def __init__(self, mode: GeoMode, choice):
+        self._choice, self._mode = choice, mode
+        var = GraphStateFactory(mode.worker_device).shared(GEO_TABLE_CHOICE, 0)
+        self._initialized, self._init = var.is_initialized(), var.initializer
+        self._read = var.read_value()
+        self._value = tf.compat.v1.placeholder(tf.int64, [])
+        self._write = var.assign(self._value)
+        self._ready = False
+        self._flag = tf.compat.v1.placeholder(tf.bool, [])
+        self._set_flag = [async_flag(t).assign(self._flag) if t.chosen else None
+                          for t in mode.tables]
+        zeros = tf.zeros([2], tf.int64)
+        self.trained = [u.trained_variable(tf.compat.v1.get_default_graph()) for u in
+                        mode.updaters]
+        self.trained = [zeros if v is None else v for v in self.trained]
+
+    def session_started(self, session, is_chief: bool) -> None:
+        """The chief sets the job's choice up (once a PS holds it, it stays); the lookup
+        flags (local variables, False in a new session) follow this worker's choice."""
+        if is_chief and not session.run(self._initialized):
+            session.run(self._init)
+        for i, t in enumerate(self._mode.tables):
+            if t.trains_async:
+                session.run(self._set_flag[i], {self._flag: True})
+
+    def fetch(self) -> dict:
+        """What a round fetches for the choice: the tables' trained counts and, once the
+        chief set it up, the job's choice (read after the round's pulls)."""
+        return dict(trained=self.trained, **({"mask": self._read} if self._ready else {}))
+
+    def after_round(self, session, actions, pushed, pulled, fetched) -> None:
+        def read():
+            if "mask" in fetched:
+                return int(fetched["mask"])
+            # (a worker may round before the chief set it up: then no choice yet)
+            self._ready = bool(session.run(self._initialized))
+            return int(session.run(self._read)) if self._ready else None
+
+        to_ps, to_copy = self._choice.after_round(
+            actions, [int(n) for n in pushed], [int(n) for n in pulled],
+            [tuple(int(x) for x in v) for v in fetched["trained"]],
+            lambda mask: session.run(self._write, {self._value: mask}), read)
+        for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
+            session.run(self._set_flag[i], {self._flag: flag})
+            self._mode.tables[i].trains_async = flag
