@@ -16,7 +16,7 @@ import training_job as linear
 
 import tfpsx
 from tfpsx.launcher import loopback
-from tfpsx.modes.state import states_of
+from tfpsx.modes.state import GEO_TABLE_CHOICE, states_of
 
 FAST = {"TFPSX_HEARTBEAT_TIMEOUT": "6"}
 # A model that did not learn predicts the base rate: log loss ~0.69 on the planted clicks.
@@ -79,7 +79,10 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
         assert r["train_loss"][-1] < r["train_loss"][0], r
     chief = got[0]
     # the protocol's variables on PS 0 are the core's, under its names
-    assert all(r["mode_state"] == [s.name for s in states_of(mode)] for r in got.values()), got
+    # (and GEO's choice between rounds and async under the rule for many workers)
+    state = [s.name for s in states_of(mode)] + (
+        [GEO_TABLE_CHOICE.name] if "many" in extra else [])
+    assert all(r["mode_state"] == state for r in got.values()), got
     if mode in ("async", "staleness"):
         # iterations is the global step: every worker's steps, on PS 0.
         assert chief["kernel_device"].startswith("/job:ps/")
@@ -100,7 +103,8 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
         where = "/job:ps/" if many else "/job:worker/"
         if not many:
             assert "GEO at 2 worker(s): geo_table_rule='average', geo_dense='copies', " \
-                   "geo_hot_count=0, geo_hot_per_round=0 (by the worker count" in c.log("worker", 0)
+                   "geo_hot_count=0, geo_hot_per_round=0, geo_table_choice='rounds' (by the " \
+                   "worker count" in c.log("worker", 0)
         assert chief["kernel_device"].startswith(where), chief["kernel_device"]
         # 32 local steps an epoch. K = 8: 4 rounds, and fit says they are too few; "auto":
         # K = 4, 8 rounds.
@@ -119,6 +123,18 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
         # the rows; under the average they stay at their initial 0.1.
         grown = [m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()]
         assert all(grown) if many else not any(grown), chief
+        if many:
+            # geo_table_choice="auto" (the rule's): the users' table starts async and the
+            # chief chooses for it from its counters, every worker follows; the cached
+            # tags' table always runs rounds.
+            said = c.log("worker", 0)
+            assert "GEO: table 'user_emb' " in said and "tags_emb' t" not in said, said
+            switches = [line for line in said.splitlines() if "GEO: table 'user_emb' " in line
+                        and ("tries rounds:" in line or "trains async from now" in line)]
+            async_now = not switches or "trains async from now" in switches[-1]
+            assert (chief["tables_async"], chief["table_switches"]) == (
+                int(async_now), len(switches)), (chief, switches)
+            assert got[1]["table_switches"] <= len(switches), got[1]  # (as it read them)
         if many:  # the tags' cache, under the rule: its rows came with their slots
             for r in got.values():
                 (stats,) = r["caches"].values()

@@ -36,9 +36,9 @@ def test_strategy_modes():
     assert (geo.geo_table_rule, geo.geo_dense, geo.geo_hot_count) == (None, None, None)
     assert repr(geo) == "DistributedStrategy(mode='geo', k_steps=10, max_staleness=0)"
     many = {"geo_table_rule": "shared_slots", "geo_dense": "async", "geo_hot_count": 4,
-            "geo_hot_per_round": "auto"}
+            "geo_hot_per_round": "auto", "geo_table_choice": "auto"}
     earlier = {"geo_table_rule": "average", "geo_dense": "copies", "geo_hot_count": 0,
-               "geo_hot_per_round": 0}
+               "geo_hot_per_round": 0, "geo_table_choice": "rounds"}
     assert rule_for(geo, 2) == earlier and rule_for(geo, 3) == rule_for(geo, 32) == many
     assert rule_for(hybrid, 8) == dict(many, geo_dense="copies")  # dense all-reduced
     named = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_hot_count": 0})

@@ -51,8 +51,8 @@ HYBRID_PORTS = State("tfpsx_hybrid_ports", True, False,
 
 GEO_TABLE_CHOICE = State("tfpsx_geo_table_choice", False, False,
                          "GEO with geo_table_choice='auto': bit i set, the job's i-th table "
-                         "(in the order the tables are built) trains async; the chief "
-                         "decides (tfpsx.modes.geo.choice)")
+                         "(in the order the tables are built) runs rounds, else it trains "
+                         "async; the chief decides (tfpsx.modes.geo.choice)")
 
 # sync's own variable on each worker (not shared): the step it trains, its pushes' stamp.
 SYNC_LOCAL_STEP = "tfpsx_sync_local_step"

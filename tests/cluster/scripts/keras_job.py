@@ -278,7 +278,7 @@ def main(argv):
         if strategy.counters is not None:
             report.update({name: int(strategy.counters.snapshot()[name]) for name in (
                 "pushes", "rows_sent", "trained_rows", "hot_rows", "async_table_bytes",
-                "hot_table_bytes", "table_bytes")})
+                "hot_table_bytes", "table_bytes", "tables_async", "table_switches")})
         report["staleness_waits"] = strategy.staleness_waits
         report["caches"] = {
             layer.name: {k: float(v) for k, v in layer.table.cache.stats().items()}

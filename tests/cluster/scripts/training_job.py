@@ -26,7 +26,7 @@ import tensorflow as tf
 import tfpsx
 
 # GEO's rule, key by key: "earlier" (the default here: the numpy references of these
-# tests model it) and "many" (the rule for many workers) name its four keys; "default"
+# tests model it) and "many" (the rule for many workers) name its keys; "default"
 # names none (tfpsx chooses by the worker count). A key's own flag overrides either.
 def add_geo_rule_flags(p):
     p.add_argument("--geo_rule", choices=["earlier", "many", "default"], default="earlier")
@@ -34,6 +34,7 @@ def add_geo_rule_flags(p):
     p.add_argument("--geo_dense", default=None)
     p.add_argument("--geo_hot_count", type=int, default=None)
     p.add_argument("--geo_hot_per_round", type=int, default=None)
+    p.add_argument("--geo_table_choice", default=None)
 
 
 def geo_rule_configs(args) -> dict:

@@ -31,6 +31,8 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              pull_ops, push_ops, rule_workers, table_readers, take_global,
                              track_snapshot)
+from tfpsx.modes.geo.choice import CATCH_UP
+from tfpsx.modes.geo.copies import copy_global, local_reader
 from tfpsx.modes.geo.tables import async_flag, table_choice
 from tfpsx.modes.positions import PendingPositions
 from tfpsx.modes.state import GEO_TABLE_CHOICE
@@ -70,7 +72,7 @@ class KerasGeo(KerasMode):
             first_round=self._trace_round,
             rounds_in_step=self.in_train_thread,
             auto_workers=rule_workers(config) if options.k_auto else 0,
-            counters=self.counters, holds=self._holds)
+            counters=self.counters)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
@@ -168,6 +170,11 @@ class KerasGeo(KerasMode):
         choice = self._table_choice()
         actions = None if choice is None else choice.actions()
         try:
+            for t, action in zip(self.tables, actions or ()):
+                if action == CATCH_UP:  # it tries rounds: its copy takes the PS's rows
+                    copy_global(t)
+                    track_snapshot(t)
+                    t.local_is_old = False
             with caches_locked(self.tables):
                 done = [int(x) for x in self.sync_fn(actions)()]
         except BaseException:
@@ -179,12 +186,6 @@ class KerasGeo(KerasMode):
             n = len(self.tables)
             self._after_choice_round(choice, actions, done[4:4 + n], done[4 + n:])
 
-    def _holds(self) -> bool:
-        """A round in flight holds the training thread (not while every table trains
-        async and no dense copy syncs: geo_table_choice="auto")."""
-        choice = self._choice or None
-        return choice is None or bool(self.dense) or not choice.all_async()
-
     def _table_choice(self):
         """geo_table_choice="auto"'s choice (or None: :func:`table_choice`), made at the
         first round; the job's is on PS 0."""
@@ -195,11 +196,12 @@ class KerasGeo(KerasMode):
         return self._choice
 
     def _after_choice_round(self, choice, actions, pushed, pulled) -> None:
-        totals = []
+        totals, distinct = [], []
         for u in self.updaters:
             var = u.trained_variable()
             totals.append((0, 0) if var is None else tuple(int(x) for x in var.numpy()))
-        to_ps, to_copy = choice.after_round(actions, pushed, pulled, totals,
+            distinct.append(0.0 if u.distinct is None else float(u.distinct.take()))
+        to_ps, to_copy = choice.after_round(actions, pushed, pulled, distinct, totals,
                                             self._choice_var.assign,
                                             lambda: int(self._choice_var.read_value()))
         for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
@@ -316,6 +318,9 @@ class KerasGeo(KerasMode):
                 v.local.assign(value)
                 v.old.assign(value)
         for t in self.tables:
+            if t.chosen:  # (it starts async: its copy takes the PS's rows if it tries
+                local_reader(t)  # rounds, copy_global)
+                continue
             # Readers first: a push landing while the rows are copied is then also
             # marked for this worker's pulls (value-neutral if the copy had it).
             table_readers(t)

@@ -118,12 +118,8 @@ class Contention:
             return tf.gather(before, at) * scale >= float(self.bound)
 
     def bucket(self, keys) -> tf.Tensor:
-        """Each key's bucket: the top bits of key x 2^64 / golden ratio (int64 wraps; the
-        shift is arithmetic, the mask drops the sign's copies)."""
-        bits = int(math.log2(self.width))
-        mixed = tf.cast(keys, tf.int64) * tf.constant(_MIX, tf.int64)
-        return tf.bitwise.bitwise_and(tf.bitwise.right_shift(mixed, 64 - bits),
-                                      tf.constant(self.width - 1, tf.int64))
+        """Each key's bucket (:func:`bucket_of`)."""
+        return bucket_of(keys, self.width)
 
     def _vars(self) -> tuple:
         """(ema, age, clock): worker-local variables (``graph_state.worker_local``; not
@@ -138,3 +134,13 @@ class Contention:
                      for part, init in (("ema", tf.fill([self.width], start)),
                                         ("age", tf.zeros([self.width], tf.int64)),
                                         ("clock", tf.constant(0, tf.int64))))
+
+
+def bucket_of(keys, width: int) -> tf.Tensor:
+    """Each key's bucket of ``width`` (a power of two): the top bits of key x 2^64 /
+    golden ratio (int64 wraps; the shift is arithmetic, the mask drops the sign's
+    copies)."""
+    bits = int(math.log2(width))
+    mixed = tf.cast(keys, tf.int64) * tf.constant(_MIX, tf.int64)
+    return tf.bitwise.bitwise_and(tf.bitwise.right_shift(mixed, 64 - bits),
+                                  tf.constant(width - 1, tf.int64))

@@ -36,9 +36,38 @@ class GeoTable(RowCopy):
     snapshot_reader: bool = False  # track_snapshot registered the reader
     # geo_table_choice="auto" (:mod:`.choice`): the job chooses for this table, and
     # whether it trains async now (lookups read the PS; set by the front-end as the job
-    # chooses).
+    # chooses; a chosen table starts async, its reader on the PS not registered).
     chosen: bool = False
     trains_async: bool = False
+
+
+def local_reader(t: GeoTable) -> list:
+    """Registers the copy's own changed-key reader (0) only: a table that starts async
+    (:mod:`.choice`) registers its reader on the PS when it tries rounds
+    (:func:`copy_global`)."""
+    with tf.compat.v1.device(t.device):
+        return [t.local.shards[0].take_changed(tf.constant(0, tf.int64))]
+
+
+def copy_global(t: GeoTable):
+    """A table that tries rounds (:mod:`.choice`'s catch-up): this worker's reader of
+    the PS's changed keys is registered (or emptied), then the copy and its snapshot
+    take every PS row (with its slots when they travel: old holds them too), and the
+    copy's own reader forgets the import. A row the PS changes meanwhile is marked for
+    the next pull. Returns the op (None in eager mode, where it ran)."""
+    me, zero = tf.constant(t.reader, tf.int64), tf.constant(0, tf.int64)
+    registered = t.global_.on_shards(lambda i, shard: shard.take_changed(me))
+    deps = [] if tf.executing_eagerly() else registered
+    with tf.control_dependencies(deps):
+        rows = t.global_.export()
+    with tf.compat.v1.device(t.device):
+        imported = [t.local.import_rows(rows, clear=True),
+                    t.old.import_rows(rows if t.share_slots else
+                                      dict(rows, slots=tf.zeros([0], tf.float32)), clear=True)]
+        deps = [] if tf.executing_eagerly() else imported
+        with tf.control_dependencies(deps):
+            forgot = t.local.shards[0].take_changed(zero)
+    return None if tf.executing_eagerly() else tf.group(forgot)
 
 
 def take_global(t: GeoTable, refresh_all: bool = False) -> None:

@@ -33,19 +33,28 @@ class HotRows:
     ``geo_hot_per_round``."""
 
     def __init__(self, t: GeoTable, hot_count: int, contention: Optional[Contention] = None,
-                 on_ps=None):
+                 on_ps=None, distinct=None):
         self.geo, self.hot_count, self.contention = t, hot_count, contention
         # geo_table_choice="auto": a bool variable, True while the table trains async
-        # (every row read and trained on the PS, evaluations read the PS too).
-        self.on_ps = on_ps
+        # (every row read and trained on the PS, evaluations read the PS too), and the
+        # count of the distinct rows trained (DistinctRows: the choice's estimate).
+        self.on_ps, self.distinct = on_ps, distinct
 
     def _hot(self, unique, counts) -> tf.Tensor:
         """Which of a batch's unique keys (seen ``counts`` times) train on the PS."""
         hot = (counts >= self.hot_count if self.hot_count
                else tf.zeros(tf.shape(counts), tf.bool))
-        contended = self.contention.hot(unique) if self.contention else None
-        hot = hot if contended is None else tf.logical_or(hot, contended)
-        return hot if self.on_ps is None else tf.logical_or(hot, self._all(unique))
+        if self.on_ps is None:
+            contended = self.contention.hot(unique) if self.contention else None
+            return hot if contended is None else tf.logical_or(hot, contended)
+        if self.contention is not None and self.contention.active():
+            # None while the table trains async (every key is hot then): the estimate
+            # cost a word2vec worker ~8% of its examples/s (a tf.cond of this worker's
+            # ops only).
+            hot = tf.logical_or(hot, tf.cond(
+                tf.convert_to_tensor(self.on_ps), lambda: tf.zeros(tf.shape(unique), tf.bool),
+                lambda: self.contention.hot(unique)))
+        return tf.logical_or(hot, self._all(unique))
 
     def _all(self, unique) -> tf.Tensor:
         """The table trains async now: every key, else none."""
@@ -57,6 +66,9 @@ class HotRows:
             return local.lookup_unique(ids, train=False, step=step, tape=tape)
         keys = local._keys(ids)
         unique, index, counts = tf.unique_with_counts(tf.reshape(keys, [-1]))
+        if train and self.distinct is not None:
+            with tf.control_dependencies([self.distinct.mark(unique)]):
+                unique = tf.identity(unique)
         # Evaluation reads the copy, or the PS while the table trains async. (One path
         # for both: a tf.cond between them, whose branches hold the PS's ops, cost a
         # word2vec worker 13% of its examples/s on a cluster, measured.)

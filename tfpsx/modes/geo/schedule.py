@@ -87,10 +87,6 @@ class GeoSchedule:
         several steps may run in one call), when :meth:`due` says, and reports each by
         :meth:`ran_in_step`; ``run_round`` then runs the final round only. False: they
         run from :meth:`step_done`.
-      holds: whether a background round in flight holds the training thread when the
-        next is due (read at each step; False while every table trains async under
-        ``geo_table_choice="auto"``: nothing of the copies needs rounds K steps apart,
-        and the next round starts once the one in flight ended).
     """
 
     def __init__(self, k_steps: int, deterministic: bool,
@@ -98,8 +94,7 @@ class GeoSchedule:
                  cached: Callable[[], bool], barrier: Callable[[], None],
                  first_round: Optional[Callable[[], None]] = None,
                  rounds_in_step: bool = False, auto_workers: int = 0,
-                 counters: Optional[GeoCounters] = None,
-                 holds: Callable[[], bool] = lambda: True):
+                 counters: Optional[GeoCounters] = None):
         self.k_steps, self.deterministic = k_steps, deterministic
         # k_steps="auto" in a job of this many workers: K chosen by the first fit_length
         self._auto_workers = auto_workers
@@ -117,10 +112,6 @@ class GeoSchedule:
         self._idle = threading.Event()
         self._idle.set()
         self._counters = counters
-        # Whether a round in flight holds the training thread when the next is due (not
-        # when every table trains async: geo_table_choice="auto"; the next round then
-        # starts once it ended).
-        self._holds = holds
         self._steps_left: Optional[int] = None  # as the front-end last said
         self._warned = set()  # the epoch lengths check_epoch warned of
         self._told_wait = False  # the first wait for a round in flight was logged
@@ -193,12 +184,6 @@ class GeoSchedule:
         self._steps, self._steps_left = steps, steps_left
         if self._loop is not None:
             self._loop.check()
-            if not self._holds():
-                if self._idle.is_set() and self.due(steps, self.pushed) and self._time_left():
-                    self._requested = True
-                    self._idle.clear()
-                    self._loop.wake()
-                return
             if self._requested and steps - self.pushed >= 2 * self.k_steps:
                 # The round asked for K steps ago has not started (its thread did not run:
                 # a loaded machine); it would push every step trained meanwhile, from

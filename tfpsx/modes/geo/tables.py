@@ -17,6 +17,7 @@ from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo.choice import TableChoice, TableTraffic
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable
+from tfpsx.modes.geo.distinct import DistinctRows
 from tfpsx.modes.geo.hot_rows import HotRows
 from tfpsx.modes.geo.round import row_trip_bytes
 from tfpsx.modes.geo.rule import combine_for, row_bytes
@@ -96,16 +97,17 @@ def table_choice(mode: GeoState, is_chief: bool, counters=None) -> Optional[Tabl
         return None
     return TableChoice([TableTraffic(u.name, row_bytes(t), row_trip_bytes(u.dim),
                                      fixed=not t.chosen)
-                        for u, t in zip(mode.updaters, mode.tables)], is_chief, counters)
+                        for u, t in zip(mode.updaters, mode.tables)],
+                       getattr(mode, "rule_workers", mode.worker_num), is_chief, counters)
 
 
 def async_flag(t: GeoTable):
     """A GEO table's worker-local bool variable under ``geo_table_choice="auto"``
     (:mod:`.choice`): True while the table trains async (its lookups read the PS). Set
     by the front-end as the job's choice changes (graph mode: built before the graph is
-    finalized); False when a session or process starts."""
+    finalized); True when a session or process starts (a table starts async)."""
     def make(collections):
-        return tf.compat.v1.Variable(False, trainable=False, collections=collections,
+        return tf.compat.v1.Variable(True, trainable=False, collections=collections,
                                      use_resource=True, name="tfpsx_geo_trains_async")
 
     return graph_state.worker_local(t, "geo_trains_async", t.global_.name, t.device, make)
@@ -125,6 +127,7 @@ class GeoTableUpdater(TableUpdater):
         self._geo: Optional[GeoTable] = None
         self._hot = 0  # this table's hot count (geo_hot_count; 0: none)
         self._contention: Optional[Contention] = None  # geo_hot_per_round's estimate
+        self.distinct: Optional[DistinctRows] = None  # geo_table_choice="auto"'s count
         self.name, self.dim = "", 0
         # What of the rows its training steps held (_trained_rows) was counted: per graph
         # (held weakly: a program may build many), and of eager code.
@@ -160,9 +163,13 @@ class GeoTableUpdater(TableUpdater):
         # With shared slots, old keeps the slots a row had at the last pull too.
         old = ShardedTable(f"{table.name}/geo_old_w{me}", table.dim,
                            optimizer=table.optimizer if share else None, **copy)
+        chosen = mode.table_choice and not mode.in_train_thread
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
                              combine=combine_for(mode.in_train_thread), share_slots=share,
-                             chosen=mode.table_choice and not mode.in_train_thread)
+                             chosen=chosen, trains_async=chosen)
+        if chosen:
+            self.distinct = DistinctRows(f"{table.name}/geo_distinct_w{me}",
+                                         mode.worker_device)
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):
@@ -171,7 +178,7 @@ class GeoTableUpdater(TableUpdater):
                       and self._contention.active() else None)
         on_ps = async_flag(self._geo) if self._geo.chosen else None
         if self._hot or contention is not None or on_ps is not None:
-            return HotRows(self._geo, self._hot, contention, on_ps)
+            return HotRows(self._geo, self._hot, contention, on_ps, self.distinct)
         return self._geo.local
 
     def rows_source(self, table):

@@ -22,7 +22,8 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              auto_k_steps, caches_locked, count_round, count_trained,
                              dense_async, dense_size, pull_ops, push_ops, rule_workers,
                              table_readers)
-from tfpsx.modes.geo.choice import IDLE, SKIP
+from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
+from tfpsx.modes.geo.copies import copy_global, local_reader
 from tfpsx.modes.geo.tables import async_flag, table_choice
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.modes.positions import PendingSteps
@@ -205,7 +206,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._schedule = GeoSchedule(
             mode.k_steps, mode.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in mode.tables),
-            barrier=RUNTIME.barrier_worker, counters=mode.counters, holds=self._holds)
+            barrier=RUNTIME.barrier_worker, counters=mode.counters)
         self._choice = None
 
     # -------------------------------------------------------------- graph
@@ -217,7 +218,10 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._built = True
         mode = self._mode
         step = as_step(tf.compat.v1.train.get_global_step())
-        registrations = [op for t in mode.tables for op in table_readers(t)]
+        # (a table the job chooses for starts async: its reader on the PS is registered
+        # when it tries rounds, copy_global)
+        registrations = [op for t in mode.tables
+                         for op in (table_readers(t) if not t.chosen else local_reader(t))]
         self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
         self._choice = table_choice(mode, RUNTIME.config.is_chief, mode.counters)
         if self._choice is None:
@@ -243,11 +247,6 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
 
         self._dense = dense_size(mode.dense)
         self._detector = TrainStepDetector(mode.train_ops)
-
-    def _holds(self) -> bool:
-        """A round in flight holds the training thread (not while every table trains
-        async and no dense copy syncs: geo_table_choice="auto")."""
-        return self._choice is None or bool(self._mode.dense) or not self._choice.all_async()
 
     def _push_ops(self, dense, tables, step, report: bool = False):
         """The push of ``dense`` and ``tables``; with ``report``, global_step counts the
@@ -332,6 +331,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # committed once it pushed (tfpsx.modes.positions).
         pending = self._mode.positions.take()
         pushes, pulls, actions = self._round_fetch()
+        if self._choice is not None:
+            self._choice_ops.catch_up(session, actions)
         # (geo_table_choice="auto": what the tables trained, and the job's choice)
         choice = self._choice_ops.fetch() if self._choice is not None else {}
         if phases == (PUSH, PULL) and not self._mode.in_train_thread:
@@ -366,7 +367,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
 class ChoiceOps:
     """Graph mode's ops for ``geo_table_choice="auto"`` (:mod:`tfpsx.modes.geo.choice`),
     built before the graph is finalized: the job's choice on PS 0 (read; the chief
-    writes it), each table's lookup flag (set), and what the tables trained (read)."""
+    writes it), each table's lookup flag (set), its catch-up (the copy takes the PS's
+    rows), and what the tables trained (read)."""
 
     def __init__(self, mode: GeoMode, choice):
         self._choice, self._mode = choice, mode
@@ -379,24 +381,34 @@ class ChoiceOps:
         self._flag = tf.compat.v1.placeholder(tf.bool, [])
         self._set_flag = [async_flag(t).assign(self._flag) if t.chosen else None
                           for t in mode.tables]
-        zeros = tf.zeros([2], tf.int64)
+        self._catch_up = [copy_global(t) if t.chosen else None for t in mode.tables]
+        zero, zeros = tf.constant(0.0, tf.float64), tf.zeros([2], tf.int64)
         self.trained = [u.trained_variable(tf.compat.v1.get_default_graph()) for u in
                         mode.updaters]
         self.trained = [zeros if v is None else v for v in self.trained]
+        self.distinct = [zero if u.distinct is None else u.distinct.take()
+                         for u in mode.updaters]
 
     def session_started(self, session, is_chief: bool) -> None:
         """The chief sets the job's choice up (once a PS holds it, it stays); the lookup
-        flags (local variables, False in a new session) follow this worker's choice."""
+        flags (local variables, True in a new session) follow this worker's choice."""
         if is_chief and not session.run(self._initialized):
             session.run(self._init)
         for i, t in enumerate(self._mode.tables):
-            if t.trains_async:
-                session.run(self._set_flag[i], {self._flag: True})
+            if t.chosen and not t.trains_async:
+                session.run(self._set_flag[i], {self._flag: False})
+
+    def catch_up(self, session, actions) -> None:
+        """Before a round: the tables that try rounds take the PS's rows."""
+        ops = [self._catch_up[i] for i, action in enumerate(actions) if action == CATCH_UP]
+        if ops:
+            session.run(ops)
 
     def fetch(self) -> dict:
-        """What a round fetches for the choice: the tables' trained counts and, once the
-        chief set it up, the job's choice (read after the round's pulls)."""
-        return dict(trained=self.trained, **({"mask": self._read} if self._ready else {}))
+        """What a round fetches for the choice: the tables' trained counts and distinct
+        rows and, once the chief set it up, the job's choice."""
+        return dict(trained=self.trained, distinct=self.distinct,
+                    **({"mask": self._read} if self._ready else {}))
 
     def after_round(self, session, actions, pushed, pulled, fetched) -> None:
         def read():
@@ -408,6 +420,7 @@ class ChoiceOps:
 
         to_ps, to_copy = self._choice.after_round(
             actions, [int(n) for n in pushed], [int(n) for n in pulled],
+            [float(x) for x in fetched["distinct"]],
             [tuple(int(x) for x in v) for v in fetched["trained"]],
             lambda mask: session.run(self._write, {self._value: mask}), read)
         for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
