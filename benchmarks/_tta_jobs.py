@@ -133,7 +133,12 @@ class CriteoJob:
                          timeout=a.timeout) as job:
                 reports = [tfpsx.metrics.read(job.logs, "worker", i, "criteo")[-1]
                            for i in range(a.workers)]
-                steps = reports[0]["steps_per_epoch"] * a.epochs
+                steps = reports[0]["steps_per_epoch"]
+                # (an input leased split by split knows no epoch length: the steps from
+                # the examples the workers trained, equal shares)
+                steps = (steps * a.epochs if steps else round(
+                    reports[0]["examples_per_sec"] * reports[0]["seconds"] /
+                    (a.batch_size * a.workers)))
                 # The chief's rate counts every worker's examples (equal steps on each).
                 return {"examples_per_sec": reports[0]["examples_per_sec"],
                         "final": reports[0]["auc"], "seconds": reports[0]["seconds"],
