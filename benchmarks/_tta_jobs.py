@@ -47,6 +47,13 @@ COMMON_MODES = {
 CEILING = ["--mode", "async", "--cache_size", "100000000", "--cache_flush_steps", "1000000000"]
 
 
+def _cpu_ms_per_1k(reports, examples: float) -> float:
+    """The workers' CPU (every thread's, while training) per 1,000 of the job's
+    ``examples``: what a mode's steps cost them, which examples/s hides where the
+    processes share the machine's cores."""
+    return 1e6 * sum(r["cpu_seconds"] for r in reports) / max(1.0, examples)
+
+
 def _bytes_per_step(job, steps: int, workers: int):
     """Bytes per step and worker between the processes: through the servers' and the
     workers' links (what a worker reads, what it pushes) and (the hybrid mode) the
@@ -145,6 +152,8 @@ class CriteoJob:
                         "points": [{"seconds": p["seconds"], "value": p["auc"]}
                                    for p in reports[0]["points"]],
                         "bytes_per_step": _bytes_per_step(job, steps, a.workers),
+                        "cpu_ms_per_1k": _cpu_ms_per_1k(
+                            reports, reports[0]["examples_per_sec"] * reports[0]["seconds"]),
                         "table": {k: reports[0].get(k) for k in
                                   ("table_rows", "table_ram_bytes", "table_disk_rows")}}
         finally:
@@ -220,7 +229,9 @@ class Word2vecJob:
                     "seconds": reports[0]["seconds"],
                     "points": [{"seconds": p["seconds"], "value": p["loss"]}
                                for p in reports[0]["points"]],
-                    "bytes_per_step": _bytes_per_step(job, steps, a.workers)}
+                    "bytes_per_step": _bytes_per_step(job, steps, a.workers),
+                    "cpu_ms_per_1k": _cpu_ms_per_1k(reports,
+                                                    sum(r["examples"] for r in reports))}
 
 
 JOBS: Dict[str, type] = {"criteo": CriteoJob, "word2vec": Word2vecJob}

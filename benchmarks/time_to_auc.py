@@ -94,9 +94,12 @@ def main(argv=None):
         for mode, network in (configs if r % 2 == 0 else configs[::-1]):
             got = job.run(mode, *NETWORKS[network])
             results[(mode, network)].append(got)
+            cpu = got.get("cpu_ms_per_1k")
             print(f"  round {r + 1}: {network:8s} {mode:20s} "
                   f"{got['examples_per_sec']:8.0f} examples/s, final {job.quality} "
-                  f"{got['final']:.4f}, {got['seconds']:.1f} s", flush=True)
+                  f"{got['final']:.4f}, {got['seconds']:.1f} s"
+                  + ("" if cpu is None else f", workers' CPU {cpu:.1f} ms / 1k examples"),
+                  flush=True)
     lines = [f"time_to_auc: {job.title()}, medians of {args.rounds} "
              "interleaved rounds", ""]
     plots = {}
@@ -121,8 +124,9 @@ def summarize(job, runs_by_mode: Dict[str, List[dict]], fraction: float) -> Dict
     for mode, runs in runs_by_mode.items():
         med[mode] = {k: statistics.median(x[k] for x in runs)
                      for k in ("examples_per_sec", "final", "seconds")}
-        b = [x["bytes_per_step"] for x in runs if x["bytes_per_step"]]
-        med[mode]["bytes_per_step"] = statistics.median(b) if b else None
+        for key in ("bytes_per_step", "cpu_ms_per_1k"):
+            got = [x[key] for x in runs if x.get(key)]
+            med[mode][key] = statistics.median(got) if got else None
         med[mode]["points"] = runs[len(runs) // 2]["points"]
     cluster = [m for m in med if m != "local"] or list(med)
     finals = [med[m]["final"] for m in cluster]
@@ -162,12 +166,13 @@ def table(job, network: str, med: Dict[str, dict]) -> List[str]:
              f"{info['best']:.4f}, {'times' if job.higher_is_better else 'divided by'} the "
              f"target fraction); equal time {info['equal']:.1f} s", "",
              f"| mode | time to target (s) | vs async | time to async's final (s) | vs async | "
-             f"{q} at equal time | final {q} | examples/s | x ceiling | bytes / step / worker |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{q} at equal time | final {q} | examples/s | x ceiling | bytes / step / worker | "
+             "workers' CPU / 1k examples |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ceiling = med.get("local", {}).get("examples_per_sec")
     for mode in modes:
         m = med[mode]
-        t, eq, b = m["to_target"], m["at_equal"], m["bytes_per_step"]
+        t, eq, b, cpu = m["to_target"], m["at_equal"], m["bytes_per_step"], m["cpu_ms_per_1k"]
         ta = m["to_async"]
         cells = ["not reached" if t is None else f"{t:.1f}",
                  "-" if t is None or not base else f"{base / t:.2f}x",
@@ -176,7 +181,8 @@ def table(job, network: str, med: Dict[str, dict]) -> List[str]:
                  "-" if eq is None else f"{eq:.4f}", f"{m['final']:.4f}",
                  f"{m['examples_per_sec']:.0f}",
                  "-" if not ceiling else f"{m['examples_per_sec'] / ceiling:.2f}",
-                 "-" if not b else f"{b / 1e3:.1f} kB"]
+                 "-" if not b else f"{b / 1e3:.1f} kB",
+                 "-" if not cpu else f"{cpu:.0f} ms"]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -149,7 +149,7 @@ class Evaluation(keras.callbacks.Callback):
         self.points = []
         self._steps = 0
         self._start = None
-        self._paused = 0.0
+        self._paused = self._paused_cpu = 0.0
 
     def on_train_begin(self, logs=None):
         self._start = time.perf_counter()
@@ -164,11 +164,12 @@ class Evaluation(keras.callbacks.Callback):
         print(f"epoch {epoch + 1}: eval auc {a:.4f} logloss {l:.4f}", flush=True)
 
     def evaluate(self):
-        begun = time.perf_counter()
+        begun, cpu_begun = time.perf_counter(), time.process_time()
         trained = begun - self._start - self._paused
         p = self.model.predict(self.data, verbose=0).ravel()
         a, l = auc(self.labels, p), logloss(self.labels, p)
         self._paused += time.perf_counter() - begun
+        self._paused_cpu += time.process_time() - cpu_begun
         self.points.append({"seconds": trained, "step": self._steps, "auc": a, "logloss": l})
         tfpsx.metrics.emit("criteo_eval", **self.points[-1])
         if self.summaries is not None:
@@ -342,13 +343,17 @@ def main(argv):
         evaluation = Evaluation(eval_data, labels, FLAGS.eval_every, summaries)
         callbacks.append(evaluation)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps,
               initial_epoch=min(first_epoch, FLAGS.epochs), shuffle=False,
               verbose=FLAGS.verbose if chief else 0, callbacks=callbacks)
     seconds = time.perf_counter() - start
+    # This process's CPU (every thread's) during fit: what the steps cost the worker,
+    # which wall time hides where the workers share cores.
+    cpu_seconds = time.process_time() - cpu_start
     if evaluation is not None:  # fit's own time: the chief's evaluation pauses excluded
         seconds -= evaluation._paused
+        cpu_seconds -= evaluation._paused_cpu
     examples = max(0, FLAGS.epochs - first_epoch) * lines  # the job's, every worker's
     rate = examples / seconds if seconds > 0 else 0.0
     if strategy is not None:
@@ -358,6 +363,7 @@ def main(argv):
     report = {"worker": me, "mode": FLAGS.mode, "dense": FLAGS.dense, "model": FLAGS.model,
               "k_steps": k_steps(),
               "cache_size": FLAGS.cache_size, "seconds": seconds, "examples_per_sec": rate,
+              "cpu_seconds": cpu_seconds,
               "steps_per_epoch": steps,
               "input": FLAGS.input if FLAGS.input == "stream" else
               "splits" if use_splits else "static"}

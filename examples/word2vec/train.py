@@ -320,8 +320,8 @@ def main(argv):
         last_step = FLAGS.steps if FLAGS.mode == "sync" else None
         probing = me == 0 and FLAGS.eval_every > 0
         with tfpsx.MonitoredTrainingSession(last_step=last_step) as sess:
-            start = time.perf_counter()
-            paused = 0.0  # seconds spent evaluating, left out of the timeline
+            start, cpu_start = time.perf_counter(), time.process_time()
+            paused = cpu_paused = 0.0  # spent evaluating, left out of the timeline
             i = 0
             staging = stage(stager, emb_in, emb_out, batches, 0)
             examples = 0
@@ -348,11 +348,15 @@ def main(argv):
                     print(f"worker {me}: step {i}, loss {np.mean(losses[-50:]):.4f}",
                           flush=True)
                 if probing and i % FLAGS.eval_every == 0:
-                    began = time.perf_counter()
+                    began, cpu_began = time.perf_counter(), time.process_time()
                     points.append({"seconds": began - start - paused, "step": i,
                                    "loss": probe.loss(*sess.run(probe_rows))})
                     paused += time.perf_counter() - began
+                    cpu_paused += time.process_time() - cpu_began
             seconds = time.perf_counter() - start - paused  # training's
+            # This process's CPU (every thread's) while it trained: what a step costs the
+            # worker, which wall time hides where the workers share cores.
+            cpu_seconds = time.process_time() - cpu_start - cpu_paused
             if FLAGS.mode == "local":
                 rows_in, rows_out = sess.run([export_in, export_out])
                 final = probe.loss(*sess.run(probe_rows))
@@ -369,6 +373,7 @@ def main(argv):
     eval_loss, gap = evaluate(rows_in, rows_out, corpus, FLAGS.dim)
     report = {"worker": me, "mode": FLAGS.mode, "k_steps": k_steps, "steps": len(losses),
               "seconds": seconds, "examples_per_sec": examples / seconds, "examples": examples,
+              "cpu_seconds": cpu_seconds,
               "train_loss": float(np.mean(losses[-50:])), "eval_loss": eval_loss,
               "similarity_gap": gap, "vocab_rows": int(len(rows_in["keys"])),
               "global_step": global_steps,
