@@ -135,6 +135,13 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
             assert (chief["tables_async"], chief["table_switches"]) == (
                 int(async_now), len(switches)), (chief, switches)
             assert got[1]["table_switches"] <= len(switches), got[1]  # (as it read them)
+            # Keras traces the step again for each table state (AsyncRows while async):
+            # when a table's copy caught up and when it went back to async.
+            traced = said.count("traced again")
+            print("the users' table's switches:", switches, "steps traced again:", traced)
+            assert traced <= 2 * len(switches), (traced, switches)
+            if any("trains async from now" in line for line in switches):
+                assert traced >= 2, (traced, switches)
         if many:  # the tags' cache, under the rule: its rows came with their slots
             for r in got.values():
                 (stats,) = r["caches"].values()

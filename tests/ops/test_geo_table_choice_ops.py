@@ -93,3 +93,60 @@ def test_the_distinct_rows_a_worker_trained_are_counted_between_rounds():
     assert float(counter.take()) == 0.0  # a take clears the count
     counter.mark(tf.constant(vocabulary[:2], tf.int64))
     assert abs(float(counter.take()) - 2.0) < 0.01
+
+
+def test_graph_mode_a_chosen_table_trains_on_the_ps_then_its_copy_as_its_flag_says():
+    """The same step in a TF1 graph (tf.conds of the worker's ops, the PS's lookup and
+    apply outside them), run with the flag True, then False: one graph trains the PS
+    while async, then the copy, with the hot count's rows on the PS; the distinct rows
+    are counted only while async."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        t = chosen_pair()
+        flag = async_flag(t)
+        counter = DistinctRows(f"distinct{next(_names)}", None, width=1 << 10)
+        hot = geo.HotRows(t, 2, None, flag, counter)
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        looked = hot.lookup_unique(ids, train=True, step=1)
+        loss = tf.reduce_sum(looked.embeddings)
+        grads = tf.gradients(loss, looked.unique_rows)[0]
+        train = hot.apply(looked.unique_keys, grads, looked.hot, 1)
+        evaluate = hot.lookup(ids)
+        value = tf.compat.v1.placeholder(tf.bool, [])
+        set_flag = flag.assign(value)
+        sess.run([tf.compat.v1.global_variables_initializer(),
+                  tf.compat.v1.local_variables_initializer()])
+        sess.run(t.global_.insert(tf.constant([4, 5], tf.int64),
+                                  tf.constant([[1., 1.], [2., 2.]])))
+        rows = lambda table, keys: sess.run(  # noqa: E731
+            table.rows(tf.constant(keys, tf.int64), False))
+
+        got, hot_keys, _ = sess.run([looked.unique_rows, looked.hot, train], {ids: [4, 5, 4]})
+        np.testing.assert_allclose(got, [[1., 1.], [2., 2.]])
+        assert hot_keys.tolist() == [True, True]
+        moved = {4: 1. - LR * 2. / np.sqrt(0.1 + 4.), 5: 2. - LR * 1. / np.sqrt(0.1 + 1.)}
+        np.testing.assert_allclose(rows(t.global_, [4, 5]),
+                                   [[moved[4]] * 2, [moved[5]] * 2], rtol=1e-6)
+        assert int(sess.run(t.local.size())) == 0
+        assert abs(float(sess.run(counter.take())) - 2.0) < 0.01
+        np.testing.assert_allclose(sess.run(evaluate, {ids: [5]}), [[moved[5]] * 2],
+                                   rtol=1e-6)
+
+        # The table runs rounds: its copy holds 7 (and 5's PS value); 4 is seen twice in
+        # the batch (the hot count): it stays on the PS.
+        sess.run(set_flag, {value: False})
+        assert not bool(sess.run(flag))
+        sess.run(t.local.insert(tf.constant([5, 7], tf.int64), tf.constant([[3., 3.], [4., 4.]])))
+        got, hot_keys, _ = sess.run([looked.unique_rows, looked.hot, train],
+                                    {ids: [4, 7, 4, 5]})
+        np.testing.assert_allclose(got, [[moved[4]] * 2, [4., 4.], [3., 3.]], rtol=1e-6)
+        assert hot_keys.tolist() == [True, False, False]
+        ps_4 = moved[4] - LR * 2. / np.sqrt(0.1 + 4. + 4.)  # its second step, on the PS
+        np.testing.assert_allclose(rows(t.global_, [4, 5]), [[ps_4] * 2, [moved[5]] * 2],
+                                   rtol=1e-6)
+        # The copy's rows (inserted with no slots: Adagrad's initial accumulator 0.1)
+        np.testing.assert_allclose(rows(t.local, [7, 5]),
+                                   [[4. - LR / np.sqrt(1.1)] * 2, [3. - LR / np.sqrt(1.1)] * 2],
+                                   rtol=1e-6)
+        assert float(sess.run(counter.take())) == 0.0  # not counted while in rounds
+        np.testing.assert_allclose(sess.run(evaluate, {ids: [7]}),
+                                   [[4. - LR / np.sqrt(1.1)] * 2], rtol=1e-6)

@@ -11,8 +11,10 @@ from tfpsx.keras.fit import StrategyCallback
 class RecordingStrategy:
     """The strategy side of the callback, recording what fit told it."""
 
-    def __init__(self):
+    def __init__(self, stale_after=()):
         self.calls = []
+        self.stale_after = list(stale_after)  # the batch_end calls after which the
+        self.batches = 0  # mode's state changed (GEO's choice): the step is traced again
 
     def begin_fit(self, model, epoch_steps=None):
         self.calls.append("begin")
@@ -20,6 +22,10 @@ class RecordingStrategy:
 
     def batch_end(self, model, steps_left=None):
         self.calls.append(steps_left)
+        self.batches += 1
+
+    def steps_stale(self):
+        return self.batches in self.stale_after
 
     def end_fit(self, model, failed=False):
         self.calls.append("end")
@@ -100,3 +106,32 @@ def test_an_epoch_of_unknown_length_from_splits_waits_for_its_ops_only_near_its_
     source.left = False  # its last split taken: every step may be the epoch's last
     model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[StrategyCallback(strategy)])
     assert len(waits) == 2 * 3  # after each of the 3 steps, and after its callback's ops
+
+
+def test_a_step_whose_mode_changed_is_traced_again_before_the_next_step():
+    """GEO's choice between rounds and async changed (a table's lookups go another way):
+    the callback has Keras trace the train step again, once per change, and keeps
+    wrapping it; evaluate traces its step anew too."""
+    traced = []
+
+    class Counted(keras.Sequential):
+        def train_step(self, data):
+            traced.append("train")  # (Python: runs when the step is traced)
+            return super().train_step(data)
+
+        def test_step(self, data):
+            traced.append("test")
+            return super().test_step(data)
+
+    model = Counted([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = np.ones((10, 3), np.float32), np.ones((10, 1), np.float32)
+    model.evaluate(x, y, batch_size=2, verbose=0)
+    strategy = RecordingStrategy(stale_after=[2, 4])
+    callback = StrategyCallback(strategy)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[callback])
+    assert traced.count("train") == 3  # the first trace, and after steps 2 and 4
+    assert strategy.calls == ["begin", 4, 3, 2, 1, 0, "end"]
+    assert callback._originals == {}  # fit's own step restored when it ended
+    model.evaluate(x, y, batch_size=2, verbose=0)
+    assert traced.count("test") == 2  # traced again: the first was for the old choice

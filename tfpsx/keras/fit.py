@@ -109,6 +109,8 @@ class StrategyCallback(keras.callbacks.Callback):
         try:
             self._strategy.translating(self._strategy.batch_end, self.model,
                                        self._steps_left)
+            if self._strategy.steps_stale():
+                self._trace_again()
             flush_due_eager_caches()  # worker caches sync between steps
             # An input's exact save (tfpsx.data.splits(exact_saves=True)): this worker's
             # steps committed, it waits here while the chief saves.
@@ -148,6 +150,18 @@ class StrategyCallback(keras.callbacks.Callback):
 
         self._originals[name] = (original, step)
         setattr(self.model, name, step)
+
+    def _trace_again(self) -> None:
+        """The mode's state changed what the model's steps must run (GEO's choice
+        between rounds and async): the train step is traced again before the next step
+        (fit reads ``model.train_function`` at each), and evaluate / predict trace theirs
+        when next called."""
+        self._restore()
+        self.model.test_function = self.model.predict_function = None
+        self.model.make_train_function(force=True)
+        self._wrap("train_function")
+        logger.info("the train step is traced again at the next step (GEO's choice between "
+                    "rounds and async changed)")
 
     def _restore(self) -> None:
         for name, (original, step) in self._originals.items():

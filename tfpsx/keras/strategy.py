@@ -371,6 +371,12 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         ``steps_left``: the steps this ``fit`` still runs (None: unknown)."""
         self._mode.batch_end(model, steps_left)
 
+    def steps_stale(self) -> bool:
+        """Whether the model's step functions must be traced again before its next step
+        (the mode's state changed: GEO's choice between rounds and async, table by
+        table); checking clears it."""
+        return self._mode.steps_stale()
+
     def end_fit(self, model, failed: bool = False) -> None:
         """``fit`` ended (``failed``: a step raised; the mode ends all the same)."""
         if not failed:

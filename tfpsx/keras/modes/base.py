@@ -170,6 +170,11 @@ class KerasMode:
         """After each execution of the train function (``steps_per_execution`` steps);
         ``steps_left``: the steps the ``fit`` still runs (None: unknown)."""
 
+    def steps_stale(self) -> bool:
+        """Whether the model's step functions must be traced again before the next step
+        (GEO's choice between rounds and async changed); checking clears it."""
+        return False
+
     def finish_fit(self, model) -> None:
         """``fit``'s steps ended well, before ``end_fit`` (its steps may still run: sync's
         chief applies the steps of workers still training)."""

@@ -33,7 +33,7 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              track_snapshot)
 from tfpsx.modes.geo.choice import CATCH_UP
 from tfpsx.modes.geo.copies import copy_global, local_reader
-from tfpsx.modes.geo.tables import async_flag, table_choice
+from tfpsx.modes.geo.tables import async_flag, follow_choice, table_choice
 from tfpsx.modes.positions import PendingPositions
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.waits import bounded_wait
@@ -48,6 +48,11 @@ class KerasGeo(KerasMode):
     def __init__(self, keras_strategy, options, config):
         super().__init__(keras_strategy, options, config)
         adopt_rule(self, options, config)
+        # geo_table_choice="auto": the step is traced for each table's state (AsyncRows
+        # while it trains async) and traced again when the job's choice changes.
+        self.retraces = True
+        self._steps_stale = False  # a table's state changed since the step was traced
+        self._dispatched = 0  # local steps fit dispatched, as batch_end counts them
         self.rule_workers = rule_workers(config)  # N of the rule: the job's, a joiner's too
         self.dense: List[GeoVariable] = []
         self.step_pairs: List[GeoVariable] = []   # optimizer.iterations (N = 1)
@@ -204,9 +209,19 @@ class KerasGeo(KerasMode):
         to_ps, to_copy = choice.after_round(actions, pushed, pulled, distinct, totals,
                                             self._choice_var.assign,
                                             lambda: int(self._choice_var.read_value()))
-        for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
-            async_flag(self.tables[i]).assign(flag)
-            self.tables[i].trains_async = flag
+        follow_choice(self.tables, to_ps, to_copy,
+                      lambda i, flag: async_flag(self.tables[i]).assign(flag))
+        if to_ps or to_copy:
+            self._steps_stale = True  # (fit's callback traces the step again)
+
+    def steps_stale(self) -> bool:
+        """Whether the model's step functions were traced for another choice than the
+        job's now (:class:`~tfpsx.modes.geo.hot_rows.AsyncRows`); the caller traces them
+        again (this clears it). Until it does, the old step still trains right: a table
+        traced async trains the PS (its copy, if it runs rounds now, pulls those rows),
+        one traced through HotRows follows its flag."""
+        stale, self._steps_stale = self._steps_stale, False
+        return stale
 
     def commit_position(self, position):
         # A step trains the copy: its position waits for the round that pushes it.
@@ -369,7 +384,8 @@ class KerasGeo(KerasMode):
             copy_trains(t)
         self._fits += 1
         self._in_fit = True
-        self.schedule.start(int(self.steps().read_value()))
+        self._dispatched = int(self.steps().read_value())
+        self.schedule.start(self._dispatched)
         # Every step is pushed when fit starts: the next round comes K steps on (also
         # after a fit that ended off a multiple of K, whose final round pushed its rest).
         self._pushed.assign(self.schedule.pushed)
@@ -410,8 +426,16 @@ class KerasGeo(KerasMode):
             self._take_global()
 
     def batch_end(self, model, steps_left: Optional[int] = None) -> None:
-        if self.schedule.running:
-            self.schedule.step_done(int(self._steps.read_value()), steps_left)
+        if not self.schedule.running:
+            return
+        # The steps fit dispatched, counted here: reading the count the step keeps waits
+        # for the step in flight (Keras dispatches the next step while one runs). It is
+        # read only when a round may be due (an execution at an epoch's end may run
+        # fewer steps than steps_per_execution).
+        self._dispatched += getattr(model, "steps_per_execution", 1) or 1
+        if self.schedule.due(self._dispatched, self.schedule.pushed):
+            self._dispatched = int(self._steps.read_value())
+        self.schedule.step_done(self._dispatched, steps_left)
 
     def _distrust_snapshots(self) -> None:
         """A fit failed (:func:`tfpsx.modes.geo.distrust_snapshot`)."""
@@ -435,6 +459,11 @@ class KerasGeo(KerasMode):
             raise
         count_trained(self.counters, self.worker_index,
                       [u.trained_since() + (u.dim,) for u in self.updaters], steps)
+        if self.steps_stale():  # (the final round's choice: the next fit, evaluate or
+            # predict traces its step for it)
+            model.train_function = model.test_function = model.predict_function = None
+            logger.info("GEO: the model's steps are traced again when next used (the job's "
+                        "choice between rounds and async changed in fit's final round)")
         if failed:
             self._distrust_snapshots()
         else:

@@ -8,14 +8,14 @@ pull brings every row the other workers changed (docs/modes.md, "When GEO pays")
 table starts async (every row read and trained on the PS, no round moves it), and each
 round the chief counts what async moves for it, ``async = trained rows x``
 :func:`~tfpsx.modes.geo.round.row_trip_bytes`, and what a round would move: ``N x`` the
-distinct rows a worker's steps trained in the round (:mod:`.distinct`; its push, and
-the others' pushes it would pull) ``x`` a row's wire bytes: at most what a round moves
-(rows several workers train are pulled once). Where that estimate stays under
-``TRY_BELOW`` x async over a window, the table tries rounds: its copy takes the PS's
-rows, and the rounds' bytes are measured (``(pushed + pulled rows) x`` a row's wire
-bytes ``+`` its hot rows' async traffic). A window of rounds that moved more than async
-sends it back to async, and it tries again after TFPSX_GEO_RECHECK_SECONDS at the
-earliest. Windows: ``FIRST_WINDOW`` rounds after the round left out (the job's first, or
+distinct rows a worker's steps trained in the round (:mod:`.distinct`, counted on the
+chief; its push, and the others' pushes it would pull) ``x`` a row's wire bytes: at
+most what a round moves (rows several workers train are pulled once). Where that
+estimate stays under ``TRY_BELOW`` x async over a window, the table tries rounds: its
+copy takes the PS's rows, and the rounds' bytes are measured (``(pushed + pulled rows)
+x`` a row's wire bytes ``+`` its hot rows' async traffic). A window of rounds that
+moved more than async sends it back to async, and it tries again after
+TFPSX_GEO_RECHECK_SECONDS at the earliest. Windows: ``FIRST_WINDOW`` rounds after the round left out (the job's first, or
 a trial's first: its copy's first rows), then ``WINDOW`` rounds.
 
 The decision is the job's: the chief writes it on PS 0 (a bit per table that runs

@@ -41,20 +41,12 @@ class HotRows:
         self.on_ps, self.distinct = on_ps, distinct
 
     def _hot(self, unique, counts) -> tf.Tensor:
-        """Which of a batch's unique keys (seen ``counts`` times) train on the PS."""
+        """Which of a batch's unique keys (seen ``counts`` times) train on the PS, by the
+        rules (hot count, contention): while the table runs rounds."""
         hot = (counts >= self.hot_count if self.hot_count
                else tf.zeros(tf.shape(counts), tf.bool))
-        if self.on_ps is None:
-            contended = self.contention.hot(unique) if self.contention else None
-            return hot if contended is None else tf.logical_or(hot, contended)
-        if self.contention is not None and self.contention.active():
-            # None while the table trains async (every key is hot then): the estimate
-            # cost a word2vec worker ~8% of its examples/s (a tf.cond of this worker's
-            # ops only).
-            hot = tf.logical_or(hot, tf.cond(
-                tf.convert_to_tensor(self.on_ps), lambda: tf.zeros(tf.shape(unique), tf.bool),
-                lambda: self.contention.hot(unique)))
-        return tf.logical_or(hot, self._all(unique))
+        contended = self.contention.hot(unique) if self.contention else None
+        return hot if contended is None else tf.logical_or(hot, contended)
 
     def _all(self, unique) -> tf.Tensor:
         """The table trains async now: every key, else none."""
@@ -66,20 +58,61 @@ class HotRows:
             return local.lookup_unique(ids, train=False, step=step, tape=tape)
         keys = local._keys(ids)
         unique, index, counts = tf.unique_with_counts(tf.reshape(keys, [-1]))
-        if train and self.distinct is not None:
-            with tf.control_dependencies([self.distinct.mark(unique)]):
-                unique = tf.identity(unique)
-        # Evaluation reads the copy, or the PS while the table trains async. (One path
-        # for both: a tf.cond between them, whose branches hold the PS's ops, cost a
-        # word2vec worker 13% of its examples/s on a cluster, measured.)
-        hot = self._hot(unique, counts) if train else self._all(unique)
-        unique_rows = self._rows(unique, hot, counts, train, step)
+        if self.on_ps is None:
+            hot = self._hot(unique, counts)
+            unique_rows = self._rows(unique, hot, counts, train, step)
+        else:
+            hot, unique_rows = self._chosen_rows(unique, counts, train, step)
         if tape is not None:
             tape.watch(unique_rows)
         embeddings = tf.reshape(tf.gather(unique_rows, index),
                                 tf.concat([tf.shape(keys), [local.dim]], axis=0))
         return EmbeddingLookup(unique, unique_rows, index, embeddings,
                                hot=hot if train else None)
+
+    def _chosen_rows(self, unique, counts, train: bool, step):
+        """(which keys are hot, the rows of ``unique``) of a table the job chooses for
+        (``on_ps``): while it trains async, every key is hot and its rows are the PS's
+        as async reads them; else as :meth:`_rows`. Evaluations read the same way. The
+        tf.conds hold this worker's ops only, the PS's lookup runs outside them: a
+        tf.cond whose branches held the PS's ops cost a word2vec worker 13% of its
+        examples/s on a cluster. The split of an all-hot batch (masks, gathers and a
+        stitch on every step) cost word2vec's workers 17 ms of CPU per 1,000 examples
+        against async's 12; these conds 15-16 (benchmarks/time_to_auc.py's last
+        column, docs/design-notes/geo.md)."""
+        local, global_ = self.geo.local, self.geo.global_
+        on_ps = tf.convert_to_tensor(self.on_ps)
+        if train and self.distinct is not None:
+            # (the choice's estimate, while the table trains async)
+            with tf.control_dependencies([tf.cond(on_ps, lambda: self._mark(unique),
+                                                  lambda: tf.constant(False))]):
+                unique = tf.identity(unique)
+        all_hot = lambda: tf.ones(tf.shape(unique), tf.bool)  # noqa: E731
+        hot = (tf.cond(on_ps, all_hot, lambda: self._hot(unique, counts)) if train
+               else tf.fill(tf.shape(unique), on_ps))
+        none = tf.zeros([0], tf.int32)
+
+        def split():
+            at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
+            at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
+            return tf.gather(unique, at_hot), at_hot, at_tail
+
+        ps_keys, at_hot, at_tail = tf.cond(on_ps, lambda: (unique, none, none), split)
+        with tf.compat.v1.device(self.geo.device):
+            # (on this worker: a TF1 cond's switch is placed with its input)
+            ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
+                                 [-1, local.dim])
+
+        def stitched():
+            tail_rows = local.rows(tf.gather(unique, at_tail), train, step)
+            return tf.reshape(tf.dynamic_stitch([at_hot, at_tail], [ps_rows, tail_rows]),
+                              [-1, local.dim])
+
+        return hot, tf.cond(on_ps, lambda: tf.identity(ps_rows), stitched)
+
+    def _mark(self, unique):
+        with tf.control_dependencies([self.distinct.mark(unique)]):
+            return tf.constant(True)
 
     def _rows(self, unique, hot, counts, train: bool, step) -> tf.Tensor:
         """The rows of ``unique`` keys: the ``hot`` ones from the PS, the others from the
@@ -102,12 +135,56 @@ class HotRows:
 
     def apply(self, keys, grads, hot, step):
         """Trains the hot rows of ``keys`` on the PS, the others in the copy; returns the
-        op (None in eager mode)."""
+        op (None in eager mode). A table the job chooses for trains every row on the PS
+        while it trains async, as async does (one tf.cond of this worker's ops picks
+        what the PS's apply gets)."""
         grads = tf.convert_to_tensor(grads)
         tail = tf.logical_not(hot)
-        ops = [ShardedTable.apply(self.geo.global_, tf.boolean_mask(keys, hot),
-                                  tf.boolean_mask(grads, hot), step),
-               self.geo.local.apply(tf.boolean_mask(keys, tail), tf.boolean_mask(grads, tail),
-                                    step)]
+        if self.on_ps is None:
+            ps_keys, ps_grads = tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)
+            local = self.geo.local.apply(tf.boolean_mask(keys, tail),
+                                         tf.boolean_mask(grads, tail), step)
+        else:
+            on_ps = tf.convert_to_tensor(self.on_ps)
+            ps_keys, ps_grads = tf.cond(
+                on_ps, lambda: (tf.identity(keys), tf.identity(grads)),
+                lambda: (tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)))
+
+            def in_copy():
+                op = self.geo.local.apply(tf.boolean_mask(keys, tail),
+                                          tf.boolean_mask(grads, tail), step)
+                with tf.control_dependencies([] if op is None else [op]):
+                    return tf.constant(True)
+
+            local = tf.cond(on_ps, lambda: tf.constant(False), in_copy)
+            local = None if tf.executing_eagerly() else local.op
+        ops = [ShardedTable.apply(self.geo.global_, ps_keys, ps_grads, step), local]
         ops = [op for op in ops if op is not None]
         return tf.group(ops) if ops else None
+
+
+class AsyncRows:
+    """The lookups of a table the job chooses for, in a step traced while the table
+    trains async (a front-end that traces its step again when the job's choice changes:
+    Keras's): every row read and trained on the PS, exactly as async's step, and the
+    distinct rows of training lookups counted for the choice's estimate. Its lookups
+    have no ``hot``: :class:`~tfpsx.modes.geo.tables.GeoTableUpdater` trains their rows
+    on the PS. (:class:`HotRows`'s step serves both states through tf.conds of this
+    worker's ops; on the Criteo job it ran at 0.88-0.93x async's examples/s, this one
+    at async's.)"""
+
+    def __init__(self, t: GeoTable, distinct=None):
+        self.geo, self.distinct = t, distinct
+
+    def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
+        looked = ShardedTable.lookup_unique(self.geo.global_, ids, train=train, step=step,
+                                            tape=tape)
+        if train and self.distinct is not None:
+            # (a stateful op: a tf.function runs it; graph mode never builds this source)
+            self.distinct.mark(looked.unique_keys)
+        return looked
+
+    def lookup(self, ids, train: bool = False, step=None, dedup=None) -> tf.Tensor:
+        if train:
+            return self.lookup_unique(ids, train=True, step=step).embeddings
+        return ShardedTable.lookup(self.geo.global_, ids, train=False, step=step, dedup=dedup)

@@ -18,7 +18,7 @@ from tfpsx.modes.geo.choice import TableChoice, TableTraffic
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable
 from tfpsx.modes.geo.distinct import DistinctRows
-from tfpsx.modes.geo.hot_rows import HotRows
+from tfpsx.modes.geo.hot_rows import AsyncRows, HotRows
 from tfpsx.modes.geo.round import row_trip_bytes
 from tfpsx.modes.geo.rule import combine_for, row_bytes
 
@@ -39,6 +39,9 @@ class GeoState(Protocol):
     # ids the N workers would train more often in a round train on the PS (0: none)
     hot_per_round: int
     table_choice: bool  # geo_table_choice="auto": rounds or async, table by table
+    # The front-end traces its step again when the job's choice changes (Keras): a table
+    # that trains async is then traced as async's (AsyncRows), not through HotRows.
+    retraces: bool
     named: frozenset  # the rule's keys the user named (named_rule_keys)
 
     def local_train_op(self, op) -> None:
@@ -113,6 +116,16 @@ def async_flag(t: GeoTable):
     return graph_state.worker_local(t, "geo_trains_async", t.global_.name, t.device, make)
 
 
+def follow_choice(tables: List[GeoTable], to_ps, to_copy, set_flag) -> None:
+    """The lookups of a worker's ``tables`` follow the job's choice
+    (:meth:`~tfpsx.modes.geo.choice.TableChoice.after_round`): those ``to_ps`` read
+    and train the PS from now, those ``to_copy`` their copy; ``set_flag(i, flag)`` sets
+    table i's :func:`async_flag` (a front-end's op)."""
+    for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
+        set_flag(i, flag)
+        tables[i].trains_async = flag
+
+
 class GeoTableUpdater(TableUpdater):
     """Lookups read this worker's copy; gradients train it (its optimizer, locally).
 
@@ -167,7 +180,7 @@ class GeoTableUpdater(TableUpdater):
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
                              combine=combine_for(mode.in_train_thread), share_slots=share,
                              chosen=chosen, trains_async=chosen)
-        if chosen:
+        if chosen and me == 0:  # (the chief's count: it decides for the job)
             self.distinct = DistinctRows(f"{table.name}/geo_distinct_w{me}",
                                          mode.worker_device)
         mode.tables.append(self._geo)
@@ -176,10 +189,16 @@ class GeoTableUpdater(TableUpdater):
         # (an estimate that cannot find a row, K x N within its bound, adds nothing)
         contention = (self._contention if self._contention is not None
                       and self._contention.active() else None)
-        on_ps = async_flag(self._geo) if self._geo.chosen else None
+        if self._geo.chosen and self._geo.trains_async and self._mode.retraces:
+            return AsyncRows(self._geo, self.distinct)
+        on_ps = self._on_ps()
         if self._hot or contention is not None or on_ps is not None:
             return HotRows(self._geo, self._hot, contention, on_ps, self.distinct)
         return self._geo.local
+
+    def _on_ps(self):
+        """The table's async flag when the job chooses for it, else None."""
+        return async_flag(self._geo) if self._geo.chosen else None
 
     def rows_source(self, table):
         # The copy, whole: the hot rows' PS moves reach it at every pull (the last one in
@@ -188,8 +207,12 @@ class GeoTableUpdater(TableUpdater):
         return self._geo.global_ if self._geo.trains_async else self._geo.local
 
     def apply_gradients(self, table, keys, grads, step, hot=None):
-        if hot is not None:  # the hot rows on the PS, the rest in the copy
-            op = HotRows(self._geo, self._hot).apply(keys, grads, hot, step)
+        if hot is None and self._geo.chosen:
+            # A training lookup of AsyncRows (HotRows' have a hot mask): the PS's rows.
+            op = ShardedTable.apply(self._geo.global_, keys, grads, step)
+        elif hot is not None:  # the hot rows on the PS, the rest in the copy
+            op = HotRows(self._geo, self._hot, on_ps=self._on_ps()).apply(keys, grads, hot,
+                                                                          step)
         else:
             op = self._geo.local.apply(keys, grads, step)
         held = [tf.size(keys, out_type=tf.int64),

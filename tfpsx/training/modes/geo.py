@@ -24,7 +24,7 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              table_readers)
 from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
 from tfpsx.modes.geo.copies import copy_global, local_reader
-from tfpsx.modes.geo.tables import async_flag, table_choice
+from tfpsx.modes.geo.tables import async_flag, follow_choice, table_choice
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.modes.positions import PendingSteps
 from tfpsx.runtime import RUNTIME
@@ -58,6 +58,7 @@ class GeoMode(Mode):
         self.worker_num, self.worker_index = config.worker_num, config.index
         self.worker_device = worker_device_of(config)
         adopt_rule(self, strategy, config)
+        self.retraces = False  # (a graph is built once: HotRows serves both states)
         self.rule_workers = rule_workers(config)  # N of the rule: the job's, a joiner's too
         self.dense: List[GeoVariable] = []
         self.tables: List[GeoTable] = []
@@ -423,6 +424,5 @@ class ChoiceOps:
             [float(x) for x in fetched["distinct"]],
             [tuple(int(x) for x in v) for v in fetched["trained"]],
             lambda mask: session.run(self._write, {self._value: mask}), read)
-        for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
-            session.run(self._set_flag[i], {self._flag: flag})
-            self._mode.tables[i].trains_async = flag
+        follow_choice(self._mode.tables, to_ps, to_copy,
+                      lambda i, flag: session.run(self._set_flag[i], {self._flag: flag}))
