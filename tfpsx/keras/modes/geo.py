@@ -133,12 +133,13 @@ class KerasGeo(KerasMode):
         choice = self._table_choice()
         self.sync_fn(None if choice is None else choice.actions()).get_concrete_function()
 
-    def _push_ops(self):
+    def _push_ops(self, actions=None, per_table=None):
         return push_ops(self.dense, self.tables, float(self.rule_workers),
-                        counters=self.step_pairs)
+                        counters=self.step_pairs, per_table=per_table, actions=actions)
 
-    def _pull_ops(self, after):
-        return pull_ops(self.dense + self.step_pairs, self.tables, after)
+    def _pull_ops(self, after, actions=None, per_table=None):
+        return pull_ops(self.dense + self.step_pairs, self.tables, after, actions,
+                        per_table=per_table)
 
     def sync_fn(self, actions=None):
         """push + pull in one function (the background communicator's round); under
@@ -150,11 +151,8 @@ class KerasGeo(KerasMode):
             @tf.function(autograph=False)
             def sync():
                 pushed, pulled = [], []
-                pushes, sent = push_ops(self.dense, self.tables, float(self.rule_workers),
-                                        counters=self.step_pairs, per_table=pushed,
-                                        actions=actions)
-                pulls, received = pull_ops(self.dense + self.step_pairs, self.tables, pushes,
-                                           actions, per_table=pulled)
+                pushes, sent = self._push_ops(actions, pushed)
+                pulls, received = self._pull_ops(pushes, actions, pulled)
                 with tf.control_dependencies(pulls):
                     return tuple(tf.identity(x) for x in sent + received + tuple(pushed) +
                                  tuple(pulled))

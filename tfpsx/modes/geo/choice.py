@@ -15,8 +15,9 @@ estimate stays under ``TRY_BELOW`` x async over a window, the table tries rounds
 copy takes the PS's rows, and the rounds' bytes are measured (``(pushed + pulled rows)
 x`` a row's wire bytes ``+`` its hot rows' async traffic). A window of rounds that
 moved more than async sends it back to async, and it tries again after
-TFPSX_GEO_RECHECK_SECONDS at the earliest. Windows: ``FIRST_WINDOW`` rounds after the round left out (the job's first, or
-a trial's first: its copy's first rows), then ``WINDOW`` rounds.
+TFPSX_GEO_RECHECK_SECONDS at the earliest. Windows: ``FIRST_WINDOW`` rounds after the
+round left out (the job's first, or a trial's first: its copy's first rows), then
+``WINDOW`` rounds.
 
 The decision is the job's: the chief writes it on PS 0 (a bit per table that runs
 rounds, in the order the tables are built: :data:`~tfpsx.modes.state.GEO_TABLE_CHOICE`), every

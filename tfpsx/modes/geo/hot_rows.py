@@ -48,10 +48,6 @@ class HotRows:
         contended = self.contention.hot(unique) if self.contention else None
         return hot if contended is None else tf.logical_or(hot, contended)
 
-    def _all(self, unique) -> tf.Tensor:
-        """The table trains async now: every key, else none."""
-        return tf.fill(tf.shape(unique), tf.convert_to_tensor(self.on_ps))
-
     def lookup_unique(self, ids, train: bool = True, step=None, tape=None) -> EmbeddingLookup:
         local = self.geo.local
         if not train and self.on_ps is None:  # evaluation reads the copy, as GEO's do
@@ -89,7 +85,7 @@ class HotRows:
                 unique = tf.identity(unique)
         all_hot = lambda: tf.ones(tf.shape(unique), tf.bool)  # noqa: E731
         hot = (tf.cond(on_ps, all_hot, lambda: self._hot(unique, counts)) if train
-               else tf.fill(tf.shape(unique), on_ps))
+               else tf.fill(tf.shape(unique), on_ps))  # (evaluation: every key, or none)
         none = tf.zeros([0], tf.int32)
 
         def split():
@@ -170,8 +166,9 @@ class AsyncRows:
     distinct rows of training lookups counted for the choice's estimate. Its lookups
     have no ``hot``: :class:`~tfpsx.modes.geo.tables.GeoTableUpdater` trains their rows
     on the PS. (:class:`HotRows`'s step serves both states through tf.conds of this
-    worker's ops; on the Criteo job it ran at 0.88-0.93x async's examples/s, this one
-    at async's.)"""
+    worker's ops: on the Criteo job, 0.84-0.93x async's examples/s; a PS-only step like
+    this one ran at async's in the same session, one run. With it the job ran at 0.92x,
+    medians of 2: the rest is the rounds and the machine's noise, docs/modes.md.)"""
 
     def __init__(self, t: GeoTable, distinct=None):
         self.geo, self.distinct = t, distinct

@@ -116,8 +116,8 @@ def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=(),
     """The pull phase, after the ops ``after``: every pair and the rows any worker
     changed on the PS. Under ``geo_table_choice="auto"``, ``actions`` says per table
     what its pull does (:mod:`.choice`: none for a table that trains async, SKIP or
-    IDLE; else a pull). Returns (ops, (rows, bytes) the tables received); ``per_table`` (a list) gets
-    each table's rows pulled."""
+    IDLE; else a pull). Returns (ops, (rows, bytes) the tables received);
+    ``per_table`` (a list) gets each table's rows pulled."""
     ops = [dense_pull(v, after) for v in variables]
     rows = []
     for i, t in enumerate(tables):
