@@ -16,6 +16,7 @@ batch.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import tensorflow as tf
@@ -23,6 +24,26 @@ import tensorflow as tf
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable
+
+
+@contextlib.contextmanager
+def switch_merge_conds():
+    """The tf.conds built within are TF1's (Switch / Merge) in a TF1 graph: on a
+    cluster's worker, TF2's (an If op, its branches functions called each step) cost
+    word2vec's GEO workers 16.6-18.2 ms of CPU per 1,000 examples where the same conds
+    as Switch / Merge cost 13.8-14.5, async's 11.8-14.5 (1 PS + 4 workers,
+    benchmarks/time_to_auc.py, docs/design-notes/geo.md). A ``tf.function``'s conds
+    (Keras) stay TF2's: it has no others."""
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly() or graph.building_function or \
+            not tf.compat.v1.control_flow_v2_enabled():
+        yield
+        return
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
 
 
 class HotRows:
@@ -58,7 +79,8 @@ class HotRows:
             hot = self._hot(unique, counts)
             unique_rows = self._rows(unique, hot, counts, train, step)
         else:
-            hot, unique_rows = self._chosen_rows(unique, counts, train, step)
+            with switch_merge_conds():
+                hot, unique_rows = self._chosen_rows(unique, counts, train, step)
         if tape is not None:
             tape.watch(unique_rows)
         embeddings = tf.reshape(tf.gather(unique_rows, index),
@@ -141,22 +163,28 @@ class HotRows:
             local = self.geo.local.apply(tf.boolean_mask(keys, tail),
                                          tf.boolean_mask(grads, tail), step)
         else:
-            on_ps = tf.convert_to_tensor(self.on_ps)
-            ps_keys, ps_grads = tf.cond(
-                on_ps, lambda: (tf.identity(keys), tf.identity(grads)),
-                lambda: (tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)))
-
-            def in_copy():
-                op = self.geo.local.apply(tf.boolean_mask(keys, tail),
-                                          tf.boolean_mask(grads, tail), step)
-                with tf.control_dependencies([] if op is None else [op]):
-                    return tf.constant(True)
-
-            local = tf.cond(on_ps, lambda: tf.constant(False), in_copy)
-            local = None if tf.executing_eagerly() else local.op
+            with switch_merge_conds():
+                ps_keys, ps_grads, local = self._chosen_apply(keys, grads, hot, tail, step)
         ops = [ShardedTable.apply(self.geo.global_, ps_keys, ps_grads, step), local]
         ops = [op for op in ops if op is not None]
         return tf.group(ops) if ops else None
+
+    def _chosen_apply(self, keys, grads, hot, tail, step):
+        """(keys and gradients for the PS's apply, the copy's apply op or None) of a
+        table the job chooses for: every key on the PS while it trains async."""
+        on_ps = tf.convert_to_tensor(self.on_ps)
+        ps_keys, ps_grads = tf.cond(
+            on_ps, lambda: (tf.identity(keys), tf.identity(grads)),
+            lambda: (tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)))
+
+        def in_copy():
+            op = self.geo.local.apply(tf.boolean_mask(keys, tail),
+                                      tf.boolean_mask(grads, tail), step)
+            with tf.control_dependencies([] if op is None else [op]):
+                return tf.constant(True)
+
+        local = tf.cond(on_ps, lambda: tf.constant(False), in_copy)
+        return ps_keys, ps_grads, None if tf.executing_eagerly() else local.op
 
 
 class AsyncRows:
