@@ -270,6 +270,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "GEO with geo_table_choice='auto': how long a table trains async before the "
             "chief has it run rounds again for a few rounds, to re-check whether they pay "
             "(each re-check pulls the rows its copy missed)", "timeouts"),
+    Setting("TFPSX_GEO_QUIET_ROUND_SECONDS", "seconds", 0.5,
+            "GEO with geo_table_choice='auto': while every table trains async (and the dense "
+            "weights too), a round moves nothing, so it runs at most this often (and every "
+            "k_steps); the steps' input positions commit as async's. It reports the steps to "
+            "global_step and reads the job's choice: a worker learns of a table trying "
+            "rounds within this long", "timeouts"),
     # runtime switches
     Setting("TFPSX_METRICS_DIR", "path", None,
             "folder where every process appends its metrics as JSON lines "

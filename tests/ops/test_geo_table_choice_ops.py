@@ -7,6 +7,7 @@ copy, and the next pull brings what the PS changed since. The expected values ar
 rows put on the PS here, and Adagrad's step worked out in numpy."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfpsx import embedding as E
@@ -93,6 +94,28 @@ def test_the_distinct_rows_a_worker_trained_are_counted_between_rounds():
     assert float(counter.take()) == 0.0  # a take clears the count
     counter.mark(tf.constant(vocabulary[:2], tf.int64))
     assert abs(float(counter.take()) - 2.0) < 0.01
+
+
+def test_the_distinct_rows_are_of_k_lookups_scaled_by_the_lookups_since_the_last_take():
+    """Rounds further apart than K steps (every table async): the count marks the first
+    K training lookups after a take, and the take scales by the lookups over K; a round
+    after fewer than K lookups is not scaled."""
+    rng = np.random.default_rng(7)
+    k = [3]
+    counter = DistinctRows(f"distinct{next(_names)}", None, width=1 << 16,
+                           steps=lambda: k[0])
+    batches = [rng.integers(0, 2 ** 63 - 1, 500) for _ in range(12)]  # distinct ids
+    for keys in batches:
+        counter.mark(tf.constant(keys, tf.int64))
+    # 3 lookups marked (1,500 ids) of 12: 4 rounds of K would move 4 x 1,500
+    got = float(counter.take())
+    assert abs(got - 4 * 1_500) < 0.02 * 6_000, got
+    for keys in batches[:2]:
+        counter.mark(tf.constant(keys, tf.int64))
+    assert abs(float(counter.take()) - 1_000) < 0.02 * 1_000
+    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+        k[0] = -1
+        counter.mark(tf.constant([1], tf.int64))
 
 
 def test_graph_mode_a_chosen_table_trains_on_the_ps_then_its_copy_as_its_flag_says():

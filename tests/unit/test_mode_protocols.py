@@ -172,6 +172,39 @@ def test_the_background_communicator_is_woken_once_k_steps_are_unpushed():
     assert rec.rounds[-1] == (13, (PUSH, PULL))  # the final round
 
 
+def test_while_every_table_trains_async_rounds_run_k_steps_and_a_gap_in_seconds_apart(
+        monkeypatch):
+    """geo_table_choice="auto" with every table async (quiet): a round moves nothing, so
+    the next starts once K steps ran and TFPSX_GEO_QUIET_ROUND_SECONDS passed since the
+    last one started; once a table runs rounds, every K steps again."""
+    monkeypatch.setenv("TFPSX_GEO_QUIET_ROUND_SECONDS", "2")
+    now, quiet = [100.0], [True]
+    rec = Recorder()
+    s = rec.make(2, deterministic=False, quiet=lambda: quiet[0], clock=lambda: now[0])
+    s.start(0)
+    s.step_done(1)
+    assert not s.may_round(1)  # (K steps first)
+    s.step_done(2)  # the first round: none ran before
+    wait_until(lambda: len(rec.rounds) == 1)
+    assert rec.rounds == [(2, (PUSH, PULL))]
+    for step in range(3, 9):  # 6 steps, 1.5 s: no round
+        now[0] += 0.25
+        s.step_done(step)
+    time.sleep(0.05)
+    assert len(rec.rounds) == 1 and not s.may_round(8)
+    now[0] += 0.5  # 2 s since the last round started
+    assert s.may_round(9)
+    s.step_done(9)
+    wait_until(lambda: len(rec.rounds) == 2)
+    assert rec.rounds[-1] == (9, (PUSH, PULL))
+    quiet[0] = False  # a table tries rounds: every K steps, whatever the clock says
+    s.step_done(10)
+    s.step_done(11)
+    wait_until(lambda: len(rec.rounds) == 3)
+    assert rec.rounds[-1] == (11, (PUSH, PULL))
+    assert s.end(11) and len(rec.rounds) == 3
+
+
 def test_no_background_round_starts_without_k_steps_left_after_its_pull():
     """Keras fit knows the steps it has left: a background round starts only with K
     steps left beyond the round's own length (the steps trained while the last one ran;

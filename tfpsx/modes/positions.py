@@ -112,21 +112,16 @@ class CommitQueue:
 
     def record_op(self, position) -> tf.Tensor:
         """The op a step runs after its update: its batch's position, due."""
-        name, check = splits.checked_input(position)
-        with tf.control_dependencies([check]):
-            keys, offsets = splits.latest(position)
+        return record_op(position, lambda: self, "tfpsx_position_due")
 
-        def add(keys, offsets):
-            with self._lock:
-                table = self._due.setdefault(name, {})
-                for k, o in zip(keys.tolist(), offsets.tolist()):
-                    if o > table.get(k, -1):
-                        table[k] = o
-            self._start()
-            return np.int64(0)
-
-        return tf.numpy_function(add, [keys, offsets], tf.int64, stateful=True,
-                                 name="tfpsx_position_due")
+    def add(self, name: str, keys, offsets) -> None:
+        """A batch's position (``keys``, ``offsets``: numpy) of input ``name``, due."""
+        with self._lock:
+            table = self._due.setdefault(name, {})
+            for k, o in zip(keys.tolist(), offsets.tolist()):
+                if o > table.get(k, -1):
+                    table[k] = o
+        self._start()
 
     def _start(self) -> None:
         if self._loop is None:
@@ -175,6 +170,20 @@ class CommitQueue:
 COMMITS = CommitQueue()
 
 
+def record_op(position, to, name: str) -> tf.Tensor:
+    """The op handing a batch's position to ``to()`` (asked when the op runs: an object
+    with ``add(input name, keys, offsets)``), a ``tf.numpy_function`` named ``name``."""
+    input_name, check = splits.checked_input(position)
+    with tf.control_dependencies([check]):
+        keys, offsets = splits.latest(position)
+
+    def add(keys, offsets):
+        to().add(input_name, keys, offsets)
+        return np.int64(0)
+
+    return tf.numpy_function(add, [keys, offsets], tf.int64, stateful=True, name=name)
+
+
 def commit_from_python(position) -> tf.Tensor:
     """The op committing a batch's position through this process's client (a
     ``tf.numpy_function``): a collective rank's step cannot place an op on the
@@ -205,16 +214,11 @@ class PendingPositions:
 
     def record(self, position) -> tf.Tensor:
         """The op a step runs after training its copy: its batch's position, pending."""
-        name, check = splits.checked_input(position)
-        with tf.control_dependencies([check]):
-            keys, offsets = splits.latest(position)
+        return record_op(position, lambda: self, "tfpsx_position_pending")
 
-        def add(keys, offsets):
-            self._pending.add(name, keys, offsets)
-            return np.int64(0)
-
-        return tf.numpy_function(add, [keys, offsets], tf.int64, stateful=True,
-                                 name="tfpsx_position_pending")
+    def add(self, name: str, keys, offsets) -> None:
+        """A batch's position (numpy ``keys``, ``offsets``) of input ``name``, pending."""
+        self._pending.add(name, keys, offsets)
 
     def snapshot(self) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
         """What is pending now (taken: a round then pushes the copy that holds it)."""
@@ -276,6 +280,6 @@ def positions_of_graph(graph=None) -> list:
     return list(state.positions) if state is not None else []
 
 
-__all__ = ["COMMITS", "CommitQueue", "check_feeds_splits", "commit_from_python",
+__all__ = ["COMMITS", "CommitQueue", "record_op", "check_feeds_splits", "commit_from_python",
            "commit_seconds", "PendingPositions", "PendingSteps", "decode_numpy",
            "positions_of_graph"]

@@ -262,11 +262,12 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
     ends; in GEO it is pending until the round that pushes the step
     (``mode.positions``). ``applied``: whether the last run's step is in the model
     (sync: False when the chief ended before applying it; its batch is then not
-    committed)."""
+    committed). ``in_model``: GEO, whether the last run's step is in the model already
+    (every table trains async): its position is committed as async's, not pending."""
 
     def __init__(self, pending=None, every: Optional[float] = None, applied=None,
-                 settle=None):
-        self._pending, self._applied = pending, applied
+                 settle=None, in_model=None):
+        self._pending, self._applied, self._in_model = pending, applied, in_model
         self._every = commit_seconds() if every is None else every
         self._settle = settle  # GEO: its unpushed steps pushed (an exact save's flush)
         self._positions: list = []
@@ -319,6 +320,8 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
         if self._applied is not None and not self._applied():
             return
         by_tag = splits.inputs_by_tag()
+        to = (self._due if self._pending is None or
+              (self._in_model is not None and self._in_model()) else self._pending)
         for value in run_values.results:
             tags, keys, ends = decode_numpy(value)
             if len(tags) == 0:
@@ -326,8 +329,8 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
             name = by_tag.get(int(tags[0]))
             if name is None:
                 raise ValueError("a batch's position names no tfpsx.data input of this process")
-            (self._due if self._pending is None else self._pending).add(name, keys, ends)
-        if self._pending is None and time.monotonic() - self._last >= self._every:
+            to.add(name, keys, ends)
+        if time.monotonic() - self._last >= self._every:
             self._commit()
 
     def _commit(self) -> None:
@@ -340,9 +343,7 @@ class InputPositionHook(tf.compat.v1.train.SessionRunHook):
         that commits their positions)."""
         if self._settle is not None:
             self._settle()
-        if self._pending is None:
-            self._commit()
+        self._commit()
 
     def end(self, session):
-        if self._pending is None:
-            self._commit()
+        self._commit()

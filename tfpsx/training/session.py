@@ -242,7 +242,8 @@ def MonitoredTrainingSession(checkpoint_dir: Optional[str] = None, hooks=None,  
         check_feeds_splits(mode)
         commits = InputPositionHook(getattr(mode, "positions", None),
                                     applied=getattr(mode, "last_run_applied", None),
-                                    settle=getattr(mode, "settle_for_save", None))
+                                    settle=getattr(mode, "settle_for_save", None),
+                                    in_model=getattr(mode, "step_in_model", None))
         if getattr(mode, "COMMITS_AFTER_HOOKS", False):  # (sync: once the step is applied)
             own.append(commits)
         else:

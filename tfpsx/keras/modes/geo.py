@@ -31,10 +31,10 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              pull_ops, push_ops, rule_workers, table_readers, take_global,
                              track_snapshot)
-from tfpsx.modes.geo.choice import CATCH_UP
+from tfpsx.modes.geo.choice import CATCH_UP, IDLE
 from tfpsx.modes.geo.copies import copy_global, local_reader
 from tfpsx.modes.geo.tables import async_flag, follow_choice, table_choice
-from tfpsx.modes.positions import PendingPositions
+from tfpsx.modes.positions import COMMITS, PendingPositions, record_op
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.waits import bounded_wait
 
@@ -77,7 +77,7 @@ class KerasGeo(KerasMode):
             first_round=self._trace_round,
             rounds_in_step=self.in_train_thread,
             auto_workers=rule_workers(config) if options.k_auto else 0,
-            counters=self.counters)
+            counters=self.counters, quiet=self._quiet)
         self._registered = False
         self._evicted = {}  # PS evictions of each table at the last take (or registration)
         self._fits = 0
@@ -221,9 +221,21 @@ class KerasGeo(KerasMode):
         stale, self._steps_stale = self._steps_stale, False
         return stale
 
+    def _quiet(self) -> bool:
+        """Every table trains async, its copy flushed, and no dense copy
+        (geo_table_choice="auto"): a round moves nothing, and every step trains the PS.
+        A step that trained a copy ended before this became true: it takes the round
+        that pushes the copy of a table gone async, and that round was asked for between
+        two steps (``fit``'s batch_end), the table's flag turned async a round before."""
+        choice = self._choice
+        return (choice is not None and choice is not False and not self.dense and not self.step_pairs
+                and all(a == IDLE for a in choice.actions()))
+
     def commit_position(self, position):
-        # A step trains the copy: its position waits for the round that pushes it.
-        return self.positions.record(position)
+        # A step trains the copy: its position waits for the round that pushes it; while
+        # every table trains async the step is on the PS: committed as async's.
+        return record_op(position, lambda: COMMITS if self._quiet() else self.positions,
+                         "tfpsx_position_geo")
 
     def _take_pending(self) -> bool:
         self._in_step_pending = self.positions.snapshot()
@@ -431,7 +443,7 @@ class KerasGeo(KerasMode):
         # read only when a round may be due (an execution at an epoch's end may run
         # fewer steps than steps_per_execution).
         self._dispatched += getattr(model, "steps_per_execution", 1) or 1
-        if self.schedule.due(self._dispatched, self.schedule.pushed):
+        if self.schedule.may_round(self._dispatched):
             self._dispatched = int(self._steps.read_value())
         self.schedule.step_done(self._dispatched, steps_left)
 

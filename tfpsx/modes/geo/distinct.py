@@ -8,11 +8,19 @@ Fibonacci hash, as :mod:`.contention`'s); a round reads how many buckets are sti
 counting: within ~1% while the keys are fewer than ``m``; a full bitmap reads as ``m ln
 m``). One byte a bucket (256 KiB a table at the default width), on the worker,
 worker-local; a step's marks racing with the round's read land in this round or the next.
+
+The estimate is of K steps (a round's): while every table trains async, rounds run
+further apart (:class:`~tfpsx.modes.geo.schedule.GeoSchedule`, TFPSX_GEO_QUIET_ROUND_SECONDS),
+and the distinct rows of more steps would count rows met again as one, below what that
+many K-step rounds would move. So a count marks only the first K training lookups after
+each take (``steps``), and a take scales its estimate by the lookups since the last take
+over those marked.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import types
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -29,32 +37,58 @@ class DistinctRows:
       name: the table's name (the variable's, one per graph).
       device: this worker's device.
       width: buckets (a power of two).
+      steps: the lookups marked after each take (K: a round's steps), read when a
+        lookup is built; 0: every lookup.
     """
 
-    def __init__(self, name: str, device: Optional[str], width: int = DEFAULT_WIDTH):
+    def __init__(self, name: str, device: Optional[str], width: int = DEFAULT_WIDTH,
+                 steps: Callable[[], int] = lambda: 0):
         if width < 2 or width & (width - 1):
             raise ValueError(f"DistinctRows: width must be a power of two >= 2, got {width!r}")
         self.name, self.device, self.width = name, device, int(width)
+        self._steps = steps
+        self.steps = 0  # the lookups a take's estimate holds (the last mark's; 0: all)
+        self._count_owner = types.SimpleNamespace()  # (worker_local keeps one per owner)
 
     def mark(self, unique_keys):
-        """Sets the buckets of a training lookup's ``unique_keys`` (int64); the op."""
-        bits = self._bits()
-        buckets = bucket_of(unique_keys, self.width)
-        return bits.scatter_update(tf.IndexedSlices(
-            tf.ones(tf.shape(buckets), tf.int8), buckets))
+        """Sets the buckets of a training lookup's ``unique_keys`` (int64) if fewer than
+        ``steps()`` lookups were marked since the last take (0: always); the op. Every
+        call is counted."""
+        self.steps = int(self._steps())
+        if self.steps < 0:
+            raise ValueError(f"DistinctRows: steps must be >= 0, got {self.steps!r}")
+        bits, lookups = self._bits(), self._lookups()
+        with tf.compat.v1.device(self.device):
+            seen = lookups.assign_add(1)
+
+        def set_buckets():
+            buckets = bucket_of(unique_keys, self.width)
+            with tf.control_dependencies([bits.scatter_update(tf.IndexedSlices(
+                    tf.ones(tf.shape(buckets), tf.int8), buckets))]):
+                return tf.constant(True)
+
+        if not self.steps:
+            with tf.control_dependencies([seen]):
+                return set_buckets()
+        return tf.cond(seen <= self.steps, set_buckets, lambda: tf.constant(False))
 
     def take(self) -> tf.Tensor:
-        """The distinct keys marked since the last take (float64, estimated), and the
-        bitmap cleared."""
-        bits = self._bits()
+        """The distinct keys of the lookups marked since the last take (float64,
+        estimated) times the lookups since then over those marked (at least 1); the
+        bitmap and the count cleared."""
+        bits, lookups = self._bits(), self._lookups()
         with tf.compat.v1.device(self.device):
             clear = tf.cast(self.width, tf.float64) - tf.reduce_sum(
                 tf.cast(bits.read_value(), tf.float64))
-            with tf.control_dependencies([clear]):
-                reset = bits.assign(tf.zeros([self.width], tf.int8))
-            with tf.control_dependencies([reset]):
+            seen = tf.cast(lookups.read_value(), tf.float64)
+            with tf.control_dependencies([clear, seen]):
+                reset = [bits.assign(tf.zeros([self.width], tf.int8)),
+                         lookups.assign(tf.constant(0, tf.int64))]
+            with tf.control_dependencies(reset):
                 m = float(self.width)
-                return -m * tf.math.log(tf.maximum(clear, 1.0) / m)
+                scale = (tf.maximum(seen / float(self.steps), 1.0) if self.steps
+                         else tf.constant(1.0, tf.float64))
+                return -m * tf.math.log(tf.maximum(clear, 1.0) / m) * scale
 
     def _bits(self):
         return graph_state.worker_local(
@@ -62,4 +96,11 @@ class DistinctRows:
             lambda collections: tf.compat.v1.Variable(
                 tf.zeros([self.width], tf.int8), trainable=False, collections=collections,
                 use_resource=True, name="tfpsx_geo_distinct"))
+
+    def _lookups(self):
+        return graph_state.worker_local(
+            self._count_owner, "geo_distinct_lookups", self.name, self.device,
+            lambda collections: tf.compat.v1.Variable(
+                tf.constant(0, tf.int64), trainable=False, collections=collections,
+                use_resource=True, name="tfpsx_geo_distinct_lookups"))
 

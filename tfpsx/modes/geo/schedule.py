@@ -26,12 +26,21 @@ the training thread until it ends (bounded by TFPSX_RPC_TIMEOUT; logged once, co
 in ``round_waits`` / ``round_wait_seconds``): rounds stay K steps apart and a pull lands
 within K steps of its push (left to run on, a slow round made the rounds as far apart
 as it was long, K x N past what the rule holds at: docs/modes.md, "GEO at N workers").
+
+While every table trains async and no dense copy syncs (``quiet``: under
+``geo_table_choice="auto"``), a round moves nothing: it reports the steps, reads the
+job's choice and gives the chief its estimate, and the steps' input positions commit as
+async's do (their updates are on the PS when they end). Such a round then starts K
+steps and at least TFPSX_GEO_QUIET_ROUND_SECONDS after the last one started: at K=2 a
+round every second step cost a word2vec worker at 8 workers 20 ms of CPU per 1,000
+examples against async's 13 (docs/design-notes/geo.md).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Optional, Tuple
 
 from tfpsx import errors, settings
@@ -94,7 +103,9 @@ class GeoSchedule:
                  cached: Callable[[], bool], barrier: Callable[[], None],
                  first_round: Optional[Callable[[], None]] = None,
                  rounds_in_step: bool = False, auto_workers: int = 0,
-                 counters: Optional[GeoCounters] = None):
+                 counters: Optional[GeoCounters] = None,
+                 quiet: Callable[[], bool] = lambda: False,
+                 clock: Callable[[], float] = time.monotonic):
         self.k_steps, self.deterministic = k_steps, deterministic
         # k_steps="auto" in a job of this many workers: K chosen by the first fit_length
         self._auto_workers = auto_workers
@@ -115,6 +126,9 @@ class GeoSchedule:
         self._steps_left: Optional[int] = None  # as the front-end last said
         self._warned = set()  # the epoch lengths check_epoch warned of
         self._told_wait = False  # the first wait for a round in flight was logged
+        self._quiet, self._clock = quiet, clock
+        self._started_at = float("-inf")  # when the last background round started
+        self._told_quiet = False
 
     @property
     def running(self) -> bool:
@@ -145,6 +159,22 @@ class GeoSchedule:
         the last round started (``pushed``). Python ints, or tensors (a round decided
         inside a compiled step)."""
         return steps - pushed >= self.k_steps
+
+    def may_round(self, steps: int) -> bool:
+        """Whether a background round is due after ``steps`` local steps: :meth:`due`,
+        and while quiet, TFPSX_GEO_QUIET_ROUND_SECONDS since the last one started."""
+        if not self.due(steps, self.pushed):
+            return False
+        if self._loop is None or not self._quiet():
+            return True
+        gap = settings.get("TFPSX_GEO_QUIET_ROUND_SECONDS")
+        if not self._told_quiet:
+            self._told_quiet = True
+            logger.info("GEO: every table trains async: a round, which moves nothing then, "
+                        "runs at most every TFPSX_GEO_QUIET_ROUND_SECONDS=%g s (and K=%d "
+                        "steps); the steps' input positions commit as async's", gap,
+                        self.k_steps)
+        return self._clock() - self._started_at >= gap
 
     def fit_length(self, epoch_steps: Optional[int],
                    job_k: Optional[Callable[[int], int]] = None) -> None:
@@ -189,7 +219,7 @@ class GeoSchedule:
                 # a loaded machine); it would push every step trained meanwhile, from
                 # one stale snapshot. The worker waits for it as for a round in flight.
                 self._wait_for_round(steps, pending=True)
-            if not self._requested and self.due(steps, self.pushed) and self._time_left():
+            if not self._requested and self.may_round(steps) and self._time_left():
                 self._wait_for_round(steps)
                 self._requested = True
                 self._idle.clear()
@@ -282,6 +312,7 @@ class GeoSchedule:
                 self._requested = False
                 return
             started = self.pushed = self._steps
+            self._started_at = self._clock()
             self._requested = False  # (after pushed: step_done asks for the next K on)
             self._run_round(self.phases())
             self.lag = self._steps - started

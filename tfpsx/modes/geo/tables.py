@@ -182,7 +182,7 @@ class GeoTableUpdater(TableUpdater):
                              chosen=chosen, trains_async=chosen)
         if chosen and me == 0:  # (the chief's count: it decides for the job)
             self.distinct = DistinctRows(f"{table.name}/geo_distinct_w{me}",
-                                         mode.worker_device)
+                                         mode.worker_device, steps=mode.round_steps)
         mode.tables.append(self._geo)
 
     def lookup_source(self, table):

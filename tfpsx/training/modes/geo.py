@@ -120,6 +120,12 @@ class GeoMode(Mode):
         their positions committed (:meth:`GeoSchedule.settle`)."""
         self._sync_hook.settle()
 
+    def step_in_model(self) -> bool:
+        """Whether a step that just ended is in the model already, its input position
+        committed as async's (tfpsx.training.hooks.InputPositionHook): while every table
+        trains async, no dense copy (geo_table_choice="auto", :meth:`_GeoSyncHook.quiet`)."""
+        return self._sync_hook.quiet()
+
 
 class GeoAsyncDenseMode(GeoMode):
     """GEO's tables (each worker's copy, synced every K steps) with the dense weights
@@ -207,7 +213,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._schedule = GeoSchedule(
             mode.k_steps, mode.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in mode.tables),
-            barrier=RUNTIME.barrier_worker, counters=mode.counters)
+            barrier=RUNTIME.barrier_worker, counters=mode.counters, quiet=self.quiet)
         self._choice = None
 
     # -------------------------------------------------------------- graph
@@ -283,6 +289,16 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
                                           else self._pulls[i]
                                           for i, action in enumerate(actions)]
         return pushes, pulls, actions
+
+    def quiet(self) -> bool:
+        """Every table trains async, its copy flushed, and no dense copy
+        (geo_table_choice="auto"): a round moves nothing, and every step trains the PS.
+        A step that trained a copy ended before this became true: it takes the round
+        that pushes the copy of a table gone async, and that round was asked for after
+        a step ended (:meth:`after_run`), the table's flag turned async a round before."""
+        choice = self._choice
+        return (choice is not None and not self._mode.dense
+                and all(a == IDLE for a in choice.actions()))
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
