@@ -96,8 +96,10 @@ class HotRows:
         tf.cond whose branches held the PS's ops cost a word2vec worker 13% of its
         examples/s on a cluster. The split of an all-hot batch (masks, gathers and a
         stitch on every step) cost word2vec's workers 17 ms of CPU per 1,000 examples
-        against async's 12; these conds 15-16 (benchmarks/time_to_auc.py's last
-        column, docs/design-notes/geo.md)."""
+        against async's 12; these conds as TF2's If ops 15-18, as Switch / Merge
+        (:func:`switch_merge_conds`) 13.7-14.5 (benchmarks/time_to_auc.py's last
+        column, docs/design-notes/geo.md). Each cond is one Switch a tensor its
+        branches take, and a Merge an output: the keys' and the hot mask's are one."""
         local, global_ = self.geo.local, self.geo.global_
         on_ps = tf.convert_to_tensor(self.on_ps)
         if train and self.distinct is not None:
@@ -105,17 +107,21 @@ class HotRows:
             with tf.control_dependencies([tf.cond(on_ps, lambda: self._mark(unique),
                                                   lambda: tf.constant(False))]):
                 unique = tf.identity(unique)
-        all_hot = lambda: tf.ones(tf.shape(unique), tf.bool)  # noqa: E731
-        hot = (tf.cond(on_ps, all_hot, lambda: self._hot(unique, counts)) if train
-               else tf.fill(tf.shape(unique), on_ps))  # (evaluation: every key, or none)
-        none = tf.zeros([0], tf.int32)
+
+        def all_on_ps():
+            # (evaluation reads every key from the PS too)
+            none = tf.zeros([0], tf.int32)
+            return tf.ones(tf.shape(unique), tf.bool), tf.identity(unique), none, none
 
         def split():
+            # (evaluation: every key from the copy)
+            hot = (self._hot(unique, counts) if train
+                   else tf.zeros(tf.shape(unique), tf.bool))
             at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
             at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
-            return tf.gather(unique, at_hot), at_hot, at_tail
+            return hot, tf.gather(unique, at_hot), at_hot, at_tail
 
-        ps_keys, at_hot, at_tail = tf.cond(on_ps, lambda: (unique, none, none), split)
+        hot, ps_keys, at_hot, at_tail = tf.cond(on_ps, all_on_ps, split)
         with tf.compat.v1.device(self.geo.device):
             # (on this worker: a TF1 cond's switch is placed with its input)
             ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
@@ -170,21 +176,20 @@ class HotRows:
         return tf.group(ops) if ops else None
 
     def _chosen_apply(self, keys, grads, hot, tail, step):
-        """(keys and gradients for the PS's apply, the copy's apply op or None) of a
-        table the job chooses for: every key on the PS while it trains async."""
+        """(keys and gradients for the PS's apply, None) of a table the job chooses
+        for: every key on the PS while it trains async; else the hot keys, once the
+        copy's apply of the others ran (one cond: each is a Switch a tensor it takes)."""
         on_ps = tf.convert_to_tensor(self.on_ps)
-        ps_keys, ps_grads = tf.cond(
-            on_ps, lambda: (tf.identity(keys), tf.identity(grads)),
-            lambda: (tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)))
 
-        def in_copy():
+        def split():
             op = self.geo.local.apply(tf.boolean_mask(keys, tail),
                                       tf.boolean_mask(grads, tail), step)
             with tf.control_dependencies([] if op is None else [op]):
-                return tf.constant(True)
+                return tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)
 
-        local = tf.cond(on_ps, lambda: tf.constant(False), in_copy)
-        return ps_keys, ps_grads, None if tf.executing_eagerly() else local.op
+        ps_keys, ps_grads = tf.cond(on_ps, lambda: (tf.identity(keys), tf.identity(grads)),
+                                    split)
+        return ps_keys, ps_grads, None
 
 
 class AsyncRows:
