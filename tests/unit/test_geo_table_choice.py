@@ -108,6 +108,23 @@ def test_rounds_that_cost_more_than_async_send_the_table_back_until_the_recheck(
     assert (job.counters[0].tables_async, job.counters[0].table_switches) == (1, 3)
 
 
+def test_a_catch_up_in_the_round_whose_choice_ends_the_trial_leaves_the_table_on_the_ps():
+    """A worker reads the chief's trial late: its catch-up completes in the round that
+    reads the trial's end. The table goes back to async there, so its lookups must stay
+    on the PS (before: listed both to the PS and to its copy, the flag ended on the
+    copy while the table counted as async, and its copy's steps were never pushed)."""
+    job = Job()
+    worker = job.choices[1]
+    job.mask = 0b001  # the chief's trial of "reused"
+    actions, (to_ps, to_copy) = job.round(1, *ASYNC_ROUND)
+    assert (to_ps, to_copy) == ([], []) and worker.actions()[0] == CATCH_UP
+    job.mask = 0  # the trial ended before this worker's next round
+    actions, (to_ps, to_copy) = job.round(1, [0, 0, 0], [7, 0, 0], [0.0] * 3, [(0, 0)] * 3)
+    assert actions[0] == CATCH_UP
+    assert to_ps == [0] and to_copy == [], (to_ps, to_copy)
+    assert worker.tables[0].state == ASYNC and worker.actions()[0] == SKIP
+
+
 def test_no_choice_before_the_chief_sets_it_up_and_too_many_tables_are_refused():
     job = Job()
     worker = job.choices[1]

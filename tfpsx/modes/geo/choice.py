@@ -215,6 +215,9 @@ class TableChoice:
             write(new)
         mask = read()
         switched = self.adopt(mask) if mask is not None else []
+        # A catch-up that completed in the round whose choice sends the table back to
+        # async (a worker that read the chief's trial late): its lookups stay on the PS.
+        caught = [i for i in caught if self.tables[i].state == ROUNDS]
         return [i for i, state in switched if state == ASYNC], caught
 
     def adopt(self, mask: int) -> List[Tuple[int, str]]:

@@ -298,6 +298,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         a step ended (:meth:`after_run`), the table's flag turned async a round before."""
         choice = self._choice
         return (choice is not None and not self._mode.dense
+                and all(t.trains_async for t in self._mode.tables)
                 and all(a == IDLE for a in choice.actions()))
 
     # -------------------------------------------------------------- session
