@@ -194,7 +194,12 @@ def test_while_every_table_trains_async_rounds_run_k_steps_and_a_gap_in_seconds_
     assert len(rec.rounds) == 1 and not s.may_round(8)
     now[0] += 0.5  # 2 s since the last round started
     assert s.may_round(9)
-    s.step_done(9)
+    # Keras asked before reading its exact count, and was told no: a later clock does
+    # not ask for a round with the estimate it did not refresh.
+    s.step_done(9, may_round=False)
+    time.sleep(0.05)
+    assert len(rec.rounds) == 1
+    s.step_done(9, may_round=True)
     wait_until(lambda: len(rec.rounds) == 2)
     assert rec.rounds[-1] == (9, (PUSH, PULL))
     quiet[0] = False  # a table tries rounds: every K steps, whatever the clock says
@@ -203,6 +208,40 @@ def test_while_every_table_trains_async_rounds_run_k_steps_and_a_gap_in_seconds_
     wait_until(lambda: len(rec.rounds) == 3)
     assert rec.rounds[-1] == (11, (PUSH, PULL))
     assert s.end(11) and len(rec.rounds) == 3
+
+
+def test_a_quiet_round_not_started_yet_does_not_hold_the_next_step(monkeypatch):
+    """A quiet round is asked for long after the last one (0.5 s of steps): the next
+    step does not wait for it as for a round asked for K steps ago that never started
+    (before: counted from the last round's start, and the worker stalled until it ran)."""
+    from tfpsx.background import BackgroundLoop
+    from tfpsx.modes.geo import schedule as schedule_module
+
+    class Held(BackgroundLoop):
+        def start(self):  # the communicator's thread does not run until the test says
+            return self
+
+    monkeypatch.setattr(schedule_module, "BackgroundLoop", Held)
+    monkeypatch.setenv("TFPSX_RPC_TIMEOUT", "1")
+    monkeypatch.setenv("TFPSX_GEO_QUIET_ROUND_SECONDS", "2")
+    now = [0.0]
+    rec = Recorder()
+    s = rec.make(2, deterministic=False, quiet=lambda: True, clock=lambda: now[0])
+    s.start(0)
+    s.step_done(2)  # the first round: asked for, its thread held
+    BackgroundLoop.start(s._loop)
+    wait_until(lambda: len(rec.rounds) == 1)
+    s._loop._stop.set()  # (no more rounds run: asked for, never started)
+    for step in range(3, 23):  # 0.1 s a step: the gap has passed at step 22
+        now[0] += 0.1
+        s.step_done(step)
+    assert s._requested
+    started = time.monotonic()
+    s.step_done(23)  # 21 steps past the last round, 1 past the one asked for: no wait
+    assert time.monotonic() - started < 0.5
+    with pytest.raises(errors.ClusterTimeoutError, match="asked for at local step 22 "
+                                                         "had not ended at local step 24"):
+        s.step_done(24)  # K steps after it was asked for: this worker waits for it
 
 
 def test_no_background_round_starts_without_k_steps_left_after_its_pull():

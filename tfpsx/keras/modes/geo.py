@@ -228,7 +228,9 @@ class KerasGeo(KerasMode):
         that pushes the copy of a table gone async, and that round was asked for between
         two steps (``fit``'s batch_end), the table's flag turned async a round before."""
         choice = self._choice
-        return (choice is not None and choice is not False and not self.dense and not self.step_pairs
+        return (choice is not None and choice is not False and not self.dense
+                and not self.step_pairs and len(choice.tables) == len(self.tables)
+                and all(t.trains_async for t in self.tables)
                 and all(a == IDLE for a in choice.actions()))
 
     def commit_position(self, position):
@@ -443,9 +445,10 @@ class KerasGeo(KerasMode):
         # read only when a round may be due (an execution at an epoch's end may run
         # fewer steps than steps_per_execution).
         self._dispatched += getattr(model, "steps_per_execution", 1) or 1
-        if self.schedule.may_round(self._dispatched):
+        may = self.schedule.may_round(self._dispatched)
+        if may:
             self._dispatched = int(self._steps.read_value())
-        self.schedule.step_done(self._dispatched, steps_left)
+        self.schedule.step_done(self._dispatched, steps_left, may_round=may)
 
     def _distrust_snapshots(self) -> None:
         """A fit failed (:func:`tfpsx.modes.geo.distrust_snapshot`)."""

@@ -120,6 +120,7 @@ class GeoSchedule:
         # flight (_idle). A worker waits for the round in flight before the next is due
         # (its pull lands within K local steps of its start: see the module doc).
         self._requested = False
+        self._requested_at = 0  # the local steps when the round was asked for
         self._idle = threading.Event()
         self._idle.set()
         self._counters = counters
@@ -206,22 +207,27 @@ class GeoSchedule:
             logger.warning(message)
         return message
 
-    def step_done(self, steps: int, steps_left: Optional[int] = None) -> None:
+    def step_done(self, steps: int, steps_left: Optional[int] = None,
+                  may_round: Optional[bool] = None) -> None:
         """``steps`` local steps have run (after a step, or an execution of several);
         ``steps_left``: how many training will still run, when the front-end knows (a
         background round then starts only with at least K + :attr:`lag` of them left:
-        see the module doc)."""
+        see the module doc); ``may_round``: :meth:`may_round` as the front-end asked it
+        for this count (Keras reads its exact count only then: asked again, the clock
+        could say otherwise)."""
         self._steps, self._steps_left = steps, steps_left
         if self._loop is not None:
             self._loop.check()
-            if self._requested and steps - self.pushed >= 2 * self.k_steps:
+            if self._requested and steps - self._requested_at >= self.k_steps:
                 # The round asked for K steps ago has not started (its thread did not run:
                 # a loaded machine); it would push every step trained meanwhile, from
                 # one stale snapshot. The worker waits for it as for a round in flight.
                 self._wait_for_round(steps, pending=True)
-            if not self._requested and self.may_round(steps) and self._time_left():
+            may = (self.may_round(steps) if may_round is None
+                   else may_round and self.due(steps, self.pushed))
+            if not self._requested and may and self._time_left():
                 self._wait_for_round(steps)
-                self._requested = True
+                self._requested, self._requested_at = True, steps
                 self._idle.clear()
                 self._loop.wake()
         elif self.deterministic and self._inline and self.due(steps, self.pushed):
@@ -276,7 +282,7 @@ class GeoSchedule:
             return
         timeout = settings.get("TFPSX_RPC_TIMEOUT")
         late = steps - self.pushed  # (a pending round sets pushed when it starts)
-        what = (f"the round asked for at local step {self.pushed + self.k_steps} had not "
+        what = (f"the round asked for at local step {self._requested_at} had not "
                 "ended" if pending else
                 f"the round started at local step {self.pushed} still ran")
         waited = bounded_wait(
