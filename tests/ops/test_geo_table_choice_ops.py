@@ -96,10 +96,10 @@ def test_the_distinct_rows_a_worker_trained_are_counted_between_rounds():
     assert abs(float(counter.take()) - 2.0) < 0.01
 
 
-def test_the_distinct_rows_are_of_k_lookups_scaled_by_the_lookups_since_the_last_take():
-    """Rounds further apart than K steps (every table async): the count marks the first
-    K training lookups after a take, and the take scales by the lookups over K; a round
-    after fewer than K lookups is not scaled."""
+def test_the_distinct_rows_are_of_k_steps_scaled_by_the_steps_since_the_last_take():
+    """Rounds further apart than K steps (every table async): the count marks the
+    lookups of the first K steps after a take, and the take scales by the steps over K;
+    a round after fewer than K steps is not scaled."""
     rng = np.random.default_rng(7)
     k = [3]
     counter = DistinctRows(f"distinct{next(_names)}", None, width=1 << 16,
@@ -116,6 +116,21 @@ def test_the_distinct_rows_are_of_k_lookups_scaled_by_the_lookups_since_the_last
     with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
         k[0] = -1
         counter.mark(tf.constant([1], tf.int64))
+    # A step that looks the table up twice (a graph's two lookups, the same ids): after
+    # the first take, 6 steps at K=3 mark the first 3 steps' batches, scaled by 2 (a
+    # count of the first 3 lookups, 1.5 steps, scaled by 4, would read 4,000).
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        counter = DistinctRows(f"distinct{next(_names)}", None, width=1 << 16,
+                               steps=lambda: 3)
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        step = tf.group(counter.mark(ids), counter.mark(tf.identity(ids)))
+        take = counter.take()
+        sess.run(tf.compat.v1.local_variables_initializer())
+        sess.run(take)  # (a round: the next marks the first 3 steps)
+        for keys in batches[:6]:
+            sess.run(step, {ids: keys})
+        got = sess.run(take)
+        assert abs(got - 2 * 3 * 500) < 0.02 * 3_000, got
 
 
 def test_graph_mode_a_chosen_table_trains_on_the_ps_then_its_copy_as_its_flag_says():
