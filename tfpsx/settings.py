@@ -273,9 +273,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
     Setting("TFPSX_GEO_QUIET_ROUND_SECONDS", "seconds", 0.5,
             "GEO with geo_table_choice='auto': while every table trains async (and the dense "
             "weights too), a round moves nothing, so it runs at most this often (and every "
-            "k_steps); the steps' input positions commit as async's. It reports the steps to "
-            "global_step and reads the job's choice: a worker learns of a table trying "
-            "rounds within this long", "timeouts"),
+            "k_steps); the steps' input positions commit as async's. Such a round reports "
+            "the steps to global_step (graph mode: a last_step or a save every N steps may "
+            "run this long past) and reads the job's choice (a worker learns of a table "
+            "trying rounds within this long)", "timeouts"),
     # runtime switches
     Setting("TFPSX_METRICS_DIR", "path", None,
             "folder where every process appends its metrics as JSON lines "

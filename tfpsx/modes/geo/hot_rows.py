@@ -33,7 +33,9 @@ def switch_merge_conds():
     word2vec's GEO workers 16.6-18.2 ms of CPU per 1,000 examples where the same conds
     as Switch / Merge cost 13.8-14.5, async's 11.8-14.5 (1 PS + 4 workers,
     benchmarks/time_to_auc.py, docs/design-notes/geo.md). A ``tf.function``'s conds
-    (Keras) stay TF2's: it has no others."""
+    (Keras) stay TF2's: it has no others. The switch is TF's process-wide flag: a TF1
+    graph built in another thread meanwhile would get TF1 conds too (they run the
+    same; graph mode builds its graph in one thread)."""
     graph = tf.compat.v1.get_default_graph()
     if tf.executing_eagerly() or graph.building_function or \
             not tf.compat.v1.control_flow_v2_enabled():
