@@ -243,6 +243,16 @@ def tape_records(tensor) -> bool:
     return bool(record.should_record_backprop([tensor]))
 
 
+def step_graph(graph):
+    """``graph``, or when it is a TF2 tf.cond / while branch (a graph of its own), the
+    graph the branch is built in: the step's (a ``tf.function``'s, or a TF1 graph)."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs
+
+    while isinstance(graph, control_flow_v2_func_graphs.ControlFlowFuncGraph):
+        graph = graph.outer_graph
+    return graph
+
+
 def read_on_service(service: str, dataset, element_spec, task_refresh_ms: int = 100,
                     outstanding: int = 2):
     """``dataset`` read through the tf.data service at ``service`` (registered now: in a
@@ -268,4 +278,5 @@ __all__ = ["SaveableObject", "SaveSpec", "distribute_lib", "OneDeviceExtended",
            "ensure_eager_context_initialized", "eager_mode", "async_wait", "Trackable",
            "enable_collectives", "abort_collectives", "collective_barrier",
            "keras_name_scopes", "keras_current_path", "flatten_layers", "unfinalize",
-           "sync_replicas_parts", "tape_records", "unsized", "read_on_service"]
+           "sync_replicas_parts", "tape_records", "unsized", "read_on_service",
+           "step_graph"]

@@ -26,21 +26,10 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tensorflow.python.ops import control_flow_v2_func_graphs
-
-from tfpsx import graph_state
+from tfpsx import compat, graph_state
 from tfpsx.modes.geo.contention import bucket_of
 
 DEFAULT_WIDTH = 1 << 18
-
-
-def _step_graph():
-    """The graph a step is built in: the default graph, or the ``tf.function`` whose
-    tf.cond / while branch is being built (a branch is a graph of its own)."""
-    graph = tf.compat.v1.get_default_graph()
-    while isinstance(graph, control_flow_v2_func_graphs.ControlFlowFuncGraph):
-        graph = graph.outer_graph
-    return graph
 
 
 class DistinctRows:
@@ -72,7 +61,7 @@ class DistinctRows:
         self.steps = int(self._steps())
         if self.steps < 0:
             raise ValueError(f"DistinctRows: steps must be >= 0, got {self.steps!r}")
-        step_graph = _step_graph()
+        step_graph = compat.step_graph(tf.compat.v1.get_default_graph())
         if tf.executing_eagerly():
             self.sites = 1  # (each eager call is a step)
         elif step_graph is not self._sites_in:  # (a new graph, or a trace again)
