@@ -105,8 +105,8 @@ class CommitQueue:
 
     def __init__(self, every: Optional[float] = None):
         self._every = every
-        self._due: Dict[str, Dict[int, int]] = {}
-        self._lock = threading.Lock()
+        self._due = PendingSteps()  # the positions due, by input
+        self._lock = threading.Lock()  # (the commit thread's start)
         self._flushing = threading.Lock()  # one commit at a time, in order
         self._loop = None
 
@@ -116,11 +116,7 @@ class CommitQueue:
 
     def add(self, name: str, keys, offsets) -> None:
         """A batch's position (``keys``, ``offsets``: numpy) of input ``name``, due."""
-        with self._lock:
-            table = self._due.setdefault(name, {})
-            for k, o in zip(keys.tolist(), offsets.tolist()):
-                if o > table.get(k, -1):
-                    table[k] = o
+        self._due.add(name, keys, offsets)
         self._start()
 
     def _start(self) -> None:
@@ -147,27 +143,15 @@ class CommitQueue:
     def flush(self) -> None:
         """Commits what is due now (what failed stays due)."""
         with self._flushing:
-            with self._lock:
-                taken, self._due = self._due, {}
+            taken = self._due.take()
             try:
                 for name in sorted(taken):
-                    table = taken[name]
-                    if table:
-                        splits.coordinator_of(name).commit(
-                            np.fromiter(table.keys(), np.int64),
-                            np.fromiter(table.values(), np.int64))
+                    splits.coordinator_of(name).commit(*taken[name])
                     del taken[name]
             except BaseException:
-                with self._lock:  # (back, merged with what came in since)
-                    for name, table in taken.items():
-                        due = self._due.setdefault(name, {})
-                        for k, o in table.items():
-                            due[k] = max(o, due.get(k, -1))
+                for name, (keys, offsets) in taken.items():  # (back, merged with what
+                    self._due.add(name, keys, offsets)      # came in since)
                 raise
-
-
-# This process's (a Keras worker's) queue of positions to commit.
-COMMITS = CommitQueue()
 
 
 def record_op(position, to, name: str) -> tf.Tensor:
@@ -262,6 +246,10 @@ class PendingSteps:
         """Commits what :meth:`take` took (after the round's push)."""
         for name, (keys, offsets) in taken.items():
             splits.coordinator_of(name).commit(keys, offsets)
+
+
+# This process's (a Keras worker's) queue of positions to commit.
+COMMITS = CommitQueue()
 
 
 def decode_numpy(position: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

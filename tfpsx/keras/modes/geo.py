@@ -31,9 +31,9 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              pull_ops, push_ops, rule_workers, table_readers, take_global,
                              track_snapshot)
-from tfpsx.modes.geo.choice import CATCH_UP, IDLE
+from tfpsx.modes.geo.choice import CATCH_UP
 from tfpsx.modes.geo.copies import copy_global, local_reader
-from tfpsx.modes.geo.tables import async_flag, follow_choice, table_choice
+from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
 from tfpsx.modes.positions import COMMITS, PendingPositions, record_op
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.waits import bounded_wait
@@ -222,16 +222,10 @@ class KerasGeo(KerasMode):
         return stale
 
     def _quiet(self) -> bool:
-        """Every table trains async, its copy flushed, and no dense copy
-        (geo_table_choice="auto"): a round moves nothing, and every step trains the PS.
-        A step that trained a copy ended before this became true: it takes the round
-        that pushes the copy of a table gone async, and that round was asked for between
-        two steps (``fit``'s batch_end), the table's flag turned async a round before."""
-        choice = self._choice
-        return (choice is not None and choice is not False and not self.dense
-                and not self.step_pairs and len(choice.tables) == len(self.tables)
-                and all(t.trains_async for t in self.tables)
-                and all(a == IDLE for a in choice.actions()))
+        """(:func:`tfpsx.modes.geo.tables.quiet`: ``fit`` asks for rounds between steps,
+        :meth:`batch_end`.)"""
+        choice = self._choice if self._choice is not False else None
+        return quiet(choice, self.tables, bool(self.dense or self.step_pairs))
 
     def commit_position(self, position):
         # A step trains the copy: its position waits for the round that pushes it; while

@@ -14,7 +14,7 @@ from tfpsx import graph_state
 from tfpsx.embedding.cache import WorkerCache
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
-from tfpsx.modes.geo.choice import TableChoice, TableTraffic
+from tfpsx.modes.geo.choice import IDLE, TableChoice, TableTraffic
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable
 from tfpsx.modes.geo.distinct import DistinctRows
@@ -124,6 +124,19 @@ def follow_choice(tables: List[GeoTable], to_ps, to_copy, set_flag) -> None:
     for i, flag in [(i, True) for i in to_ps] + [(i, False) for i in to_copy]:
         set_flag(i, flag)
         tables[i].trains_async = flag
+
+
+def quiet(choice: Optional[TableChoice], tables: List[GeoTable], dense_copies: bool) -> bool:
+    """Whether a worker's rounds move nothing now: under ``choice`` (None: no choice)
+    every one of its ``tables`` trains async, its copy flushed, and no dense copy syncs
+    (``dense_copies``), so every step trains the PS (its input position commits as
+    async's; its rounds run TFPSX_GEO_QUIET_ROUND_SECONDS apart). A step that trained a
+    copy ended before this became true: it takes the round that pushes the copy of a
+    table gone async, a round a front-end asks for between steps, the table's flag
+    turned async a round before."""
+    return (choice is not None and not dense_copies and len(choice.tables) == len(tables)
+            and all(t.trains_async for t in tables)
+            and all(a == IDLE for a in choice.actions()))
 
 
 class GeoTableUpdater(TableUpdater):

@@ -24,7 +24,7 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              table_readers)
 from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
 from tfpsx.modes.geo.copies import copy_global, local_reader
-from tfpsx.modes.geo.tables import async_flag, follow_choice, table_choice
+from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.modes.positions import PendingSteps
 from tfpsx.runtime import RUNTIME
@@ -291,15 +291,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         return pushes, pulls, actions
 
     def quiet(self) -> bool:
-        """Every table trains async, its copy flushed, and no dense copy
-        (geo_table_choice="auto"): a round moves nothing, and every step trains the PS.
-        A step that trained a copy ended before this became true: it takes the round
-        that pushes the copy of a table gone async, and that round was asked for after
-        a step ended (:meth:`after_run`), the table's flag turned async a round before."""
-        choice = self._choice
-        return (choice is not None and not self._mode.dense
-                and all(t.trains_async for t in self._mode.tables)
-                and all(a == IDLE for a in choice.actions()))
+        """(:func:`tfpsx.modes.geo.tables.quiet`: rounds are asked for after a step's
+        run, :meth:`after_run`.)"""
+        return quiet(self._choice, self._mode.tables, bool(self._mode.dense))
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
