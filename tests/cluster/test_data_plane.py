@@ -376,6 +376,26 @@ def test_graph_a_worker_killed_and_started_again_skips_nothing(tmp_path, example
     assert_each_once(visits, repeats_at_most=4 * BATCH)
 
 
+@pytest.mark.budget(45, why="tfpsx-run, 1 PS + 2 graph-mode GEO workers, one's session "
+                            "created again after an error")
+def test_graph_geo_a_session_created_again_skips_nothing(tmp_path, examples):
+    """Graph mode's GEO at 2 workers (rounds every K = 5 steps): worker 1's run fails once
+    with a broken connection's AbortedError, and TF's MonitoredSession creates its session
+    again. The tables' copies keep the steps since the last round (the next round pushes
+    them and commits their positions; the dense weights' copies are initialized anew, and
+    the log says so), and the new iterator reads again what was not committed: nothing is
+    skipped, and what is trained twice is at most those steps (up to 2K with a round in
+    flight) and the failed run's batch."""
+    _, visits = run_job(tmp_path, examples, "graph_visits_job.py", 2,
+                        ["--mode", "geo", "--abort_after", "1:30", "--step_delay", "0.01",
+                         "--split_bytes", "5000"])
+    log = (tmp_path / "logs" / "workerlog.1").read_text()
+    assert re.search(r"GEO: worker 1's session was created again: the \d+ local step\(s\) "
+                     r"its copies trained since the last round are lost for its dense "
+                     r"weights", log), log[-3000:]
+    assert_each_once(visits, repeats_at_most=(2 * 5 + 1) * BATCH)
+
+
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 graph-mode workers in sync, a worker "
                             "SIGKILLed and started again in place")
 def test_graph_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples):

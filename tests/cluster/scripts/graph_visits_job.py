@@ -6,7 +6,8 @@ writes the final rows to <out>/visits.npz (ids, counts) once every worker is don
 
   graph_visits_job.py --out DIR [--mode async|geo|sync|hybrid|collective] [--epochs E]
       [--batch B]
-      [--checkpoint DIR --save_steps S] [--die_after W:S] [--step_delay SEC]
+      [--checkpoint DIR --save_steps S] [--die_after W:S] [--abort_after W:S]
+      [--step_delay SEC]
       (the examples: DIR/data/part-*.txt, as visits_job.write_files writes them)
 """
 import argparse
@@ -21,6 +22,21 @@ import tensorflow as tf
 import tfpsx
 from tfpsx import embedding as E
 from visits_job import FEATURES, parse
+
+
+class AbortOnceHook(tf.compat.v1.train.SessionRunHook):
+    """Fails this worker's run once, after ``steps`` local training runs, with the
+    AbortedError of a broken connection to a server: TF's MonitoredSession then creates
+    the session again (its local variables, GEO's copies among them, initialized anew)."""
+
+    def __init__(self, steps: int):
+        self._left = steps
+
+    def after_run(self, run_context, run_values):
+        self._left -= 1
+        if self._left == 0:
+            tfpsx.metrics.emit("aborted", worker=tfpsx.worker_index())
+            raise tf.errors.AbortedError(None, None, "the test's broken connection to a server")
 
 
 def main(argv):
@@ -39,6 +55,8 @@ def main(argv):
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--save_steps", type=int, default=20)
     p.add_argument("--die_after", default=None, help="W:S")
+    p.add_argument("--abort_after", default=None,
+                   help="W:S: worker W's run fails once (AbortedError) after S local steps")
     p.add_argument("--step_delay", type=float, default=0.0)
     args = p.parse_args(argv)
 
@@ -97,7 +115,9 @@ def main(argv):
                                                  [looked], step=step))
         marker = os.path.join(args.out, f"died.{me}")
         dies = args.die_after and int(args.die_after.split(":")[0]) == me
-        with tfpsx.MonitoredTrainingSession(checkpoint_dir=args.checkpoint,
+        aborts = args.abort_after and int(args.abort_after.split(":")[0]) == me
+        hooks = [AbortOnceHook(int(args.abort_after.split(":")[1]))] if aborts else []
+        with tfpsx.MonitoredTrainingSession(checkpoint_dir=args.checkpoint, hooks=hooks,
                                             save_checkpoint_steps=args.save_steps,
                                             incremental_checkpoints=2 if args.checkpoint
                                             else None) as sess:

@@ -307,9 +307,28 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         if self._choice is not None:
             self._choice_ops.session_started(session, RUNTIME.config.is_chief)
         if again:
+            self._created_again()
             self._schedule.restart(self._steps)
         else:
             self._schedule.start(self._steps)
+
+    def _created_again(self) -> None:
+        """Says what a session created again keeps of the steps since the last round. TF
+        initializes the local variables anew (the dense weights' copies and snapshots take
+        the PS's values: those steps are lost for them, as an async worker's step in
+        flight would be), while the tables' copies are resources on this worker's server,
+        which keep their rows: the next round pushes those steps, and then commits their
+        input positions (pending, :class:`PendingSteps`), as for any step. The new
+        iterator gives back the splits the old one held, and reads them again from their
+        committed positions (tfpsx.data.splits): the steps since the last round are
+        trained again, none skipped."""
+        unpushed = self._steps - self._schedule.pushed  # (the restart pushes none)
+        logger.warning(
+            "GEO: worker %d's session was created again: the %d local step(s) its copies "
+            "trained since the last round are lost for its dense weights (initialized anew "
+            "from the PS%s); its tables' copies keep them for the next round, and its input "
+            "reads their examples again", self._mode.worker_index, unpushed,
+            "" if self._mode.dense else ": none has a copy")
 
     def after_run(self, run_context, run_values):
         if self._detector.ran_training(run_context):
