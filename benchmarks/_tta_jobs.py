@@ -87,6 +87,10 @@ class CriteoJob:
         "geo10_bf16": ["--mode", "geo", "--k_steps", "10", "--geo_wire_dtype", "bfloat16"],
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_fp16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "float16"],
+        # Every table in rounds (no choice), the slots in bfloat16 (the default) or float32.
+        "geo10_rounds": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds"],
+        "geo10_rounds_f32": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds",
+                             "--geo_slot_wire_dtype", "float32"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
         # A worker cache under GEO's rule (from 3 workers: rows with their slots, hot ids on
         # the PS) and under the earlier rule (what a cached table ran before).
@@ -187,6 +191,10 @@ class Word2vecJob:
         "geo50_bf16": ["--mode", "geo", "--k_steps", "50", "--geo_wire_dtype", "bfloat16"],
         "geo100_bf16": ["--mode", "geo", "--k_steps", "100", "--geo_wire_dtype", "bfloat16"],
         "geo100_uncontended": ["--mode", "geo", "--k_steps", "100", "--geo_hot_per_round", "0"],
+        # Every table in rounds (no choice), the slots in bfloat16 (the default) or float32.
+        "geo10_rounds": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds"],
+        "geo10_rounds_f32": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds",
+                             "--geo_slot_wire_dtype", "float32"],
     }
 
     def __init__(self, args):

@@ -311,6 +311,11 @@ class RoundDamping:
         self.table.insert(tf.constant(self.keys), self.base + (now - self.base) * scale)
 
 
+def wire_dtype(name: str):
+    """A row part's wire dtype (--wire, --slot_wire): None for float32, as GEO's."""
+    return None if name in ("", "float32") else tf.as_dtype(name)
+
+
 def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             dense_rule: str) -> Dict[str, float]:
     r = Run(args, data, n, f"geo_{rule}_n{n}_k{k}_l{latency}")
@@ -325,7 +330,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
         local = r.make_table(f"local{w}", optimizer)
         old = r.make_table(f"old{w}", optimizer if shared else None)
         t = GeoTable(r.global_table, local, old, DEVICE, reader=w,
-                     combine="sum" if shared else rule, share_slots=shared)
+                     combine="sum" if shared else rule, share_slots=shared,
+                     wire=wire_dtype(args.wire), slot_wire=wire_dtype(args.slot_wire))
         local_dense = make_dense(f"{r.tag}_local{w}", args.dim, r.hidden, init=start)
         old_dense = make_dense(f"{r.tag}_old{w}", args.dim, r.hidden, init=start)
         pairs = [geo.GeoVariable(l, o, g) for l, o, g in
@@ -534,6 +540,11 @@ def main(argv=None) -> int:
     p.add_argument("--no_async", action="store_true")
     p.add_argument("--async_part", default="", choices=["", "dense", "tables"],
                    help="train this part as async does, the other by GEO (what loses what)")
+    p.add_argument("--wire", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype a row's values travel in (geo_wire_dtype)")
+    p.add_argument("--slot_wire", default="", choices=["", "float32", "bfloat16", "float16"],
+                   help="with --rules shared: the dtype a row's slots travel in "
+                        "(geo_slot_wire_dtype; default: as the values)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tf.random.set_seed(args.seed)
@@ -567,6 +578,8 @@ def main(argv=None) -> int:
                         part.update(k_max=k_max, min_rounds=args.min_rounds)
                     if args.hot_per_round != "0":
                         part.update(hot_per_round=args.hot_per_round)
+                    part.update({key: getattr(args, key) for key in ("wire", "slot_wire")
+                                 if getattr(args, key) not in ("", "float32")})
                     report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
                            latency=latency, rounds=(args.rows // (args.batch * n)) // k,
                            **run_geo(args, data, data_eval, n, k, rule, latency,

@@ -69,6 +69,13 @@ def k_steps():
 flags.DEFINE_integer("max_staleness", 4, "staleness: steps a worker may run ahead")
 flags.DEFINE_enum("geo_wire_dtype", "float32", ["float32", "bfloat16", "float16"],
                   "geo: the dtype table rows travel in")
+flags.DEFINE_enum("geo_table_choice", None, ["auto", "rounds"],
+                  "geo: 'auto' (each table runs rounds only while they move fewer bytes "
+                  "than async) or 'rounds' (every table; default: tfpsx's choice by the "
+                  "worker count)")
+flags.DEFINE_enum("geo_slot_wire_dtype", None, ["float32", "bfloat16", "float16"],
+                  "geo: the dtype a row's optimizer slots travel in under shared "
+                  "slots (default: tfpsx's)")
 flags.DEFINE_enum("geo_table_rule", None, ["average", "shared_slots"],
                   "geo: how the PS adds the workers' pushes of a row (default: tfpsx's "
                   "choice by the worker count; docs/modes.md)")
@@ -128,7 +135,8 @@ PROGRESS = "progress.json"
 
 def strategy_for(mode: str):
     rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_dense", "geo_hot_count",
-                                                 "geo_hot_per_round")
+                                                 "geo_hot_per_round", "geo_slot_wire_dtype",
+                                                 "geo_table_choice")
             if getattr(FLAGS, key) is not None}  # unnamed: tfpsx's defaults
     configs = {"geo": {"k_steps": k_steps(), "geo_wire_dtype": FLAGS.geo_wire_dtype,
                        **rule},

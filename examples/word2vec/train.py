@@ -61,6 +61,13 @@ flags.DEFINE_integer("geo_hot_per_round", None, "geo: ids the workers would trai
                      "the worker count)")
 flags.DEFINE_enum("geo_wire_dtype", None, ["float32", "bfloat16", "float16"],
                   "geo: the dtype table rows travel in (default: tfpsx's)")
+flags.DEFINE_enum("geo_table_choice", None, ["auto", "rounds"],
+                  "geo: 'auto' (each table runs rounds only while they move fewer bytes "
+                  "than async) or 'rounds' (every table; default: tfpsx's choice by the "
+                  "worker count)")
+flags.DEFINE_enum("geo_slot_wire_dtype", None, ["float32", "bfloat16", "float16"],
+                  "geo: the dtype a row's optimizer slots travel in under shared "
+                  "slots (default: tfpsx's)")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
 flags.DEFINE_integer("steps", 1000, "--input sample: local steps per worker (sync: global "
                      "steps)")
@@ -248,7 +255,8 @@ def main(argv):
     k_steps = (FLAGS.k_steps if FLAGS.k_steps == "auto" else int(FLAGS.k_steps)) \
         if FLAGS.mode == "geo" else 0
     rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_hot_count",
-                                                 "geo_hot_per_round", "geo_wire_dtype")
+                                                 "geo_hot_per_round", "geo_wire_dtype",
+                                                 "geo_slot_wire_dtype", "geo_table_choice")
             if k_steps and getattr(FLAGS, key) is not None}  # unnamed: tfpsx's choice
     strategy = tfpsx.DistributedStrategy(a_sync=FLAGS.mode != "sync",
                                          a_sync_configs={"k_steps": k_steps, **rule})

@@ -96,7 +96,7 @@ def test_a_table_with_a_worker_cache_follows_the_rule_for_many_workers():
         worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 4
         hot_per_round, named, updaters = 0, frozenset(), []
-        table_choice = False
+        table_choice, slot_wire_dtype = False, tf.float32
 
     table = E.DynamicTable("hot_cached", DIM, optimizer=E.Adagrad(0.1), cache_size=16)
     updater = GeoTableUpdater(Mode())
@@ -229,7 +229,7 @@ def test_geos_updater_gives_a_table_the_estimate_under_the_rule():
         worker_index, worker_num, worker_device = 1, 8, "/job:localhost/replica:0/task:0"
         tables, wire_dtype, in_train_thread, share_slots, hot_count = [], None, True, True, 0
         hot_per_round, named, updaters = 40, frozenset(), []
-        table_choice = False
+        table_choice, slot_wire_dtype = False, tf.float32
 
         def round_steps(self):
             return 10
@@ -252,6 +252,7 @@ class _CountingMode:
     worker_index, worker_num, worker_device = 0, 4, "/job:localhost/replica:0/task:0"
     wire_dtype, in_train_thread, share_slots, hot_count = None, True, True, 2
     hot_per_round, named, table_choice = 0, frozenset(), False
+    slot_wire_dtype = tf.float32
 
     def __init__(self):
         self.tables, self.updaters, self.train_ops = [], [], []

@@ -31,6 +31,12 @@ With ``share_slots`` a row travels as ``[value | optimizer slots]`` both ways, t
 sums every push whole, and ``old`` keeps the slots of the last pull too (GEO's shared
 slots: :mod:`tfpsx.modes.geo.rule`).
 
+On the wire (:func:`to_wire`) the values travel in ``wire`` and the slots in ``slot_wire``
+(float32 by default; GEO narrows the slots to bfloat16). A push's rows are rounded to
+what the wire carries before ``old`` follows them, so the rounding stays in ``local -
+old`` for the row's next push. A pull's slots travel less the optimizer's initial values
+(a narrowed accumulator near its start would lose what was added to it).
+
 A copy of every row the worker looks up (``cached=False``, GEO mode's): the pull brings
 every changed row. A cache holds a bounded set (``cached=True``): the pull brings only
 the rows it holds (the others are fetched fresh on their next miss). A pull's writes are
@@ -46,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfpsx.embedding.sharding import ShardedTable, as_step
@@ -61,6 +68,8 @@ class RowCopy:
     reader: int            # this worker's id in the PS shards' changed-key sets
     cached: bool = False   # local holds a bounded set of rows (a worker cache)
     wire: Optional[tf.DType] = None  # rows travel in this dtype (None: float32)
+    # With ``share_slots``: the slots travel in this dtype (None: as the values, ``wire``).
+    slot_wire: Optional[tf.DType] = None
     combine: str = "sum"  # how the PS adds parallel pushes of a row (module doc)
     # The rows travel with their optimizer slots ([value | slots], summed on the PS;
     # ``old`` then holds row_width floats a row): the workers share the optimizer state.
@@ -69,6 +78,65 @@ class RowCopy:
     def __post_init__(self):
         if self.share_slots:  # shared slots add every push whole (the module doc)
             self.combine = "sum"
+
+
+def wire_dtypes(t: RowCopy):
+    """(the values' dtype, the slots' dtype) of a row as it travels; the slots' is None
+    where none travel (no slots shared, or an optimizer without any)."""
+    values = t.wire or tf.float32
+    if not t.share_slots or t.global_.row_width == t.global_.dim:
+        return values, None
+    return values, t.slot_wire or values
+
+
+def narrow(t: RowCopy) -> bool:
+    """Whether a part of a row travels narrower than float32 (a push is then rounded,
+    and old follows the rounding)."""
+    return any(d not in (None, tf.float32) for d in wire_dtypes(t))
+
+
+def row_bytes(t: RowCopy) -> int:
+    """A row's bytes as it travels, one way: its key, its values and (``share_slots``)
+    its slots, each in its wire dtype."""
+    values, slots = wire_dtypes(t)
+    dim = t.global_.dim
+    return 8 + dim * values.size + (0 if slots is None else
+                                    (t.global_.row_width - dim) * slots.size)
+
+
+def _slot_start(t: RowCopy) -> np.ndarray:
+    """A new row's slots (the optimizer's initial values, slot after slot, ``dim`` each)."""
+    return np.repeat(np.asarray(t.global_.optimizer.slot_init, np.float32), t.global_.dim)
+
+
+def to_wire(t: RowCopy, rows, pull: bool = False) -> list:
+    """``rows`` (float32, ``[values | slots]`` with shared slots) as they travel: one
+    tensor, or the values and the slots apart in their own dtypes. A push sends deltas;
+    a pull (``pull``) sends the slots less their initial values: an Adagrad accumulator
+    near its start (0.1) narrowed to bfloat16 would lose the increments below its
+    rounding (2^-9 of it), and with them what the other workers' gradients added; less
+    0.1, the rounding is 2^-9 of what was added (docs/design-notes/geo.md, "Fewer bytes
+    a row")."""
+    values, slots = wire_dtypes(t)
+    if slots is None or slots == values == tf.float32:
+        return [tf.cast(rows, values)]
+    dim = t.global_.dim
+    slot_rows = rows[:, dim:] - _slot_start(t) if _offset(t, pull) else rows[:, dim:]
+    return [tf.cast(rows[:, :dim], values), tf.cast(slot_rows, slots)]
+
+
+def _offset(t: RowCopy, pull: bool) -> bool:
+    """Whether the slots travel less their initial values (a pull's, narrowed)."""
+    return pull and wire_dtypes(t)[1] != tf.float32
+
+
+def from_wire(t: RowCopy, parts, pull: bool = False) -> tf.Tensor:
+    """The float32 rows of :func:`to_wire`'s parts."""
+    parts = [tf.cast(p, tf.float32) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    return tf.concat([parts[0], parts[1] + _slot_start(t) if _offset(t, pull) else parts[1]],
+                     1)
 
 
 def local_rows(table: ShardedTable, keys, with_slots: bool = False):
@@ -125,10 +193,10 @@ def push_rows(t: RowCopy, keys, n: float, step, keep_old: bool = True):
         if n != 1:
             delta = delta / n
         keys, delta = nonzero_rows(keys, delta)
-        if t.wire is not None:
+        if narrow(t):
             # What the PS will add, rounded to the wire's precision: old follows it, so
             # the rounding stays in local - old and travels with the next push.
-            delta = tf.cast(tf.cast(delta, t.wire), tf.float32)
+            delta = from_wire(t, to_wire(t, delta))
         bump_old = (t.old.shards[0].accumulate(keys, delta, zero, with_slots=t.share_slots)
                     if keep_old else None)
     # With n = 1 the copy holds nothing unpushed after the push (old = local): its next
@@ -138,7 +206,8 @@ def push_rows(t: RowCopy, keys, n: float, step, keep_old: bool = True):
     else:  # an eviction (not keep_old) sums: see the module doc
         skip, combine = t.reader, (t.combine if keep_old else "sum")
     pushed = t.global_.accumulate(keys, delta, step, skip_reader=skip, wire_dtype=t.wire,
-                                  combine=combine, with_slots=t.share_slots)
+                                  combine=combine, with_slots=t.share_slots,
+                                  slot_wire_dtype=wire_dtypes(t)[1])
     return tf.group([op for op in (bump_old, pushed) if op is not None]), tf.size(keys)
 
 
@@ -164,13 +233,14 @@ def table_pull(t: RowCopy, after=()):
             with tf.compat.v1.device(t.device):
                 changed = tf.boolean_mask(changed, t.local.shards[0].find(changed)[1])
         got_keys.append(changed)
-        found = shard.find(changed, with_slots=t.share_slots)[0]
-        got_rows.append(found if t.wire is None else tf.cast(found, t.wire))
+        got_rows.append(to_wire(t, shard.find(changed, with_slots=t.share_slots)[0],
+                                pull=True))
 
     with tf.control_dependencies(list(after)):
         t.global_.on_shards(changed_rows)
     with tf.compat.v1.device(t.device):
-        keys, rows = tf.concat(got_keys, 0), tf.cast(tf.concat(got_rows, 0), tf.float32)
+        keys = tf.concat(got_keys, 0)
+        rows = from_wire(t, [tf.concat(part, 0) for part in zip(*got_rows)], pull=True)
         # Not marked for the local copy's own reader (0): a pulled row is not trained, and
         # its next push carries only what this worker trained since (local - old).
         moved = t.local.shards[0].accumulate(

@@ -230,7 +230,7 @@ class ShardedTable:
         return self._group(self.on_shards(lambda i, s, k, v: s.insert(k, v, step), keys, [values]))
 
     def accumulate(self, keys, deltas, step=None, skip_reader: int = -1, wire_dtype=None,
-                   combine: str = "sum", with_slots: bool = False):
+                   combine: str = "sum", with_slots: bool = False, slot_wire_dtype=None):
         """row += delta for ``keys`` (any shape; deltas: keys' shape + [dim]); the keys
         count as changed for every changed-key reader but ``skip_reader`` (a worker's
         own push, when its pull need not bring it back). ``wire_dtype``: the deltas
@@ -238,7 +238,8 @@ class ShardedTable:
         ``combine``: how pushes of several workers to one row add up (``skip_reader``
         is the pusher; :data:`tfpsx.embedding.storage.COMBINE`; the keys of a combined
         push must be unique, as a GEO push's are). ``with_slots``: deltas of ``[value |
-        optimizer slots]`` (:attr:`row_width` floats), every one whole (``"sum"``)."""
+        optimizer slots]`` (:attr:`row_width` floats), every one whole (``"sum"``);
+        ``slot_wire_dtype``: the slots travel in it (None: as the values)."""
         if combine not in COMBINE:
             raise ValueError(f"{self._what}: accumulate: combine={combine!r}; expected one "
                              f"of {', '.join(COMBINE)}")
@@ -252,15 +253,22 @@ class ShardedTable:
         step = as_step(step)
         keys, deltas = self._keys_and_rows("accumulate", "deltas", keys, deltas,
                                            self.row_width if with_slots else self.dim)
-        if wire_dtype is not None:
-            deltas = tf.cast(deltas, wire_dtype)
+        if with_slots and self.row_width > self.dim and slot_wire_dtype is not None and \
+                slot_wire_dtype != (wire_dtype or tf.float32):
+            parts = [deltas[:, :self.dim] if wire_dtype is None else
+                     tf.cast(deltas[:, :self.dim], wire_dtype),
+                     tf.cast(deltas[:, self.dim:], slot_wire_dtype)]
+        else:
+            parts = [deltas if wire_dtype is None else tf.cast(deltas, wire_dtype)]
 
-        def add(i, shard, shard_keys, shard_deltas):
-            return shard.accumulate(shard_keys, tf.cast(shard_deltas, tf.float32), step,
+        def add(i, shard, shard_keys, *shard_parts):
+            shard_parts = [tf.cast(p, tf.float32) for p in shard_parts]
+            shard_deltas = shard_parts[0] if len(shard_parts) == 1 else tf.concat(shard_parts, 1)
+            return shard.accumulate(shard_keys, shard_deltas, step,
                                     skip_reader=skip_reader, combine=combine,
                                     with_slots=with_slots)
 
-        return self._group(self.on_shards(add, keys, [deltas]))
+        return self._group(self.on_shards(add, keys, parts))
 
     def apply(self, keys, grads, step=None):
         """The server-side optimizer on the rows of unique ``keys`` (a vector; grads

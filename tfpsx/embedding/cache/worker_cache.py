@@ -50,8 +50,8 @@ from tfpsx import graph_state
 from tfpsx.embedding.cache.admission import AdmissionSketch
 from tfpsx.embedding.cache.options import CacheOptions
 from tfpsx.embedding.cache.sync import FlushSchedule, track_eager
-from tfpsx.embedding.row_copy import (RowCopy, global_rows, push_rows, set_rows, table_pull,
-                                     table_push, table_readers)
+from tfpsx.embedding.row_copy import (RowCopy, global_rows, push_rows, row_bytes, set_rows,
+                                     table_pull, table_push, table_readers)
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable, as_step
 from tfpsx.embedding.storage import on_device
 
@@ -105,6 +105,7 @@ class WorkerCache(ShardedTable):
       flush_in_step: sync every ``options.flush_steps`` updates, between steps (False:
         GEO mode's communicator syncs).
       wire: the dtype rows travel in to and from the PS (None: float32).
+      slot_wire: with ``share_slots``, the dtype their slots travel in (None: ``wire``).
       combine: how the PS adds the syncs of several workers' caches to one row
         (:mod:`tfpsx.embedding.row_copy`: "sum" in async, whole updates as async; GEO's
         own in GEO mode).
@@ -121,7 +122,8 @@ class WorkerCache(ShardedTable):
     def __init__(self, table: ShardedTable, options: CacheOptions, device: Optional[str],
                  reader: int, scale: float = 1.0, flush_in_step: bool = True,
                  wire: Optional[tf.DType] = None, combine: str = "sum",
-                 share_slots: bool = False, copy_type: type = RowCopy):
+                 share_slots: bool = False, copy_type: type = RowCopy,
+                 slot_wire: Optional[tf.DType] = None):
         name = f"{table.name}/cache_w{reader}"
         like = dict(initializer=table.initializer, seed=table.seed, devices=[device])
         super().__init__(name, table.dim, optimizer=table.optimizer, **like)
@@ -132,14 +134,16 @@ class WorkerCache(ShardedTable):
         self.table, self.options, self.device = table, options, device
         self.scale, self.flush_in_step = scale, flush_in_step
         self.copy = copy_type(table, self, self.old, device, reader, cached=True, wire=wire,
-                              combine=combine, share_slots=share_slots)
+                              slot_wire=slot_wire, combine=combine, share_slots=share_slots)
         # The floats of a row as it travels (with its slots when they are shared).
         self._width = table.row_width if share_slots else table.dim
         # Evict down to this many rows when a lookup finds more than options.size.
         self.evict_to = max(0, options.size - max(1, options.size // 16))
         self.sketch = AdmissionSketch(options.size) if options.admit_after > 1 else None
         self.schedule = FlushSchedule(options.flush_steps, own=flush_in_step)
-        self._row_bytes = 8 + (4 if wire is None else wire.size) * self._width
+        # A row's bytes flushed (as the wire carries them), and fetched (float32: a miss
+        # reads the PS's row, with its slots when they are shared, as a lookup does)
+        self._row_bytes, self._fetch_row_bytes = row_bytes(self.copy), 8 + 4 * self._width
         self._eager_registered = False
         self.apply_ops = []  # the update ops built in graphs
         # Staged by an input pipeline (tfpsx.keras's RowFeeder): training lookups find
@@ -269,7 +273,7 @@ class WorkerCache(ShardedTable):
         counted = self._count(lookups=tf.reduce_sum(counts),
                               hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
                               rows_fetched=from_ps,
-                              bytes_fetched=tf.cast(from_ps, tf.int64) * self._row_bytes,
+                              bytes_fetched=tf.cast(from_ps, tf.int64) * self._fetch_row_bytes,
                               not_admitted=rejected)
         return _after([inserted, counted] + admitted, lambda: tf.identity(rows))
 
@@ -357,7 +361,7 @@ class WorkerCache(ShardedTable):
             counted = self._count(lookups=tf.reduce_sum(counts),
                                   hits=tf.reduce_sum(tf.boolean_mask(counts, found)),
                                   rows_fetched=n, prefetched=n,
-                                  bytes_fetched=tf.cast(n, tf.int64) * self._row_bytes)
+                                  bytes_fetched=tf.cast(n, tf.int64) * self._fetch_row_bytes)
         return _after(inserted + [counted],
                       lambda: (tf.identity(unique), self.shards[0].size()))
 

@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tfpsx.embedding.row_copy import table_pull, table_push
+from tfpsx.embedding.row_copy import row_bytes, table_pull, table_push
 from tfpsx.modes.geo.choice import IDLE, SKIP
 from tfpsx.modes.geo.copies import GeoTable
 
@@ -101,13 +101,13 @@ def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=No
     rows = []
     for i, t in enumerate(tables):
         if actions is not None and actions[i] == IDLE:
-            rows.append((tf.constant(0, tf.int32), 0, 0))
+            rows.append((tf.constant(0, tf.int32), 0))
             continue
         op, count = table_push(t, 1.0, step)
         ops.append(op)
-        rows.append((count, _row_floats(t), _value_bytes(t)))
+        rows.append((count, row_bytes(t)))
     if per_table is not None:
-        per_table.extend(tf.cast(count, tf.int64) for count, _, _ in rows)
+        per_table.extend(tf.cast(count, tf.int64) for count, _ in rows)
     return ops, rows_and_bytes(rows)
 
 
@@ -122,19 +122,14 @@ def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=(),
     rows = []
     for i, t in enumerate(tables):
         if actions is not None and actions[i] in (SKIP, IDLE):
-            rows.append((tf.constant(0, tf.int32), 0, 0))
+            rows.append((tf.constant(0, tf.int32), 0))
             continue
         op, count = table_pull(t, after)
         ops.append(op)
-        rows.append((count, _row_floats(t), _value_bytes(t)))
+        rows.append((count, row_bytes(t)))
     if per_table is not None:
-        per_table.extend(tf.cast(count, tf.int64) for count, _, _ in rows)
+        per_table.extend(tf.cast(count, tf.int64) for count, _ in rows)
     return ops, rows_and_bytes(rows)
-
-
-def row_bytes(t: GeoTable) -> int:
-    """A row's bytes in a round, one way: its key and its floats as they travel."""
-    return 8 + _row_floats(t) * _value_bytes(t)
 
 
 def combine_for(deterministic: bool) -> str:
@@ -142,22 +137,13 @@ def combine_for(deterministic: bool) -> str:
     return "mean" if deterministic else "scaled"
 
 
-def _row_floats(t: GeoTable) -> int:
-    """The floats of a row as it travels: with its optimizer slots when they are shared."""
-    return t.global_.row_width if t.share_slots else t.global_.dim
-
-
-def _value_bytes(t: GeoTable) -> int:
-    return 4 if t.wire is None else t.wire.size
-
-
 def rows_and_bytes(rows) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(rows, bytes) as int64 tensors of ``(count, dim, value_bytes)`` entries: a row
-    moves its key and ``dim`` values."""
-    counts = [(tf.cast(r, tf.int64), dim, size) for r, dim, size in rows]
-    return (tf.add_n([tf.constant(0, tf.int64)] + [r for r, _, _ in counts]),
-            tf.add_n([tf.constant(0, tf.int64)] +
-                     [r * (8 + size * dim) for r, dim, size in counts]))
+    """(rows, bytes) as int64 tensors of ``(count, bytes a row)`` entries
+    (:func:`tfpsx.embedding.row_copy.row_bytes`: its key, values and slots as they
+    travel)."""
+    counts = [(tf.cast(r, tf.int64), size) for r, size in rows]
+    return (tf.add_n([tf.constant(0, tf.int64)] + [r for r, _ in counts]),
+            tf.add_n([tf.constant(0, tf.int64)] + [r * size for r, size in counts]))
 
 
 # The most steps of one row a round may sum (docs/modes.md, "GEO at N workers"):
@@ -287,12 +273,13 @@ _LOGGED_RULES: set = set()
 def adopt_rule(state, options, config) -> None:
     """A front-end's GEO state (``GeoState``) takes the job's rule from ``options`` for
     the job of ``config`` (its :func:`rule_workers`): how rounds run
-    (``in_train_thread``), the wire dtype, the table rule (``share_slots``,
+    (``in_train_thread``), the wire dtypes (the values', the slots'), the table rule (``share_slots``,
     ``hot_count``, ``hot_per_round``) and the keys the user named; the rule is logged
     (once)."""
     workers = rule_workers(config)
     state.in_train_thread = options.geo_sync_in_train_thread
     state.wire_dtype = wire_dtype(options)
+    state.slot_wire_dtype = tf.as_dtype(getattr(options, "geo_slot_wire_dtype", "bfloat16"))
     state.share_slots = shares_slots(options, workers)
     state.hot_count = hot_count(options, workers)
     state.hot_per_round = hot_per_round(options, workers)

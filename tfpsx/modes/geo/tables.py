@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfpsx import graph_state
 from tfpsx.embedding.cache import WorkerCache
+from tfpsx.embedding.row_copy import row_bytes
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo.choice import IDLE, TableChoice, TableTraffic
@@ -20,7 +21,7 @@ from tfpsx.modes.geo.copies import GeoTable
 from tfpsx.modes.geo.distinct import DistinctRows
 from tfpsx.modes.geo.hot_rows import AsyncRows, HotRows
 from tfpsx.modes.geo.round import row_trip_bytes
-from tfpsx.modes.geo.rule import combine_for, row_bytes
+from tfpsx.modes.geo.rule import combine_for
 
 logger = logging.getLogger("tfpsx")
 
@@ -33,6 +34,7 @@ class GeoState(Protocol):
     tables: List[GeoTable]
     updaters: List["GeoTableUpdater"]  # one per table, as they join (the rows they train)
     wire_dtype: Optional[tf.DType]  # the rows travel in it (None: float32)
+    slot_wire_dtype: tf.DType  # with share_slots, the rows' slots travel in it
     in_train_thread: bool  # deterministic rounds (the PS combines a round's pushes)
     share_slots: bool  # rows travel with their optimizer slots, summed (geo_table_rule)
     hot_count: int  # ids seen this often in a batch train on the PS (0: none)
@@ -177,6 +179,7 @@ class GeoTableUpdater(TableUpdater):
             # the cache.
             self.cache = WorkerCache(table, options, mode.worker_device, me,
                                      scale=1.0, flush_in_step=False, wire=mode.wire_dtype,
+                                     slot_wire=mode.slot_wire_dtype,
                                      combine=combine_for(mode.in_train_thread),
                                      share_slots=share, copy_type=GeoTable)
             self._geo = self.cache.copy
@@ -191,7 +194,7 @@ class GeoTableUpdater(TableUpdater):
                            optimizer=table.optimizer if share else None, **copy)
         chosen = mode.table_choice and not mode.in_train_thread
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
-                             combine=combine_for(mode.in_train_thread), share_slots=share,
+                             slot_wire=mode.slot_wire_dtype, combine=combine_for(mode.in_train_thread), share_slots=share,
                              chosen=chosen, trains_async=chosen)
         if chosen and me == 0:  # (the chief's count: it decides for the job)
             self.distinct = DistinctRows(f"{table.name}/geo_distinct_w{me}",
