@@ -312,8 +312,9 @@ class RoundDamping:
 
 
 def wire_dtype(name: str):
-    """A row part's wire dtype (--wire, --slot_wire): None for float32, as GEO's."""
-    return None if name in ("", "float32") else tf.as_dtype(name)
+    """A row part's wire dtype (--wire, --slot_wire), as GEO's: None for the default
+    (float32 values; slots as the values), else the dtype named."""
+    return None if name == "" else tf.as_dtype(name)
 
 
 def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
@@ -540,9 +541,9 @@ def main(argv=None) -> int:
     p.add_argument("--no_async", action="store_true")
     p.add_argument("--async_part", default="", choices=["", "dense", "tables"],
                    help="train this part as async does, the other by GEO (what loses what)")
-    p.add_argument("--wire", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--wire", default="", choices=["", "float32", "bfloat16", "float16"],
                    help="the dtype a row's values travel in (geo_wire_dtype)")
-    p.add_argument("--slot_wire", default="", choices=["", "float32", "bfloat16", "float16"],
+    p.add_argument("--slot_wire", default="", choices=["", "float32", "bfloat16"],
                    help="with --rules shared: the dtype a row's slots travel in "
                         "(geo_slot_wire_dtype; default: as the values)")
     p.add_argument("--json", default=None)
@@ -579,7 +580,7 @@ def main(argv=None) -> int:
                     if args.hot_per_round != "0":
                         part.update(hot_per_round=args.hot_per_round)
                     part.update({key: getattr(args, key) for key in ("wire", "slot_wire")
-                                 if getattr(args, key) not in ("", "float32")})
+                                 if getattr(args, key) != ""})
                     report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
                            latency=latency, rounds=(args.rows // (args.batch * n)) // k,
                            **run_geo(args, data, data_eval, n, k, rule, latency,

@@ -65,7 +65,7 @@ flags.DEFINE_enum("geo_table_choice", None, ["auto", "rounds"],
                   "geo: 'auto' (each table runs rounds only while they move fewer bytes "
                   "than async) or 'rounds' (every table; default: tfpsx's choice by the "
                   "worker count)")
-flags.DEFINE_enum("geo_slot_wire_dtype", None, ["float32", "bfloat16", "float16"],
+flags.DEFINE_enum("geo_slot_wire_dtype", None, ["float32", "bfloat16"],
                   "geo: the dtype a row's optimizer slots travel in under shared "
                   "slots (default: tfpsx's)")
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")

@@ -394,6 +394,12 @@ def test_graph_geo_a_session_created_again_skips_nothing(tmp_path, examples):
                      r"its copies trained since the last round are lost for its dense "
                      r"weights", log), log[-3000:]
     assert_each_once(visits, repeats_at_most=(2 * 5 + 1) * BATCH)
+    # Once both ended and pulled once more, each copy equals the PS's table: the session
+    # created again kept the changed keys its copy and the PS held for it (registering
+    # its readers again would have emptied both: rows never pushed, pushes never pulled)
+    for w in (0, 1):
+        copy = tfpsx.metrics.read(str(tmp_path / "logs"), "worker", w, "geo_copy")
+        assert copy and copy[-1]["differs"] == 0, (w, copy)
 
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 graph-mode workers in sync, a worker "

@@ -24,12 +24,12 @@ _CONFIG_KEYS = {
     "sync_reduction": "sync: how a step's gradients combine, 'mean' (default, as TF's "
                       "SyncReplicasOptimizer) or 'sum' (as tf.distribute's all-reduce, for "
                       "a loss already divided by the global batch)",
-    "geo_wire_dtype": "GEO: the dtype table rows travel in ('float32', 'bfloat16', "
-                      "'float16'); values stay float32 on both sides",
+    "geo_wire_dtype": "GEO: the dtype table rows' values travel in ('float32', "
+                      "'bfloat16', 'float16'; their slots: geo_slot_wire_dtype); values stay "
+                      "float32 on both sides",
     "geo_slot_wire_dtype": "GEO: the dtype a table row's optimizer slots travel in where "
                            "they travel with it (geo_table_rule='shared_slots'): "
-                           "'bfloat16' (default), 'float16' or 'float32'; both sides keep "
-                           "them float32",
+                           "'bfloat16' (default) or 'float32'; both sides keep them float32",
     "geo_table_rule": "GEO: how the PS adds the workers' pushes of a table row: "
                       "'shared_slots' (summed, the optimizer's slots shared) or 'average'; "
                       "default: by the worker count (docs/modes.md, GEO at N workers)",
@@ -52,6 +52,7 @@ _CONFIG_KEYS = {
 }
 _GEO_TABLE_CHOICES = ("auto", "rounds")
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
+_SLOT_WIRE_DTYPES = ("float32", "bfloat16")
 _SYNC_REDUCTIONS = ("mean", "sum")
 _GEO_TABLE_RULES = ("average", "shared_slots")
 _GEO_DENSE = ("copies", "async")
@@ -74,7 +75,7 @@ class DistributedStrategy:
         (int >= 0), ``geo_sync_in_train_thread`` (bool), ``geo_wire_dtype`` (GEO: table
         rows travel as "float32", "bfloat16" or "float16"), ``geo_slot_wire_dtype``
         (GEO: the dtype a row's optimizer slots travel in where they travel with it,
-        under shared slots: "bfloat16" (default), "float16" or "float32"; a push sends
+        under shared slots: "bfloat16" (default) or "float32"; a push sends
         their deltas, its rounding kept in the copy for the row's next push, a pull
         their values less the optimizer's initial ones, and both sides keep them
         float32),
@@ -176,10 +177,11 @@ class DistributedStrategy:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_wire_dtype'] must be one "
                              f"of {list(_WIRE_DTYPES)}, got {self.geo_wire_dtype!r}")
         self.geo_slot_wire_dtype = configs.get("geo_slot_wire_dtype", "bfloat16")
-        if self.geo_slot_wire_dtype not in _WIRE_DTYPES:
+        if self.geo_slot_wire_dtype not in _SLOT_WIRE_DTYPES:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_slot_wire_dtype'] must "
-                             f"be one of {list(_WIRE_DTYPES)}, got "
-                             f"{self.geo_slot_wire_dtype!r}")
+                             f"be one of {list(_SLOT_WIRE_DTYPES)}, got "
+                             f"{self.geo_slot_wire_dtype!r} (float16's range ends at 65,504, "
+                             "which an accumulator passes)")
         # The GEO rule's keys the user named; an unnamed one is None here, chosen by the
         # worker count when the job runs (tfpsx.modes.geo.rule_for).
         self.geo_explicit = frozenset(k for k in GEO_FOR_MANY if k in configs)
@@ -241,8 +243,8 @@ class DistributedStrategy:
         """Every option: two strategies with the same key train the same way."""
         return (self.a_sync, self.k_steps, self.k_auto, self.max_staleness,
                 self.geo_sync_in_train_thread,
-                self.replicas_to_aggregate, self.sync_reduction, self.geo_wire_dtype, self.geo_slot_wire_dtype,
-                self.collective, self.dense,
+                self.replicas_to_aggregate, self.sync_reduction, self.geo_wire_dtype,
+                self.geo_slot_wire_dtype, self.collective, self.dense,
                 self.geo_table_rule, self.geo_dense, self.geo_hot_count,
                 self.geo_hot_per_round, self.geo_table_choice)
 

@@ -126,12 +126,19 @@ class WorkerCacheHook(tf.compat.v1.train.SessionRunHook):
         self._detectors = [TrainStepDetector(c.apply_ops) for c in self._due]
         self._steps = [0] * len(self._due)  # training runs since each cache's last sync
         self._register = [c.register() for c in self._own]
+        self._registered = False
         self._flush = [c.flush() for c in self._own]
         self._flush_due = [c.flush() for c in self._due]
         self._stats = {c.table.name: c.stats() for c in self._caches}
 
     def after_create_session(self, session, coord):
-        session.run(self._register)  # before any step: every later change is pulled
+        # Before any step: every later change is pulled. Once: a session created again
+        # after an error (TF's MonitoredSession) would take what the readers hold, the
+        # caches' unflushed keys and the changes not pulled yet (the caches and the PS's
+        # tables are resources of the servers: they outlive the session).
+        if not self._registered:
+            session.run(self._register)
+            self._registered = True
 
     def after_run(self, run_context, run_values):
         due = []

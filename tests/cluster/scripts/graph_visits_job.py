@@ -21,7 +21,26 @@ import tensorflow as tf
 
 import tfpsx
 from tfpsx import embedding as E
+from tfpsx import graph_state
 from visits_job import FEATURES, parse
+
+
+def differs_from_ps(copies) -> int:
+    """GEO, once every worker's last round ran: this worker pulls once more, and counts
+    the rows of its copies that differ from the PS's. None should: every row a worker
+    trained was pushed, and every row another pushed was marked for this worker's pull
+    (a row the copy lacks counts as its initial row, zeros)."""
+    from tfpsx.embedding import row_copy
+    pulls = [row_copy.table_pull(t)[0] for t in copies]
+    rows = [(t.local.export(), t.global_.export()) for t in copies]
+    with tf.compat.v1.Session(tfpsx.server_target(), config=tfpsx.session_config()) as s:
+        s.run(pulls)
+        differ = 0
+        for local, ps in s.run(rows):
+            mine = dict(zip(local["keys"].tolist(), local["values"]))
+            differ += int(sum(np.any(row != mine.get(key, 0.0))
+                              for key, row in zip(ps["keys"].tolist(), ps["values"])))
+    return differ
 
 
 class AbortOnceHook(tf.compat.v1.train.SessionRunHook):
@@ -113,6 +132,8 @@ def main(argv):
                                                                                 tf.int32)),
                                                                     [-1, 1]), tf.float32)),
                                                  [looked], step=step))
+        # GEO: this worker's table copies (see differs_from_ps)
+        copies = list(getattr(graph_state.peek().mode, "tables", []))
         marker = os.path.join(args.out, f"died.{me}")
         dies = args.die_after and int(args.die_after.split(":")[0]) == me
         aborts = args.abort_after and int(args.abort_after.split(":")[0]) == me
@@ -132,6 +153,9 @@ def main(argv):
                     time.sleep(args.step_delay)
         if not collective:  # (a collective job's ranks end their sessions together)
             tfpsx.barrier_worker()
+        if copies:
+            tfpsx.metrics.emit("geo_copy", worker=me, differs=differs_from_ps(copies))
+            tfpsx.barrier_worker()  # (before the chief reads the PS's rows)
         if args.mode in ("hybrid", "collective"):  # each worker's own copy of w (and counts)
             with tf.compat.v1.Session(tfpsx.server_target(),
                                       config=tfpsx.session_config()) as s:

@@ -364,9 +364,10 @@ class KerasGeo(KerasMode):
 
     def _take_global(self, refresh_rounded: bool = False) -> None:
         """This worker's copies become the global model: local = old = global, dense
-        and tables (table rows keep this worker's optimizer slots; with a wire dtype,
-        rows last pulled stay as the wire carried them unless ``refresh_rounded``: the
-        chief's, when fit ends, since its copy is what ``export_serving`` exports; rows
+        and tables (table rows keep this worker's optimizer slots, as the slot wire
+        carried them; with a wire dtype, rows last pulled stay as the wire carried them
+        unless ``refresh_rounded``: the chief's, when fit ends, since its copy is what
+        ``export_serving`` exports (values, not slots); rows
         evicted on the PS since the last take: every row refreshed). GEO's pull does not
         do that (local += global - old keeps the part of this worker's own delta that it
         did not push), so without it a model evaluated, predicted or exported after

@@ -273,9 +273,9 @@ _LOGGED_RULES: set = set()
 def adopt_rule(state, options, config) -> None:
     """A front-end's GEO state (``GeoState``) takes the job's rule from ``options`` for
     the job of ``config`` (its :func:`rule_workers`): how rounds run
-    (``in_train_thread``), the wire dtypes (the values', the slots'), the table rule (``share_slots``,
-    ``hot_count``, ``hot_per_round``) and the keys the user named; the rule is logged
-    (once)."""
+    (``in_train_thread``), the wire dtypes (the values', the slots'), the table rule
+    (``share_slots``, ``hot_count``, ``hot_per_round``) and the keys the user named; the
+    rule is logged (once)."""
     workers = rule_workers(config)
     state.in_train_thread = options.geo_sync_in_train_thread
     state.wire_dtype = wire_dtype(options)

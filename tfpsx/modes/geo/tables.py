@@ -194,7 +194,8 @@ class GeoTableUpdater(TableUpdater):
                            optimizer=table.optimizer if share else None, **copy)
         chosen = mode.table_choice and not mode.in_train_thread
         self._geo = GeoTable(table, local, old, mode.worker_device, me, wire=mode.wire_dtype,
-                             slot_wire=mode.slot_wire_dtype, combine=combine_for(mode.in_train_thread), share_slots=share,
+                             slot_wire=mode.slot_wire_dtype,
+                             combine=combine_for(mode.in_train_thread), share_slots=share,
                              chosen=chosen, trains_async=chosen)
         if chosen and me == 0:  # (the chief's count: it decides for the job)
             self.distinct = DistinctRows(f"{table.name}/geo_distinct_w{me}",

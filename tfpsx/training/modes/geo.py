@@ -300,8 +300,12 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         again = self._session is not None  # TF's MonitoredSession, after an error
         self._session = session
         # Sparse tables: this worker's reader of changed keys must exist before anyone
-        # pushes (the table tracks changes only for readers it knows).
-        session.run(self._register)
+        # pushes (the table tracks changes only for readers it knows). Once: registering
+        # again takes what the readers hold, the keys the copy trained since its last
+        # push and those the others pushed since its last pull (the PS's state and the
+        # copies, resources of the servers, outlive the session).
+        if not again:
+            session.run(self._register)
         for u in self._mode.updaters:  # the session initialized their counts
             u.session_started(session)
         if self._choice is not None:
@@ -317,8 +321,10 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         initializes the local variables anew (the dense weights' copies and snapshots take
         the PS's values: those steps are lost for them, as an async worker's step in
         flight would be), while the tables' copies are resources on this worker's server,
-        which keep their rows: the next round pushes those steps, and then commits their
-        input positions (pending, :class:`PendingSteps`), as for any step. The new
+        which keep their rows and the changed keys of their readers (registered once,
+        in the first session): the next round pushes those steps, and then commits their
+        input positions (pending, :class:`PendingSteps`), as for any step. A round the
+        closed session failed part way loses what it took (as any failed round). The new
         iterator gives back the splits the old one held, and reads them again from their
         committed positions (tfpsx.data.splits): the steps since the last round are
         trained again, none skipped."""
