@@ -341,7 +341,11 @@ def test_keras_a_job_restored_from_its_checkpoint_skips_nothing(tmp_path, exampl
     chief = (tmp_path / "logs" / "workerlog.0").read_text()
     assert re.search(r"restored .*ckpt-\d+\.tables: .*input position\(s\) of \['input'\]",
                      chief), chief[-3000:]
-    assert_each_once(visits, repeats_at_most=0 if exact else 3 * 2 * BATCH)
+    # Without exact saves: each worker's steps between the position's save and the
+    # model's, and those of its last commit interval (50 ms here, 2-3 steps of 20 ms):
+    # up to 4 batches a worker on a loaded 2-core machine (350 repeats, 7 batches of 3
+    # workers, in one CI run there; 50-150 unloaded)
+    assert_each_once(visits, repeats_at_most=0 if exact else 3 * 4 * BATCH)
     if exact:
         logs = [(tmp_path / "logs" / f"workerlog.{i}").read_text() for i in (1, 2)]
         paused = [re.findall(r"worker \d paused (\d+) ms for the chief's exact save", log)

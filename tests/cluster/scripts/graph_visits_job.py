@@ -133,7 +133,7 @@ def main(argv):
                                                                     [-1, 1]), tf.float32)),
                                                  [looked], step=step))
         # GEO: this worker's table copies (see differs_from_ps)
-        copies = list(getattr(graph_state.peek().mode, "tables", []))
+        copies = list(graph_state.peek().mode.tables) if args.mode == "geo" else []
         marker = os.path.join(args.out, f"died.{me}")
         dies = args.die_after and int(args.die_after.split(":")[0]) == me
         aborts = args.abort_after and int(args.abort_after.split(":")[0]) == me
