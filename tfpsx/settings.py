@@ -227,6 +227,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "how often a non-chief polls for the chief's init (TF's own: 30 s)", "timeouts"),
     Setting("TFPSX_SESSION_TIMEOUT", "seconds", 600.0,
             "a non-chief waiting for the chief to initialize or restore the model", "timeouts"),
+    Setting("TFPSX_SESSION_CLOSE_TIMEOUT", "seconds", 120.0,
+            "graph mode: TF's close of a training session (after an error, before its "
+            "MonitoredSession creates a new one; at the end)", "timeouts"),
     Setting("TFPSX_LEASE_TIMEOUT", "seconds", 60.0,
             "a worker's input splits (tfpsx.data.splits) come back to the others when it "
             "renewed none of its leases for this long (it died); it renews every third of it",

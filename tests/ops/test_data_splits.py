@@ -63,6 +63,23 @@ def test_nothing_left_to_train_gives_keras_a_batch_to_look_at_and_fit_none(tmp_p
     assert sum(int(tf.size(x)) for x, _ in data) == 0  # fit trains nothing
 
 
+def test_an_abandoned_iteration_takes_no_more_splits(tmp_path):
+    """Graph mode's session closes (an error: TF's MonitoredSession then creates a new
+    one): its iterator takes no split after ``abandon`` (a take in flight while TF's close
+    deleted the iterator held the close, once 4 minutes), and the next iteration reads
+    on."""
+    pattern = write_lines(tmp_path / "in")
+    tfpsx.data.splits(pattern, parse, 64, split_bytes=1000, epochs=1, name="abandoned")
+    source = coordinator.registered()["abandoned"]
+    splits = len(file_table(pattern, "text", 1000)[1])
+    leases = source.leases()
+    next(leases)
+    source.abandon()
+    assert list(leases) == []
+    # (one process: a lease is committed as it is taken) the next iteration, the rest
+    assert len(list(source.leases())) == splits - 1
+
+
 def test_tfrecords_a_split_a_file(tmp_path):
     paths = []
     for f in range(2):

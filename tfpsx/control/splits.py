@@ -114,17 +114,31 @@ def inputs_by_tag() -> Dict[int, str]:
     return {input_tag(name): name for name in registered()}
 
 
-def checked_input(position):
-    """(the name of the input a position is of, an op asserting every record's tag is
-    it). One input trains a model at a time; its name is the one registered here.
+def input_name() -> str:
+    """The name of the input this process's batches carry positions of. One input trains
+    a model at a time; its name is the one registered here.
 
     Raises:
-      ValueError: this process reads no tfpsx.data input.
+      ValueError: this process reads no tfpsx.data input, or several.
     """
     names = registered()
     if not names:
         raise ValueError("a batch carries an input position, but this process built no "
                          "tfpsx.data.splits input")
+    if len(names) > 1:
+        raise ValueError(f"this process built several tfpsx.data inputs ({sorted(names)}); "
+                         "a model trains from one at a time")
+    return next(iter(names))
+
+
+def checked_input(position):
+    """(:func:`input_name`, an op asserting every record's tag is that input's).
+
+    Raises:
+      ValueError: this process reads no tfpsx.data input, or several.
+    """
+    name = input_name()
+    names = registered()
     tags = inputs_by_tag()
     tag, _, _ = decode(position)
     allowed = tf.constant(sorted(tags), tf.int32)
@@ -133,10 +147,7 @@ def checked_input(position):
         "a batch's last entry is a float32 [5, batch] tensor whose tags name no "
         f"tfpsx.data input of this process ({sorted(names)}): a sample weight of that shape "
         "cannot be told from an input position; reshape it"])
-    if len(names) == 1:
-        return next(iter(names)), check
-    raise ValueError(f"this process built several tfpsx.data inputs ({sorted(names)}); a "
-                     "model trains from one at a time")
+    return name, check
 
 
 def home(config) -> str:
