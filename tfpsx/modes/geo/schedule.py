@@ -245,10 +245,19 @@ class GeoSchedule:
         left = self._steps_left
         return left is None or left >= self.k_steps + self.lag
 
+    def stop(self, what: str) -> None:
+        """The communicator stops after its round in flight (bounded by TFPSX_RPC_TIMEOUT,
+        else a ClusterTimeoutError naming ``what``); nothing runs until :meth:`restart`
+        or :meth:`start`. A failure of that round is not raised: it is the session's
+        that closes (graph mode's session closing on an error)."""
+        self._stop_loop(what)
+
     def restart(self, steps: int) -> None:
         """The front-end's session was created again (TF's MonitoredSession, after an
-        error): the communicator's round in flight ran on the closed session, and its
-        failure is that session's, not a new one; the communicator starts again."""
+        error): the communicator's round in flight ran on the closed session (stopped
+        before TF closed it, :meth:`stop`), and its failure is that session's, not a new
+        one; the communicator starts again, every one of the ``steps`` counted pushed
+        (the front-end dropped those it had not)."""
         self._stop_loop("the round in flight when the session was created again")
         self._first_round = None
         if self.deterministic:  # (no barrier: the others are not meeting now)

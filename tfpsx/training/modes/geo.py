@@ -251,6 +251,12 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._skipped = dict(rows=zero, bytes=zero, per_table=[zero])
             self._choice_ops = ChoiceOps(mode, self._choice)
         self._register = tf.group(*registrations, name="geo_register")
+        # A session created again drops the copies' unpushed steps: each copy takes the
+        # PS's rows (the chosen tables' catch-up; a worker cache's copy keeps its rows).
+        catch_ups = (self._choice_ops.catch_ups if self._choice is not None
+                     else [None] * len(mode.tables))
+        self._resets = [None if t.cached else catch_ups[i] or copy_global(t)
+                        for i, t in enumerate(mode.tables)]
 
         self._dense = dense_size(mode.dense)
         self._detector = TrainStepDetector(mode.train_ops)
@@ -300,10 +306,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         again = self._session is not None  # TF's MonitoredSession, after an error
         self._session = session
         # Sparse tables: this worker's reader of changed keys must exist before anyone
-        # pushes (the table tracks changes only for readers it knows). Once: registering
-        # again takes what the readers hold, the keys the copy trained since its last
-        # push and those the others pushed since its last pull (the PS's state and the
-        # copies, resources of the servers, outlive the session).
+        # pushes (the table tracks changes only for readers it knows). Once: the PS's
+        # tables and the copies are resources of the servers, which outlive the session
+        # (a session created again empties the readers by taking every row, below).
         if not again:
             session.run(self._register)
         for u in self._mode.updaters:  # the session initialized their counts
@@ -311,30 +316,48 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         if self._choice is not None:
             self._choice_ops.session_started(session, RUNTIME.config.is_chief)
         if again:
-            self._created_again()
+            self._created_again(session)
             self._schedule.restart(self._steps)
         else:
             self._schedule.start(self._steps)
 
-    def _created_again(self) -> None:
-        """Says what a session created again keeps of the steps since the last round. TF
-        initializes the local variables anew (the dense weights' copies and snapshots take
-        the PS's values: those steps are lost for them, as an async worker's step in
-        flight would be), while the tables' copies are resources on this worker's server,
-        which keep their rows and the changed keys of their readers (registered once,
-        in the first session): the next round pushes those steps, and then commits their
-        input positions (pending, :class:`PendingSteps`), as for any step. A round the
-        closed session failed part way loses what it took (as any failed round). The new
-        iterator gives back the splits the old one held, and reads them again from their
-        committed positions (tfpsx.data.splits): the steps since the last round are
-        trained again, none skipped."""
-        unpushed = self._steps - self._schedule.pushed  # (the restart pushes none)
+    def session_closing(self) -> None:
+        """TF closes the session (tfpsx.training.session, before TF's close): on an error
+        MonitoredSession then creates a new one. The communicator stops first, after its
+        round in flight (bounded by TFPSX_RPC_TIMEOUT): TF's close waits for every run of
+        the session, and a round it cut off would have taken the copy's changed keys
+        without pushing them (measured: 300-500 rows of a copy apart from the PS after
+        such a close, tests/cluster/test_data_plane.py)."""
+        if self._session is not None:
+            self._schedule.stop("the round in flight when the session closed")
+
+    def _created_again(self, session) -> None:
+        """A session created again drops the steps since the last round, as a worker
+        that died does: the new iterator gives back the splits the old one held and
+        reads them again from their committed positions (tfpsx.data.splits), so those
+        steps must leave the model, or they would be trained twice. TF initializes the
+        local variables anew (the dense weights' copies and snapshots take the PS's
+        values); each table's copy takes the PS's rows here (the catch-up of a table
+        that tries rounds, which also empties this worker's readers), and the positions
+        of those steps, pending, are dropped. A worker cache's copy (bounded: it cannot
+        take every row) keeps its rows: its next round pushes those steps, whose
+        examples are then trained twice. The round in flight at the error ended before
+        TF closed the old session (:meth:`session_closing`): it pushed its steps and
+        committed their positions."""
+        unpushed = self._steps - self._schedule.pushed
+        self._mode.positions.take()  # (dropped: their examples are read again)
+        resets = [op for t, op in zip(self._mode.tables, self._resets)
+                  if op is not None and not t.trains_async]
+        if resets:
+            session.run(resets)
+        cached = [t.global_.name for t in self._mode.tables if t.cached]
         logger.warning(
-            "GEO: worker %d's session was created again: the %d local step(s) its copies "
-            "trained since the last round are lost for its dense weights (initialized anew "
-            "from the PS%s); its tables' copies keep them for the next round, and its input "
-            "reads their examples again", self._mode.worker_index, unpushed,
-            "" if self._mode.dense else ": none has a copy")
+            "GEO: worker %d's session was created again: the %d local step(s) since the "
+            "last round are dropped (its dense weights initialized anew from the PS%s%s) "
+            "and its input reads their examples again", self._mode.worker_index, unpushed,
+            f", {len(resets)} table copy(ies) took the PS's rows" if resets else "",
+            f"; the worker caches of {cached} keep theirs, pushed at the next round "
+            "(those steps are trained twice)" if cached else "")
 
     def after_run(self, run_context, run_values):
         if self._detector.ran_training(run_context):
@@ -418,7 +441,7 @@ class ChoiceOps:
         self._flag = tf.compat.v1.placeholder(tf.bool, [])
         self._set_flag = [async_flag(t).assign(self._flag) if t.chosen else None
                           for t in mode.tables]
-        self._catch_up = [copy_global(t) if t.chosen else None for t in mode.tables]
+        self.catch_ups = [copy_global(t) if t.chosen else None for t in mode.tables]
         zero, zeros = tf.constant(0.0, tf.float64), tf.zeros([2], tf.int64)
         self.trained = [u.trained_variable(tf.compat.v1.get_default_graph()) for u in
                         mode.updaters]
@@ -437,7 +460,7 @@ class ChoiceOps:
 
     def catch_up(self, session, actions) -> None:
         """Before a round: the tables that try rounds take the PS's rows."""
-        ops = [self._catch_up[i] for i, action in enumerate(actions) if action == CATCH_UP]
+        ops = [self.catch_ups[i] for i, action in enumerate(actions) if action == CATCH_UP]
         if ops:
             session.run(ops)
 
