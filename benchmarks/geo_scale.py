@@ -317,6 +317,68 @@ def wire_dtype(name: str):
     return None if name == "" else tf.as_dtype(name)
 
 
+class AheadPull:
+    """``--pull ahead:S`` (issue 62, part 2): a worker's table pull brings the rows the
+    others changed that its next steps will read (until its next pull lands), and every
+    other changed row once it has waited S rounds (S = 0: no bound); the rest stay
+    stale in its copy, their keys kept on the worker. Counts the rows pulled against
+    the rows a pull of every changed row would have brought (``changed``)."""
+
+    def __init__(self, spec: str, data, n: int, batch: int, k: int):
+        kind, bound = spec.split(":")
+        # ahead: the steps until the next pull lands; behind: the K steps before it (the
+        # rows this worker trained since its last push, which a product worker knows
+        # without reading its input ahead)
+        self.behind, self.bound, self.k = kind == "behind", int(bound), k
+        self.data, self.n, self.batch = data, n, batch
+        self.stale: Dict[int, Dict[int, int]] = {}  # worker -> {key: round marked}
+        self.rounds: Dict[int, int] = {}
+        self.pulled = self.changed = 0
+
+    def ahead(self, w: int, step: int, steps: int) -> np.ndarray:
+        """The keys worker w's steps ``step .. step + steps - 1`` look up."""
+        b, n, keys = self.batch, self.n, self.data["keys"]
+        parts = [keys[(s * n + w) * b:(s * n + w + 1) * b] for s in range(step, step + steps)]
+        parts = [p for p in parts if len(p)]
+        return np.unique(np.concatenate(parts).reshape(-1)) if parts else np.zeros([0], np.int64)
+
+    def pull(self, t, w: int, step: int, steps: int) -> None:
+        me = tf.constant(t.reader, tf.int64)
+        taken = np.concatenate([c.numpy() for c in t.global_.on_shards(
+            lambda i, shard: shard.take_changed(me))])
+        stale = self.stale.setdefault(w, {})
+        r = self.rounds[w] = self.rounds.get(w, 0) + 1
+        for key in taken.tolist():
+            stale.setdefault(key, r)
+        self.changed += len(taken)  # (what a pull of every changed row brings now)
+        keys = np.fromiter(stale.keys(), np.int64, len(stale))
+        if not len(keys):
+            return
+        marked = np.fromiter(stale.values(), np.int64, len(stale))
+        near = (self.ahead(w, max(0, step - self.k), self.k) if self.behind else
+                self.ahead(w, step, steps))
+        want = np.isin(keys, near)
+        if self.bound:
+            want |= r - marked >= self.bound
+        keys = keys[want]
+        for key in keys.tolist():
+            del stale[key]
+        self.pulled += len(keys)
+        if len(keys):
+            pull_keys(t, tf.constant(keys, tf.int64))
+
+
+def pull_keys(t, keys) -> None:
+    """A pull of ``keys`` only: local += global - old, old = global (row_copy.table_pull's
+    update, for the keys given)."""
+    zero = tf.constant(0, tf.int64)
+    rows = t.global_.stitched(lambda i, s, k: s.find(k, with_slots=t.share_slots)[0], keys)
+    rows = row_copy.from_wire(t, row_copy.to_wire(t, rows, pull=True), pull=True)
+    t.local.shards[0].accumulate(keys, rows - row_copy.local_rows(t.old, keys, t.share_slots),
+                                 zero, skip_reader=0, with_slots=t.share_slots)
+    row_copy.set_rows(t, t.old, keys, rows)
+
+
 def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             dense_rule: str) -> Dict[str, float]:
     r = Run(args, data, n, f"geo_{rule}_n{n}_k{k}_l{latency}")
@@ -423,6 +485,17 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     hot_fields = [f for f in range(FIELDS) if JOB == "criteo" and
                   min(make_data.VOCAB[f], args.buckets) <= args.hot_vocab]
     pending = {}  # worker -> local step at which its pull lands
+    ahead = (AheadPull(args.pull, data, n, args.batch, k) if args.pull != "all" and
+             not async_tables else None)
+
+    def pull(w, pairs, t, steps_now):
+        """Worker w's pull (its table's as --pull says), after ``steps_now`` local steps."""
+        if ahead is None or t is None:
+            geo.pull_ops(pairs, [t] if t else [])
+            return
+        geo.pull_ops(pairs, [])
+        ahead.pull(t, w, steps_now, k + latency)
+
     # Rows pushed every step (hot) and the distinct rows the workers' steps trained.
     moved = {"hot_rows": 0, "step_rows": 0}
     local_steps = 0
@@ -459,7 +532,7 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
                     # One communicator runs one round at a time: the round in flight
                     # ends (its pull lands) before the next starts (a product worker
                     # waits for it: tfpsx.modes.geo.GeoSchedule).
-                    geo.pull_ops(pairs + moment_pairs.get(w, []), [t] if t else [])
+                    pull(w, pairs + moment_pairs.get(w, []), t, local_steps)
                     del pending[w]
                 geo.push_ops(*parts(t, pairs), DENSE_RULES[dense_rule](n), r.step)
                 if moment_pairs and dense_due:  # the moments: averaged
@@ -473,11 +546,15 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
             if not latency:
                 for w, (t, _, pairs, _) in enumerate(workers):
                     dense, tabs = parts(t, pairs)
-                    geo.pull_ops(dense + (moment_pairs.get(w, []) if dense_due else []), tabs)
+                    if tabs:
+                        pull(w, dense + (moment_pairs.get(w, []) if dense_due else []), t,
+                             local_steps)
+                    else:
+                        geo.pull_ops(dense + (moment_pairs.get(w, []) if dense_due else []), [])
         for w, due in list(pending.items()):
             if local_steps >= due:
                 t, _, pairs, _ = workers[w]
-                geo.pull_ops(pairs + moment_pairs.get(w, []), [t] if t else [])
+                pull(w, pairs + moment_pairs.get(w, []), t, local_steps)
                 del pending[w]
         r.step.assign_add(1)
     # The final round: every worker's unpushed steps.
@@ -488,6 +565,8 @@ def run_geo(args, data, data_eval, n: int, k: int, rule: str, latency: int,
     out = r.evaluate(r.global_table, r.global_dense)
     if moved["step_rows"]:
         out["hot_share"] = round(moved["hot_rows"] / moved["step_rows"], 4)
+    if ahead is not None:
+        out.update(pulled_rows=ahead.pulled, changed_rows=ahead.changed)
     return out
 
 
@@ -546,6 +625,11 @@ def main(argv=None) -> int:
     p.add_argument("--slot_wire", default="", choices=["", "float32", "bfloat16"],
                    help="with --rules shared: the dtype a row's slots travel in "
                         "(geo_slot_wire_dtype; default: as the values)")
+    p.add_argument("--pull", default="all",
+                   help="a table pull's rows: all (every row the others changed), or "
+                        "ahead:S (those the worker's steps until its next pull read, and "
+                        "any changed row once it waited S rounds; S=0: no bound), or "
+                        "behind:S (those its last K steps read, and the same bound)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tf.random.set_seed(args.seed)
@@ -581,6 +665,8 @@ def main(argv=None) -> int:
                         part.update(hot_per_round=args.hot_per_round)
                     part.update({key: getattr(args, key) for key in ("wire", "slot_wire")
                                  if getattr(args, key) != ""})
+                    if args.pull != "all":
+                        part.update(pull=args.pull)
                     report(mode="geo", n=n, k=k, rule=rule, dense=dense_rule, **part,
                            latency=latency, rounds=(args.rows // (args.batch * n)) // k,
                            **run_geo(args, data, data_eval, n, k, rule, latency,
