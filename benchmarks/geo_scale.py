@@ -632,6 +632,12 @@ def main(argv=None) -> int:
                         "behind:S (those its last K steps read, and the same bound)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.pull != "all":
+        kind, _, bound = args.pull.partition(":")
+        if kind not in ("ahead", "behind") or not bound.isdigit():
+            p.error(f"--pull {args.pull!r}: expected all, ahead:S or behind:S (S >= 0 rounds)")
+        if args.async_part == "tables":
+            p.error("--pull with --async_part tables: the tables train async, no copy pulls")
     tf.random.set_seed(args.seed)
     use_job(args.job)
     data, data_eval = (word2vec.data(args.rows, args.eval_rows, args.seed)

@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 from tfpsx import errors
-from tfpsx.training.session import _ChiefSessionCreator, _stops_before_close
+from tfpsx.training.closing import SessionCloser, closing_stops
+from tfpsx.training.session import _ChiefSessionCreator
 
 
 def test_a_server_holding_no_variable_is_named_so_the_live_model_check_is_not_trusted():
@@ -39,29 +40,74 @@ class _Session:
         self.closed += 1
 
 
-def test_the_hooks_threads_stop_before_the_close_once():
+def test_the_stops_run_before_the_close_once_and_only_for_the_latest_session():
     """The stops (GEO's communicator, the inputs' iterators) run before TF's close, once:
     a later close (TF's own when the session is collected, from whichever thread) stops
-    nothing (it ran on the next session's communicator before)."""
+    nothing, nor does the close of a session that is not the creator's latest (one
+    whose creation failed after it was made: the hooks run on the next)."""
     order = []
-    session = _Session()
-    session = _stops_before_close(session, [lambda: order.append(session.closed)])
-    session.close()
-    assert order == [0] and session.closed == 1
-    session.close()
-    assert order == [0] and session.closed == 2
+    closer = SessionCloser([lambda: order.append("a"), lambda: order.append("b")])
+    first = closer.wrap(_Session())
+    first.close()
+    assert order == ["a", "b"] and first.closed == 1
+    first.close()
+    assert order == ["a", "b"] and first.closed == 2
+    leaked, latest = closer.wrap(_Session()), closer.wrap(_Session())
+    leaked.close()
+    assert order == ["a", "b"] and leaked.closed == 1
+    latest.close()
+    assert order == ["a", "b", "a", "b"] and latest.closed == 1
+
+
+def test_a_failed_stop_still_runs_the_others_and_the_creator_raises_it_next():
+    """TF's _CoordinatedSession.close swallows what the close raises: the failure is
+    kept, and the next session's creation raises it (once)."""
+    ran = []
+
+    def fails():
+        raise errors.ClusterTimeoutError("GEO communicator: the round in flight did not end")
+
+    closer = SessionCloser([fails, lambda: ran.append(1)])
+    session = closer.wrap(_Session())
+    with pytest.raises(errors.ClusterTimeoutError, match="round in flight"):
+        session.close()
+    assert ran == [1] and session.closed == 1
+    with pytest.raises(errors.ClusterTimeoutError, match="round in flight"):
+        closer.check()
+    closer.check()  # (once)
 
 
 def test_a_close_past_its_bound_is_a_named_error(monkeypatch):
     monkeypatch.setenv("TFPSX_SESSION_CLOSE_TIMEOUT", "0.2")
     release = threading.Event()
-    stopped = []
-    session = _stops_before_close(_Session(release), [lambda: stopped.append(1)])
+    closer = SessionCloser([lambda: None])
+    session = closer.wrap(_Session(release))
     try:
         with pytest.raises(errors.ClusterTimeoutError,
                            match=r"close of the training session did not end within "
                                  r"TFPSX_SESSION_CLOSE_TIMEOUT=0.2 s"):
             session.close()
-        assert stopped == [1]
+        with pytest.raises(errors.ClusterTimeoutError):
+            closer.check()
     finally:
         release.set()
+
+
+def test_the_stops_are_the_hooks_then_the_inputs_read_from_splits(tmp_path):
+    """MonitoredTrainingSession's stops: each hook's session_closing, then each input's
+    abandon (the process's inputs are a dict by name: its values)."""
+    import tfpsx
+    from tfpsx.control.splits import registered
+
+    (tmp_path / "part-0.txt").write_text("".join(f"{i}\n" for i in range(100)))
+    tfpsx.data.splits(str(tmp_path / "part-*.txt"), lambda lines: lines, 10,
+                      split_bytes=100, epochs=1, name="closing")
+
+    class Hook:
+        def session_closing(self):
+            pass
+
+    hook = Hook()
+    stops = closing_stops([object(), hook], registered().values())
+    assert stops[0] == hook.session_closing
+    assert registered()["closing"].abandon in stops

@@ -339,15 +339,25 @@ class SplitInput:
             return self.clustered and self._generation > 0 and not self._read_all
 
     def abandon(self) -> None:
-        """The session that reads this input closes (graph mode; TF's MonitoredSession
-        after an error creates a new one, whose iterator gives back what this one held):
-        the current iterator takes no more splits. Its take in flight ends first (it holds
-        the lock; bounded by TFPSX_RPC_TIMEOUT). TF's close destroys the session's
-        iterator, which waits for its generator, and a take in flight then goes through
-        this worker's server while it deletes the session: measured, a close held 30 s,
-        and once 4 minutes, with the generator in a take."""
+        """The session that reads this input closes (graph mode, tfpsx.training.closing:
+        at the end, or after an error, when TF's MonitoredSession creates a new one): its
+        iterator takes no more splits, and every split this worker holds goes back, read
+        again from its committed position by whoever takes it (what the closed session's
+        buffers held is lost with it; an iterator that took its epoch's last split, whose
+        splits a new one would not give back, included). Its take in flight ends first
+        (it holds the lock; bounded by TFPSX_RPC_TIMEOUT): TF's close destroys the
+        iterator, which waits for its generator, and a take then in flight goes through
+        this worker's server while it deletes the session (measured: a close held 4
+        minutes)."""
         with self._lock:
             self._generation += 1
+            self._held, self._read_all = set(), False
+            back = (self.client().renew(self.worker, release=True)
+                    if self.clustered and self._started else 0)
+        if back:
+            logger.info("input %s: worker %d gave back %d split(s) as its session closed "
+                        "(read again from their committed positions)", self.name,
+                        self.worker, back)
 
     # ------------------------------------------------------------------ Keras's fit
     def keras_will_look(self) -> None:

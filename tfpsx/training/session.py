@@ -9,7 +9,6 @@ final flush).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
 import tensorflow as tf
@@ -19,7 +18,7 @@ from tfpsx.checkpoint import IncrementalSaver
 from tfpsx.checkpoint.saver import refused_saveables
 from tfpsx.runtime import RUNTIME
 from tfpsx.training import modes
-from tfpsx.waits import bounded_wait
+from tfpsx.training.closing import SessionCloser, closing_stops
 from tfpsx.modes.positions import check_feeds_splits, positions_of_graph
 from tfpsx.training.hooks import (InputPositionHook, InputPositionListener, ResumeLogHook,
                                   TrainingDoneHook,
@@ -32,68 +31,15 @@ from tfpsx.control.splits import registered as input_sources
 logger = logging.getLogger("tfpsx")
 
 
-def _stops_before_close(session, stops):
-    """``session``, whose ``close`` first calls each of ``stops`` (the hooks' threads that
-    run on it: GEO's communicator). TF's MonitoredSession closes its session on an
-    Aborted or Unavailable error and creates a new one; TF's close waits for every run
-    of the session, and cuts off a background run part way. A stop that fails (a bound
-    passed) still closes the session, then raises. Once: a later close (TF's, when the
-    session is collected, from whichever thread runs the collection) is TF's own, and
-    stops nothing (the hooks run on the next session by then: measured, a collected
-    session stopped the new one's GEO communicator while the input's thread that ran the
-    collection held a lock its round needed, 30 s until the bound)."""
-    if not stops:
-        return session
-
-    def close_after_stops():
-        del session.close  # (once; and the session no longer holds this closure)
-        try:
-            for stop in stops:
-                stop()
-        finally:
-            _close_within(session)
-
-    session.close = close_after_stops
-    return session
-
-
-def _close_within(session) -> None:
-    """TF's close of ``session``, bounded by TFPSX_SESSION_CLOSE_TIMEOUT: it waits for
-    the session's runs and for the worker's server to delete the session's state (its
-    iterators, which wait for their input threads). A close past the bound raises a
-    ClusterTimeoutError (the process then ends, and the launcher's restart takes over)
-    rather than hang (measured before :meth:`tfpsx.data.splits.SplitInput.abandon`: a
-    close held 4 minutes, its iterator's thread in a take from PS 0)."""
-    done, failed = threading.Event(), []
-
-    def close():
-        try:
-            session.close()
-        except BaseException as e:  # (raised in the caller's thread)
-            failed.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=close, name="tfpsx-session-close", daemon=True).start()
-    timeout = settings.get("TFPSX_SESSION_CLOSE_TIMEOUT")
-    bounded_wait(done.is_set, timeout, lambda waited: errors.ClusterTimeoutError(
-        f"TF's close of the training session did not end within "
-        f"TFPSX_SESSION_CLOSE_TIMEOUT={timeout:g} s (it waits for the session's runs and "
-        "for this worker's server to delete the session's iterators); is a parameter "
-        "server alive?"), poll=0.01)
-    if failed:
-        raise failed[0]
-
-
 class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
     """TF's worker session creator, polling for the chief's init every
-    TFPSX_RECOVERY_WAIT seconds instead of every 30; the session stops the hooks'
-    threads before it closes (:func:`_stops_before_close`)."""
+    TFPSX_RECOVERY_WAIT seconds instead of every 30; its sessions close as
+    :mod:`tfpsx.training.closing` says."""
 
-    def __init__(self, recovery_wait_secs: float, stops=(), **kwargs):
+    def __init__(self, recovery_wait_secs: float, closer: SessionCloser, **kwargs):
         super().__init__(**kwargs)
         self._recovery_wait_secs = recovery_wait_secs
-        self._stops = list(stops)
+        self._closer = closer
 
     def _get_session_manager(self):
         if self._session_manager:
@@ -108,8 +54,9 @@ class _FastWorkerSessionCreator(tf.compat.v1.train.WorkerSessionCreator):
         return self._session_manager
 
     def create_session(self):
+        self._closer.check()  # (an earlier close that failed: TF swallowed its error)
         try:
-            return _stops_before_close(super().create_session(), self._stops)
+            return self._closer.wrap(super().create_session())
         except tf.errors.DeadlineExceededError as e:
             raise errors.ClusterTimeoutError(
                 f"worker waited {self._max_wait_secs:.0f} s (TFPSX_SESSION_TIMEOUT) for the "
@@ -135,16 +82,17 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
     ran on (an orchestrator's restart; ``tfpsx-run`` restarts the whole job) takes their
     model rather than roll it back to the last checkpoint."""
 
-    def __init__(self, servers: int = 0, stops=(), **kwargs):
+    def __init__(self, servers: int = 0, closer: Optional[SessionCloser] = None, **kwargs):
         super().__init__(**kwargs)
         self._servers = servers
         self._created = False
-        self._stops = list(stops)  # (_stops_before_close)
+        self._closer = closer or SessionCloser([])  # (tfpsx.training.closing)
 
     def create_session(self):
         # Also a chief process started again alone while the servers ran on (an
         # orchestrator's restart): a restore would roll back what every worker trained
         # since the checkpoint (tfpsx-run restarts the whole job instead).
+        self._closer.check()  # (an earlier close that failed: TF swallowed its error)
         again = self._created
         self._scaffold.finalize()
         session = self._session_on_the_servers_model(again)
@@ -156,7 +104,7 @@ class _ChiefSessionCreator(tf.compat.v1.train.ChiefSessionCreator):
                                     if self._checkpoint_dir else None)
             session = super().create_session()
         self._created = True
-        return _stops_before_close(session, self._stops)
+        return self._closer.wrap(session)
 
     def _uncovered_servers(self, graph):
         """The servers that hold none of the model's global variables."""
@@ -324,16 +272,12 @@ def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chi
         hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
     master = RUNTIME.server_target()
     session_config = RUNTIME.session_config()
-    # (the hooks' threads that run on the session stop before TF closes it, then the
-    # iterators of the inputs leased from PS 0 take no more splits)
-    stops = [h.session_closing for h in own if hasattr(h, "session_closing")]
-    if positions_of_graph():
-        stops += [source.abandon for source in input_sources()
-                  if hasattr(source, "abandon")]
+    closer = SessionCloser(closing_stops(
+        own, input_sources().values() if positions_of_graph() else ()))
     if not config.is_chief and not each_initializes:
         timeout = settings.get("TFPSX_SESSION_TIMEOUT", session_timeout)
         creator = _FastWorkerSessionCreator(
-            settings.get("TFPSX_RECOVERY_WAIT"), stops=stops, scaffold=scaffold,
+            settings.get("TFPSX_RECOVERY_WAIT"), closer=closer, scaffold=scaffold,
             master=master, config=session_config, max_wait_secs=timeout)
         return tf.compat.v1.train.MonitoredSession(
             session_creator=creator, hooks=hooks + own,
@@ -350,7 +294,7 @@ def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chi
         hooks = hooks + [TrainingDoneHook(checkpoint_dir)]
     # TF's MonitoredTrainingSession for a chief, with tfpsx's session creator.
     scaffold = scaffold or tf.compat.v1.train.Scaffold()
-    creator = _ChiefSessionCreator(servers=config.server_num, stops=stops, scaffold=scaffold,
+    creator = _ChiefSessionCreator(servers=config.server_num, closer=closer, scaffold=scaffold,
                                    checkpoint_dir=checkpoint_dir, master=master,
                                    config=session_config)
     return tf.compat.v1.train.MonitoredSession(

@@ -210,6 +210,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         self._steps = 0      # local steps run
         self._reported = 0   # local steps reported to global_step
         self._built = False
+        self._started = False  # a session was created and started the schedule
         self._schedule = GeoSchedule(
             mode.k_steps, mode.in_train_thread, self._run_round,
             cached=lambda: any(t.cached for t in mode.tables),
@@ -303,7 +304,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
 
     # -------------------------------------------------------------- session
     def after_create_session(self, session, coord):
-        again = self._session is not None  # TF's MonitoredSession, after an error
+        # TF's MonitoredSession, after an error (a first creation that failed in here is
+        # retried as a first)
+        again = self._started
         self._session = session
         # Sparse tables: this worker's reader of changed keys must exist before anyone
         # pushes (the table tracks changes only for readers it knows). Once: the PS's
@@ -320,6 +323,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._schedule.restart(self._steps)
         else:
             self._schedule.start(self._steps)
+        self._started = True
 
     def session_closing(self) -> None:
         """TF closes the session (tfpsx.training.session, before TF's close): on an error
@@ -339,25 +343,33 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         local variables anew (the dense weights' copies and snapshots take the PS's
         values); each table's copy takes the PS's rows here (the catch-up of a table
         that tries rounds, which also empties this worker's readers), and the positions
-        of those steps, pending, are dropped. A worker cache's copy (bounded: it cannot
-        take every row) keeps its rows: its next round pushes those steps, whose
-        examples are then trained twice. The round in flight at the error ended before
-        TF closed the old session (:meth:`session_closing`): it pushed its steps and
+        of those steps, pending, are dropped (the closed session's input gave back every
+        split it held: tfpsx.data.splits.SplitInput.abandon). A worker cache's copy
+        (bounded: it cannot take every row) keeps its rows: its next round pushes those
+        steps, whose examples are then trained twice, as they are in a table that trains
+        async (on the PS already). The round in flight at the error ended before TF
+        closed the old session (:meth:`session_closing`): it pushed its steps and
         committed their positions."""
         unpushed = self._steps - self._schedule.pushed
         self._mode.positions.take()  # (dropped: their examples are read again)
+        self._reported = self._steps  # (global_step never counts the dropped steps)
         resets = [op for t, op in zip(self._mode.tables, self._resets)
                   if op is not None and not t.trains_async]
         if resets:
             session.run(resets)
-        cached = [t.global_.name for t in self._mode.tables if t.cached]
+        tables = self._mode.tables
+        twice = ([t.global_.name for t in tables if t.cached] +
+                 [t.global_.name for t in tables if t.trains_async and not t.cached])
         logger.warning(
             "GEO: worker %d's session was created again: the %d local step(s) since the "
-            "last round are dropped (its dense weights initialized anew from the PS%s%s) "
-            "and its input reads their examples again", self._mode.worker_index, unpushed,
-            f", {len(resets)} table copy(ies) took the PS's rows" if resets else "",
-            f"; the worker caches of {cached} keep theirs, pushed at the next round "
-            "(those steps are trained twice)" if cached else "")
+            "last round are dropped (%s%s) and its input reads their examples again%s",
+            self._mode.worker_index, unpushed,
+            "its dense weights initialized anew from the PS" if self._mode.dense else
+            "its dense weights train on the PS", f", {len(resets)} table copy(ies) took "
+            "the PS's rows" if resets else "",
+            f"; tables {twice} have those steps already (a worker cache's copy keeps its "
+            "rows, a table that trains async applied them on the PS): they train them "
+            "twice" if twice else "")
 
     def after_run(self, run_context, run_values):
         if self._detector.ran_training(run_context):
