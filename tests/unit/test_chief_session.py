@@ -45,18 +45,21 @@ def test_the_stops_run_before_the_close_once_and_only_for_the_latest_session():
     a later close (TF's own when the session is collected, from whichever thread) stops
     nothing, nor does the close of a session that is not the creator's latest (one
     whose creation failed after it was made: the hooks run on the next)."""
-    order = []
-    closer = SessionCloser([lambda: order.append("a"), lambda: order.append("b")])
+    order, closed = [], []
+    closer = SessionCloser([lambda: order.append("a"),
+                            lambda: (order.append("b"), closed.append(current[0].closed))])
     first = closer.wrap(_Session())
+    current = [first]
     first.close()
-    assert order == ["a", "b"] and first.closed == 1
+    assert order == ["a", "b"] and closed == [0] and first.closed == 1  # (stops first)
     first.close()
     assert order == ["a", "b"] and first.closed == 2
     leaked, latest = closer.wrap(_Session()), closer.wrap(_Session())
     leaked.close()
     assert order == ["a", "b"] and leaked.closed == 1
+    current[0] = latest
     latest.close()
-    assert order == ["a", "b", "a", "b"] and latest.closed == 1
+    assert order == ["a", "b", "a", "b"] and closed == [0, 0] and latest.closed == 1
 
 
 def test_a_failed_stop_still_runs_the_others_and_the_creator_raises_it_next():
@@ -93,12 +96,13 @@ def test_a_close_past_its_bound_is_a_named_error(monkeypatch):
         release.set()
 
 
-def test_the_stops_are_the_hooks_then_the_inputs_read_from_splits(tmp_path):
-    """MonitoredTrainingSession's stops: each hook's session_closing, then each input's
-    abandon (the process's inputs are a dict by name: its values)."""
+def test_the_stops_are_the_hooks_then_the_inputs_read_from_splits(tmp_path, monkeypatch):
+    """MonitoredTrainingSession's stops: each hook's session_closing, then, when the graph
+    reads splits, each of the process's inputs' abandon."""
     import tfpsx
-    from tfpsx.control.splits import registered
+    from tfpsx.control import splits
 
+    monkeypatch.setattr(splits, "_INPUTS", {})  # (this test's input only)
     (tmp_path / "part-0.txt").write_text("".join(f"{i}\n" for i in range(100)))
     tfpsx.data.splits(str(tmp_path / "part-*.txt"), lambda lines: lines, 10,
                       split_bytes=100, epochs=1, name="closing")
@@ -108,6 +112,25 @@ def test_the_stops_are_the_hooks_then_the_inputs_read_from_splits(tmp_path):
             pass
 
     hook = Hook()
-    stops = closing_stops([object(), hook], registered().values())
-    assert stops[0] == hook.session_closing
-    assert registered()["closing"].abandon in stops
+    source = splits.registered()["closing"]
+    assert closing_stops([object(), hook], reads_splits=True) == [hook.session_closing,
+                                                                  source.abandon]
+    assert closing_stops([hook], reads_splits=False) == [hook.session_closing]
+
+
+def test_a_failure_of_a_session_not_the_latest_fails_no_creation():
+    """A session whose creation failed after it was made (TF does not close it: it is
+    collected later) stops nothing when it closes, and its close's failure is logged,
+    not raised by the next creation."""
+    class Failing(_Session):
+        def close(self):
+            raise RuntimeError("the leaked session's close failed")
+
+    stopped = []
+    closer = SessionCloser([lambda: stopped.append(1)])
+    leaked = closer.wrap(Failing())
+    closer.wrap(_Session())
+    with pytest.raises(RuntimeError):
+        leaked.close()
+    assert stopped == []
+    closer.check()  # (nothing kept)

@@ -36,7 +36,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfpsx import settings
+from tfpsx import errors, settings
 from tfpsx.control import splits as _coordinator
 from tfpsx.data import barrier as _barrier
 from tfpsx.data import service as _service
@@ -351,9 +351,19 @@ class SplitInput:
         minutes)."""
         with self._lock:
             self._generation += 1
-            self._held, self._read_all = set(), False
-            back = (self.client().renew(self.worker, release=True)
-                    if self.clustered and self._started else 0)
+            self._read_all = False  # (a new iterator gives back what is still held)
+            if not (self.clustered and self._started):
+                return
+            try:
+                back = self.client().renew(self.worker, release=True)
+            except (errors.ServerUnavailableError, tf.errors.OpError) as e:
+                # (the link to PS 0 may be what broke: TF's recovery goes on, and the new
+                # iterator gives back what this one held, or their leases expire)
+                logger.warning("input %s: worker %d could not give back its splits as its "
+                               "session closed (%s); its next iterator gives them back",
+                               self.name, self.worker, e)
+                return
+            self._held = set()
         if back:
             logger.info("input %s: worker %d gave back %d split(s) as its session closed "
                         "(read again from their committed positions)", self.name,

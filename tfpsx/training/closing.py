@@ -15,7 +15,9 @@ communicator ends its round in flight, the inputs' iterators take no more splits
 give back what they held), then TF's close bounded by TFPSX_SESSION_CLOSE_TIMEOUT.
 TF's ``_CoordinatedSession.close`` swallows what the close raises, so a failure is
 logged and kept: the creator's next session creation raises it (after an error, the
-job then fails with it rather than go on with a stopped communicator).
+job then fails with it rather than go on with a stopped communicator). At the end no
+session follows: the error in the log is what says so (the hooks' ``end``, the final
+checkpoint and the last commits ran before the close).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 from typing import Callable, List, Optional
 
 from tfpsx import errors, settings
+from tfpsx.control import splits
 from tfpsx.waits import bounded_wait
 
 logger = logging.getLogger("tfpsx")
@@ -85,7 +88,8 @@ class SessionCloser:
         if failures:
             for e in failures:
                 logger.error("closing the training session: %s", e)
-            self.failure = self.failure or failures[0]
+            if session is self._latest:  # (another's close fails no creation)
+                self.failure = self.failure or failures[0]
             raise failures[0]
 
 
@@ -113,9 +117,10 @@ def close_within(session) -> None:
         raise failed[0]
 
 
-def closing_stops(hooks, inputs) -> List[Callable[[], None]]:
+def closing_stops(hooks, reads_splits: bool) -> List[Callable[[], None]]:
     """What stops before TF closes a training session: the hooks' ``session_closing``
-    (GEO's communicator), in order, then each input's ``abandon`` (``inputs``: the
-    process's inputs read from splits, when the graph reads one)."""
+    (GEO's communicator), in order, then, when the graph reads ``tfpsx.data.splits``
+    (``reads_splits``), each of the process's inputs' ``abandon``."""
     stops = [h.session_closing for h in hooks if hasattr(h, "session_closing")]
+    inputs = splits.registered().values() if reads_splits else ()
     return stops + [source.abandon for source in inputs if hasattr(source, "abandon")]

@@ -26,7 +26,6 @@ from tfpsx.training.hooks import (InputPositionHook, InputPositionListener, Resu
                                   restore_input_positions,
                                   graph_caches)
 from tfpsx.training.staging import graph_stagers
-from tfpsx.control.splits import registered as input_sources
 
 logger = logging.getLogger("tfpsx")
 
@@ -272,8 +271,7 @@ def _monitored_session(config, each_initializes, checkpoint_dir, hooks, own, chi
         hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
     master = RUNTIME.server_target()
     session_config = RUNTIME.session_config()
-    closer = SessionCloser(closing_stops(
-        own, input_sources().values() if positions_of_graph() else ()))
+    closer = SessionCloser(closing_stops(own, reads_splits=bool(positions_of_graph())))
     if not config.is_chief and not each_initializes:
         timeout = settings.get("TFPSX_SESSION_TIMEOUT", session_timeout)
         creator = _FastWorkerSessionCreator(
