@@ -29,8 +29,8 @@ from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, adopt_rule, caches_locked, copy_trains, count_round,
                              count_trained, dense_async, dense_size, distrust_snapshot,
-                             pull_ops, push_ops, rule_workers, table_readers, take_global,
-                             track_snapshot)
+                             fold_pulled, pull_ops, push_ops, rule_workers, table_readers,
+                             take_global, track_snapshot)
 from tfpsx.modes.geo.choice import CATCH_UP
 from tfpsx.modes.geo.copies import copy_global, local_reader
 from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
@@ -103,7 +103,13 @@ class KerasGeo(KerasMode):
             old = next_creator(initial_value=global_.read_value(), trainable=False,
                                name=f"{kwargs.get('name') or 'var'}_geo_old",
                                dtype=local.dtype)
-        pair = GeoVariable(local, old, global_)
+            # Keras increments iterations by a read and an assign: the rounds' pulls
+            # add beside it, and the step folds them in (GeoVariable.pulled).
+            pulled = (next_creator(initial_value=tf.zeros_like(old.read_value()),
+                                   trainable=False, dtype=local.dtype,
+                                   name=f"{kwargs.get('name') or 'var'}_geo_pulled")
+                      if ctx.is_iterations() else None)
+        pair = GeoVariable(local, old, global_, pulled)
         (self.step_pairs if ctx.is_iterations() else self.dense).append(pair)
         return local
 
@@ -266,6 +272,11 @@ class KerasGeo(KerasMode):
                         "exact save", self.worker_index, pushed)
 
     # ------------------------------------------------------------------ the step
+    def before_step(self) -> list:
+        # What the rounds pulled into iterations, before the step reads it (its count
+        # for the optimizer and the schedules; in program order, the same variable).
+        return super().before_step() + [fold_pulled(pair) for pair in self.step_pairs]
+
     def after_step(self) -> list:
         steps = self.steps()
         count = steps.assign_add(1, read_value=False)
@@ -324,7 +335,7 @@ class KerasGeo(KerasMode):
         for v in self.dense + self.step_pairs:
             if not bool(tf.reduce_all(tf.equal(v.local.read_value(), v.old.read_value()))):
                 v.global_.assign(v.local.read_value())
-                v.old.assign(v.local.read_value())
+                v.take(v.local.read_value())
 
     def _start(self) -> None:
         """Once, when this worker first uses the model (fit, evaluate or predict): its
@@ -335,9 +346,7 @@ class KerasGeo(KerasMode):
             return
         if not self.is_chief:
             for v in self.dense + self.step_pairs:
-                value = v.global_.read_value()
-                v.local.assign(value)
-                v.old.assign(value)
+                v.take(v.global_.read_value())
         for t in self.tables:
             if t.chosen:  # (it starts async: its copy takes the PS's rows if it tries
                 local_reader(t)  # rounds, copy_global)
@@ -373,9 +382,7 @@ class KerasGeo(KerasMode):
         did not push), so without it a model evaluated, predicted or exported after
         ``fit`` would mix the copy's dense weights with the PS tables' rows."""
         for v in self.dense + self.step_pairs:
-            value = v.global_.read_value()
-            v.local.assign(value)
-            v.old.assign(value)
+            v.take(v.global_.read_value())
         for t in self.tables:
             if t.trains_async:
                 continue  # (its lookups read the PS: geo_table_choice="auto")
