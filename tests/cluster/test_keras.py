@@ -200,8 +200,8 @@ def two_servers(tmp_path_factory):
     """The async job on 2 PS + 2 workers that the next tests read: weights of 512 bytes or
     more cut over both servers, the users' table tiered, the chief's saved model
     (model.save) and its serving export (tfpsx.export_serving) written after fit, its
-    incremental checkpoints published for serving (a base, then deltas). (c, folder of
-    the saved files)"""
+    incremental checkpoints published for serving (a base, then deltas); worker 1's last
+    step after the chief's fit returned. (c, folder of the saved files)"""
     out = tmp_path_factory.mktemp("keras_two_servers_out")
     # tfpsx installed under a path with a space (a virtualenv in "My Projects"): the
     # loader splits LD_PRELOAD there, so the launcher preloads a copy of the bind shim.
@@ -215,6 +215,7 @@ def two_servers(tmp_path_factory):
         with scenario(tmp_path_factory, "keras_two_servers", 2, 2, script="keras_job.py",
                       env=FAST, timeout=300,
                       args=["--mode", "async", "--epochs", "2", "--partition_bytes", "512",
+                            "--last_step_after_chief", str(out / "chief_fit_ended"),
                             "--save", str(out / "saved"), "--export", str(out / "export"),
                             "--checkpoint", str(out / "ckpt"), "--incremental", "5",
                             "--publish", str(out / "published"),
@@ -421,7 +422,9 @@ def test_the_chiefs_published_base_and_deltas_serve_what_its_export_serves(two_s
                                                                            tmp_path):
     """The chief published a base and deltas while both workers trained (the users'
     table tiered: its delta parts in pages); followed in a process without tfpsx, they
-    serve exactly what the export taken after the last step serves."""
+    serve exactly what the export taken after the last step serves. Its last delta
+    holds worker 1's steps after the chief's last one, in the partitioned kernel too
+    (the servers' slices, not the chief's view as its last step read them)."""
     c, out = two_servers
     published = reports(c, 2)[0]["published"]
     assert published["kind"] == "delta" and published["sequence"] >= 2, published

@@ -149,6 +149,29 @@ class PauseAtEpochEnd(keras.callbacks.Callback):
             time.sleep(self.seconds)
 
 
+class LastStepAfterChief(keras.callbacks.Callback):
+    """A non-chief worker trains its last batches (one execution of the step) only once
+    the chief's fit returned (the chief writes ``path`` then): its last steps land after
+    every step of the chief."""
+
+    def __init__(self, path, epochs, timeout=120.0):
+        super().__init__()
+        self.path, self.epochs, self.timeout, self.epoch = path, epochs, timeout, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        last = batch + (self.model.steps_per_execution or 1) >= self.params["steps"]
+        if self.epoch + 1 == self.epochs and last:  # (the last execution's steps)
+            deadline = time.monotonic() + self.timeout
+            while not os.path.exists(self.path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {self.timeout:g} s for the chief's fit to "
+                                       f"end ({self.path})")
+                time.sleep(0.05)
+
+
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["async", "sync", "geo", "staleness"], default="async")
@@ -175,6 +198,9 @@ def main(argv):
                    help="the chief saves weights there every epoch (ModelCheckpoint) and, "
                         "when a file is there already, restores it before fit")
     p.add_argument("--step_delay", type=float, default=0.0)
+    p.add_argument("--last_step_after_chief", default=None,
+                   help="FILE: the chief writes it when its fit returns; the other workers "
+                   "train their last batch after it is there")
     p.add_argument("--pause_at_epoch_end", type=float, default=0.0,
                    help="after the first epoch's last step (after every other callback), "
                    "print LAST STEP DONE and sleep this long, so that a test can kill a "
@@ -230,6 +256,8 @@ def main(argv):
     if args.step_delay:
         callbacks.append(keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda *_, **__: time.sleep(args.step_delay)))
+    if args.last_step_after_chief and me != 0:
+        callbacks.append(LastStepAfterChief(args.last_step_after_chief, args.epochs))
     if args.pause_at_epoch_end:
         callbacks.append(PauseAtEpochEnd(args.pause_at_epoch_end))
     start = time.time()
@@ -263,6 +291,9 @@ def main(argv):
                                 held_out).batch(256))
         local_steps = args.epochs * -(-examples // 64)
     seconds = time.time() - start
+    if args.last_step_after_chief and me == 0:
+        with open(args.last_step_after_chief, "w") as f:
+            f.write("the chief's fit returned")
 
     report = {"worker": me, "local_steps": local_steps, "seconds": seconds,
               "train_loss": [float(v) for v in history.history["loss"]]}

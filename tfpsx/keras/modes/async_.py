@@ -85,6 +85,16 @@ class OnServers(KerasMode):
         # their slots (what an unpartitioned variable on a PS gives a step).
         return [v.refresh() for v in self.views.values()]
 
+    def job_value(self, variable):
+        """A partitioned weight's (or its slot's) value in the job's model: its slices
+        on the servers, not this worker's view of them, which holds them as this
+        worker's last step read them (a checkpoint the chief saves after the others'
+        last steps must hold those too); None for any other variable (it lives on the
+        servers already)."""
+        backend = getattr(variable, "value", variable)  # (a Keras variable's tf.Variable)
+        view = self.views.get(id(backend)) or self.views.get(id(variable))
+        return None if view is None else view.global_.read_value()
+
     def refresh_views(self) -> None:
         """Eagerly: the views take the global values (before evaluate / predict / save)."""
         for v in self.views.values():
@@ -146,12 +156,12 @@ class KerasAsync(OnServers):
 
     def job_value(self, variable):
         """``optimizer.iterations``: the job's global step on PS 0 (this worker's copy
-        lags the others' steps since its own last one); None for any other variable
-        (the weights live on the servers already)."""
+        lags the others' steps since its own last one); a partitioned weight's slices
+        (:meth:`OnServers.job_value`); None for any other variable."""
         backend = getattr(variable, "value", variable)  # (a Keras variable's tf.Variable)
         if any(it is variable or it is backend for it in self.iterations):
             return self.global_step().read_value()
-        return None
+        return super().job_value(variable)  # (a partitioned weight's slices)
 
     def publish(self, model) -> None:
         # A restore before the first fit set the chief's step (IncrementalCheckpoint's
