@@ -135,7 +135,9 @@ def assert_each_once(visits, repeats_at_most, epochs=1):
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 3 Keras workers (4 TensorFlow imports), a "
                             "worker SIGKILLed and started again in place")
-@pytest.mark.parametrize("mode", ["async", "geo",
+# (Keras async's worker restarted in place: make test-all; make test has graph mode's,
+# and Keras async's job restored from its checkpoint.)
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.slow), "geo",
                                   pytest.param("staleness", marks=pytest.mark.slow)])
 def test_keras_a_worker_killed_and_started_again_skips_nothing(tmp_path, examples, mode):
     """Keras fit from splits leased on PS 0, worker 1 SIGKILLed after 25 batches and
@@ -220,8 +222,11 @@ def test_keras_sync_from_splits_a_worker_killed_skips_nothing(tmp_path, examples
 
 @pytest.mark.budget(60, why="tfpsx-run, 1 PS + 2 hybrid workers, or 2 collective ranks "
                             "(Keras or graph mode)")
-@pytest.mark.parametrize("mode", ["hybrid", "collective"])
-@pytest.mark.parametrize("script", ["visits_job.py", "graph_visits_job.py"])
+# Each mode and each front-end once in make test (the other two pairs: make test-all).
+@pytest.mark.parametrize("script,mode", [
+    ("visits_job.py", "collective"), ("graph_visits_job.py", "hybrid"),
+    pytest.param("visits_job.py", "hybrid", marks=pytest.mark.slow),
+    pytest.param("graph_visits_job.py", "collective", marks=pytest.mark.slow)])
 def test_lockstep_from_splits_every_example_once_and_equal_copies(tmp_path, examples, script,
                                                                   mode):
     """The hybrid and collective modes from splits: the workers step together (each step
@@ -254,7 +259,9 @@ def test_lockstep_from_splits_every_example_once_and_equal_copies(tmp_path, exam
 
 @pytest.mark.budget(60, why="tfpsx-run, 2 collective ranks, rank 1 SIGKILLed: the whole "
                             "job started again from rank 0's checkpoint")
-@pytest.mark.parametrize("script", ["visits_job.py", "graph_visits_job.py"])
+@pytest.mark.parametrize("script", [
+    pytest.param("visits_job.py", marks=pytest.mark.slow),  # (Keras: make test-all)
+    "graph_visits_job.py"])
 def test_collective_from_splits_a_rank_killed_resumes_skipping_nothing(tmp_path, examples,
                                                                        script):
     """A collective job from splits (its coordinator on rank 0: no servers), rank 1
@@ -310,8 +317,12 @@ def test_keras_data_workers_killed_lose_nothing(tmp_path, examples):
 
 @pytest.mark.budget(75, why="tfpsx-run, 1 PS + 3 Keras workers, the server SIGKILLed: the "
                             "whole job started again (8 TensorFlow imports)")
+# make test: the default (async, not exact) and GEO's exact saves (the barrier with GEO's
+# push); async's and sync's exact saves in make test-all.
 @pytest.mark.parametrize("exact,kill,mode", [
-    (False, "server", "async"), (True, "server", "async"), (True, "server", "sync"),
+    (False, "server", "async"),
+    pytest.param(True, "server", "async", marks=pytest.mark.slow),
+    pytest.param(True, "server", "sync", marks=pytest.mark.slow),
     (True, "server", "geo"),
     pytest.param(False, "chief", "async", marks=pytest.mark.slow),
     pytest.param(True, "chief", "async", marks=pytest.mark.slow)],

@@ -103,6 +103,7 @@ def test_word2vec_at_four_workers_the_rule_keeps_asyncs_loss_and_the_mean_does_n
 @pytest.mark.budget(60, why="eight logical workers' word2vec steps (128 each), async's and two "
                             "GEO runs: 40 s with a benchmark beside it")
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # (make test keeps the Criteo job's at eight workers, above)
 def test_at_eight_workers_and_k_10_the_rows_too_contended_for_a_round_keep_asyncs_loss(tmp_path):
     """word2vec, 8 workers, K=10 (12 rounds): K x N = 80 steps of a row in a round,
     twice the bound k_steps="auto" keeps. GEO's rule with its hot rows by contention
