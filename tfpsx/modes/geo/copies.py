@@ -165,3 +165,19 @@ def distrust_snapshot(t: GeoTable) -> None:
     copy's reader, their write into the snapshot cancelled), so the next take_global
     copies every row, then trusts the snapshot's reader again."""
     t.old_tracked = t.local_is_old = False
+
+
+def drop_unpushed(tables, resets, positions) -> tuple:
+    """GEO's rule when a worker's training session is created again (graph mode, after an
+    error): its steps since the last round leave the model, as a dead worker's do, since
+    its new input reads their examples again from their committed positions. Their
+    pending ``positions`` (:class:`~tfpsx.modes.positions.PendingPositions`) are dropped;
+    each table copy takes the PS's rows by its op in ``resets`` (:func:`copy_global`, or
+    a catch-up; None for a worker cache's copy, which is bounded and keeps its rows); a
+    table that trains async has those steps on the PS already. Returns (the reset ops to
+    run, the names of the tables that keep those steps and so train them twice)."""
+    positions.take()  # (dropped)
+    ops = [op for t, op in zip(tables, resets) if op is not None and not t.trains_async]
+    twice = ([t.global_.name for t in tables if t.cached] +
+             [t.global_.name for t in tables if t.trains_async and not t.cached])
+    return ops, twice

@@ -23,7 +23,7 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              dense_async, dense_size, pull_ops, push_ops, rule_workers,
                              table_readers)
 from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
-from tfpsx.modes.geo.copies import copy_global, local_reader
+from tfpsx.modes.geo.copies import copy_global, drop_unpushed, local_reader
 from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
 from tfpsx.modes.state import GEO_TABLE_CHOICE
 from tfpsx.modes.positions import PendingSteps
@@ -336,30 +336,19 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._schedule.stop("the round in flight when the session closed")
 
     def _created_again(self, session) -> None:
-        """A session created again drops the steps since the last round, as a worker
-        that died does: the new iterator gives back the splits the old one held and
-        reads them again from their committed positions (tfpsx.data.splits), so those
-        steps must leave the model, or they would be trained twice. TF initializes the
-        local variables anew (the dense weights' copies and snapshots take the PS's
-        values); each table's copy takes the PS's rows here (the catch-up of a table
-        that tries rounds, which also empties this worker's readers), and the positions
-        of those steps, pending, are dropped (the closed session's input gave back every
-        split it held: tfpsx.data.splits.SplitInput.abandon). A worker cache's copy
-        (bounded: it cannot take every row) keeps its rows: its next round pushes those
-        steps, whose examples are then trained twice, as they are in a table that trains
-        async (on the PS already). The round in flight at the error ended before TF
-        closed the old session (:meth:`session_closing`): it pushed its steps and
-        committed their positions."""
+        """A session created again drops the steps since the last round (GEO's rule,
+        :func:`~tfpsx.modes.geo.copies.drop_unpushed`): the new iterator gives back the
+        splits the old one held and reads them again from their committed positions
+        (tfpsx.data.splits; the closed session's input gave back every split it held,
+        SplitInput.abandon). TF initializes the local variables anew: the dense weights'
+        copies and snapshots take the PS's values. The round in flight at the error ended
+        before TF closed the old session (:meth:`session_closing`): it pushed its steps
+        and committed their positions."""
         unpushed = self._steps - self._schedule.pushed
-        self._mode.positions.take()  # (dropped: their examples are read again)
         self._reported = self._steps  # (global_step never counts the dropped steps)
-        resets = [op for t, op in zip(self._mode.tables, self._resets)
-                  if op is not None and not t.trains_async]
+        resets, twice = drop_unpushed(self._mode.tables, self._resets, self._mode.positions)
         if resets:
             session.run(resets)
-        tables = self._mode.tables
-        twice = ([t.global_.name for t in tables if t.cached] +
-                 [t.global_.name for t in tables if t.trains_async and not t.cached])
         logger.warning(
             "GEO: worker %d's session was created again: the %d local step(s) since the "
             "last round are dropped (%s%s) and its input reads their examples again%s",
