@@ -39,8 +39,9 @@ from tfpsx.modes.geo.rule import (GEO_AUTO_KN, GEO_AUTO_KN_BACKGROUND, GEO_EARLI
                                   GEO_MANY_WORKERS, GeoVariable, adopt_rule,
                                   auto_hot_per_round, auto_kn, combine_for, dense_async,
                                   dense_pull, dense_push, fold_pulled, hot_count,
-                                  hot_per_round, log_rule, named_rule_keys, pull_ops, push_ops, rows_and_bytes,
-                                  rule_for, rule_workers, shares_slots, wire_dtype)
+                                  hot_per_round, log_rule, named_rule_keys, pull_ops,
+                                  push_ops, rows_and_bytes, rule_for, rule_workers,
+                                  shares_slots, wire_dtype)
 from tfpsx.modes.geo.schedule import (GEO_K_WITHOUT_EPOCH, MIN_ROUNDS_PER_EPOCH, GeoSchedule,
                                       auto_k_steps, few_rounds)
 from tfpsx.modes.geo.tables import GeoState, GeoTableUpdater
@@ -49,8 +50,8 @@ __all__ = [
     "BARRIER", "PULL", "PUSH", "GeoCounters", "caches_locked", "count_round", "count_trained",
     "dense_size", "row_trip_bytes", "round_phases", "adopt_rule", "GEO_EARLIER",
     "GEO_FOR_MANY", "GEO_MANY_WORKERS", "GeoVariable",
-    "dense_async", "dense_pull", "dense_push", "fold_pulled", "hot_count", "hot_per_round", "log_rule",
-    "named_rule_keys",
+    "dense_async", "dense_pull", "dense_push", "fold_pulled", "hot_count", "hot_per_round",
+    "log_rule", "named_rule_keys",
     "pull_ops", "push_ops", "rows_and_bytes", "rule_for", "rule_workers", "shares_slots",
     "wire_dtype",
     "GEO_AUTO_KN", "GEO_AUTO_KN_BACKGROUND", "GEO_HOT_PER_ROUND_BACKGROUND",

@@ -112,9 +112,9 @@ def dense_pull(v: GeoVariable, after=()):
 
 
 def fold_pulled(v: GeoVariable):
-    """In the step, after its own write of ``local``: what the pulls added to
-    ``v.pulled`` since the last fold moves into ``local``, taken out of ``pulled``
-    first (atomic adds both; a round's pull may add between them)."""
+    """In the step, before it reads ``local`` (the step alone writes it): what the
+    pulls added to ``v.pulled`` since the last fold moves into ``local``, taken out of
+    ``pulled`` first (atomic adds both; a round's pull may add between them)."""
     with tf.compat.v1.device(v.local.device):
         count = v.pulled.read_value()
         with tf.control_dependencies([v.pulled.assign_sub(count)]):
