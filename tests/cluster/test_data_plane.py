@@ -252,11 +252,15 @@ def test_lockstep_from_splits_every_example_once_and_equal_copies(tmp_path, exam
         np.testing.assert_array_equal(copies[0][name], copies[1][name])
         assert np.abs(copies[0][name]).sum() > 0  # trained, not zeros
     # (Usually the chief's data ends first; splits are leased as each reads, so the
-    # other's last split may end first: CI once logged rank 1's, 1 idle step.)
+    # other's last split may end first (CI once logged rank 1's, 1 idle step), or both
+    # at the same step (once in ~20 runs here: no idle step to take part in).
     logs = "".join((tmp_path / "logs" / f"workerlog.{w}").read_text() for w in range(2))
-    who = "(worker|rank) [01]"
-    assert re.search(f"{mode}: {who}'s data ended first: it applied \\d+ step\\(s\\) of the "
-                     "(workers|ranks) still training", logs), logs[-3000:]
+    who, others = "(worker|rank) [01]", "(workers|ranks)"
+    first = re.findall(f"{mode}: {who}'s data ended first: it applied \\d+ step\\(s\\) of "
+                       f"the {others} still training", logs)
+    last = re.findall(f"{mode}: {who}'s data ended at the job's last step: no step of the "
+                      f"{others} to apply", logs)
+    assert (len(first), len(last)) in ((1, 1), (0, 2)), logs[-3000:]
 
 
 @pytest.mark.budget(60, why="tfpsx-run, 2 collective ranks, rank 1 SIGKILLed: the whole "

@@ -27,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import keras
@@ -42,8 +41,6 @@ from tfpsx.modes import lockstep
 from tfpsx.modes.collective import REDUCIBLE, CollectiveGroup, from_rank_0, lost_peer_error
 from tfpsx.modes.positions import check_feeds_splits, commit_from_python
 from tfpsx.runtime import RUNTIME
-
-logger = logging.getLogger("tfpsx")
 
 
 class _CollectiveExtended(compat.OneDeviceExtended):
@@ -194,6 +191,4 @@ class _BroadcastAtStart(keras.callbacks.Callback):
         # An input leased as each rank goes ends the ranks' data at different steps: this
         # rank takes part in the others' steps until every rank's ended.
         applied = self._strategy.extended.take_part_idle(self.model)
-        if applied:
-            logger.info("collective: rank %d's data ended first: it applied %d step(s) of "
-                        "the ranks still training", self._strategy.group.rank, applied)
+        lockstep.log_idle(("collective", f"rank {self._strategy.group.rank}", "ranks"), applied)

@@ -102,11 +102,22 @@ def idle_in_session(session, total: Callable[[np.ndarray], np.ndarray], specs, s
     applied = idle_until_done(lambda _, flat: total(flat), specs,
                               lambda got: session.run(op, dict(zip(sums, got)),
                                                       options=options))
+    log_idle(who, applied)
+    return applied
+
+
+def log_idle(who: Tuple[str, str, str], applied: int) -> None:
+    """Logs how ``who`` (e.g. ``("collective", "rank 1", "ranks")``) ended: its data
+    ended first and it applied ``applied`` steps of the others, or (0) its data ended at
+    the job's last step (last, or with every other's: splits are leased as each reads,
+    so that happens too)."""
+    mode, one, others = who
     if applied:
-        mode, one, others = who
         logger.info("%s: %s's data ended first: it applied %d step(s) of the %s still "
                     "training", mode, one, applied, others)
-    return applied
+    else:
+        logger.info("%s: %s's data ended at the job's last step: no step of the %s to "
+                    "apply", mode, one, others)
 
 
 def apply_summed(specs: Sequence[Tuple], sums: Sequence[tf.Tensor], divide: int

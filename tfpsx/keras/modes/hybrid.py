@@ -16,7 +16,6 @@ graph mode).
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import numpy as np
@@ -30,8 +29,6 @@ from tfpsx.modes import hybrid, lockstep
 from tfpsx.modes.collective import REDUCIBLE, from_rank_0
 from tfpsx.modes.state import HYBRID_PORTS
 from tfpsx.runtime import RUNTIME
-
-logger = logging.getLogger("tfpsx")
 
 
 class _AllReducedDense:
@@ -105,9 +102,7 @@ class _AllReducedDense:
             model, self, self.keras_strategy, lambda _, flat: self._total(flat),
             getattr(self, "_reduced", None), "hybrid", f"worker {self.worker_index}",
             "workers")
-        if applied:
-            logger.info("hybrid: worker %d's data ended first: it applied %d step(s) of the "
-                        "workers still training", self.worker_index, applied)
+        lockstep.log_idle(("hybrid", f"worker {self.worker_index}", "workers"), applied)
 
     def after_fit(self, model, failed: bool) -> None:
         super().after_fit(model, failed)
