@@ -446,7 +446,7 @@ def test_max_restarts_brings_a_keras_job_back_from_its_incremental_checkpoint(tm
     assert final["val_loss"][-1] < 0.45, final  # a trained model (random init: 0.58 .. 0.93)
 
 
-@pytest.mark.budget(90, why="tfpsx-run with 1 PS + 3 Keras workers (4 TensorFlow imports), "
+@pytest.mark.budget(90, why="tfpsx-run with 1 PS + 2 Keras workers (3 TensorFlow imports), "
                             "one worker SIGKILLed and started again in place")
 @pytest.mark.timeout(300)
 def test_a_worker_restarted_in_place_rolls_back_nothing_the_others_trained(tmp_path):
@@ -455,16 +455,16 @@ def test_a_worker_restarted_in_place_rolls_back_nothing_the_others_trained(tmp_p
     worker 1 SIGKILLed after 25 batches and started again in place. Its restore must not
     roll back the servers (it rolled back what the others trained after the checkpoint):
     a visit counter trained beside the model (tests/cluster/scripts/visits_job.py) says
-    each of the other workers' examples is in the model exactly once. (Worker 1's own
+    each of the chief's examples is in the model exactly once. (Worker 1's own
     part is read again from its start: the static cut's repeats, the data plane's to
     remove.)"""
     import tfpsx
 
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
-    # 400 batches a worker at 20 ms: the others train on while worker 1 starts again
-    # (before the fix its restore rolled back 250-350 of each one's examples to 0).
-    examples, workers = 60000, 3
+    # 400 batches a worker at 20 ms: the chief trains on while worker 1 starts again
+    # (before the fix its restore rolled back 250-350 of each other's examples to 0).
+    examples, workers = 40000, 2
     proc = subprocess.run(
         RUN + ["--log_dir", str(logs), "--server_num", "1", "--worker_num", str(workers),
                "--max_restarts", "1", "--timeout", "240",
@@ -481,7 +481,7 @@ def test_a_worker_restarted_in_place_rolls_back_nothing_the_others_trained(tmp_p
     got = np.load(out / "visits.npz")
     counts = dict(zip(got["ids"].tolist(), got["counts"].tolist()))
     owner = np.arange(examples) % workers  # tfpsx.data.shard: every W-th example
-    for w in (0, 2):
+    for w in (0,):
         mine = [counts.get(i, 0.0) for i in np.flatnonzero(owner == w)]
         assert set(mine) == {1.0}, (w, sorted(set(mine)))
     ones = [counts.get(i, 0.0) for i in np.flatnonzero(owner == 1)]
