@@ -60,9 +60,11 @@ def finish(c, timeout=200):
                  id="geo-rule-for-many"),
     # Nothing named, k_steps="auto": at 2 workers tfpsx chooses the earlier rule (averaged
     # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
-    # The users' table tiered on the PS (2 MB): GEO's pushes and pulls go through it.
+    # The users' table tiered on the PS (2 MB): GEO's pushes and pulls go through it. The
+    # deep kernel has a constraint (Keras assigns it after each update): its copy is
+    # pulled beside it (tfpsx.keras.read_assign).
     pytest.param("geo", ["--k_steps", "auto", "--step_delay", "0.02", "--geo_rule",
-                         "default", "--table_ram_bytes", "2000000"], id="geo"),
+                         "default", "--table_ram_bytes", "2000000", "--constrain"], id="geo"),
     # The users' table tiered on its PS here too (TieredBackend, 2 MB).
     pytest.param("staleness", ["--max_staleness", "2", "--table_ram_bytes", "2000000"],
                  id="staleness")])
@@ -118,6 +120,9 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
         else:
             assert "GEO: k_steps='auto' is 4 (8 rounds in an epoch of 32 local steps" in \
                 c.log("worker", 0)
+            for w in (0, 1):
+                assert "GEO: 1 dense weight(s) written by a read and an assign in the step " \
+                       "(a constraint): rounds pull beside them" in c.log("worker", w)
             assert "round(s) in an epoch" not in c.log("worker", 0)
         # The PS's Adagrad accumulators hold the workers' squared gradients, pushed with
         # the rows; under the average they stay at their initial 0.1.

@@ -1,9 +1,12 @@
-"""GEO's rule for a counter that its step increments by a read and an assign (Keras 3's
-``optimizer.iterations``): rounds in another thread never lose a step of it."""
+"""GEO's rule for a variable that its step writes by a read and an assign (Keras 3's
+``optimizer.iterations``, ``assign(self + 1)``; a weight under FTRL or a constraint):
+rounds in another thread never lose a change of it; and which weights of a Keras model
+are such (tfpsx.keras.read_assign)."""
 
 import threading
 
 import keras
+import pytest
 import tensorflow as tf
 
 from tfpsx.modes.geo import GeoVariable, dense_pull, dense_push, fold_pulled
@@ -43,17 +46,58 @@ def _count_beside_rounds(pair, counter):
     return int(pair.global_.numpy())
 
 
-def _pair():
-    local, old, global_, pulled = (tf.Variable(0, dtype=tf.int64) for _ in range(4))
+def _pair(dtype):
+    local, old, global_, pulled = (tf.Variable(tf.zeros([], dtype)) for _ in range(4))
     return GeoVariable(local, old, global_, pulled), keras.Variable(local)
 
 
-def test_a_round_beside_keras_read_and_assign_increment_loses_no_step():
+# int64: the step count; float32: a weight that its step writes by a read and an assign
+# (whole numbers: exact in float32 up to 2**24)
+@pytest.mark.parametrize("dtype", [tf.int64, tf.float32])
+def test_a_round_beside_keras_read_and_assign_increment_loses_no_step(dtype):
     """(Without ``pulled``, the pull adding to ``local`` itself, this lost 54 of 29,000
     steps here, 3,000 rounds: a pull between Keras's read and assign is overwritten.)"""
-    pair, counter = _pair()
+    pair, counter = _pair(dtype)
     assert _count_beside_rounds(pair, counter) == STEPS + OTHERS * ROUNDS
     # the worker's count: its steps and every pulled one, once folded in
     fold_pulled(pair)
     assert int(pair.local.numpy()) == STEPS + OTHERS * ROUNDS
 
+
+
+def _model(optimizer):
+    x = keras.Input((3,))
+    constrained = keras.layers.Dense(4, kernel_constraint=keras.constraints.NonNeg())
+    norm = keras.layers.BatchNormalization()
+    plain = keras.layers.Dense(1)
+    model = keras.Model(x, plain(norm(constrained(x))))
+    model.compile(optimizer, "mse")
+    return model, constrained, norm, plain
+
+
+class _OwnAdam(keras.optimizers.Adam):
+    """A user's optimizer (its update is not known to add)."""
+
+
+@pytest.mark.parametrize("optimizer,adds", [
+    (keras.optimizers.Adam(), True), (keras.optimizers.SGD(momentum=0.9), True),
+    (keras.optimizers.Adagrad(), True),
+    (keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), True),
+    (keras.optimizers.Ftrl(), False), (_OwnAdam(), False)],
+    ids=["adam", "sgd", "adagrad", "loss_scale_adam", "ftrl", "own"])
+def test_the_weights_a_keras_step_writes_by_a_read_and_an_assign(optimizer, adds):
+    """An optimizer that adds to the weights: the constrained kernel and the layers'
+    non-trainable weights (BatchNormalization's moving statistics); one that assigns
+    them, or one not known: every weight."""
+    from tfpsx.keras.read_assign import read_and_assigned
+
+    model, constrained, norm, plain = _model(optimizer)
+    moving = [norm.moving_mean.value, norm.moving_variance.value]
+    assigned = f"its optimizer ({type(optimizer).__name__}) assigns them"
+    if adds:
+        want = [(constrained.kernel.value, "a constraint")]
+    else:
+        want = [(v.value, assigned) for v in (constrained.kernel, constrained.bias, norm.gamma,
+                                              norm.beta, plain.kernel, plain.bias)]
+    want += [(v, "a layer assigns it") for v in moving]
+    assert read_and_assigned(model) == {id(v): why for v, why in want}

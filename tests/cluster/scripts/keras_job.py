@@ -58,7 +58,7 @@ def click_data(seed: int, n: int):
     return {"x": x, "user": user_ids, "tags": tags.astype(np.int64)}, label[:, None]
 
 
-def wide_and_deep(cache_size=None, cache_table="", user_backend=None):
+def wide_and_deep(cache_size=None, cache_table="", user_backend=None, constrain=False):
     cache = {"cache_size": cache_size, "flush_steps": 10} if cache_size else {}
 
     def cached(name):
@@ -73,7 +73,9 @@ def wide_and_deep(cache_size=None, cache_table="", user_backend=None):
     tags_emb = tfpsx.keras.DynamicEmbedding(
         8, optimizer=tfpsx.embedding.Adagrad(0.2), combiner="mean", pad_id=-1,
         initializer=tfpsx.embedding.normal(stddev=0.05), name="tags_emb", **cached("tags_emb"))(tags)
-    deep = keras.layers.Dense(16, activation="relu")(
+    # (constrain: Keras applies a constraint by a read and an assign after each update)
+    deep = keras.layers.Dense(16, activation="relu", kernel_constraint=(
+        keras.constraints.MaxNorm(3.0) if constrain else None))(
         keras.layers.Concatenate()([x, user_emb, tags_emb]))
     logit = keras.layers.Add()([keras.layers.Dense(1)(deep), keras.layers.Dense(1)(x)])
     model = keras.Model({"x": x, "user": user, "tags": tags}, keras.layers.Activation("sigmoid")(logit))
@@ -216,6 +218,8 @@ def main(argv):
     p.add_argument("--own_server", action="store_true")
     p.add_argument("--partition_bytes", type=int, default=0,
                    help="cut weights into slices of at least this many bytes, one per PS")
+    p.add_argument("--constrain", action="store_true",
+                   help="a MaxNorm constraint on the deep layer's kernel")
     args = p.parse_args(argv)
 
     me = 0
@@ -235,7 +239,7 @@ def main(argv):
     with contextlib.nullcontext() if strategy is None else strategy.scope():
         backend = (tfpsx.embedding.TieredBackend(args.table_dir, args.table_ram_bytes)
                    if args.table_ram_bytes else None)
-        model = (wide_and_deep(args.cache_size, args.cache_table, backend)
+        model = (wide_and_deep(args.cache_size, args.cache_table, backend, args.constrain)
                  if args.model == "wide_deep"
                  else linear_model())
 

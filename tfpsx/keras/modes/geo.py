@@ -25,6 +25,7 @@ from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
+from tfpsx.keras.read_assign import read_and_assigned
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, adopt_rule, caches_locked, copy_trains, count_round,
@@ -275,7 +276,9 @@ class KerasGeo(KerasMode):
     def before_step(self) -> list:
         # What the rounds pulled into iterations, before the step reads it (its count
         # for the optimizer and the schedules; in program order, the same variable).
-        return super().before_step() + [fold_pulled(pair) for pair in self.step_pairs]
+        # (And the dense copies it writes by a read and an assign: _pull_beside.)
+        return super().before_step() + [fold_pulled(pair) for pair in
+                                        self.step_pairs + self.dense if pair.pulled is not None]
 
     def after_step(self) -> list:
         steps = self.steps()
@@ -394,6 +397,7 @@ class KerasGeo(KerasMode):
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
         self._start()
+        self._pull_beside(model)
         for t in self.tables:
             copy_trains(t)
         self._fits += 1
@@ -403,6 +407,28 @@ class KerasGeo(KerasMode):
         # Every step is pushed when fit starts: the next round comes K steps on (also
         # after a fit that ended off a multiple of K, whose final round pushed its rest).
         self._pushed.assign(self.schedule.pushed)
+
+    def _pull_beside(self, model) -> None:
+        """The dense copies ``model``'s step writes by a read and an assign
+        (:mod:`tfpsx.keras.read_assign`: an FTRL optimizer, a constraint, a layer's
+        moving statistics) get a ``pulled`` variable, as ``iterations`` has: a round's
+        pull adds there and the step folds it in first (:meth:`before_step`). A pull
+        into the weight itself that landed between the step's read and assign was
+        overwritten, and the next push sent the others' change back negated. Before
+        the step and the round are traced (the round again if a pair is new)."""
+        at_risk = read_and_assigned(model)
+        new = [pair for pair in self.dense
+               if pair.pulled is None and id(pair.local) in at_risk]
+        for pair in new:
+            with tf.device(self.worker_device):
+                pair.pulled = tf.Variable(tf.zeros_like(pair.old.read_value()),
+                                          trainable=False, name="geo_pulled")
+        if new:
+            self._sync_fns.clear()
+            why = sorted({at_risk[id(pair.local)] for pair in new})
+            logger.info("GEO: %d dense weight(s) written by a read and an assign in the "
+                        "step (%s): rounds pull beside them, and each step folds the pulls "
+                        "in first", len(new), ", ".join(why))
 
     def fit_length(self, epoch_steps: Optional[int]) -> None:
         # k_steps="auto" chooses K here; then too few rounds in an epoch: a warning.

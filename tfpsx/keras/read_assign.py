@@ -1,0 +1,51 @@
+"""Which of a Keras model's weights its training step writes by a read and an assign
+(``v.assign(f(v))``) rather than by TF's atomic add: GEO's background rounds must not
+pull into such a weight, since a pull that lands between the step's read and its assign
+is overwritten, and the next push then sends the others' change back negated (GEO pulls
+beside it instead: :class:`tfpsx.modes.geo.GeoVariable`'s ``pulled``).
+
+* every trainable weight, when the optimizer's update is not one of the Keras optimizers
+  known to add to the weight (``assign_add`` / ``assign_sub`` on its ``tf.Variable``):
+  FTRL and schedule-free AdamW assign the weight, and a user's optimizer is not known;
+* a trainable weight with a constraint (Keras applies it as
+  ``v.assign(constraint(v))`` after the update);
+* every non-trainable weight (layers update theirs by assign: BatchNormalization's
+  moving statistics).
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import keras
+
+# Keras 3's optimizers whose update_step changes the weight by the optimizer's
+# assign_add / assign_sub (read in keras/src/optimizers: the TF backend runs them as the
+# tf.Variable's own atomic adds). Matched by exact class: a subclass may override it.
+ADDING_OPTIMIZERS = tuple(getattr(keras.optimizers, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "Adafactor", "Lamb", "Lion",
+    "Nadam", "RMSprop", "Muon") if hasattr(keras.optimizers, name))
+
+
+def _adds(optimizer) -> bool:
+    inner = getattr(optimizer, "inner_optimizer", None)  # (a LossScaleOptimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner is not None:
+        return _adds(inner)
+    return type(optimizer) in ADDING_OPTIMIZERS
+
+
+def read_and_assigned(model) -> Dict[int, str]:
+    """The ``tf.Variable`` s under ``model``'s weights that its training step may write by
+    a read and an assign (see the module doc): ``id(variable)`` -> why, for the log."""
+    optimizer = getattr(model, "optimizer", None)
+    adds = _adds(optimizer)
+    found = {}
+    for w in model.trainable_weights:
+        if not adds:
+            found[id(getattr(w, "value", w))] = \
+                f"its optimizer ({type(optimizer).__name__}) assigns them"
+        elif getattr(w, "constraint", None) is not None:
+            found[id(getattr(w, "value", w))] = "a constraint"
+    for w in model.non_trainable_weights:
+        found[id(getattr(w, "value", w))] = "a layer assigns it"
+    return found
