@@ -27,9 +27,14 @@ ADDING_OPTIMIZERS = tuple(getattr(keras.optimizers, name) for name in (
     "Nadam", "RMSprop", "Muon") if hasattr(keras.optimizers, name))
 
 
+_LOSS_SCALE = getattr(keras.optimizers, "LossScaleOptimizer", None)
+
+
 def _adds(optimizer) -> bool:
-    inner = getattr(optimizer, "inner_optimizer", None)  # (a LossScaleOptimizer)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner is not None:
+    """Whether ``optimizer`` changes the weights by adds (a LossScaleOptimizer: its
+    inner one's)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if _LOSS_SCALE is not None and isinstance(optimizer, _LOSS_SCALE) and inner is not None:
         return _adds(inner)
     return type(optimizer) in ADDING_OPTIMIZERS
 
