@@ -221,6 +221,7 @@ bench: setup tier-peer
 	$(PY) benchmarks/geo_vs_async.py
 	$(PY) benchmarks/keras_modes.py
 	$(PY) benchmarks/session_run_cost.py
+	$(PY) benchmarks/geo_step_ops.py
 	$(PY) benchmarks/serving_deltas.py
 	$(PY) benchmarks/online_freshness.py
 	$(PY) benchmarks/collective_scaling.py
