@@ -135,3 +135,28 @@ def test_a_step_whose_mode_changed_is_traced_again_before_the_next_step():
     assert callback._originals == {}  # fit's own step restored when it ended
     model.evaluate(x, y, batch_size=2, verbose=0)
     assert traced.count("test") == 2  # traced again: the first was for the old choice
+
+
+def test_a_step_an_earlier_fit_traced_is_traced_again_when_the_mode_says_so_at_the_start():
+    """GEO found, as the second fit began, weights to pull beside (a read-and-assign
+    update: tfpsx.keras.read_assign) that the first fit's step does not fold in: the
+    callback has Keras trace the step again before the second fit's first step, where
+    Keras would reuse the first fit's."""
+    traced = []
+
+    class Counted(keras.Sequential):
+        def train_step(self, data):
+            traced.append("train")
+            return super().train_step(data)
+
+    model = Counted([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = np.ones((10, 3), np.float32), np.ones((10, 1), np.float32)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0,
+              callbacks=[StrategyCallback(RecordingStrategy())])
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0,
+              callbacks=[StrategyCallback(RecordingStrategy())])
+    assert traced.count("train") == 1  # (Keras reuses the first fit's step)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0,
+              callbacks=[StrategyCallback(RecordingStrategy(stale_after=[0]))])
+    assert traced.count("train") == 2

@@ -79,7 +79,11 @@ class StrategyCallback(keras.callbacks.Callback):
         epoch_steps = self._epoch_steps()
         self._strategy.begin_fit(self.model, epoch_steps)
         self._active = True
-        self._wrap("train_function")
+        if self._strategy.steps_stale():  # (GEO: see KerasGeo._pull_beside)
+            self._trace_again("GEO pulls beside weights the step writes by a read and an "
+                              "assign")
+        else:
+            self._wrap("train_function")
 
     def on_test_begin(self, logs=None):
         if self._active:  # a validation inside fit
@@ -151,17 +155,16 @@ class StrategyCallback(keras.callbacks.Callback):
         self._originals[name] = (original, step)
         setattr(self.model, name, step)
 
-    def _trace_again(self) -> None:
-        """The mode's state changed what the model's steps must run (GEO's choice
-        between rounds and async): the train step is traced again before the next step
-        (fit reads ``model.train_function`` at each), and evaluate / predict trace theirs
-        when next called."""
+    def _trace_again(self, why: str = "GEO's choice between rounds and async changed"
+                     ) -> None:
+        """The mode's state changed what the model's steps must run (``why``): the train
+        step is traced again before the next step (fit reads ``model.train_function`` at
+        each), and evaluate / predict trace theirs when next called."""
         self._restore()
         self.model.test_function = self.model.predict_function = None
         self.model.make_train_function(force=True)
         self._wrap("train_function")
-        logger.info("the train step is traced again at the next step (GEO's choice between "
-                    "rounds and async changed)")
+        logger.info("the train step is traced again at the next step (%s)", why)
 
     def _restore(self) -> None:
         for name, (original, step) in self._originals.items():

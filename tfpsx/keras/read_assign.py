@@ -2,15 +2,19 @@
 (``v.assign(f(v))``) rather than by TF's atomic add: GEO's background rounds must not
 pull into such a weight, since a pull that lands between the step's read and its assign
 is overwritten, and the next push then sends the others' change back negated (GEO pulls
-beside it instead: :class:`tfpsx.modes.geo.GeoVariable`'s ``pulled``).
+beside it instead: :class:`tfpsx.modes.geo.GeoVariable`'s ``pulled``). Of the weights
+GEO pairs (the trainable ones; a layer's non-trainable state stays per worker):
 
-* every trainable weight, when the optimizer's update is not one of the Keras optimizers
-  known to add to the weight (``assign_add`` / ``assign_sub`` on its ``tf.Variable``):
-  FTRL and schedule-free AdamW assign the weight, and a user's optimizer is not known;
-* a trainable weight with a constraint (Keras applies it as
-  ``v.assign(constraint(v))`` after the update);
-* every non-trainable weight (layers update theirs by assign: BatchNormalization's
-  moving statistics).
+* every one, when the optimizer's update is not one of the Keras optimizers known to
+  add to the weight (``assign_add`` / ``assign_sub`` on its ``tf.Variable``, weight
+  decay included): FTRL and schedule-free AdamW assign the weight, Muon its weight
+  decay, and a user's optimizer is not known;
+* one with a constraint (Keras applies it as ``v.assign(constraint(v))`` after the
+  update);
+* one the optimizer overwrites with its gradient (``overwrite_with_gradient``: float8
+  layers' scales).
+
+A step of the user's own that assigns a weight (a custom ``train_step``) is not seen.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from typing import Dict
 import keras
 
 # Keras 3's optimizers whose update_step changes the weight by the optimizer's
-# assign_add / assign_sub (read in keras/src/optimizers: the TF backend runs them as the
-# tf.Variable's own atomic adds). Matched by exact class: a subclass may override it.
+# assign_add / assign_sub, and whose weight decay is the TF backend's (an assign_sub of
+# the tf.Variable): read in keras/src/optimizers; the TF backend runs them as the
+# tf.Variable's own atomic adds. Not Muon: its own weight decay assigns the Keras
+# variable. Matched by exact class: a subclass may override either.
 ADDING_OPTIMIZERS = tuple(getattr(keras.optimizers, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "Adafactor", "Lamb", "Lion",
-    "Nadam", "RMSprop", "Muon") if hasattr(keras.optimizers, name))
+    "Nadam", "RMSprop") if hasattr(keras.optimizers, name))
 
 
 _LOSS_SCALE = getattr(keras.optimizers, "LossScaleOptimizer", None)
@@ -47,10 +53,12 @@ def read_and_assigned(model) -> Dict[int, str]:
     found = {}
     for w in model.trainable_weights:
         if not adds:
-            found[id(getattr(w, "value", w))] = \
-                f"its optimizer ({type(optimizer).__name__}) assigns them"
+            why = f"its optimizer ({type(optimizer).__name__}) assigns them"
         elif getattr(w, "constraint", None) is not None:
-            found[id(getattr(w, "value", w))] = "a constraint"
-    for w in model.non_trainable_weights:
-        found[id(getattr(w, "value", w))] = "a layer assigns it"
+            why = "a constraint"
+        elif getattr(w, "overwrite_with_gradient", False):
+            why = "the optimizer overwrites it with its gradient"
+        else:
+            continue
+        found[id(getattr(w, "value", w))] = why
     return found

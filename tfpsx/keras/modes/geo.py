@@ -410,12 +410,16 @@ class KerasGeo(KerasMode):
 
     def _pull_beside(self, model) -> None:
         """The dense copies ``model``'s step writes by a read and an assign
-        (:mod:`tfpsx.keras.read_assign`: an FTRL optimizer, a constraint, a layer's
-        moving statistics) get a ``pulled`` variable, as ``iterations`` has: a round's
-        pull adds there and the step folds it in first (:meth:`before_step`). A pull
-        into the weight itself that landed between the step's read and assign was
-        overwritten, and the next push sent the others' change back negated. Before
-        the step and the round are traced (the round again if a pair is new)."""
+        (:mod:`tfpsx.keras.read_assign`: an FTRL optimizer, a constraint) get a
+        ``pulled`` variable, as ``iterations`` has: a round's pull adds there and the
+        step folds it in first (:meth:`before_step`). A pull into the weight itself
+        that landed between the step's read and assign was overwritten, and the next
+        push sent the others' change back negated. Before the step and the round are
+        traced: the round is traced again if a pair is new, and a step an earlier fit
+        traced too (:meth:`steps_stale`). Rounds inside the step (deterministic) come
+        after its update in program order: nothing to pull beside."""
+        if self.in_train_thread:
+            return
         at_risk = read_and_assigned(model)
         new = [pair for pair in self.dense
                if pair.pulled is None and id(pair.local) in at_risk]
@@ -425,6 +429,8 @@ class KerasGeo(KerasMode):
                                           trainable=False, name="geo_pulled")
         if new:
             self._sync_fns.clear()
+            # (an earlier fit's step would never fold them: fit's callback traces again)
+            self._steps_stale = self._steps_stale or self._fits > 0
             why = sorted({at_risk[id(pair.local)] for pair in new})
             logger.info("GEO: %d dense weight(s) written by a read and an assign in the "
                         "step (%s): rounds pull beside them, and each step folds the pulls "
@@ -487,6 +493,11 @@ class KerasGeo(KerasMode):
         super().after_fit(model, failed)
         if failed:  # a step raised (end_fit ran all the same, and may have taken)
             self._distrust_snapshots()
+            # What the rounds pulled beside a weight since the last step: into the
+            # copy now (the communicator stopped), not into a step after a restore.
+            for pair in self.dense + self.step_pairs:
+                if pair.pulled is not None:
+                    fold_pulled(pair)
 
     def end_fit(self, model) -> None:
         # The last local steps reach the PS before fit returns; then the model is the
