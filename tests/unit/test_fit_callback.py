@@ -108,15 +108,13 @@ def test_an_epoch_of_unknown_length_from_splits_waits_for_its_ops_only_near_its_
     assert len(waits) == 2 * 3  # after each of the 3 steps, and after its callback's ops
 
 
-def test_a_step_whose_mode_changed_is_traced_again_before_the_next_step():
-    """GEO's choice between rounds and async changed (a table's lookups go another way):
-    the callback has Keras trace the train step again, once per change, and keeps
-    wrapping it; evaluate traces its step anew too."""
-    traced = []
+def _counted(traced: list):
+    """A compiled model whose train and test steps append "train" / "test" to ``traced``
+    each time Keras traces them (Python in a step runs when it is traced)."""
 
     class Counted(keras.Sequential):
         def train_step(self, data):
-            traced.append("train")  # (Python: runs when the step is traced)
+            traced.append("train")
             return super().train_step(data)
 
         def test_step(self, data):
@@ -125,6 +123,15 @@ def test_a_step_whose_mode_changed_is_traced_again_before_the_next_step():
 
     model = Counted([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
+    return model
+
+
+def test_a_step_whose_mode_changed_is_traced_again_before_the_next_step():
+    """GEO's choice between rounds and async changed (a table's lookups go another way):
+    the callback has Keras trace the train step again, once per change, and keeps
+    wrapping it; evaluate traces its step anew too."""
+    traced = []
+    model = _counted(traced)
     x, y = np.ones((10, 3), np.float32), np.ones((10, 1), np.float32)
     model.evaluate(x, y, batch_size=2, verbose=0)
     strategy = RecordingStrategy(stale_after=[2, 4])
@@ -143,14 +150,7 @@ def test_a_step_an_earlier_fit_traced_is_traced_again_when_the_mode_says_so_at_t
     callback has Keras trace the step again before the second fit's first step, where
     Keras would reuse the first fit's."""
     traced = []
-
-    class Counted(keras.Sequential):
-        def train_step(self, data):
-            traced.append("train")
-            return super().train_step(data)
-
-    model = Counted([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile("sgd", "mse")
+    model = _counted(traced)
     x, y = np.ones((10, 3), np.float32), np.ones((10, 1), np.float32)
     model.fit(x, y, batch_size=2, epochs=1, verbose=0,
               callbacks=[StrategyCallback(RecordingStrategy())])
