@@ -134,8 +134,8 @@ def test_the_distinct_rows_are_of_k_steps_scaled_by_the_steps_since_the_last_tak
 
 
 def test_graph_mode_a_chosen_table_trains_on_the_ps_then_its_copy_as_its_flag_says():
-    """The same step in a TF1 graph (tf.conds of the worker's ops, the PS's lookup and
-    apply outside them), run with the flag True, then False: one graph trains the PS
+    """The same step in a TF1 graph (the split and stitch ops of the flag, the hot
+    count's rule in a TF1 cond), run with the flag True, then False: one graph trains the PS
     while async, then the copy, with the hot count's rows on the PS; the distinct rows
     are counted only while async."""
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:

@@ -276,9 +276,14 @@ class ShardedTable:
         if self.optimizer is None:
             raise ValueError(f"{self._what} has no optimizer; pass "
                              "optimizer=tfpsx.embedding.Adagrad(...) (or SGD, Adam, Ftrl)")
-        step = as_step(step)
         grads = self._row_gradients(self._keys(keys), grads, "apply")
-        keys = self._key_vector(keys)
+        return self.apply_checked(self._key_vector(keys), grads, step)
+
+    def apply_checked(self, keys, grads, step=None):
+        """:meth:`apply` of an int64 key vector and float32 ``[n, dim]`` gradients
+        checked already (a part of checked ones: GEO's split between the PS and the
+        copy, whose checks would run again every step)."""
+        step = as_step(step)
         return self._group(self.on_shards(
             lambda i, s, k, g: s.apply(self.optimizer, k, g, step), keys, [grads]))
 

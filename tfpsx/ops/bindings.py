@@ -188,6 +188,26 @@ def table_take_changed(handle, reader):
     return load_ops().tfpsx_hash_table_take_changed(handle, reader)
 
 
+# ---------------------------------------------------------------- GEO's row routing
+# (tfpsx.modes.geo.hot_rows: a table's batch split between the PS and the worker's copy
+# by its async flag and hot mask; with the flag on the inputs are forwarded, not copied.)
+
+
+def geo_split_keys(on_ps, keys, hot):
+    """(hot_out, ps_keys, tail_keys, at_hot, at_tail) of unique ``keys``."""
+    return load_ops().tfpsx_geo_split_keys(on_ps, keys, hot)
+
+
+def geo_split_rows(on_ps, keys, rows, hot):
+    """(ps_keys, ps_rows, tail_keys, tail_rows) of unique ``keys`` and one row each."""
+    return load_ops().tfpsx_geo_split_rows(on_ps, keys, rows, hot)
+
+
+def geo_stitch_rows(on_ps, ps_rows, tail_rows, at_hot, at_tail):
+    """The rows of ``geo_split_keys``' keys, in their order."""
+    return load_ops().tfpsx_geo_stitch_rows(on_ps, ps_rows, tail_rows, at_hot, at_tail)
+
+
 # ---------------------------------------------------------------- the data plane
 # (custom_ops/cc/ops/split_ops.cc; the Python side is tfpsx.control.splits, tfpsx.data)
 SPLIT_STATS_FIELDS = ("first_open", "splits", "done", "leased", "left", "leases_returned")

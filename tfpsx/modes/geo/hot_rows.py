@@ -24,6 +24,7 @@ import tensorflow as tf
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable
+from tfpsx.ops import bindings
 
 
 @contextlib.contextmanager
@@ -93,15 +94,18 @@ class HotRows:
     def _chosen_rows(self, unique, counts, train: bool, step):
         """(which keys are hot, the rows of ``unique``) of a table the job chooses for
         (``on_ps``): while it trains async, every key is hot and its rows are the PS's
-        as async reads them; else as :meth:`_rows`. Evaluations read the same way. The
-        tf.conds hold this worker's ops only, the PS's lookup runs outside them: a
-        tf.cond whose branches held the PS's ops cost a word2vec worker 13% of its
-        examples/s on a cluster. The split of an all-hot batch (masks, gathers and a
-        stitch on every step) cost word2vec's workers 17 ms of CPU per 1,000 examples
-        against async's 12; these conds as TF2's If ops 15-18, as Switch / Merge
-        (:func:`switch_merge_conds`) 13.7-14.5 (benchmarks/time_to_auc.py's last
-        column, docs/design-notes/geo.md). Each cond is one Switch a tensor its
-        branches take, and a Merge an output: the keys' and the hot mask's are one."""
+        as async reads them; else as :meth:`_rows`. Evaluations read the same way.
+
+        The split and the stitch are ops of their own (``bindings.geo_split_keys``,
+        ``geo_stitch_rows``): with the flag on they forward the keys and the PS's rows,
+        and the copy's lookup gets no key. Only the rules that find the hot keys (and
+        the chief's count of distinct rows) stay in TF1 conds, which run nothing but
+        their Switch / Merge while the flag is on. The earlier steps, word2vec's
+        workers at 1 PS + 8: conds around the split and the stitch too ran 35 nodes a
+        table more than async's step (benchmarks/geo_step_ops.py), 20-22 ms of CPU
+        per 1,000 examples against async's 16 (the same step without them: 16-20);
+        the split of an all-hot batch with TF's masks, gathers and a stitch cost 17
+        against 12 at 4 workers, TF2 If ops 15-18 (docs/design-notes/geo.md)."""
         local, global_ = self.geo.local, self.geo.global_
         on_ps = tf.convert_to_tensor(self.on_ps)
         if train and self.distinct is not None:
@@ -109,32 +113,23 @@ class HotRows:
             with tf.control_dependencies([tf.cond(on_ps, lambda: self._mark(unique),
                                                   lambda: tf.constant(False))]):
                 unique = tf.identity(unique)
-
-        def all_on_ps():
-            # (evaluation reads every key from the PS too)
-            none = tf.zeros([0], tf.int32)
-            return tf.ones(tf.shape(unique), tf.bool), tf.identity(unique), none, none
-
-        def split():
-            # (evaluation: every key from the copy)
-            hot = (self._hot(unique, counts) if train
-                   else tf.zeros(tf.shape(unique), tf.bool))
-            at_hot = tf.cast(tf.where(hot)[:, 0], tf.int32)
-            at_tail = tf.cast(tf.where(tf.logical_not(hot))[:, 0], tf.int32)
-            return hot, tf.gather(unique, at_hot), at_hot, at_tail
-
-        hot, ps_keys, at_hot, at_tail = tf.cond(on_ps, all_on_ps, split)
+        if train and (self.hot_count or self.contention is not None):
+            # (the rules read only while the table runs rounds: the op reads no mask
+            # while the flag is on)
+            hot = tf.cond(on_ps, lambda: tf.zeros([0], tf.bool),
+                          lambda: self._hot(unique, counts))
+        else:  # (no rule, or an evaluation: no key hot, every key from the copy)
+            hot = tf.zeros([0], tf.bool)
+        hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(on_ps, unique, hot)
         with tf.compat.v1.device(self.geo.device):
-            # (on this worker: a TF1 cond's switch is placed with its input)
             ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
                                  [-1, local.dim])
-
-        def stitched():
-            tail_rows = local.rows(tf.gather(unique, at_tail), train, step)
-            return tf.reshape(tf.dynamic_stitch([at_hot, at_tail], [ps_rows, tail_rows]),
-                              [-1, local.dim])
-
-        return hot, tf.cond(on_ps, lambda: tf.identity(ps_rows), stitched)
+        # The copy's lookup in a TF1 cond all the same: run with no key, its ops would
+        # cost a step more than the cond's Switch / Merge (the stitch checks its rows
+        # against the PS's width).
+        tail_rows = tf.cond(on_ps, lambda: tf.zeros([0, local.dim]),
+                            lambda: local.rows(tail_keys, train, step))
+        return hot, bindings.geo_stitch_rows(on_ps, ps_rows, tail_rows, at_hot, at_tail)
 
     def _mark(self, unique):
         with tf.control_dependencies([self.distinct.mark(unique)]):
@@ -162,36 +157,39 @@ class HotRows:
     def apply(self, keys, grads, hot, step):
         """Trains the hot rows of ``keys`` on the PS, the others in the copy; returns the
         op (None in eager mode). A table the job chooses for trains every row on the PS
-        while it trains async, as async does (one tf.cond of this worker's ops picks
-        what the PS's apply gets)."""
+        while it trains async, as async does (one op of this worker picks what the PS's
+        apply gets, :meth:`_chosen_apply`)."""
+        # (``grads`` were checked against ``keys`` by the table's apply_gradients: the
+        # parts are not checked again, which cost a step an assert each)
         grads = tf.convert_to_tensor(grads)
-        tail = tf.logical_not(hot)
         if self.on_ps is None:
+            tail = tf.logical_not(hot)
             ps_keys, ps_grads = tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)
-            local = self.geo.local.apply(tf.boolean_mask(keys, tail),
-                                         tf.boolean_mask(grads, tail), step)
+            local = self.geo.local.apply_checked(tf.boolean_mask(keys, tail),
+                                                 tf.boolean_mask(grads, tail), step)
         else:
             with switch_merge_conds():
-                ps_keys, ps_grads, local = self._chosen_apply(keys, grads, hot, tail, step)
-        ops = [ShardedTable.apply(self.geo.global_, ps_keys, ps_grads, step), local]
+                ps_keys, ps_grads, local = self._chosen_apply(keys, grads, hot, step)
+        ops = [ShardedTable.apply_checked(self.geo.global_, ps_keys, ps_grads, step), local]
         ops = [op for op in ops if op is not None]
         return tf.group(ops) if ops else None
 
-    def _chosen_apply(self, keys, grads, hot, tail, step):
-        """(keys and gradients for the PS's apply, None) of a table the job chooses
-        for: every key on the PS while it trains async; else the hot keys, once the
-        copy's apply of the others ran (one cond: each is a Switch a tensor it takes)."""
+    def _chosen_apply(self, keys, grads, hot, step):
+        """(keys and gradients for the PS's apply, the copy's apply op) of a table the
+        job chooses for: every key on the PS while it trains async
+        (``bindings.geo_split_rows`` forwards them, the copy's apply gets none); else the
+        hot keys, the copy's apply the others."""
         on_ps = tf.convert_to_tensor(self.on_ps)
+        ps_keys, ps_grads, tail_keys, tail_grads = bindings.geo_split_rows(on_ps, keys, grads,
+                                                                           hot)
 
-        def split():
-            op = self.geo.local.apply(tf.boolean_mask(keys, tail),
-                                      tf.boolean_mask(grads, tail), step)
-            with tf.control_dependencies([] if op is None else [op]):
-                return tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)
+        def copy_apply():
+            with tf.control_dependencies(
+                    [self.geo.local.apply_checked(tail_keys, tail_grads, step)]):
+                return tf.constant(True)
 
-        ps_keys, ps_grads = tf.cond(on_ps, lambda: (tf.identity(keys), tf.identity(grads)),
-                                    split)
-        return ps_keys, ps_grads, None
+        # (a TF1 cond, as the copy's lookup: :meth:`_chosen_rows`)
+        return ps_keys, ps_grads, tf.cond(on_ps, lambda: tf.constant(False), copy_apply)
 
 
 class AsyncRows:
