@@ -97,15 +97,17 @@ class HotRows:
         as async reads them; else as :meth:`_rows`. Evaluations read the same way.
 
         The split and the stitch are ops of their own (``bindings.geo_split_keys``,
-        ``geo_stitch_rows``): with the flag on they forward the keys and the PS's rows,
-        and the copy's lookup gets no key. Only the rules that find the hot keys (and
-        the chief's count of distinct rows) stay in TF1 conds, which run nothing but
-        their Switch / Merge while the flag is on. The earlier steps, word2vec's
-        workers at 1 PS + 8: conds around the split and the stitch too ran 35 nodes a
-        table more than async's step (benchmarks/geo_step_ops.py), 20-22 ms of CPU
-        per 1,000 examples against async's 16 (the same step without them: 16-20);
-        the split of an all-hot batch with TF's masks, gathers and a stitch cost 17
-        against 12 at 4 workers, TF2 If ops 15-18 (docs/design-notes/geo.md)."""
+        ``geo_stitch_rows``, run inline): with the flag on they forward the keys and
+        the PS's rows. The rules that find the hot keys, the copy's lookup and the
+        chief's count of distinct rows stay in TF1 conds, dead while the flag is on (a
+        dead node is not handed to the executor's thread pool, as a table op run with
+        no key would be). Before, conds around the split and the stitch too ran 74
+        nodes a table-step against async's 39 (now 65; benchmarks/geo_step_ops.py);
+        word2vec's workers at 1 PS + 8, the two interleaved: 24.0 and 27.3 ms of CPU per
+        1,000 examples against 23.1 and 22.0 (docs/design-notes/geo.md). The split of
+        an all-hot batch with TF's masks, gathers and a stitch cost 17 against async's
+        12 at 4 workers, TF2 If ops 15-18.
+        """
         local, global_ = self.geo.local, self.geo.global_
         on_ps = tf.convert_to_tensor(self.on_ps)
         if train and self.distinct is not None:
@@ -124,9 +126,7 @@ class HotRows:
         with tf.compat.v1.device(self.geo.device):
             ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
                                  [-1, local.dim])
-        # The copy's lookup in a TF1 cond all the same: run with no key, its ops would
-        # cost a step more than the cond's Switch / Merge (the stitch checks its rows
-        # against the PS's width).
+        # (the stitch checks the copy's rows against the PS's width)
         tail_rows = tf.cond(on_ps, lambda: tf.zeros([0, local.dim]),
                             lambda: local.rows(tail_keys, train, step))
         return hot, bindings.geo_stitch_rows(on_ps, ps_rows, tail_rows, at_hot, at_tail)
@@ -188,7 +188,7 @@ class HotRows:
                     [self.geo.local.apply_checked(tail_keys, tail_grads, step)]):
                 return tf.constant(True)
 
-        # (a TF1 cond, as the copy's lookup: :meth:`_chosen_rows`)
+        # (a TF1 cond, as the copy's lookup, :meth:`_chosen_rows`)
         return ps_keys, ps_grads, tf.cond(on_ps, lambda: tf.constant(False), copy_apply)
 
 
