@@ -17,6 +17,7 @@ batch.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import tensorflow as tf
@@ -47,6 +48,11 @@ def switch_merge_conds():
         yield
     finally:
         tf.compat.v1.enable_control_flow_v2()
+
+
+# A graph's chosen lookups, by their hot mask: (the flag as the lookup read it, the keys
+# it sent to the PS). The apply of the same step takes both (HotRows._chosen_apply).
+_ROUTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class HotRows:
@@ -123,6 +129,9 @@ class HotRows:
         else:  # (no rule, or an evaluation: no key hot, every key from the copy)
             hot = tf.zeros([0], tf.bool)
         hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(on_ps, unique, hot)
+        if train and not tf.executing_eagerly():
+            _ROUTES.setdefault(tf.compat.v1.get_default_graph(), {})[hot.ref()] = (on_ps,
+                                                                                  ps_keys)
         with tf.compat.v1.device(self.geo.device):
             ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
                                  [-1, local.dim])
@@ -169,7 +178,14 @@ class HotRows:
                                                  tf.boolean_mask(grads, tail), step)
         else:
             with switch_merge_conds():
-                ps_keys, ps_grads, local = self._chosen_apply(keys, grads, hot, step)
+                ps_keys, ps_grads, copied = self._chosen_apply(keys, grads, hot, step)
+            # The copy's part (a cond on this worker) runs before the PS's gradients
+            # leave it, not beside the PS's apply: a step whose train op is all PS ops
+            # is grouped on the PS, and one worker op in the group ends each step with
+            # the PS telling this worker (a control edge: one more RPC a step).
+            with tf.control_dependencies([copied]):
+                ps_grads = tf.identity(ps_grads)
+            local = None
         ops = [ShardedTable.apply_checked(self.geo.global_, ps_keys, ps_grads, step), local]
         ops = [op for op in ops if op is not None]
         return tf.group(ops) if ops else None
@@ -179,9 +195,16 @@ class HotRows:
         job chooses for: every key on the PS while it trains async
         (``bindings.geo_split_rows`` forwards them, the copy's apply gets none); else the
         hot keys, the copy's apply the others."""
-        on_ps = tf.convert_to_tensor(self.on_ps)
+        route = (None if tf.executing_eagerly() else
+                 _ROUTES.get(tf.compat.v1.get_default_graph(), {}).get(hot.ref()))
+        on_ps = tf.convert_to_tensor(self.on_ps) if route is None else route[0]
         ps_keys, ps_grads, tail_keys, tail_grads = bindings.geo_split_rows(on_ps, keys, grads,
                                                                            hot)
+        if route is not None:
+            # The step's lookup split the same keys by the same flag and mask: its keys
+            # on the PS are the apply's (sent once a step, as async's; and one read of
+            # the flag a step, which a round may set meanwhile).
+            ps_keys = route[1]
 
         def copy_apply():
             with tf.control_dependencies(
@@ -198,8 +221,8 @@ class AsyncRows:
     Keras's): every row read and trained on the PS, exactly as async's step, and the
     distinct rows of training lookups counted for the choice's estimate. Its lookups
     have no ``hot``: :class:`~tfpsx.modes.geo.tables.GeoTableUpdater` trains their rows
-    on the PS. (:class:`HotRows`'s step serves both states through tf.conds of this
-    worker's ops: on the Criteo job, 0.84-0.93x async's examples/s; a PS-only step like
+    on the PS. (:class:`HotRows`'s step serves both states through split ops and
+    conds of this worker's: with conds alone, on the Criteo job, 0.84-0.93x async's examples/s; a PS-only step like
     this one ran at async's in the same session, one run. With it the job ran at 0.92x,
     medians of 2: the rest is the rounds and the machine's noise, docs/modes.md.)"""
 

@@ -224,20 +224,28 @@ class GeoTableUpdater(TableUpdater):
         return self._geo.global_ if self._geo.trains_async else self._geo.local
 
     def apply_gradients(self, table, keys, grads, step, hot=None):
-        if hot is None and self._geo.chosen:
-            # A training lookup of AsyncRows (HotRows' have a hot mask): the PS's rows.
-            op = ShardedTable.apply(self._geo.global_, keys, grads, step)
-        elif hot is not None:  # the hot rows on the PS, the rest in the copy
-            op = HotRows(self._geo, self._hot, on_ps=self._on_ps()).apply(keys, grads, hot,
-                                                                          step)
-        else:
-            op = self._geo.local.apply(keys, grads, step)
+        # (``grads`` checked by the table's apply_gradients: the applies do not check
+        # them again, an assert a step each)
         held = [tf.size(keys, out_type=tf.int64),
                 tf.constant(0, tf.int64) if hot is None
                 else tf.math.count_nonzero(hot, dtype=tf.int64)]
         counted = self._trained_rows().assign_add(tf.stack(held))
-        if op is not None:  # (eager: both ran)
-            op = tf.group(op, counted)
+        # The count runs before the gradients are applied, not beside the apply: a
+        # train op of PS ops only is grouped on the PS (a table that trains async, its
+        # dense weights on the PS), where one op of this worker in it would end each
+        # step with the PS telling this worker (a control edge: one more RPC a step).
+        with tf.control_dependencies([counted]):
+            grads = tf.identity(grads)
+        if hot is None and self._geo.chosen:
+            # A training lookup of AsyncRows (HotRows' have a hot mask): the PS's rows.
+            op = ShardedTable.apply_checked(self._geo.global_, keys, grads, step)
+        elif hot is not None:  # the hot rows on the PS, the rest in the copy
+            op = HotRows(self._geo, self._hot, on_ps=self._on_ps()).apply(keys, grads, hot,
+                                                                          step)
+        else:
+            op = self._geo.local.apply_checked(keys, grads, step)
+        if op is None:  # (eager: both ran)
+            return None
         self._mode.local_train_op(op)
         return op
 
