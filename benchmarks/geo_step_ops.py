@@ -1,8 +1,9 @@
 """What graph mode's GEO step costs for a table that trains async (geo_table_choice="auto",
 its flag on), against async's step, in one process (the tables on this CPU, no cluster):
 the nodes the executor runs for one table's lookup and apply, and their CPU a step.
-GEO's step keeps the copy's path in TF1 conds (tfpsx.modes.geo.HotRows: graph mode
-cannot trace its step again when the choice changes), which async's has not.
+GEO's step serves both of the table's states (tfpsx.modes.geo.HotRows: graph mode
+cannot trace its step again when the choice changes): split and stitch ops that forward
+the keys and rows while the flag is on, and the copy's path in TF1 conds, dead then.
 
   python benchmarks/geo_step_ops.py [--batch 512] [--dim 64] [--steps 2000] [--rounds 3]
 """
