@@ -517,6 +517,13 @@ def test_misuse_is_a_clear_error(make_cluster):
         assert "created outside tfpsx.keras.ParameterServerStrategy.scope()" in got[case]
         assert "build it inside `with strategy.scope():`" in got[case], got[case]
     assert "unknown a_sync_configs key(s) ['k_step']" in got["bad_options"]
+    # GEO's dense copies with an optimizer's moving average (Keras assigns it to the
+    # weights): refused before a step, naming the option and what to do.
+    ema = got["geo_with_ema"] or ""
+    assert ema.startswith("ValueError: GEO cannot train its 2 dense weight copies on this "
+                          "worker with use_ema=True (Adam)"), ema
+    assert "Compile with use_ema=False" in ema, ema
+    assert got["geo_with_ema_untouched"] is True, got
     # Exact saves where the workers meet inside a step (the hybrid's all-reduce, GEO's
     # deterministic rounds): a worker paused at the save's barrier would hold the others
     # where they cannot ack it; refused before a step trains.

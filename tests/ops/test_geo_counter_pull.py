@@ -1,7 +1,8 @@
 """GEO's rule for a variable that its step writes by a read and an assign (Keras 3's
 ``optimizer.iterations``, ``assign(self + 1)``; a weight under FTRL or a constraint):
-rounds in another thread never lose a change of it; and which weights of a Keras model
-are such (tfpsx.keras.read_assign)."""
+rounds in another thread never lose a change of it; which weights of a Keras model are
+such, and which optimizers assign the weights their moving average
+(tfpsx.keras.read_assign)."""
 
 import threading
 
@@ -100,3 +101,16 @@ def test_the_weights_a_keras_step_writes_by_a_read_and_an_assign(optimizer, adds
         want = [(v.value, assigned) for v in (constrained.kernel, constrained.bias, norm.gamma,
                                               norm.beta, plain.kernel, plain.bias)]
     assert read_and_assigned(model) == {id(v): why for v, why in want}
+
+
+@pytest.mark.parametrize("optimizer,averages", [
+    (keras.optimizers.Adam(), False), (keras.optimizers.Adam(use_ema=True), True),
+    (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(use_ema=True)), True),
+    (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), False)],
+    ids=["adam", "adam_ema", "loss_scale_sgd_ema", "loss_scale_sgd"])
+def test_an_optimizer_that_assigns_the_weights_their_moving_average(optimizer, averages):
+    """(GEO refuses it for its dense copies: tests/cluster/test_keras.py's misuse case.)
+    A LossScaleOptimizer's is its inner optimizer's: its own use_ema stays False."""
+    from tfpsx.keras.read_assign import averaging
+
+    assert averaging(optimizer) is averages

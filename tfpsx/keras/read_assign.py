@@ -15,6 +15,10 @@ GEO pairs (the trainable ones; a layer's non-trainable state stays per worker):
   layers' scales).
 
 A step of the user's own that assigns a weight (a custom ``train_step``) is not seen.
+
+An optimizer with ``use_ema=True`` assigns the weights their moving average outright
+(every ``ema_overwrite_frequency`` steps, and when ``fit`` ends): :func:`averaging` names
+it, and GEO refuses it for the weights it pairs.
 """
 
 from __future__ import annotations
@@ -62,3 +66,12 @@ def read_and_assigned(model) -> Dict[int, str]:
             continue
         found[id(getattr(w, "value", w))] = why
     return found
+
+
+def averaging(optimizer) -> bool:
+    """Whether ``optimizer`` (a LossScaleOptimizer: its inner one) keeps a moving average
+    of the weights that it assigns them (Keras's ``use_ema=True``)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if _LOSS_SCALE is not None and isinstance(optimizer, _LOSS_SCALE) and inner is not None:
+        return averaging(inner)
+    return bool(getattr(optimizer, "use_ema", False))

@@ -159,6 +159,22 @@ def splits_in(options, exact=False):
     return case
 
 
+def geo_with_ema():
+    """GEO at 1 worker keeps dense copies: an EMA's overwrite would be pushed as training."""
+    geo = tfpsx.keras.ParameterServerStrategy(tfpsx.DistributedStrategy(
+        a_sync=True, a_sync_configs={"k_steps": 4}))
+    with geo.scope():
+        model = dense_model()
+        model.compile(keras.optimizers.Adam(0.01, use_ema=True), "mse")
+    before = model.get_weights()[0].copy()
+    try:
+        model.fit(x, y, verbose=0, callbacks=geo.callbacks())
+    finally:  # refused before a step: the weights are as they were
+        errors["geo_with_ema_untouched"] = bool(np.array_equal(before,
+                                                               model.get_weights()[0]))
+
+
+record("geo_with_ema", geo_with_ema)
 record("bad_options", lambda: tfpsx.keras.ParameterServerStrategy(
     tfpsx.DistributedStrategy(a_sync=True, a_sync_configs={"k_step": 3})))
 record("splits_exact_hybrid_geo", splits_in({"dense": "allreduce", "a_sync": True,

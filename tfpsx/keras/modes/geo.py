@@ -25,7 +25,7 @@ from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
-from tfpsx.keras.read_assign import read_and_assigned
+from tfpsx.keras.read_assign import averaging, read_and_assigned
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
                              GeoVariable, adopt_rule, caches_locked, copy_trains, count_round,
@@ -393,6 +393,20 @@ class KerasGeo(KerasMode):
             moved = evicted != self._evicted.get(t.global_.name, evicted)
             take_global(t, refresh_all=moved or (refresh_rounded and t.wire is not None))
             self._evicted[t.global_.name] = evicted
+
+    def check_model(self, model) -> None:
+        super().check_model(model)
+        optimizer = getattr(model, "optimizer", None)
+        if self.dense and averaging(optimizer):
+            raise ValueError(
+                f"GEO cannot train its {len(self.dense)} dense weight copies on this "
+                f"worker with use_ema=True ({type(optimizer).__name__}): Keras assigns the "
+                "weights their moving average every ema_overwrite_frequency steps and "
+                "when fit ends, and GEO's next round would push that average's distance "
+                "from the last round as this worker's training, undoing the other "
+                "workers' steps. Compile with use_ema=False (keep an average of your own "
+                "in a callback after fit, or export the PS's weights), or train async "
+                "(no k_steps)")
 
     def begin_fit(self, model) -> None:
         super().begin_fit(model)
