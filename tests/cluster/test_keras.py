@@ -520,8 +520,8 @@ def test_misuse_is_a_clear_error(make_cluster):
     # GEO's dense copies with an optimizer's moving average (Keras assigns it to the
     # weights): refused before a step, naming the option and what to do.
     ema = got["geo_with_ema"] or ""
-    assert ema.startswith("ValueError: GEO cannot train its 2 dense weight copies on this "
-                          "worker with use_ema=True (Adam)"), ema
+    assert ema.startswith("ValueError: GEO cannot train this model's 2 dense weight(s), "
+                          "copies on this worker, with use_ema=True (Adam)"), ema
     assert "Compile with use_ema=False" in ema, ema
     assert got["geo_with_ema_untouched"] is True, got
     # Exact saves where the workers meet inside a step (the hybrid's all-reduce, GEO's

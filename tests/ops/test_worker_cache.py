@@ -310,6 +310,9 @@ def test_a_cache_under_geos_rule_for_many_workers_trains_as_the_uncached_copy(wo
         assert stats["hit_rate"] > 0 and stats["size"] <= size + 12
         if size < 40:
             assert stats["evictions"] > 0
+        # Every step's copy part went through the cache's own apply (its clock as the
+        # rows' step, its count; GEO's split once bypassed it): 4 rounds of K=4 steps.
+        assert int(t.local.updates()) == 4 * 4
 
 
 def test_a_cache_with_hot_rows_reads_and_trains_them_on_the_ps():

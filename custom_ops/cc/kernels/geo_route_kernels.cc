@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -96,6 +97,10 @@ class GeoSplitKeysOp : public OpKernel {
       for (int i = 2; i < 5; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(i, {0}, &out));
       return;
     }
+    OP_REQUIRES(ctx, n <= std::numeric_limits<int32_t>::max(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "keys: ", n, " keys, over the int32 positions (at most ",
+                    std::numeric_limits<int32_t>::max(), ") a batch's split can name")));
     const Tensor& hot = ctx->input(2);
     bool none = false;
     OP_REQUIRES_OK(ctx, HotPerKey(hot, n, &none));

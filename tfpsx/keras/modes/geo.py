@@ -397,11 +397,13 @@ class KerasGeo(KerasMode):
     def check_model(self, model) -> None:
         super().check_model(model)
         optimizer = getattr(model, "optimizer", None)
-        if self.dense and averaging(optimizer):
+        paired = {id(pair.local) for pair in self.dense}
+        copied = [w for w in model.trainable_weights if id(getattr(w, "value", w)) in paired]
+        if copied and averaging(optimizer):
             raise ValueError(
-                f"GEO cannot train its {len(self.dense)} dense weight copies on this "
-                f"worker with use_ema=True ({type(optimizer).__name__}): Keras assigns the "
-                "weights their moving average every ema_overwrite_frequency steps and "
+                f"GEO cannot train this model's {len(copied)} dense weight(s), copies on "
+                f"this worker, with use_ema=True ({type(optimizer).__name__}): Keras "
+                "assigns the weights their moving average every ema_overwrite_frequency steps and "
                 "when fit ends, and GEO's next round would push that average's distance "
                 "from the last round as this worker's training, undoing the other "
                 "workers' steps. Compile with use_ema=False (keep an average of your own "

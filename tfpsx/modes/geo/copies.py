@@ -41,6 +41,16 @@ class GeoTable(RowCopy):
     trains_async: bool = False
 
 
+def copy_apply(t: GeoTable, keys, grads, step):
+    """The copy's apply of gradients checked already (a table's apply_gradients checked
+    them): a worker cache's own ``apply`` (its clock as the rows' step, the rows it does
+    not hold sent to the PS, its counts), else the copy's without checking them again
+    (an assert a step)."""
+    if t.cached:
+        return t.local.apply(keys, grads, step)
+    return t.local.apply_checked(keys, grads, step)
+
+
 def local_reader(t: GeoTable) -> list:
     """Registers the copy's own changed-key reader (0) only: a table that starts async
     (:mod:`.choice`) registers its reader on the PS when it tries rounds

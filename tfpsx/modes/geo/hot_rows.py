@@ -17,14 +17,14 @@ batch.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Optional
 
 import tensorflow as tf
 
+from tfpsx import graph_state
 from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.modes.geo.contention import Contention
-from tfpsx.modes.geo.copies import GeoTable
+from tfpsx.modes.geo.copies import GeoTable, copy_apply
 from tfpsx.ops import bindings
 
 
@@ -48,11 +48,6 @@ def switch_merge_conds():
         yield
     finally:
         tf.compat.v1.enable_control_flow_v2()
-
-
-# A graph's chosen lookups, by their hot mask: (the flag as the lookup read it, the keys
-# it sent to the PS). The apply of the same step takes both (HotRows._chosen_apply).
-_ROUTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class HotRows:
@@ -130,9 +125,8 @@ class HotRows:
         else:  # (no rule, or an evaluation: no key hot, every key from the copy)
             hot = tf.zeros([0], tf.bool)
         hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(on_ps, unique, hot)
-        if train and not tf.executing_eagerly():
-            _ROUTES.setdefault(tf.compat.v1.get_default_graph(), {})[hot.ref()] = (on_ps,
-                                                                                  ps_keys)
+        if train and not tf.executing_eagerly():  # (the step's apply takes them)
+            graph_state.of().geo_routes[hot.ref()] = (on_ps, ps_keys)
         with tf.compat.v1.device(self.geo.device):
             ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
                                  [-1, local.dim])
@@ -175,8 +169,8 @@ class HotRows:
         if self.on_ps is None:
             tail = tf.logical_not(hot)
             ps_keys, ps_grads = tf.boolean_mask(keys, hot), tf.boolean_mask(grads, hot)
-            local = self.geo.local.apply_checked(tf.boolean_mask(keys, tail),
-                                                 tf.boolean_mask(grads, tail), step)
+            local = copy_apply(self.geo, tf.boolean_mask(keys, tail),
+                               tf.boolean_mask(grads, tail), step)
         else:
             with switch_merge_conds():
                 ps_keys, ps_grads, copied = self._chosen_apply(keys, grads, hot, step)
@@ -196,8 +190,8 @@ class HotRows:
         job chooses for: every key on the PS while it trains async
         (``bindings.geo_split_rows`` forwards them, the copy's apply gets none); else the
         hot keys, the copy's apply the others."""
-        route = (None if tf.executing_eagerly() else
-                 _ROUTES.get(tf.compat.v1.get_default_graph(), {}).get(hot.ref()))
+        routes = None if tf.executing_eagerly() else graph_state.peek()
+        route = None if routes is None else routes.geo_routes.get(hot.ref())
         on_ps = tf.convert_to_tensor(self.on_ps) if route is None else route[0]
         ps_keys, ps_grads, tail_keys, tail_grads = bindings.geo_split_rows(on_ps, keys, grads,
                                                                            hot)
@@ -223,9 +217,10 @@ class AsyncRows:
     distinct rows of training lookups counted for the choice's estimate. Its lookups
     have no ``hot``: :class:`~tfpsx.modes.geo.tables.GeoTableUpdater` trains their rows
     on the PS. (:class:`HotRows`'s step serves both states through split ops and
-    conds of this worker's: with conds alone, on the Criteo job, 0.84-0.93x async's examples/s; a PS-only step like
-    this one ran at async's in the same session, one run. With it the job ran at 0.92x,
-    medians of 2: the rest is the rounds and the machine's noise, docs/modes.md.)"""
+    conds of this worker's: with conds alone, on the Criteo job, 0.84-0.93x async's
+    examples/s; a PS-only step like this one ran at async's in the same session, one
+    run. With it the job ran at 0.92x, medians of 2: the rest is the rounds and the
+    machine's noise, docs/modes.md.)"""
 
     def __init__(self, t: GeoTable, distinct=None):
         self.geo, self.distinct = t, distinct

@@ -17,7 +17,7 @@ from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo.choice import IDLE, TableChoice, TableTraffic
 from tfpsx.modes.geo.contention import Contention
-from tfpsx.modes.geo.copies import GeoTable
+from tfpsx.modes.geo.copies import GeoTable, copy_apply
 from tfpsx.modes.geo.distinct import DistinctRows
 from tfpsx.modes.geo.hot_rows import AsyncRows, HotRows
 from tfpsx.modes.geo.round import row_trip_bytes
@@ -243,7 +243,7 @@ class GeoTableUpdater(TableUpdater):
             op = HotRows(self._geo, self._hot, on_ps=self._on_ps()).apply(keys, grads, hot,
                                                                           step)
         else:
-            op = self._geo.local.apply_checked(keys, grads, step)
+            op = copy_apply(self._geo, keys, grads, step)
         if op is None:  # (eager: both ran)
             return None
         self._mode.local_train_op(op)
