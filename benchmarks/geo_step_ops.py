@@ -15,33 +15,51 @@ import time
 import tensorflow as tf
 
 from tfpsx import embedding as E
-from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.modes import geo
+
+
+class _Mode:
+    """GEO's mode as a table's updater sees it (tfpsx.modes.geo.GeoState): a non-chief
+    worker of 8 under the rule for many workers (geo_table_choice="auto", the hot count
+    4, contention at 10 a round, K=2), this process's device."""
+    worker_index, worker_num, worker_device = 1, 8, "/job:localhost/replica:0/task:0"
+    wire_dtype, slot_wire_dtype, in_train_thread, share_slots = None, tf.bfloat16, False, True
+    hot_count, hot_per_round, table_choice, retraces, named = 4, 10, True, False, frozenset()
+
+    def __init__(self):
+        self.tables, self.updaters = [], []
+
+    def local_train_op(self, op):
+        pass
+
+    def round_steps(self):
+        return 2
 
 
 def build(kind: str, batch: int, dim: int):
     """(graph, the step's op, its initializer): one table's lookup of ``batch`` ids, a
-    loss, and the apply of its gradients, as async's (ShardedTable) or GEO's (HotRows
-    with the table's flag on: it trains async)."""
+    loss, and the apply of its gradients, as async's (the table's own) or GEO's (the
+    table's updater, as a worker's step builds it: HotRows with the table's flag on, it
+    trains async, and the count of the rows the step held)."""
     graph = tf.Graph()
     with graph.as_default():
-        table = ShardedTable("ps", dim, [None], initializer=E.normal(stddev=0.1),
-                             optimizer=E.Adagrad(0.5), seed=3)
+        table = E.DynamicTable("ps", dim, initializer=E.normal(stddev=0.1),
+                               optimizer=E.Adagrad(0.5), seed=3)
         ids = tf.random.uniform([batch], 0, 20 * batch, dtype=tf.int64)
         if kind == "async":
-            source, hot = table, None
+            source = table
         else:
-            copy = dict(initializer=table.initializer, seed=table.seed, devices=[None])
-            t = geo.GeoTable(table, ShardedTable("copy", dim, optimizer=table.optimizer,
-                                                 **copy),
-                             ShardedTable("old", dim, **copy), None, 1, combine="sum")
-            source = geo.HotRows(t, 0, on_ps=tf.Variable(True, trainable=False))
+            updater = geo.GeoTableUpdater(_Mode())
+            updater.attach(table)
+            source = updater.lookup_source(table)
+            assert isinstance(source, geo.HotRows)
         looked = source.lookup_unique(ids, train=True, step=None)
         loss = tf.reduce_sum(tf.square(looked.embeddings))
         grads = tf.gradients(loss, looked.unique_rows)[0]
         op = (table.apply(looked.unique_keys, grads, None) if kind == "async"
-              else source.apply(looked.unique_keys, grads, looked.hot, None))
-        init = tf.compat.v1.global_variables_initializer()
+              else updater.apply_gradients(table, looked.unique_keys, grads, None, looked.hot))
+        init = [tf.compat.v1.global_variables_initializer(),
+                tf.compat.v1.local_variables_initializer()]
     return graph, op, init
 
 

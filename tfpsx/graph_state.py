@@ -35,9 +35,9 @@ class GraphRegistry:
     stagers: List[Any] = dataclasses.field(default_factory=list)
     #: id(gradient) -> (gradient, keys, dim): row gradients already checked.
     checked_rows: Dict[int, tuple] = dataclasses.field(default_factory=dict)
-    #: GEO's chosen tables' lookups, by their hot mask (its ``ref()``): (the table's flag
-    #: as the lookup read it, the keys it sent to the PS); the same step's apply takes
-    #: both (tfpsx.modes.geo.hot_rows).
+    #: GEO's chosen tables' lookups, by their hot mask (its ``ref()``): their Route (the
+    #: table's flag as the lookup read it, the keys it sent to the PS, the rows it held);
+    #: the same step's apply takes them (tfpsx.modes.geo.hot_rows).
     geo_routes: Dict[Any, tuple] = dataclasses.field(default_factory=dict)
     #: The positions of the input batches the graph's steps take (``tfpsx.data.next_batch``):
     #: the mode commits them when the step that trains them is in the model.

@@ -306,6 +306,48 @@ def test_the_rows_a_step_trains_are_counted_for_the_traffic_against_async():
                 assert updater.trained_since(sess) == (2 * steps, steps)
 
 
+def test_a_chosen_tables_split_counts_the_rows_a_step_trains_in_both_states():
+    """Under geo_table_choice="auto" the split op of a graph's step counts what it held
+    (no count ops of the updater's own): while the table trains async every row is the
+    PS's, then in rounds the hot count's (2 here); the expected counts are the batches'
+    distinct ids, counted by hand."""
+    from tfpsx.modes.geo import GeoTableUpdater
+    from tfpsx.modes.geo.hot_rows import route_of
+    from tfpsx.modes.geo.tables import async_flag
+
+    class Mode(_CountingMode):
+        in_train_thread, table_choice, retraces = False, True, False
+
+        def round_steps(self):
+            return 10
+
+    with tf.Graph().as_default() as graph:
+        mode = Mode()
+        updater = GeoTableUpdater(mode)
+        table = E.DynamicTable(f"counted{next(_names)}", DIM, optimizer=E.Adagrad(0.1))
+        updater.attach(table)
+        source = updater.lookup_source(table)
+        assert isinstance(source, geo.HotRows) and source.on_ps is not None
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        looked = source.lookup_unique(ids, train=True, step=1)
+        train = updater.apply_gradients(table, looked.unique_keys,
+                                        tf.ones_like(looked.unique_rows), 1, looked.hot)
+        assert route_of(looked.hot) is not None  # (the apply counts the split's figure)
+        to_rounds = async_flag(mode.tables[-1]).assign(False)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(),
+                      tf.compat.v1.local_variables_initializer()])
+            updater.session_started(sess)
+            for _ in range(3):  # async: [1, 2] and [1, 2, 3], both the PS's
+                sess.run(train, {ids: [1, 1, 2]})
+                sess.run(train, {ids: [3, 2, 1]})
+            assert updater.trained_since(sess) == (15, 15)
+            sess.run(to_rounds)  # rounds: 1 is seen twice (hot), 2 once
+            for _ in range(2):
+                sess.run(train, {ids: [1, 1, 2]})
+            assert updater.trained_since(sess) == (4, 2)
+
+
 @pytest.mark.parametrize("optimizer", [E.Adam(0.01), E.Ftrl(0.1)], ids=["adam", "ftrl"])
 def test_shared_slots_do_not_sum_an_optimizers_slots_that_do_not_add_up(optimizer, caplog):
     """Adam's moments (N moving averages from one value) and FTRL's z do not add up across

@@ -16,9 +16,10 @@ ON, OFF = tf.constant(True), tf.constant(False)
 def test_with_the_flag_on_every_key_and_row_is_the_pss_and_the_tails_are_empty():
     keys = tf.constant([7, 3, 9], tf.int64)
     rows = tf.constant(np.arange(6, dtype=np.float32).reshape(3, 2))
-    hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(
+    hot, ps_keys, tail_keys, at_hot, at_tail, held = bindings.geo_split_keys(
         ON, keys, tf.zeros([0], tf.bool))  # (the mask is not read)
     assert hot.numpy().tolist() == [True] * 3
+    assert held.numpy().tolist() == [3, 3]  # (keys, the PS's)
     assert ps_keys.numpy().tolist() == [7, 3, 9]
     assert [t.numpy().size for t in (tail_keys, at_hot, at_tail)] == [0, 0, 0]
     ps_k, ps_rows, tail_k, tail_rows = bindings.geo_split_rows(
@@ -39,8 +40,9 @@ def test_with_the_flag_off_the_mask_splits_and_the_stitch_puts_every_row_back(dt
     keys = rng.permutation(10 ** 6)[:n].astype(np.int64)
     mask = rng.random(n) < 0.3
     rows = rng.normal(size=(n,) + width).astype(np.float32)
-    hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(OFF, keys, mask)
+    hot, ps_keys, tail_keys, at_hot, at_tail, held = bindings.geo_split_keys(OFF, keys, mask)
     assert hot.numpy().tolist() == mask.tolist()
+    assert held.numpy().tolist() == [n, int(mask.sum())]
     assert ps_keys.numpy().tolist() == keys[mask].tolist()
     assert tail_keys.numpy().tolist() == keys[~mask].tolist()
     assert at_hot.numpy().tolist() == np.flatnonzero(mask).tolist()
@@ -61,8 +63,9 @@ def test_with_the_flag_off_the_mask_splits_and_the_stitch_puts_every_row_back(dt
 def test_an_empty_mask_with_the_flag_off_makes_every_key_the_copys():
     keys = tf.constant([4, 2], tf.int64)
     none = tf.zeros([0], tf.bool)
-    hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(OFF, keys, none)
+    hot, ps_keys, tail_keys, at_hot, at_tail, held = bindings.geo_split_keys(OFF, keys, none)
     assert hot.numpy().tolist() == [False, False]
+    assert held.numpy().tolist() == [2, 0]
     assert ps_keys.numpy().size == 0 and tail_keys.numpy().tolist() == [4, 2]
     assert at_tail.numpy().tolist() == [0, 1]
     ps_k, _, tail_k, tail_rows = bindings.geo_split_rows(
@@ -71,7 +74,8 @@ def test_an_empty_mask_with_the_flag_off_makes_every_key_the_copys():
     assert tail_rows.numpy().tolist() == [[1.], [2.]]
     # (no keys at all)
     out = bindings.geo_split_keys(OFF, tf.zeros([0], tf.int64), none)
-    assert [t.numpy().size for t in out] == [0] * 5
+    assert [t.numpy().size for t in out[:5]] == [0] * 5
+    assert out[5].numpy().tolist() == [0, 0]
 
 
 def test_bad_input_names_the_value_and_what_was_expected():

@@ -194,7 +194,8 @@ def table_take_changed(handle, reader):
 
 
 def geo_split_keys(on_ps, keys, hot):
-    """(hot_out, ps_keys, tail_keys, at_hot, at_tail) of unique ``keys``."""
+    """(hot_out, ps_keys, tail_keys, at_hot, at_tail, held) of unique ``keys``; ``held``
+    is int64 [keys, the PS's keys]."""
     return load_ops().tfpsx_geo_split_keys(on_ps, keys, hot)
 
 

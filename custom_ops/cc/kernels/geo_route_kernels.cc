@@ -53,6 +53,15 @@ int64_t HotCount(const Tensor& hot, bool none) {
   return std::count(h, h + hot.NumElements(), true);
 }
 
+// Output `index`: [keys, the PS's keys] (a step's held rows, counted by GEO).
+absl::Status Held(OpKernelContext* ctx, int index, int64_t keys, int64_t ps_keys) {
+  Tensor* held = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(index, {2}, &held));
+  held->flat<int64_t>()(0) = keys;
+  held->flat<int64_t>()(1) = ps_keys;
+  return absl::OkStatus();
+}
+
 // The shape [count] + rows' dims after the first.
 TensorShape RowsShape(const Tensor& rows, int64_t count) {
   TensorShape shape = rows.shape();
@@ -95,6 +104,7 @@ class GeoSplitKeysOp : public OpKernel {
       std::fill_n(out->flat<bool>().data(), n, true);
       ctx->set_output(1, keys);
       for (int i = 2; i < 5; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(i, {0}, &out));
+      OP_REQUIRES_OK(ctx, Held(ctx, 5, n, n));
       return;
     }
     OP_REQUIRES(ctx, n <= std::numeric_limits<int32_t>::max(),
@@ -117,6 +127,7 @@ class GeoSplitKeysOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, {n - hot_count}, &tail_keys));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, {hot_count}, &at_hot));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(4, {n - hot_count}, &at_tail));
+    OP_REQUIRES_OK(ctx, Held(ctx, 5, n, hot_count));
     const int64_t* k = keys.flat<int64_t>().data();
     int64_t* pk = ps_keys->flat<int64_t>().data();
     int64_t* tk = tail_keys->flat<int64_t>().data();

@@ -42,6 +42,7 @@ REGISTER_OP("TfpsxGeoSplitKeys")
     .Output("tail_keys: int64")
     .Output("at_hot: int32")
     .Output("at_tail: int32")
+    .Output("held: int64")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused, keys;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
@@ -49,6 +50,7 @@ REGISTER_OP("TfpsxGeoSplitKeys")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
       c->set_output(0, keys);
       for (int i = 1; i < 5; ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(5, c->Vector(2));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -57,7 +59,8 @@ With `on_ps`: every key is the PS's (`ps_keys` is `keys`, not a copy), `hot_out`
 true, the tails and both positions empty, and `hot` is not read (it may be empty).
 Else `hot` (one per key, or empty: none) says which keys are the PS's: `ps_keys` and
 `tail_keys` in the keys' order, `at_hot` and `at_tail` their positions in `keys`,
-`hot_out` is `hot` (all false when empty).
+`hot_out` is `hot` (all false when empty). `held` is [the keys, the PS's keys]: what a
+training step holds, counted for GEO's traffic figures without ops of its own.
 )doc");
 
 REGISTER_OP("TfpsxGeoSplitRows")

@@ -17,7 +17,7 @@ batch.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -26,6 +26,24 @@ from tfpsx.embedding.sharding import EmbeddingLookup, ShardedTable
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable, copy_apply
 from tfpsx.ops import bindings
+
+
+class Route(NamedTuple):
+    """How a training step's lookup split a chosen table's batch (:meth:`HotRows._chosen_rows`),
+    for the step's apply: the flag it read, the keys it sent to the PS, and ``held``
+    (int64 [keys, the PS's keys], the step's count for GEO's traffic figures)."""
+    on_ps: tf.Tensor
+    ps_keys: tf.Tensor
+    held: tf.Tensor
+
+
+def route_of(hot) -> Optional[Route]:
+    """The :class:`Route` of the lookup whose hot mask is ``hot``, or None (eager code, no
+    mask, or a mask not of a chosen table's lookup: one the step built itself)."""
+    if hot is None or tf.executing_eagerly():
+        return None
+    state = graph_state.peek()
+    return None if state is None else state.geo_routes.get(hot.ref())
 
 
 @contextlib.contextmanager
@@ -124,9 +142,10 @@ class HotRows:
                           lambda: self._hot(unique, counts))
         else:  # (no rule, or an evaluation: no key hot, every key from the copy)
             hot = tf.zeros([0], tf.bool)
-        hot, ps_keys, tail_keys, at_hot, at_tail = bindings.geo_split_keys(on_ps, unique, hot)
+        hot, ps_keys, tail_keys, at_hot, at_tail, held = bindings.geo_split_keys(on_ps, unique,
+                                                                                 hot)
         if train and not tf.executing_eagerly():  # (the step's apply takes them)
-            graph_state.of().geo_routes[hot.ref()] = (on_ps, ps_keys)
+            graph_state.of().geo_routes[hot.ref()] = Route(on_ps, ps_keys, held)
         with tf.compat.v1.device(self.geo.device):
             ps_rows = tf.reshape(ShardedTable.rows(global_, ps_keys, train, step),
                                  [-1, local.dim])
@@ -190,16 +209,15 @@ class HotRows:
         job chooses for: every key on the PS while it trains async
         (``bindings.geo_split_rows`` forwards them, the copy's apply gets none); else the
         hot keys, the copy's apply the others."""
-        routes = None if tf.executing_eagerly() else graph_state.peek()
-        route = None if routes is None else routes.geo_routes.get(hot.ref())
-        on_ps = tf.convert_to_tensor(self.on_ps) if route is None else route[0]
+        route = route_of(hot)
+        on_ps = tf.convert_to_tensor(self.on_ps) if route is None else route.on_ps
         ps_keys, ps_grads, tail_keys, tail_grads = bindings.geo_split_rows(on_ps, keys, grads,
                                                                            hot)
         if route is not None:
             # The step's lookup split the same keys by the same flag and mask: its keys
             # on the PS are the apply's (sent once a step, as async's; and one read of
             # the flag a step, which a round may set meanwhile).
-            ps_keys = route[1]
+            ps_keys = route.ps_keys
 
         def copy_apply():
             with tf.control_dependencies(

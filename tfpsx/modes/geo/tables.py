@@ -19,7 +19,7 @@ from tfpsx.modes.geo.choice import IDLE, TableChoice, TableTraffic
 from tfpsx.modes.geo.contention import Contention
 from tfpsx.modes.geo.copies import GeoTable, copy_apply
 from tfpsx.modes.geo.distinct import DistinctRows
-from tfpsx.modes.geo.hot_rows import AsyncRows, HotRows
+from tfpsx.modes.geo.hot_rows import AsyncRows, HotRows, route_of
 from tfpsx.modes.geo.round import row_trip_bytes
 from tfpsx.modes.geo.rule import combine_for
 
@@ -226,10 +226,14 @@ class GeoTableUpdater(TableUpdater):
     def apply_gradients(self, table, keys, grads, step, hot=None):
         # (``grads`` checked by the table's apply_gradients: the applies do not check
         # them again, an assert a step each)
-        held = [tf.size(keys, out_type=tf.int64),
-                tf.constant(0, tf.int64) if hot is None
-                else tf.math.count_nonzero(hot, dtype=tf.int64)]
-        counted = self._trained_rows().assign_add(tf.stack(held))
+        route = route_of(hot)
+        if route is not None:  # (the split op counted them: no ops of the count's own)
+            held = route.held
+        else:
+            held = tf.stack([tf.size(keys, out_type=tf.int64),
+                             tf.constant(0, tf.int64) if hot is None
+                             else tf.math.count_nonzero(hot, dtype=tf.int64)])
+        counted = self._trained_rows().assign_add(held)
         # The count runs before the gradients are applied, not beside the apply: a
         # train op of PS ops only is grouped on the PS (a table that trains async, its
         # dense weights on the PS), where one op of this worker in it would end each
