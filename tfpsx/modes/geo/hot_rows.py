@@ -121,8 +121,10 @@ class HotRows:
         chief's count of distinct rows stay in TF1 conds, dead while the flag is on (a
         dead node is not handed to the executor's thread pool, as a table op run with
         no key would be). Before, conds around the split and the stitch too ran 74
-        nodes a table-step against async's 39 (now 44, with the train op on the PS:
-        :meth:`apply`; benchmarks/geo_step_ops.py); word2vec's workers at 1 PS + 8, the
+        nodes a table-step against async's 39 (then 44, with the train op on the PS:
+        :meth:`apply`; benchmarks/geo_step_ops.py, which now builds the step through
+        the table's updater: 55 with its count of the rows held, which the split op
+        gives, :class:`Route`); word2vec's workers at 1 PS + 8, the
         two interleaved: 24.0 and 27.3 ms of CPU per 1,000 examples against 23.1 and
         22.0 (docs/design-notes/geo.md). The split of
         an all-hot batch with TF's masks, gathers and a stitch cost 17 against async's
