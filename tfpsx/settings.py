@@ -288,6 +288,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in [
             "a process that dies of a fatal signal (SIGSEGV ...) first writes its native stack "
             "and every Python thread's to stderr (its log); off: signal handlers left alone",
             "runtime"),
+    Setting("TFPSX_MALLOC_TUNING", "bool", True,
+            "glibc's malloc keeps the buffers a step frees (below 32 MiB from the heap, up "
+            "to 1 GiB kept at a heap's top): with glibc's defaults each step's buffers were "
+            "fresh pages, faulted in again (the Criteo job's Keras workers 1.3x the CPU); "
+            "left alone where the user tunes malloc (MALLOC_*_, GLIBC_TUNABLES, a preloaded "
+            "allocator); off: glibc's defaults", "runtime"),
     Setting("TFPSX_TABLE_HUGE_PAGES", "bool", False,
             "transparent huge pages for table rows (off: slower in a TF process on these VMs)",
             "runtime", read_by="the C++ table core"),

@@ -18,7 +18,7 @@ from typing import Optional
 
 from tfpsx import settings
 from tfpsx.errors import OpLibraryError
-from tfpsx.ops import crash_trace
+from tfpsx.ops import crash_trace, malloc
 
 REBUILD_COMMAND = "pip install --no-build-isolation -e .  (or: make build)"
 _BUILD_MARKER = re.compile(rb"tfpsx-build-info:tf=([^;\x00]{1,64});(?:cuda=([01]);)?")
@@ -90,6 +90,7 @@ def load_ops(lib_dir: Optional[str] = None):
 
         crash_trace.wanted()  # a bad TFPSX_CRASH_TRACE fails before anything loads
         settings.get("TFPSX_TABLE_HUGE_PAGES")  # read by the C++ core: a bad value named here
+        malloc.tune()  # (a bad TFPSX_MALLOC_TUNING fails here too, before the library loads)
         path = find_library(lib_dir)
         info = build_info(path)
         built_for = info["tf_version"]
