@@ -5,6 +5,7 @@ faults (getrusage), in fresh processes with the setting on and off."""
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def test_a_freed_buffer_is_the_heaps_again_not_fresh_pages():
 
 
 def test_left_alone_where_the_user_tunes_malloc_or_turns_it_off():
-    assert malloc.why_left_alone({}) is None or platform_is_not_glibc()
+    assert malloc.why_left_alone({}) is None or platform.libc_ver()[0] != "glibc"
     assert malloc.why_left_alone({"TFPSX_MALLOC_TUNING": "0"}) == "TFPSX_MALLOC_TUNING is off"
     assert malloc.why_left_alone({"MALLOC_ARENA_MAX": "2"}) == "the user sets MALLOC_ARENA_MAX"
     assert malloc.why_left_alone({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}) == (
@@ -74,7 +75,3 @@ def test_left_alone_where_the_user_tunes_malloc_or_turns_it_off():
     with pytest.raises(ValueError, match="TFPSX_MALLOC_TUNING.*'maybe'"):
         settings.get("TFPSX_MALLOC_TUNING", env={"TFPSX_MALLOC_TUNING": "maybe"})
 
-
-def platform_is_not_glibc():
-    import platform
-    return platform.libc_ver()[0] != "glibc"

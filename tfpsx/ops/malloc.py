@@ -4,10 +4,11 @@ A step frees and allocates the same large buffers again and again, from many thr
 With glibc's defaults a freed buffer over the mmap threshold goes back to the kernel,
 and a heap whose free top passes the trim threshold is trimmed: the next step's buffer
 is then fresh pages, each faulted in and zeroed by the kernel. On the Criteo job's Keras
-workers (1 PS + 2, GEO k=10, its input leased split by split) page faults were 15% of a
-worker's CPU samples against 4% with the settings below (``perf record``), and the job
-ran 17,772 examples/s at 101 ms of the workers' CPU per 1,000 against 23,200 at 74
-(``benchmarks/time_to_auc.py --job criteo --workers 2``, docs/design-notes/geo.md).
+workers (1 PS + 2, GEO k=10, its input leased split by split) page faults were in 15% of
+a worker's CPU samples (``perf record``; 4% on the static cut), and the job ran 16,693-
+17,983 examples/s at 99-108 ms of the workers' CPU per 1,000; with the settings below,
+22,095 at 79 (``benchmarks/time_to_auc.py --job criteo --workers 2``,
+docs/design-notes/geo.md).
 
 So the op library's loader sets, once a process: buffers below 32 MiB (glibc's largest
 mmap threshold) from the heap, freed memory kept up to 1 GiB at a heap's top, and the
