@@ -284,8 +284,9 @@ setup(
     extras_require={
         # tensorboard: tf.summary needs it (TF 2.21 no longer depends on it), for
         # tfpsx.keras.TrainingSummaries and the tests that read its event files back.
-        "test": ["pytest", "pytest-timeout", "import-linter", "psutil", "tensorboard",
-                 "pyyaml"],  # pyyaml: the deploy manifests test
+        # pytest-xdist: make test runs the single-process tiers two at a time (Makefile)
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "import-linter", "psutil",
+                 "tensorboard", "pyyaml"],  # pyyaml: the deploy manifests test
         "tensorboard": ["tensorboard"],
         "bench": ["matplotlib"],
         "docs": ["mkdocs", "mkdocs-material"],

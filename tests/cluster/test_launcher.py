@@ -446,6 +446,9 @@ def test_max_restarts_brings_a_keras_job_back_from_its_incremental_checkpoint(tm
     assert final["val_loss"][-1] < 0.45, final  # a trained model (random init: 0.58 .. 0.93)
 
 
+# (make test-all: make test drives the same restore, Keras GEO from splits, in
+# test_data_plane.py::test_keras_a_worker_killed_and_started_again_skips_nothing.)
+@pytest.mark.slow
 @pytest.mark.budget(90, why="tfpsx-run with 1 PS + 2 Keras workers (3 TensorFlow imports), "
                             "one worker SIGKILLed and started again in place")
 @pytest.mark.timeout(300)
