@@ -163,16 +163,13 @@ BYTECODE = $(PY) -m compileall -q tfpsx tests examples benchmarks > /dev/null
 # four) for 19% less wall time. PYTEST_ARGS goes to both runs; a run whose tiers it
 # selects none of (exit code 5) is not a failure.
 TEST_JOBS ?= $(JOBS)
-define run_tiers
-	$(BYTECODE)
-	$(PY) -m pytest -ra --durations=15 -n $(TEST_JOBS) $(1) tests/unit tests/ops \
-	    $(PYTEST_ARGS) || test $$? -eq 5
-	$(PY) -m pytest -ra --durations=25 $(1) tests/cluster tests/examples \
-	    $(PYTEST_ARGS) || test $$? -eq 5
-endef
 
 test: setup native-test cuda-core-check docs
-	$(call run_tiers,-m "not slow")
+	$(BYTECODE)
+	$(PY) -m pytest -ra --durations=15 -n $(TEST_JOBS) -m "not slow" tests/unit tests/ops \
+	    $(PYTEST_ARGS) || test $$? -eq 5
+	$(PY) -m pytest -ra --durations=25 -m "not slow" tests/cluster tests/examples \
+	    $(PYTEST_ARGS) || test $$? -eq 5
 
 test-all: setup native-test cuda-check docs
 	$(BYTECODE)
