@@ -69,6 +69,45 @@ void CountedPushes() {
   CHECK(pushes[0] == 0);
 }
 
+void TakeAmongLeavesTheRest() {
+  // GEO's pull of the rows a worker will read: a reader takes the marked keys among
+  // those asked (any order, repeats), the others stay marked for a later take; a key
+  // asked for but not marked is not taken; a new reader registers, as with Take.
+  ChangeLog log;
+  CHECK(log.TakeAmong(1, nullptr, 0).empty());  // registers reader 1
+  log.Take(2);
+  const int64_t marked[] = {8, 2, 5, 11, 2};
+  log.Mark(marked, 5);
+  const int64_t asked[] = {11, 3, 2, 11};
+  CHECK(log.TakeAmong(1, asked, 4) == Keys({2, 11}));
+  CHECK(log.TakeAmong(1, asked, 4).empty());  // reset: taken once
+  const int64_t again[] = {11};
+  log.Mark(again, 1);  // marked again after its take: taken again
+  CHECK(log.Held(1) == 3);  // 5, 8 and the new 11
+  CHECK(log.Take(1) == Keys({5, 8, 11}));  // the rest, and the new mark
+  CHECK(log.Take(2) == Keys({2, 5, 8, 11}));  // another reader: untouched
+  // Counted pushes: the taken key's count is reset, the others' kept.
+  const int64_t pushed[] = {4, 6};
+  const float moved[] = {1, 2, 10, 20};  // dim 2
+  log.Mark(pushed, 2, /*skip_reader=*/-1, /*push=*/true, moved, 2);
+  const int64_t four[] = {4};
+  CHECK(log.TakeAmong(1, four, 1) == Keys({4}));
+  int32_t pushes[2];
+  float sums[4];
+  log.Pushes(1, pushed, 2, pushes, sums, 2);
+  CHECK(pushes[0] == 0 && pushes[1] == 1 && sums[2] == 10 && sums[3] == 20);
+  // Many keys, a part asked: exactly the part, the rest in the next take.
+  std::vector<int64_t> many(200000), part;
+  for (int64_t i = 0; i < 200000; ++i) many[i] = (i * 7919) % 200000;
+  log.Take(1);
+  log.Mark(many.data(), static_cast<int64_t>(many.size()));
+  for (int64_t i = 0; i < 200000; i += 3) part.push_back(i);
+  CHECK(log.TakeAmong(1, part.data(), static_cast<int64_t>(part.size())) == part);
+  const std::vector<int64_t> rest = log.Take(1);
+  CHECK(rest.size() == 200000 - part.size());
+  CHECK(std::none_of(rest.begin(), rest.end(), [](int64_t k) { return k % 3 == 0; }));
+}
+
 void RareTakerStaysBounded() {
   // A reader that does not take while the same keys are marked over and over holds them
   // compacted (at most twice the larger of its distinct keys and the first compaction's
@@ -127,6 +166,7 @@ int main() {
   Registration();
   SortedUniqueAndSkip();
   CountedPushes();
+  TakeAmongLeavesTheRest();
   RareTakerStaysBounded();
   Concurrent();
   return tfpsx_test::Finish("change_log_test");

@@ -132,6 +132,11 @@ class TableStorage(abc.ABC):
     def take_changed(self, reader) -> tf.Tensor:
         """Keys changed since ``reader``'s last call; its first call registers it."""
 
+    @abc.abstractmethod
+    def take_changed_among(self, reader, keys) -> tf.Tensor:
+        """Of the keys changed since ``reader``'s last take, those among ``keys``; the
+        others stay marked for a later take (its first call registers it)."""
+
     def cache_find(self, keys, step) -> Tuple[tf.Tensor, tf.Tensor]:
         """(rows, found) as ``find``; a present key's frequency is counted and its step
         set (a worker cache's LFU / LRU bookkeeping). Nothing is inserted."""
@@ -243,6 +248,9 @@ class HashTableStorage(TableStorage):
 
     def take_changed(self, reader):
         return self._run(bindings.table_take_changed, reader)
+
+    def take_changed_among(self, reader, keys):
+        return self._run(bindings.table_take_changed_among, reader, keys)
 
     def cache_find(self, keys, step):
         return self._run(bindings.table_cache_find, keys, step)

@@ -188,6 +188,12 @@ def table_take_changed(handle, reader):
     return load_ops().tfpsx_hash_table_take_changed(handle, reader)
 
 
+def table_take_changed_among(handle, reader, keys):
+    """Of the keys changed since ``reader``'s previous take, those among ``keys``
+    (sorted); the others stay marked."""
+    return load_ops().tfpsx_hash_table_take_changed_among(handle, reader, keys)
+
+
 # ---------------------------------------------------------------- GEO's row routing
 # (tfpsx.modes.geo.hot_rows: a table's batch split between the PS and the worker's copy
 # by its async flag and hot mask; with the flag on the inputs are forwarded, not copied.)

@@ -45,17 +45,21 @@ void ChangeLog::Pushes(int64_t reader, const int64_t* keys, int64_t n, int32_t* 
   }
 }
 
+ChangeLog::Reader* ChangeLog::Registered(int64_t reader) {
+  auto it = readers_.find(reader);
+  if (it != readers_.end()) return &it->second;
+  readers_[reader];  // registered from now on
+  active_.store(true, std::memory_order_release);
+  return nullptr;
+}
+
 std::vector<int64_t> ChangeLog::Take(int64_t reader) {
   std::vector<int64_t> out;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = readers_.find(reader);
-    if (it == readers_.end()) {
-      readers_[reader];  // registered from now on
-      active_.store(true, std::memory_order_release);
-      return out;
-    }
-    Reader& r = it->second;
+    Reader* found = Registered(reader);
+    if (found == nullptr) return out;
+    Reader& r = *found;
     out.swap(r.keys);
     r.sorted = 0;
     r.compact_at = kMinCompact;
@@ -65,6 +69,35 @@ std::vector<int64_t> ChangeLog::Take(int64_t reader) {
   // Outside the lock: the writers marking meanwhile do not wait for the sort.
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::vector<int64_t> ChangeLog::TakeAmong(int64_t reader, const int64_t* keys, int64_t n) {
+  // Outside the lock: the keys asked for, sorted and unique.
+  std::vector<int64_t> asked(keys, keys + n);
+  std::sort(asked.begin(), asked.end());
+  asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
+  std::vector<int64_t> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  Reader* found = Registered(reader);
+  if (found == nullptr) return out;
+  Reader& r = *found;
+  Compact(r);  // sorted and unique: the intersection and the rest in one merge
+  std::vector<int64_t> rest;
+  rest.reserve(r.keys.size());
+  auto a = asked.begin();
+  for (int64_t key : r.keys) {
+    while (a != asked.end() && *a < key) ++a;
+    if (a != asked.end() && *a == key) {
+      out.push_back(key);
+      r.pushed.erase(key);  // (its increments' floats stay until the next Take)
+    } else {
+      rest.push_back(key);
+    }
+  }
+  r.keys.swap(rest);
+  r.sorted = r.keys.size();
+  r.compact_at = std::max(kMinCompact, 2 * r.keys.size());
   return out;
 }
 

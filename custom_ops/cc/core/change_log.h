@@ -44,6 +44,11 @@ class ChangeLog {
   // The reader's keys changed since its previous call, sorted; registers a new reader
   // (and returns nothing).
   std::vector<int64_t> Take(int64_t reader);
+  // Of the reader's keys changed since its previous Take, those among keys[n] (any
+  // order, repeats allowed), sorted; they are reset, the others stay marked for a later
+  // Take or TakeAmong (GEO's pull of the rows a worker will read). Registers a new
+  // reader (and returns nothing), as Take.
+  std::vector<int64_t> TakeAmong(int64_t reader, const int64_t* keys, int64_t n);
   // For `reader` since its previous Take (nothing for a reader not registered):
   // pushes[i], the pushes that marked keys[i]; moved[i * dim ...] (may be null), the sum
   // of the increments they gave (zeros when none).
@@ -67,6 +72,8 @@ class ChangeLog {
     std::vector<float> moved;  // dim floats per key with increments, cleared by Take
   };
   static constexpr size_t kMinCompact = size_t{1} << 16;
+  // The reader's state, or null after registering a reader not seen before (mu_ held).
+  Reader* Registered(int64_t reader);
   // Makes reader.keys sorted and unique in place (the new keys sorted, then merged into
   // the prefix); the next compaction comes at twice the size.
   static void Compact(Reader& reader);

@@ -213,6 +213,10 @@ class HashTable {
 
   // Keys changed since `reader`'s previous call (change_log.h).
   std::vector<int64_t> TakeChanged(int64_t reader) { return changes_.Take(reader); }
+  // Of those, the keys among keys[n]; the others stay marked (change_log.h).
+  std::vector<int64_t> TakeChangedAmong(int64_t reader, const int64_t* keys, int64_t n) {
+    return changes_.TakeAmong(reader, keys, n);
+  }
 
   // Eviction: removes rows not updated since step < min_step; returns how many.
   int64_t EvictOlderThan(int64_t min_step);

@@ -189,6 +189,21 @@ class TakeChangedOp : public TableOpKernel {
     OutputKeys(ctx, 0, table.table().TakeChanged(reader));
   }
 };
+class TakeChangedAmongOp : public TableOpKernel {
+ public:
+  using TableOpKernel::TableOpKernel;
+  void ComputeOn(OpKernelContext* ctx, TableResource& table) override {
+    int64_t reader = 0;
+    OP_REQUIRES_OK(ctx, Scalar(ctx, 1, "reader", &reader));
+    const Tensor& keys = ctx->input(2);
+    OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsVector(keys.shape()),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "tfpsx table '", table.name(), "': take_changed_among: keys must be a "
+                    "vector, got shape ", keys.shape().DebugString())));
+    OutputKeys(ctx, 0, table.table().TakeChangedAmong(reader, keys.flat<int64_t>().data(),
+                                                      keys.NumElements()));
+  }
+};
 class EvictOp : public TableOpKernel {
  public:
   using TableOpKernel::TableOpKernel;
@@ -275,6 +290,8 @@ REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableDeltaBegin").Device(DEVICE_CPU), Del
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCheckpointExport").Device(DEVICE_CPU),
                         CheckpointExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChanged").Device(DEVICE_CPU), TakeChangedOp);
+REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableTakeChangedAmong").Device(DEVICE_CPU),
+                        TakeChangedAmongOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableEvict").Device(DEVICE_CPU), EvictOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableCacheVictims").Device(DEVICE_CPU), CacheVictimsOp);
 REGISTER_KERNEL_BUILDER(Name("TfpsxHashTableStats").Device(DEVICE_CPU), StatsOp);

@@ -284,6 +284,25 @@ Keys changed since `reader`'s previous call (sorted), and resets them. A reader 
 registered by its first call, which returns nothing.
 )doc");
 
+REGISTER_OP("TfpsxHashTableTakeChangedAmong")
+    .SetIsStateful()
+    .Input("handle: resource")
+    .Input("reader: int64")
+    .Input("keys: int64")
+    .Output("changed: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Of the keys changed since `reader`'s previous TfpsxHashTableTakeChanged, those among
+`keys` (sorted), and resets them; the others stay marked for a later take (GEO's pull of
+the rows a worker will read). A reader is registered by its first call, which returns
+nothing.
+)doc");
+
 REGISTER_OP("TfpsxOptimizerRegistry")
     .Output("names: string")
     .Output("num_slots: int32")
