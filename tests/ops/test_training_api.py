@@ -132,6 +132,11 @@ def test_a_joiner_runs_the_geo_rule_and_k_of_the_workers_the_job_started_with(ca
     ({"a_sync": False, "a_sync_configs": {"sync_reduction": "avg"}},
      ["sync_reduction", "'mean', 'sum'", "'avg'"]),
     ({"a_sync_configs": {"sync_reduction": "sum"}}, ["sync_reduction", "applies to sync"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_pull_ahead": "yes"}},
+     ["geo_pull_ahead", "int >= 0", "'yes'"]),
+    ({"a_sync_configs": {"geo_pull_ahead": 4}}, ["geo_pull_ahead", "applies to GEO", "k_steps=0"]),
+    ({"a_sync_configs": {"k_steps": 5, "geo_pull_ahead": 4, "geo_sync_in_train_thread": True}},
+     ["geo_pull_ahead']=4", "deterministic rounds", "one of them"]),
 ])
 def test_bad_strategy_is_a_clear_error(kwargs, words):
     with pytest.raises(ValueError) as e:
@@ -225,6 +230,16 @@ def test_geo_needs_an_optimizer_with_a_local_form(worker):
     with pytest.raises(ValueError, match="DistributedStrategy.*dict"):
         tfpsx.distributed_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                     {"k_steps": 10})
+
+
+def test_geo_pull_ahead_is_keras_only_and_graph_mode_says_so(worker):
+    ahead = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_pull_ahead": 4})
+    assert "geo_pull_ahead=4" in repr(ahead)
+    assert ahead.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match=r"geo_pull_ahead'\]=4.*Keras fit.*graph mode"):
+            with tfpsx.model_scope(ahead):
+                tf.compat.v1.get_variable("w", [2])
 
 
 def test_geo_rejects_variables_made_outside_model_scope(worker):

@@ -219,16 +219,21 @@ def table_push(t: RowCopy, n: float, step):
     return push_rows(t, keys, n, step)
 
 
-def table_pull(t: RowCopy, after=()):
+def table_pull(t: RowCopy, after=(), among=None):
     """After the ops ``after``: the rows any worker changed on the PS since this worker's
-    last pull (a cache: those it holds); local += global - old, old = global. Returns
+    last pull (a cache: those it holds); local += global - old, old = global. With
+    ``among`` (a 1-D int64 tensor): only the changed rows among those keys; the other
+    changed rows stay marked on the PS for a later pull, their copy rows as they were
+    (exact for a row the copy does not read meanwhile: its pushes add up on the PS, and
+    the pull that brings it gives ``local`` what a pull every round would have). Returns
     (op, rows pulled)."""
     me = tf.constant(t.reader, tf.int64)
     zero = tf.constant(0, tf.int64)
     got_keys, got_rows = [], []
 
-    def changed_rows(i, shard):
-        changed = shard.take_changed(me)
+    def changed_rows(i, shard, *wanted):
+        changed = (shard.take_changed_among(me, wanted[0]) if wanted else
+                   shard.take_changed(me))
         if t.cached:
             with tf.compat.v1.device(t.device):
                 changed = tf.boolean_mask(changed, t.local.shards[0].find(changed)[1])
@@ -237,7 +242,7 @@ def table_pull(t: RowCopy, after=()):
                                 pull=True))
 
     with tf.control_dependencies(list(after)):
-        t.global_.on_shards(changed_rows)
+        t.global_.on_shards(changed_rows, keys=among)
     with tf.compat.v1.device(t.device):
         keys = tf.concat(got_keys, 0)
         rows = from_wire(t, [tf.concat(part, 0) for part in zip(*got_rows)], pull=True)

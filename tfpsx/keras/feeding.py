@@ -57,9 +57,29 @@ def fed_layers(model) -> Dict[object, list]:
     return out
 
 
-def _features(element):
+def features(element):
     """The ``x`` of a batch (Keras's ``(x, y, sample_weight)`` unpacking)."""
     return keras.utils.unpack_x_y_sample_weight(element)[0]
+
+
+def each_batch(dataset: tf.data.Dataset, fn, name: str) -> tf.data.Dataset:
+    """``dataset`` whose batches pass ``fn(element)`` (a Python call, in tf.data's
+    thread, through a ``py_function`` named ``name``) before they are taken, in order."""
+    spec = dataset.element_spec
+
+    def call(*flat):
+        fn(tf.nest.pack_sequence_as(spec, list(flat), expand_composites=True))
+        return True
+
+    def mapped(*args):
+        element = args if isinstance(spec, tuple) else args[0]
+        flat = tf.nest.flatten(element, expand_composites=True)
+        done = tf.py_function(call, flat, Tout=tf.bool, name=name)
+        with tf.control_dependencies([done]):
+            flat = [tf.identity(t) for t in flat]
+        return tf.nest.pack_sequence_as(element, flat, expand_composites=True)
+
+    return dataset.map(mapped)
 
 
 def _function(build_op, *signature):
@@ -90,22 +110,8 @@ class RowFeeder(Stager):
     def wrap(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """``dataset`` with each batch staged before it is taken (while a ``fit`` is
         active; otherwise batches pass unchanged)."""
-        spec = dataset.element_spec
-        self._spec = _features(spec)
-
-        def stage(*flat):
-            self.stage(tf.nest.pack_sequence_as(spec, list(flat), expand_composites=True))
-            return True
-
-        def mapped(*args):
-            element = args if isinstance(spec, tuple) else args[0]
-            flat = tf.nest.flatten(element, expand_composites=True)
-            done = tf.py_function(stage, flat, Tout=tf.bool, name="tfpsx_stage_rows")
-            with tf.control_dependencies([done]):
-                flat = [tf.identity(t) for t in flat]
-            return tf.nest.pack_sequence_as(element, flat, expand_composites=True)
-
-        return dataset.map(mapped).prefetch(1)
+        self._spec = features(dataset.element_spec)
+        return each_batch(dataset, self.stage, "tfpsx_stage_rows").prefetch(1)
 
     def stage(self, element) -> None:
         """Stages one batch (tf.data's thread calls it, through the ``py_function``).
@@ -159,7 +165,7 @@ class RowFeeder(Stager):
         return failure
 
     def _stage(self, element) -> None:
-        got = self._stage_fn(_features(element))
+        got = self._stage_fn(features(element))
         self.staged([k for k, _ in got], [n for _, n in got])
 
     def _evict(self, cache, keep) -> None:
@@ -216,7 +222,7 @@ class RowFeeder(Stager):
     def _build_stage(self, model):
         caches = list(self._layers.items())
         layers = [layer for _, group in caches for layer in group]
-        ids_of = _id_function(model, layers)
+        ids_of = id_function(model, layers)
 
         def stage(x):
             seen = ids_of(x)
@@ -237,7 +243,7 @@ class RowFeeder(Stager):
         return fn
 
 
-def _id_function(model, layers):
+def id_function(model, layers):
     """``ids_of(x)``: the flat ids each of ``layers`` looks up for the features ``x``
     (a dict by layer, a list of id vectors each).
 
@@ -271,4 +277,4 @@ def _id_function(model, layers):
     return recorded
 
 
-__all__ = ["RowFeeder", "fed_layers"]
+__all__ = ["RowFeeder", "each_batch", "fed_layers", "features", "id_function"]

@@ -293,6 +293,7 @@ class ParameterServerStrategy(tf.distribute.OneDeviceStrategy):
         for source in splits.registered().values():  # (Keras looks at a batch first)
             source.keras_will_look()
         self.before_inference(None)
+        dataset = self._mode.wrap_input(dataset)
         return self._feeder.wrap(dataset) if self._mode.supports_cache else dataset
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):

@@ -49,6 +49,10 @@ _CONFIG_KEYS = {
                         "than async would, else trains async: the chief decides from GEO's "
                         "traffic counters, re-checked as the job runs) or 'rounds' (every "
                         "table runs rounds); default: by the worker count",
+    "geo_pull_ahead": "GEO (Keras fit, background rounds): 0 (default) pulls every row the "
+                      "others changed each round; S >= 1 pulls only the changed rows this "
+                      "worker reads before its next pull lands (fit's batches read ahead), "
+                      "and every changed row each S-th round",
 }
 _GEO_TABLE_CHOICES = ("auto", "rounds")
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -96,7 +100,12 @@ class DistributedStrategy:
         the K x N it keeps there); 0: never), ``geo_table_choice`` (GEO: "auto": a table
         whose rounds move more bytes than async would for the same rows trains async,
         decided by the chief from GEO's traffic counters and re-checked as the job runs
-        (:mod:`tfpsx.modes.geo.choice`); "rounds": every table runs rounds).
+        (:mod:`tfpsx.modes.geo.choice`); "rounds": every table runs rounds),
+        ``geo_pull_ahead`` (GEO in Keras ``fit``, background rounds: 0, the default, a
+        round pulls every row the other workers changed; S >= 1: only the changed rows
+        this worker's steps read before its next pull lands, read ahead from ``fit``'s
+        input, and every changed row each S-th round; exact: a row left on the PS is
+        one the copy does not read until a pull brings it).
         A key left unnamed is chosen by the job's worker count: from
         :data:`~tfpsx.modes.geo.GEO_MANY_WORKERS` workers GEO's rule for many workers
         (:data:`~tfpsx.modes.geo.GEO_FOR_MANY`: shared slots, dense weights async, hot
@@ -203,6 +212,16 @@ class DistributedStrategy:
             raise ValueError("DistributedStrategy: a_sync_configs['geo_table_choice'] must be "
                              f"one of {list(_GEO_TABLE_CHOICES)}, got "
                              f"{self.geo_table_choice!r}")
+        self.geo_pull_ahead = _int_config(configs, "geo_pull_ahead", 0)
+        if self.geo_pull_ahead and not self.k_steps:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_pull_ahead'] applies "
+                             "to GEO (k_steps > 0); got geo_pull_ahead="
+                             f"{self.geo_pull_ahead} with k_steps=0")
+        if self.geo_pull_ahead and self.geo_sync_in_train_thread:
+            raise ValueError("DistributedStrategy: a_sync_configs['geo_pull_ahead']="
+                             f"{self.geo_pull_ahead} reads ahead for background rounds; "
+                             "deterministic rounds (geo_sync_in_train_thread=True) pull every "
+                             "changed row: set one of them")
         for key in sorted(self.geo_explicit):
             if not self.k_steps:
                 raise ValueError(f"DistributedStrategy: a_sync_configs['{key}'] applies to "
@@ -246,7 +265,7 @@ class DistributedStrategy:
                 self.replicas_to_aggregate, self.sync_reduction, self.geo_wire_dtype,
                 self.geo_slot_wire_dtype, self.collective, self.dense,
                 self.geo_table_rule, self.geo_dense, self.geo_hot_count,
-                self.geo_hot_per_round, self.geo_table_choice)
+                self.geo_hot_per_round, self.geo_table_choice, self.geo_pull_ahead)
 
     def __repr__(self):
         if self.collective:
@@ -263,6 +282,8 @@ class DistributedStrategy:
                         "geo_table_choice"):
                 if key in self.geo_explicit:
                     extra += f", {key}={getattr(self, key)!r}"
+            if self.geo_pull_ahead:
+                extra += f", geo_pull_ahead={self.geo_pull_ahead}"
         if self.mode == "sync" and self.replicas_to_aggregate is not None:
             extra = f", replicas_to_aggregate={self.replicas_to_aggregate}"
         if self.mode == "sync" and self.sync_reduction != "mean":

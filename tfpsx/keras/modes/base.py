@@ -144,6 +144,11 @@ class KerasMode:
         step's update is applied by then."""
         return COMMITS.record_op(position)
 
+    def wrap_input(self, dataset):
+        """``fit``'s dataset as this mode reads it (GEO's read-ahead of its ids); as is
+        by default."""
+        return dataset
+
     def begin_fit(self, model) -> None:
         if self.is_chief:
             self.publish(model)

@@ -25,6 +25,7 @@ from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
+from tfpsx.keras.read_ahead import AheadPulls, read_ahead_depth
 from tfpsx.keras.read_assign import averaging, read_and_assigned
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
@@ -86,6 +87,11 @@ class KerasGeo(KerasMode):
         # A round inside the step: the positions it took before reading the copy, which
         # it commits once it pushed (_take_pending, _commit_pending).
         self._in_step_pending = {}
+        # geo_pull_ahead: a background round pulls the changed rows among the ids of
+        # the batches that may train before its next pull lands (read ahead).
+        self.ahead = (AheadPulls(options.geo_pull_ahead,
+                                 read_ahead_depth(options, self.rule_workers))
+                      if getattr(options, "geo_pull_ahead", 0) else None)
 
     # ------------------------------------------------------------------ variables
     def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
@@ -144,28 +150,35 @@ class KerasGeo(KerasMode):
         return push_ops(self.dense, self.tables, float(self.rule_workers),
                         counters=self.step_pairs, per_table=per_table, actions=actions)
 
-    def _pull_ops(self, after, actions=None, per_table=None):
+    def _pull_ops(self, after, actions=None, per_table=None, among=None):
         return pull_ops(self.dense + self.step_pairs, self.tables, after, actions,
-                        per_table=per_table)
+                        per_table=per_table, among=among)
 
-    def sync_fn(self, actions=None):
+    def sync_fn(self, actions=None, ahead: bool = False):
         """push + pull in one function (the background communicator's round); under
         geo_table_choice="auto", one per ``actions`` (each table's pull as the job's
-        choice has it: :mod:`tfpsx.modes.geo.choice`)."""
-        if actions not in self._sync_fns:
-            # No AutoGraph: the rule functions are graph code already (graph mode runs
-            # them as is), and converting them took 4.6 s of every fit's start (measured).
-            @tf.function(autograph=False)
-            def sync():
+        choice has it: :mod:`tfpsx.modes.geo.choice`). ``ahead``: the function takes
+        one key vector per table, and each table's pull brings only the changed rows
+        among its keys (a worker cache's pull brings those it holds, as always)."""
+        if (actions, ahead) not in self._sync_fns:
+            n = len(self.tables)
+
+            def sync(*among):
+                among = ([None if t.cached else keys for t, keys in zip(self.tables, among)]
+                         if ahead else None)
                 pushed, pulled = [], []
                 pushes, sent = self._push_ops(actions, pushed)
-                pulls, received = self._pull_ops(pushes, actions, pulled)
+                pulls, received = self._pull_ops(pushes, actions, pulled, among)
                 with tf.control_dependencies(pulls):
                     return tuple(tf.identity(x) for x in sent + received + tuple(pushed) +
                                  tuple(pulled))
 
-            self._sync_fns[actions] = sync
-        return self._sync_fns[actions]
+            # No AutoGraph: the rule functions are graph code already (graph mode runs
+            # them as is), and converting them took 4.6 s of every fit's start (measured).
+            self._sync_fns[(actions, ahead)] = tf.function(
+                sync, autograph=False,
+                input_signature=[tf.TensorSpec([None], tf.int64)] * n if ahead else [])
+        return self._sync_fns[(actions, ahead)]
 
     def _count(self, start: float, rows_sent, bytes_sent, rows_received, bytes_received):
         count_round(self.counters, start, dense_size(self.dense), (rows_sent, bytes_sent),
@@ -185,13 +198,18 @@ class KerasGeo(KerasMode):
                     copy_global(t)
                     track_snapshot(t)
                     t.local_is_old = False
+            among = (self.ahead.among(self.schedule.pushed, self.counters)
+                     if self.ahead is not None else None)
             with caches_locked(self.tables):
-                done = [int(x) for x in self.sync_fn(actions)()]
+                done = [int(x) for x in self.sync_fn(actions, among is not None)(
+                    *(among or ()))]
         except BaseException:
             self.positions.put_back(pending)  # (not pushed: the next round's)
             raise
         self.positions.commit(pending)
-        self._count(start, *done[:4])
+        # (a pull among keys sends them up: 8 bytes each, counted with the tables' bytes)
+        keys_up = 8 * sum(int(k.shape[0]) for k in among) if among is not None else 0
+        self._count(start, done[0], done[1] + keys_up, done[2], done[3])
         if choice is not None:
             n = len(self.tables)
             self._after_choice_round(choice, actions, done[4:4 + n], done[4 + n:])
@@ -423,6 +441,12 @@ class KerasGeo(KerasMode):
         # Every step is pushed when fit starts: the next round comes K steps on (also
         # after a fit that ended off a multiple of K, whose final round pushed its rest).
         self._pushed.assign(self.schedule.pushed)
+        if self.ahead is not None:
+            self.ahead.begin(model, [t.global_ for t in self.tables], self._dispatched,
+                             self.schedule.k_steps)
+
+    def wrap_input(self, dataset):
+        return self.ahead.reader.wrap(dataset) if self.ahead is not None else dataset
 
     def _pull_beside(self, model) -> None:
         """The dense copies ``model``'s step writes by a read and an assign
@@ -519,6 +543,8 @@ class KerasGeo(KerasMode):
         # The last local steps reach the PS before fit returns; then the model is the
         # global one (what model.save writes, what a restarted job resumes from).
         self._in_fit = False
+        if self.ahead is not None:  # (the final round pulls every changed row)
+            self.ahead.end()
         steps = int(self._steps.read_value()) if self._steps is not None else 0
         try:
             failed = not self.schedule.end(steps)  # raises a communicator's failure

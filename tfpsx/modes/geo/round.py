@@ -36,10 +36,12 @@ class GeoCounters(metrics.Counters):
     # table_bytes, what the rounds moved for the tables, both ways.
     # geo_table_choice="auto" (tfpsx.modes.geo.choice): tables_async, the tables that
     # train async now; table_switches, the switches between rounds and async.
+    # geo_pull_ahead: pulls_ahead, the rounds whose pull brought only the changed rows
+    # among those the worker read ahead (the others pulled every changed row).
     FIELDS = ("pushes", "rows_sent", "rows_received", "bytes_sent", "bytes_received",
               "sync_seconds", "round_waits", "round_wait_seconds", "trained_rows",
               "hot_rows", "async_table_bytes", "hot_table_bytes", "table_bytes",
-              "tables_async", "table_switches")
+              "tables_async", "table_switches", "pulls_ahead")
 
     @property
     def mean_sync_seconds(self) -> float:

@@ -144,19 +144,23 @@ def push_ops(dense: List[GeoVariable], tables: List[GeoTable], n: float, step=No
 
 
 def pull_ops(variables: List[GeoVariable], tables: List[GeoTable], after=(),
-             actions: Optional[Sequence[str]] = None, per_table: Optional[list] = None):
+             actions: Optional[Sequence[str]] = None, per_table: Optional[list] = None,
+             among: Optional[Sequence] = None):
     """The pull phase, after the ops ``after``: every pair and the rows any worker
     changed on the PS. Under ``geo_table_choice="auto"``, ``actions`` says per table
     what its pull does (:mod:`.choice`: none for a table that trains async, SKIP or
-    IDLE; else a pull). Returns (ops, (rows, bytes) the tables received);
-    ``per_table`` (a list) gets each table's rows pulled."""
+    IDLE; else a pull). ``among`` (per table, a key vector or None): the pull brings
+    only the changed rows among those keys (``geo_pull_ahead``: the rows this worker
+    reads before its next pull lands; :func:`tfpsx.embedding.row_copy.table_pull`).
+    Returns (ops, (rows, bytes) the tables received); ``per_table`` (a list) gets each
+    table's rows pulled."""
     ops = [dense_pull(v, after) for v in variables]
     rows = []
     for i, t in enumerate(tables):
         if actions is not None and actions[i] in (SKIP, IDLE):
             rows.append((tf.constant(0, tf.int32), 0))
             continue
-        op, count = table_pull(t, after)
+        op, count = table_pull(t, after, None if among is None else among[i])
         ops.append(op)
         rows.append((count, row_bytes(t)))
     if per_table is not None:

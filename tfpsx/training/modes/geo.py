@@ -45,6 +45,12 @@ class GeoMode(Mode):
     REPORTS_STEPS = True  # a round adds the local steps it pushed to global_step
 
     def __init__(self, strategy, config, graph):
+        if getattr(strategy, "geo_pull_ahead", 0):
+            raise ValueError(
+                f"GEO: a_sync_configs['geo_pull_ahead']={strategy.geo_pull_ahead} reads the "
+                "batches a worker will train before its next pull lands, which Keras fit's "
+                "input gives tfpsx; in graph mode the input is the program's own: leave "
+                "geo_pull_ahead at 0 (every round pulls every changed row)")
         super().__init__(strategy, config, graph)
         self.k_steps = strategy.k_steps
         if strategy.k_auto:
