@@ -91,6 +91,11 @@ class CriteoJob:
         "geo10_rounds": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds"],
         "geo10_rounds_f32": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds",
                              "--geo_slot_wire_dtype", "float32"],
+        # Every table in rounds, each round's pull only the changed rows the worker reads
+        # before its next pull lands, every changed row after 8 such rounds.
+        "geo10_rounds_ahead": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice",
+                               "rounds", "--geo_pull_ahead", "8"],
+        "geo10_ahead": ["--mode", "geo", "--k_steps", "10", "--geo_pull_ahead", "8"],
         "geo100_cache": ["--mode", "geo", "--k_steps", "100", "--cache_size", "CACHE"],
         # A worker cache under GEO's rule (from 3 workers: rows with their slots, hot ids on
         # the PS) and under the earlier rule (what a cached table ran before).

@@ -87,6 +87,10 @@ flags.DEFINE_integer("geo_hot_count", None, "geo: ids seen this often in a batch
 flags.DEFINE_integer("geo_hot_per_round", None, "geo: ids the workers would train this "
                      "often in a round train on the PS (0: none; default: tfpsx's choice by "
                      "the worker count)")
+flags.DEFINE_integer("geo_pull_ahead", None, "geo: S >= 1 pulls only the changed rows the "
+                     "worker reads before its next pull lands (fit's input read ahead), "
+                     "every changed row after S such rounds (default: tfpsx's, 0: every "
+                     "changed row each round)")
 flags.DEFINE_integer("cache_size", 0, "rows of a worker cache per table (0: none)")
 flags.DEFINE_integer("table_ram_bytes", 0, "RAM of each table shard on its server; rows "
                      "beyond it live on the server's disk under --table_dir (0: all in RAM)")
@@ -136,7 +140,7 @@ PROGRESS = "progress.json"
 def strategy_for(mode: str):
     rule = {key: getattr(FLAGS, key) for key in ("geo_table_rule", "geo_dense", "geo_hot_count",
                                                  "geo_hot_per_round", "geo_slot_wire_dtype",
-                                                 "geo_table_choice")
+                                                 "geo_table_choice", "geo_pull_ahead")
             if getattr(FLAGS, key) is not None}  # unnamed: tfpsx's defaults
     configs = {"geo": {"k_steps": k_steps(), "geo_wire_dtype": FLAGS.geo_wire_dtype,
                        **rule},

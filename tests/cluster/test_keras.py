@@ -62,9 +62,12 @@ def finish(c, timeout=200):
     # rows, worker copies of the dense weights), and K = 32 local steps // 8 rounds = 4.
     # The users' table tiered on the PS (2 MB): GEO's pushes and pulls go through it. The
     # deep kernel has a constraint (Keras assigns it after each update): its copy is
-    # pulled beside it (tfpsx.keras.read_assign).
+    # pulled beside it (tfpsx.keras.read_assign). geo_pull_ahead=2: two rounds of three
+    # pull only the changed rows among the ids fit's input read ahead (the pull among
+    # keys against numpy: tests/ops/test_geo_pull_ahead.py).
     pytest.param("geo", ["--k_steps", "auto", "--step_delay", "0.02", "--geo_rule",
-                         "default", "--table_ram_bytes", "2000000", "--constrain"], id="geo"),
+                         "default", "--table_ram_bytes", "2000000", "--constrain",
+                         "--geo_pull_ahead", "2"], id="geo"),
     # The users' table tiered on its PS here too (TieredBackend, 2 MB).
     pytest.param("staleness", ["--max_staleness", "2", "--table_ram_bytes", "2000000"],
                  id="staleness")])
@@ -124,6 +127,15 @@ def test_wide_and_deep_trains_in_every_mode(make_cluster, tmp_path, mode, extra)
                 assert "GEO: 1 dense weight(s) written by a read and an assign in the step " \
                        "(a constraint): rounds pull beside them" in c.log("worker", w)
             assert "round(s) in an epoch" not in c.log("worker", 0)
+            # geo_pull_ahead=2: the window is 2K + 2 x 2 steps an execution + 2 = 14
+            # batches; the input reads 2 x 10 (auto's largest K at 2 workers) + 8 ahead.
+            for w in (0, 1):
+                assert ("GEO: geo_pull_ahead=2: a round pulls the changed rows among the "
+                        "ids of the next 14 batches (read ahead)") in c.log("worker", w)
+            # Each epoch's rounds near its end pull every changed row (the input ends
+            # there), and every third round does: at least 1 and at most 2 of 3 ahead.
+            for r in got.values():
+                assert 1 <= r["pulls_ahead"] <= (2 * r["pushes"]) // 3 + 1, r
         # The PS's Adagrad accumulators hold the workers' squared gradients, pushed with
         # the rows; under the average they stay at their initial 0.1.
         grown = [m > 0.1 + 1e-4 for m in chief["ps_slot_means"].values()]

@@ -115,6 +115,8 @@ def strategy_for(args):
     if args.mode == "geo":
         configs = {"k_steps": args.k_steps, "geo_sync_in_train_thread": args.deterministic,
                    **linear.geo_rule_configs(args)}
+        if args.geo_pull_ahead:
+            configs["geo_pull_ahead"] = args.geo_pull_ahead
     if args.mode == "staleness":
         configs = {"max_staleness": args.max_staleness}
     partitioner = "auto"
@@ -180,6 +182,7 @@ def main(argv):
     p.add_argument("--model", choices=["wide_deep", "linear"], default="wide_deep")
     p.add_argument("--k_steps", type=lambda v: v if v == "auto" else int(v), default=10)
     linear.add_geo_rule_flags(p)
+    p.add_argument("--geo_pull_ahead", type=int, default=0)
     p.add_argument("--max_staleness", type=int, default=2)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--syncs", type=int, default=4)
@@ -313,7 +316,8 @@ def main(argv):
         if strategy.counters is not None:
             report.update({name: int(strategy.counters.snapshot()[name]) for name in (
                 "pushes", "rows_sent", "trained_rows", "hot_rows", "async_table_bytes",
-                "hot_table_bytes", "table_bytes", "tables_async", "table_switches")})
+                "hot_table_bytes", "table_bytes", "tables_async", "table_switches",
+                "pulls_ahead", "rows_received")})
         report["staleness_waits"] = strategy.staleness_waits
         report["caches"] = {
             layer.name: {k: float(v) for k, v in layer.table.cache.stats().items()}
