@@ -183,7 +183,7 @@ def test_the_read_ahead_holds_the_ids_of_the_batches_fit_trains_next():
             np.testing.assert_array_equal(got[0], np.unique(np.concatenate(upcoming)))
             checked.append(done)
 
-    model.fit(data, epochs=2, verbose=0, callbacks=[Check()])
+    model.fit(data, epochs=2, verbose=0, shuffle=False, callbacks=[Check()])
     reader.end()
     assert reader.window(100, 1) is None
     # the executions' ends within an epoch where the next 5 batches lie in it: 2, 4, 6
