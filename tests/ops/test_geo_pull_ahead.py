@@ -189,3 +189,31 @@ def test_the_read_ahead_holds_the_ids_of_the_batches_fit_trains_next():
     # the executions' ends within an epoch where the next 5 batches lie in it: 2, 4, 6
     # of each epoch (the input was read that far while the steps ran)
     assert len(checked) >= 4, checked
+
+
+def test_the_read_ahead_runs_only_a_functional_models_id_handling():
+    """A subclassed model has no sub-model from its inputs to its embedding layers'
+    inputs: reading its ids would run the whole model in tf.data's thread (dense weights
+    read from the parameter servers there), so the read-ahead declines (every round
+    then pulls every changed row)."""
+    import keras
+
+    import tfpsx.keras
+    from tfpsx.keras.read_ahead import ReadAhead
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = tfpsx.keras.DynamicEmbedding(2, table_name=f"ahead_s{next(_names)}")
+            self.out = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.out(keras.ops.sum(self.emb(x), axis=1))
+
+    model = Subclassed()
+    ids = np.arange(12, dtype=np.int64).reshape(4, 3)
+    model(ids)
+    reader = ReadAhead(depth=4)
+    reader.wrap(tf.data.Dataset.from_tensor_slices((ids, np.zeros([4, 1], np.float32))).batch(2))
+    assert not reader.begin(model, [model.emb.table], first_step=0)
+    assert reader.window(0, 1) is None

@@ -243,18 +243,21 @@ class RowFeeder(Stager):
         return fn
 
 
-def id_function(model, layers):
+def id_function(model, layers, sub_model_only: bool = False):
     """``ids_of(x)``: the flat ids each of ``layers`` looks up for the features ``x``
     (a dict by layer, a list of id vectors each).
 
     A functional model: the sub-model from its inputs to the layers' inputs, then each
     layer's id handling: only what the ids depend on runs. Otherwise (a subclassed
     model, a layer called twice): the whole model with the layers' rows read from a
-    recorder (its dense weights read too, a PS round trip in async mode)."""
+    recorder (its dense weights read too, a PS round trip in async mode); with
+    ``sub_model_only``, None then."""
     try:
         sub = keras.Model(model.input, [layer.input for layer in layers])
     except (AttributeError, ValueError, TypeError):
         sub = None
+    if sub is None and sub_model_only:
+        return None
     if sub is not None:
         def ids_of(x):
             inputs = sub(x, training=False)

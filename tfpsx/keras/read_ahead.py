@@ -58,8 +58,10 @@ class ReadAhead:
     def begin(self, model, tables, first_step: int) -> bool:
         """A ``fit`` of ``model`` starts at local step ``first_step``: the ids of each of
         ``tables`` (sharded tables: GEO's, by the layers over them) are recorded from
-        its batches. Returns whether any is (False: the dataset was not wrapped, or no
-        layer of the model looks one up)."""
+        its batches. Returns whether any is (False: the dataset was not wrapped, no
+        layer of the model looks one up, or the ids are not a functional sub-model's:
+        the whole model would run in tf.data's thread, reading dense weights from the
+        parameter servers there, unbounded)."""
         by_table: Dict[int, List] = {id(t): [] for t in tables}
         for layer in compat.flatten_layers(model, include_self=False):
             table = getattr(layer, "table", None)
@@ -73,8 +75,10 @@ class ReadAhead:
             self._active = False
             if self._spec is None or not layers:
                 return False
+            ids_of = id_function(model, layers, sub_model_only=True)
+            if ids_of is None:
+                return False
             self._tables = len(tables)
-            ids_of = id_function(model, layers)
 
             def ids(x):
                 seen = ids_of(x)
@@ -154,9 +158,11 @@ class AheadPulls:
         self._rounds = 0
         if not self.reader.begin(model, tables, first_step):
             logger.warning("GEO: geo_pull_ahead=%d reads no ids ahead in this fit (its "
-                           "input was not given to fit as a dataset Keras distributes, or "
-                           "no layer of the model looks up a GEO table): every round pulls "
-                           "every changed row", self.every)
+                           "input was not given to fit as a dataset Keras distributes, no "
+                           "layer of the model looks up a GEO table, or the model is not "
+                           "a functional one whose embedding layers' inputs are a "
+                           "sub-model's outputs): every round pulls every changed row",
+                           self.every)
         elif self.steps > self.reader.depth:
             logger.warning("GEO: geo_pull_ahead=%d: a round's pull needs the ids of %d "
                            "batches ahead (2 x k_steps=%d + 2 x steps_per_execution=%d + "

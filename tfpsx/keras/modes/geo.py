@@ -33,7 +33,7 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              fold_pulled, pull_ops, push_ops, rule_workers, table_readers,
                              take_global, track_snapshot)
-from tfpsx.modes.geo.choice import CATCH_UP
+from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
 from tfpsx.modes.geo.copies import copy_global, local_reader
 from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
 from tfpsx.modes.positions import COMMITS, PendingPositions, record_op
@@ -208,7 +208,10 @@ class KerasGeo(KerasMode):
             raise
         self.positions.commit(pending)
         # (a pull among keys sends them up: 8 bytes each, counted with the tables' bytes)
-        keys_up = 8 * sum(int(k.shape[0]) for k in among) if among is not None else 0
+        keys_up = 0 if among is None else 8 * sum(
+            int(keys.shape[0]) for t, keys, action in
+            zip(self.tables, among, actions or [None] * len(among))
+            if not t.cached and action not in (SKIP, IDLE))
         self._count(start, done[0], done[1] + keys_up, done[2], done[3])
         if choice is not None:
             n = len(self.tables)
