@@ -1,5 +1,6 @@
 """The ids ``fit``'s next batches will look up, per GEO table: what a round's pull needs
-under ``geo_pull_ahead`` (docs/modes.md, "A pull of the rows a worker will read").
+under ``geo_pull_ahead`` (which rounds, and how far: :mod:`tfpsx.modes.geo.ahead`;
+docs/modes.md, "A pull of the rows a worker will read").
 
 ``fit``'s dataset (the one Keras hands to the strategy's
 ``experimental_distribute_dataset``) passes each batch through a recording step before
@@ -20,7 +21,6 @@ the prefetch keeps its order. Outside a ``fit`` (Keras's look at a batch before 
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 from typing import Dict, List, Optional
 
@@ -29,9 +29,6 @@ import tensorflow as tf
 
 from tfpsx import compat
 from tfpsx.keras.feeding import each_batch, features, id_function
-from tfpsx.modes.geo import GEO_AUTO_KN_BACKGROUND
-
-logger = logging.getLogger("tfpsx")
 
 
 class ReadAhead:
@@ -124,74 +121,4 @@ class ReadAhead:
         return [np.unique(np.concatenate(p)) if p else np.zeros([0], np.int64) for p in parts]
 
 
-def read_ahead_depth(options, workers: int) -> int:
-    """The batches ``fit``'s input reads ahead under ``geo_pull_ahead`` (the
-    ``DistributedStrategy``'s ``options``, a job of ``workers``): a round's window
-    (:meth:`AheadPulls.begin`) at the largest K the job may run (its ``k_steps``;
-    "auto": at most GEO_AUTO_KN_BACKGROUND // N), one step an execution, and room."""
-    k = (max(1, GEO_AUTO_KN_BACKGROUND // max(1, workers)) if options.k_auto
-         else int(options.k_steps))
-    return 2 * k + 8
-
-
-class AheadPulls:
-    """GEO's pulls of the rows a worker will read (``geo_pull_ahead=every``): a
-    background round's pull brings the changed rows among the ids of the batches that
-    may train before its next pull lands, and every changed row after ``every`` such
-    rounds, or when the input was not read that far."""
-
-    def __init__(self, every: int, depth: int):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"geo_pull_ahead must be an int >= 1 here, got {every!r}")
-        self.every = every
-        self.reader = ReadAhead(depth)
-        self.steps = 0    # the window a round reads ahead, in local steps
-        self._rounds = 0  # rounds since the last pull of every changed row
-
-    def begin(self, model, tables, first_step: int, k_steps: int) -> None:
-        """A ``fit`` starts at local step ``first_step`` with rounds ``k_steps`` apart:
-        the batches' ids are recorded from its first step. A background round's next
-        pull lands before the round after it is due (K steps on) ends, so the steps up
-        to 2K on, plus the executions Keras dispatches ahead, may read what it pulls."""
-        per_call = int(getattr(model, "steps_per_execution", 1) or 1)
-        self.steps = 2 * k_steps + 2 * per_call + 2
-        self._rounds = 0
-        if not self.reader.begin(model, tables, first_step):
-            logger.warning("GEO: geo_pull_ahead=%d reads no ids ahead in this fit (its "
-                           "input was not given to fit as a dataset Keras distributes, no "
-                           "layer of the model looks up a GEO table, or the model is not "
-                           "a functional one whose embedding layers' inputs are a "
-                           "sub-model's outputs): every round pulls every changed row",
-                           self.every)
-        elif self.steps > self.reader.depth:
-            logger.warning("GEO: geo_pull_ahead=%d: a round's pull needs the ids of %d "
-                           "batches ahead (2 x k_steps=%d + 2 x steps_per_execution=%d + "
-                           "2), the input reads %d ahead: every round pulls every changed "
-                           "row", self.every, self.steps, k_steps, per_call,
-                           self.reader.depth)
-        else:
-            logger.info("GEO: geo_pull_ahead=%d: a round pulls the changed rows among the "
-                        "ids of the next %d batches (read ahead), every changed row after "
-                        "%d such rounds", self.every, self.steps, self.every)
-
-    def end(self) -> None:
-        """The ``fit`` ended (its final round pulls every changed row)."""
-        self.reader.end()
-
-    def among(self, first_step: int, counters=None) -> Optional[List[tf.Tensor]]:
-        """The ids per table whose changed rows the pull of a round that started at
-        local step ``first_step`` brings, or None: every changed row (after ``every``
-        rounds ahead, or where the input was not read that far). A round ahead is
-        counted in ``counters`` (GEO's, ``pulls_ahead``)."""
-        self._rounds += 1
-        keys = (self.reader.window(first_step, self.steps)
-                if self._rounds <= self.every else None)
-        if keys is None:
-            self._rounds = 0
-            return None
-        if counters is not None:
-            counters.add(pulls_ahead=1)
-        return [tf.constant(k, tf.int64) for k in keys]
-
-
-__all__ = ["AheadPulls", "ReadAhead", "read_ahead_depth"]
+__all__ = ["ReadAhead"]

@@ -25,7 +25,7 @@ from tfpsx import errors, settings
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.keras.modes.async_ import KerasAsync, OnServers
 from tfpsx.keras.modes.base import SHARED_PREFIX, CreationContext, KerasMode
-from tfpsx.keras.read_ahead import AheadPulls, read_ahead_depth
+from tfpsx.keras.read_ahead import ReadAhead
 from tfpsx.keras.read_assign import averaging, read_and_assigned
 from tfpsx.keras.variables import SharedVariable, initialize
 from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoTableUpdater,
@@ -33,7 +33,8 @@ from tfpsx.modes.geo import (BARRIER, PULL, PUSH, GeoCounters, GeoSchedule, GeoT
                              count_trained, dense_async, dense_size, distrust_snapshot,
                              fold_pulled, pull_ops, push_ops, rule_workers, table_readers,
                              take_global, track_snapshot)
-from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
+from tfpsx.modes.geo.ahead import AheadPulls, key_bytes, read_ahead_depth
+from tfpsx.modes.geo.choice import CATCH_UP
 from tfpsx.modes.geo.copies import copy_global, local_reader
 from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
 from tfpsx.modes.positions import COMMITS, PendingPositions, record_op
@@ -92,6 +93,7 @@ class KerasGeo(KerasMode):
         self.ahead = (AheadPulls(options.geo_pull_ahead,
                                  read_ahead_depth(options, self.rule_workers))
                       if getattr(options, "geo_pull_ahead", 0) else None)
+        self.reader = ReadAhead(self.ahead.depth) if self.ahead is not None else None
 
     # ------------------------------------------------------------------ variables
     def create_variable(self, extended, next_creator, kwargs, ctx: CreationContext):
@@ -198,7 +200,8 @@ class KerasGeo(KerasMode):
                     copy_global(t)
                     track_snapshot(t)
                     t.local_is_old = False
-            among = (self.ahead.among(self.schedule.pushed, self.counters)
+            among = (self.ahead.among(self.schedule.pushed, self.reader.window,
+                                      self.counters)
                      if self.ahead is not None else None)
             with caches_locked(self.tables):
                 done = [int(x) for x in self.sync_fn(actions, among is not None)(
@@ -207,12 +210,9 @@ class KerasGeo(KerasMode):
             self.positions.put_back(pending)  # (not pushed: the next round's)
             raise
         self.positions.commit(pending)
-        # (a pull among keys sends them up: 8 bytes each, counted with the tables' bytes)
-        keys_up = 0 if among is None else 8 * sum(
-            int(keys.shape[0]) for t, keys, action in
-            zip(self.tables, among, actions or [None] * len(among))
-            if not t.cached and action not in (SKIP, IDLE))
-        self._count(start, done[0], done[1] + keys_up, done[2], done[3])
+        # (a pull among keys sends them up, counted with the tables' bytes)
+        self._count(start, done[0], done[1] + key_bytes(self.tables, among, actions),
+                    done[2], done[3])
         if choice is not None:
             n = len(self.tables)
             self._after_choice_round(choice, actions, done[4:4 + n], done[4 + n:])
@@ -445,11 +445,13 @@ class KerasGeo(KerasMode):
         # after a fit that ended off a multiple of K, whose final round pushed its rest).
         self._pushed.assign(self.schedule.pushed)
         if self.ahead is not None:
-            self.ahead.begin(model, [t.global_ for t in self.tables], self._dispatched,
-                             self.schedule.k_steps)
+            reading = self.reader.begin(model, [t.global_ for t in self.tables],
+                                        self._dispatched)
+            self.ahead.begin(reading, self.schedule.k_steps,
+                             int(getattr(model, "steps_per_execution", 1) or 1))
 
     def wrap_input(self, dataset):
-        return self.ahead.reader.wrap(dataset) if self.ahead is not None else dataset
+        return self.reader.wrap(dataset) if self.reader is not None else dataset
 
     def _pull_beside(self, model) -> None:
         """The dense copies ``model``'s step writes by a read and an assign
@@ -546,8 +548,8 @@ class KerasGeo(KerasMode):
         # The last local steps reach the PS before fit returns; then the model is the
         # global one (what model.save writes, what a restarted job resumes from).
         self._in_fit = False
-        if self.ahead is not None:  # (the final round pulls every changed row)
-            self.ahead.end()
+        if self.reader is not None:  # (the final round pulls every changed row)
+            self.reader.end()
         steps = int(self._steps.read_value()) if self._steps is not None else 0
         try:
             failed = not self.schedule.end(steps)  # raises a communicator's failure
