@@ -200,6 +200,15 @@ class Word2vecJob:
         "geo10_rounds": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds"],
         "geo10_rounds_f32": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice", "rounds",
                              "--geo_slot_wire_dtype", "float32"],
+        # k=100, every table in rounds, with and without the rows too contended for a
+        # round on the PS (issue 62: what a large k costs on this job)
+        "geo100_rounds": ["--mode", "geo", "--k_steps", "100", "--geo_table_choice", "rounds"],
+        "geo100_rounds_uncontended": ["--mode", "geo", "--k_steps", "100",
+                                      "--geo_table_choice", "rounds", "--geo_hot_per_round", "0"],
+        # The pull of the rows a worker will read (the batches' ids recorded ahead)
+        "geo10_rounds_ahead": ["--mode", "geo", "--k_steps", "10", "--geo_table_choice",
+                               "rounds", "--geo_pull_ahead", "8"],
+        "geo_auto_ahead": ["--mode", "geo", "--k_steps", "auto", "--geo_pull_ahead", "8"],
     }
 
     def __init__(self, args):

@@ -57,6 +57,7 @@ _LAZY = {
     "variable_partitioner": "tfpsx.training",
     "MonitoredTrainingSession": "tfpsx.training",
     "RowStager": "tfpsx.training",
+    "GeoReadAhead": "tfpsx.training",
     "GeoOptimizer": "tfpsx.training",
     "GeoCounters": "tfpsx.training",
     "export_serving": "tfpsx.serving",

@@ -33,6 +33,9 @@ class GraphRegistry:
     worker_caches: List[Any] = dataclasses.field(default_factory=list)
     # tfpsx.training.staging.RowStager: its hook runs before the caches' final flush
     stagers: List[Any] = dataclasses.field(default_factory=list)
+    #: tfpsx.training.read_ahead.GeoReadAhead: the batches' ids GEO's pulls read ahead
+    #: (``geo_pull_ahead``; one per graph), or None.
+    geo_read_ahead: Optional[Any] = None
     #: id(gradient) -> (gradient, keys, dim): row gradients already checked.
     checked_rows: Dict[int, tuple] = dataclasses.field(default_factory=dict)
     #: GEO's chosen tables' lookups, by their hot mask (its ``ref()``): their Route (the

@@ -20,6 +20,10 @@ cache that a tfpsx.RowStager fills ahead of the steps, --stage_batches batches p
 of the stager: the steps run no PS op (async: the cache syncs every --cache_flush_steps
 steps in the stager's flusher thread, and the stager counts the steps into global_step).
 
+With --geo_pull_ahead S (geo) each round pulls only the changed rows among the ids of the
+batches a worker trains before its next pull lands: the sampled batches' ids are recorded
+ahead of the steps in a tfpsx.GeoReadAhead.
+
 With --input splits (async, geo) the workers read the corpus's sentences instead of
 sampling it: tfpsx.data.splits leases it split by split from PS 0 as each worker goes,
 every pair of a sentence's words within the window is trained once an epoch (--epochs),
@@ -68,6 +72,10 @@ flags.DEFINE_enum("geo_table_choice", None, ["auto", "rounds"],
 flags.DEFINE_enum("geo_slot_wire_dtype", None, ["float32", "bfloat16"],
                   "geo: the dtype a row's optimizer slots travel in under shared "
                   "slots (default: tfpsx's)")
+flags.DEFINE_integer("geo_pull_ahead", 0, "geo, --input sample: >= 1 pulls only the changed "
+                     "rows a worker reads before its next pull lands (the batches' ids "
+                     "recorded ahead in a tfpsx.GeoReadAhead), every changed row each N-th "
+                     "round; 0: every changed row each round", lower_bound=0)
 flags.DEFINE_string("corpus", os.path.join(HERE, "corpus.txt"), "text file, one sentence a line")
 flags.DEFINE_integer("steps", 1000, "--input sample: local steps per worker (sync: global "
                      "steps)")
@@ -248,6 +256,10 @@ def main(argv):
                              "takes a batch of every worker a step (tfpsx.data.splits ends "
                              "the workers' data at different steps), a cache's stager "
                              "stages sampled batches")
+    if FLAGS.geo_pull_ahead and (FLAGS.mode != "geo" or splits):
+        raise app.UsageError(f"--geo_pull_ahead {FLAGS.geo_pull_ahead} reads the sampled "
+                             "batches ahead in GEO mode: it needs --mode geo and --input "
+                             f"sample (got --mode {FLAGS.mode} --input {FLAGS.input})")
     tfpsx.init_worker()
     me = tfpsx.worker_index()
     corpus = Corpus(FLAGS.corpus, FLAGS.window)
@@ -258,6 +270,8 @@ def main(argv):
                                                  "geo_hot_per_round", "geo_wire_dtype",
                                                  "geo_slot_wire_dtype", "geo_table_choice")
             if k_steps and getattr(FLAGS, key) is not None}  # unnamed: tfpsx's choice
+    if FLAGS.geo_pull_ahead:
+        rule["geo_pull_ahead"] = FLAGS.geo_pull_ahead
     strategy = tfpsx.DistributedStrategy(a_sync=FLAGS.mode != "sync",
                                          a_sync_configs={"k_steps": k_steps, **rule})
     local_device = [f"/job:{tfpsx.cluster_config().job_name}/task:{me}"]
@@ -284,6 +298,9 @@ def main(argv):
             # own increment would be a PS round trip in every step).
             stager = (tfpsx.RowStager([emb_in, emb_out], ahead=1, global_step=(
                 global_step if FLAGS.mode == "async" else None)) if cache else None)
+            # --geo_pull_ahead: each sampled batch's ids, recorded ahead of its step.
+            reader = (tfpsx.GeoReadAhead([emb_in, emb_out]) if FLAGS.geo_pull_ahead
+                      else None)
             if splits:
                 center, targets = read_center, read_targets
             else:
@@ -342,6 +359,9 @@ def main(argv):
                     except tf.errors.OutOfRangeError:
                         break  # the last epoch's end
                 else:
+                    while reader is not None and reader.recorded < i + reader.batches_ahead:
+                        ahead_c, ahead_t = batches[reader.recorded % len(batches)]
+                        reader.record({emb_in: ahead_c, emb_out: ahead_t})
                     c, t = batches[i % len(batches)]
                     if staging is not None and i % FLAGS.stage_batches == 0:
                         staging.result()  # batches i .. i + stage_batches - 1 are cached
@@ -393,7 +413,8 @@ def main(argv):
         report.update(pushes=c["pushes"], rows_sent=c["rows_sent"], mb_sent=c["bytes_sent"] / 1e6,
                       rows_received=c["rows_received"], mb_received=c["bytes_received"] / 1e6,
                       ms_per_sync=1000 * c["sync_seconds"] / max(1, c["pushes"]),
-                      round_wait_seconds=c["round_wait_seconds"])
+                      round_wait_seconds=c["round_wait_seconds"],
+                      pulls_ahead=c["pulls_ahead"])
     print(f"worker {me}: {FLAGS.mode} {report['examples_per_sec']:.0f} examples/s, "
           f"eval loss {eval_loss:.4f}, within-topic minus across-topic similarity {gap:.3f}",
           flush=True)

@@ -15,7 +15,8 @@ RUN = [sys.executable, "-m", "tfpsx.launcher.run"]
 @pytest.mark.budget(40, why="the word2vec example under tfpsx-run: a scheduler, 1 PS, 2 workers")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,extra", [
-    ("geo", []), pytest.param("sync", [], marks=pytest.mark.slow),
+    # the rounds' pulls read ahead the sampled batches' ids (tfpsx.GeoReadAhead)
+    ("geo", ["--geo_pull_ahead", "2"]), pytest.param("sync", [], marks=pytest.mark.slow),
     # a worker cache of a quarter of the vocabulary staged 4 batches per run, the
     # chief's eval loss every 100 steps
     pytest.param("async", ["--cache_size", "500", "--stage_batches", "4", "--eval_every", "100"],
@@ -29,6 +30,10 @@ def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
                "--mode", mode, "--k_steps", "50", "--steps", "300"] + extra,
         capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if "--geo_pull_ahead" in extra:  # every worker's rounds read 2 x 50 + 4 batches ahead
+        logs = "".join(open(os.path.join(tmp_path, f"workerlog.{i}")).read() for i in range(2))
+        assert logs.count("a round pulls the changed rows among the ids of the next 104 "
+                          "batches (read ahead), every changed row after 2 such rounds") == 2
     if "splits" in extra:
         # Every pair of every sentence trained once: the workers' pairs sum to the
         # corpus's (counted here: each word with its neighbours within the window of 2).
@@ -46,6 +51,9 @@ def test_word2vec_learns_the_planted_topics(tmp_path, mode, extra):
         assert r["vocab_rows"] == 2000  # every word got a row: ids are word hashes
         if mode == "geo":
             assert r["pushes"] >= 300 // 50
+            # Two rounds of three pull ahead, the third and the final one every changed
+            # row (a round may end early: then it ran as one more of the pattern).
+            assert 2 <= r["pulls_ahead"] <= r["pushes"] - (r["pushes"] + 2) // 3, r
         if mode == "async" and "splits" not in extra:
             # Every step of both workers counted (with a cache: by the stagers, not the steps).
             assert r["global_step"] == 2 * 300, r

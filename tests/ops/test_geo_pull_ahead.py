@@ -217,3 +217,70 @@ def test_the_read_ahead_runs_only_a_functional_models_id_handling():
     reader.wrap(tf.data.Dataset.from_tensor_slices((ids, np.zeros([4, 1], np.float32))).batch(2))
     assert not reader.begin(model, [model.emb.table], first_step=0)
     assert reader.window(0, 1) is None
+
+
+def test_graph_modes_reader_keeps_each_batchs_ids_for_the_rounds_window():
+    """GeoReadAhead (graph mode): the program records each batch's ids in the order its
+    steps train them; a round's window holds the unique ids of the steps it covers, per
+    GEO table in the mode's order (the reference: numpy over the recorded batches), a
+    worker cache's table none, and None where the program has not recorded that far."""
+    import tfpsx
+    from tfpsx.modes.geo import GeoTable
+
+    with tf.Graph().as_default():
+        a = E.DynamicTable(f"ahead_a{next(_names)}", DIM, devices=[None])
+        b = E.DynamicTable(f"ahead_b{next(_names)}", DIM, devices=[None])
+        c = E.DynamicTable(f"ahead_c{next(_names)}", DIM, devices=[None])
+        reader = tfpsx.GeoReadAhead([b, a])
+        assert reader.batches_ahead == 2 * 20 + 4 + 4  # before the mode's k is known
+        geo_tables = [GeoTable(t, None, None, None, 0, cached=t is c) for t in (a, b, c)]
+        window = reader.bind(geo_tables, k_steps=3)
+        assert reader.batches_ahead == 2 * 3 + 4 + 4
+        rng = np.random.default_rng(5)
+        recorded = [(rng.integers(0, 50, size=(4, 2)), rng.integers(0, 9, size=7).astype(np.uint32))
+                    for _ in range(12)]
+        for ids_b, ids_a in recorded:
+            reader.record({a: ids_a, b: ids_b})
+        assert reader.recorded == 12
+        got = window(3, 6)
+        want_a = np.unique(np.concatenate([r[1] for r in recorded[3:9]]).astype(np.int64))
+        want_b = np.unique(np.concatenate([r[0].ravel() for r in recorded[3:9]]))
+        np.testing.assert_array_equal(got[0], want_a)
+        np.testing.assert_array_equal(got[1], want_b)
+        assert got[0].dtype == got[1].dtype == np.int64 and got[2].size == 0
+        np.testing.assert_array_equal(  # the next round's, the last step recorded in it
+            window(6, 6)[1], np.unique(np.concatenate([r[0].ravel() for r in recorded[6:]])))
+        assert window(7, 6) is None  # steps 7 .. 12: step 12 not recorded yet
+
+
+def test_graph_modes_reader_names_each_mistake():
+    import pytest
+
+    import tfpsx
+    from tfpsx.modes.geo import GeoTable
+
+    with tf.Graph().as_default():
+        a = E.DynamicTable(f"ahead_a{next(_names)}", DIM, devices=[None])
+        b = E.DynamicTable(f"ahead_b{next(_names)}", DIM, devices=[None])
+        with pytest.raises(ValueError, match="at least one DynamicTable"):
+            tfpsx.GeoReadAhead([])
+        with pytest.raises(ValueError, match="must be DynamicTables, got .*'emb'"):
+            tfpsx.GeoReadAhead([a, "emb"])
+        with pytest.raises(ValueError, match=r"named twice"):
+            tfpsx.GeoReadAhead([a, a])
+        reader = tfpsx.GeoReadAhead([a])
+        with pytest.raises(ValueError, match=r"has one already \(of tables \['ahead_a"):
+            tfpsx.GeoReadAhead([b])
+        with pytest.raises(ValueError, match=r"map each of the tables \['ahead_a.*got \['ahead_b"):
+            reader.record({b: [1, 2]})
+        with pytest.raises(ValueError, match=r"map each of the tables .*got list"):
+            reader.record([1, 2])
+        with pytest.raises(ValueError, match=r"must be integers, got dtype float64"):
+            reader.record({a: [1.5, 2.0]})
+        assert reader.recorded == 0  # nothing recorded by a call that failed
+        # the mode's tables: b is GEO's and not recorded, a is recorded and not GEO's
+        with pytest.raises(ValueError, match=r"tables \['ahead_a\d+'\] are not GEO tables.*"
+                                             r"GEO tables \['ahead_b\d+'\] are not recorded"):
+            reader.bind([GeoTable(b, None, None, None, 0)], k_steps=5)
+    with tf.Graph().as_default():  # another graph, another reader
+        tfpsx.GeoReadAhead([E.DynamicTable(f"ahead_d{next(_names)}", DIM, devices=[None])])

@@ -232,14 +232,32 @@ def test_geo_needs_an_optimizer_with_a_local_form(worker):
                                     {"k_steps": 10})
 
 
-def test_geo_pull_ahead_is_keras_only_and_graph_mode_says_so(worker):
+def test_geo_pull_ahead_in_graph_mode_reads_what_a_geo_read_ahead_records(worker, caplog):
+    """Graph mode's rounds read ahead the ids the program records (tfpsx.GeoReadAhead):
+    without one every round pulls every changed row, and says so; a reader of a table
+    that is not one of the graph's GEO tables is refused when the rounds are built."""
+    import logging
+
+    from tfpsx import embedding as E
+    from tfpsx.training.modes import mode_of
+
     ahead = tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10, "geo_pull_ahead": 4})
     assert "geo_pull_ahead=4" in repr(ahead)
     assert ahead.key() != tfpsx.DistributedStrategy(a_sync_configs={"k_steps": 10}).key()
     with tf.Graph().as_default():
-        with pytest.raises(ValueError, match=r"geo_pull_ahead'\]=4.*Keras fit.*graph mode"):
-            with tfpsx.model_scope(ahead):
-                tf.compat.v1.get_variable("w", [2])
+        with tfpsx.model_scope(ahead):
+            tf.compat.v1.get_variable("w", [2])
+        mode = mode_of()
+        assert mode.ahead.every == 4
+        hook = mode._sync_hook
+        with caplog.at_level(logging.WARNING, logger="tfpsx"):
+            hook._begin_ahead()
+        assert ("geo_pull_ahead=4 reads no ids ahead here (graph mode reads the ids the "
+                "program records: create a tfpsx.GeoReadAhead") in caplog.text
+        assert hook._among is None  # (every round pulls every changed row)
+        tfpsx.GeoReadAhead([E.DynamicTable("not_geo", 2, devices=[None])])
+        with pytest.raises(ValueError, match=r"\['not_geo'\] are not GEO tables of this graph"):
+            hook._begin_ahead()
 
 
 def test_geo_rejects_variables_made_outside_model_scope(worker):

@@ -25,7 +25,7 @@ def test_every_s_rounds_ahead_one_pulls_every_changed_row_and_a_short_read_reset
     # ahead, ahead, every row (after 2 ahead); at 30 the input was not read that far:
     # every row, and the count starts again: ahead at 40 and 50, every row at 60
     assert [g is not None for g in got] == [True, True, False, False, True, True, False]
-    assert [int(g[0].numpy()[0]) for g in got if g is not None] == [0, 10, 40, 50]
+    assert [int(g[0][0]) for g in got if g is not None] == [0, 10, 40, 50]
     assert counted.n == 4
     assert (30, 26) in asked and (20, 26) not in asked  # (20: the 3rd round, none asked)
 

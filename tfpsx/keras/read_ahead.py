@@ -20,7 +20,6 @@ the prefetch keeps its order. Outside a ``fit`` (Keras's look at a batch before 
 
 from __future__ import annotations
 
-import collections
 import threading
 from typing import Dict, List, Optional
 
@@ -29,6 +28,7 @@ import tensorflow as tf
 
 from tfpsx import compat
 from tfpsx.keras.feeding import each_batch, features, id_function
+from tfpsx.modes.geo.ahead import BatchIds
 
 
 class ReadAhead:
@@ -42,9 +42,7 @@ class ReadAhead:
         self._active = False
         self._spec = None
         self._ids_fn = None
-        self._tables = 0
-        self._next = 0  # the local step of the next batch recorded
-        self._batches = collections.deque()  # (local step, [unique ids per table])
+        self._batches = BatchIds()
 
     def wrap(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """``dataset`` with each batch's ids recorded before it is taken (while a ``fit``
@@ -67,15 +65,13 @@ class ReadAhead:
         groups = [by_table[id(t)] for t in tables]
         layers = [layer for group in groups for layer in group]
         with self._lock:
-            self._batches.clear()
-            self._next = first_step
+            self._batches.reset(len(tables), first_step)
             self._active = False
             if self._spec is None or not layers:
                 return False
             ids_of = id_function(model, layers, sub_model_only=True)
             if ids_of is None:
                 return False
-            self._tables = len(tables)
 
             def ids(x):
                 seen = ids_of(x)
@@ -96,7 +92,7 @@ class ReadAhead:
         """The ``fit`` ended: nothing more is recorded, and what was is dropped."""
         with self._lock:
             self._active = False
-            self._batches.clear()
+            self._batches.reset(0, 0)
 
     def _record(self, element) -> None:
         if not self._active:
@@ -104,21 +100,14 @@ class ReadAhead:
         got = [t.numpy() for t in self._ids_fn(features(element))]
         with self._lock:
             if self._active:
-                self._batches.append((self._next, got))
-                self._next += 1
+                self._batches.append(got)
 
     def window(self, first: int, length: int) -> Optional[List[np.ndarray]]:
-        """The unique ids of each table in the batches of local steps ``first`` to
-        ``first + length`` (excluded), or None when the input was not read that far.
-        Batches before ``first`` are dropped (their steps ran)."""
+        """(:meth:`~tfpsx.modes.geo.ahead.BatchIds.window`; None outside a ``fit``.)"""
         with self._lock:
-            while self._batches and self._batches[0][0] < first:
-                self._batches.popleft()
-            if not self._active or self._next < first + length:
+            if not self._active:
                 return None
-            parts = [[ids[i] for step, ids in self._batches if step < first + length]
-                     for i in range(self._tables)]
-        return [np.unique(np.concatenate(p)) if p else np.zeros([0], np.int64) for p in parts]
+        return self._batches.window(first, length)
 
 
 __all__ = ["ReadAhead"]

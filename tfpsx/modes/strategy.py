@@ -49,10 +49,11 @@ _CONFIG_KEYS = {
                         "than async would, else trains async: the chief decides from GEO's "
                         "traffic counters, re-checked as the job runs) or 'rounds' (every "
                         "table runs rounds); default: by the worker count",
-    "geo_pull_ahead": "GEO (Keras fit, background rounds): 0 (default) pulls every row the "
-                      "others changed each round; S >= 1 pulls only the changed rows this "
-                      "worker reads before its next pull lands (fit's batches read ahead), "
-                      "and every changed row each S-th round",
+    "geo_pull_ahead": "GEO (background rounds): 0 (default) pulls every row the others "
+                      "changed each round; S >= 1 pulls only the changed rows this worker "
+                      "reads before its next pull lands (Keras: fit's batches read ahead; "
+                      "graph mode: the ids a tfpsx.GeoReadAhead records), and every "
+                      "changed row each S-th round",
 }
 _GEO_TABLE_CHOICES = ("auto", "rounds")
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -101,11 +102,12 @@ class DistributedStrategy:
         whose rounds move more bytes than async would for the same rows trains async,
         decided by the chief from GEO's traffic counters and re-checked as the job runs
         (:mod:`tfpsx.modes.geo.choice`); "rounds": every table runs rounds),
-        ``geo_pull_ahead`` (GEO in Keras ``fit``, background rounds: 0, the default, a
-        round pulls every row the other workers changed; S >= 1: only the changed rows
-        this worker's steps read before its next pull lands, read ahead from ``fit``'s
-        input, and every changed row each S-th round; exact: a row left on the PS is
-        one the copy does not read until a pull brings it).
+        ``geo_pull_ahead`` (GEO, background rounds: 0, the default, a round pulls every
+        row the other workers changed; S >= 1: only the changed rows this worker's steps
+        read before its next pull lands, read ahead from ``fit``'s input or, in graph
+        mode, recorded by the program in a ``tfpsx.GeoReadAhead``, and every changed row
+        each S-th round; exact: a row left on the PS is one the copy does not read until
+        a pull brings it).
         A key left unnamed is chosen by the job's worker count: from
         :data:`~tfpsx.modes.geo.GEO_MANY_WORKERS` workers GEO's rule for many workers
         (:data:`~tfpsx.modes.geo.GEO_FOR_MANY`: shared slots, dense weights async, hot

@@ -34,6 +34,7 @@ from tfpsx.cluster.placement import GreedyByBytes
 from tfpsx.training.placement import replica_device_setter, variable_partitioner
 from tfpsx.training.scope import model_scope
 from tfpsx.training.session import MonitoredTrainingSession
+from tfpsx.training.read_ahead import GeoReadAhead
 from tfpsx.training.staging import RowStager
 from tfpsx.modes.strategy import DistributedStrategy
 
@@ -41,4 +42,5 @@ __all__ = [
     "DistributedStrategy", "model_scope", "distributed_optimizer", "MonitoredTrainingSession",
     "replica_device_setter", "variable_partitioner", "GreedyByBytes", "GeoOptimizer",
     "GeoCounters", "SyncOptimizer", "StalenessOptimizer", "mode_for", "mode_of", "RowStager",
+    "GeoReadAhead",
 ]

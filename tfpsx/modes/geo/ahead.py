@@ -7,16 +7,19 @@ batches of steps s to s + :func:`window_steps` (its next pull lands before the r
 after it, due K steps on, ends: the schedule holds training at 2K; plus the executions
 a front-end dispatches ahead), and every changed row after S such rounds, or where the
 input was not read that far (the front-end's reader gives None). The ids come from the
-front-end (Keras: :mod:`tfpsx.keras.read_ahead`).
+front-end, kept in a :class:`BatchIds` (Keras: :mod:`tfpsx.keras.read_ahead` records
+``fit``'s batches; graph mode: :class:`tfpsx.training.read_ahead.GeoReadAhead`, where the
+program records its own).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
-import tensorflow as tf
 
 from tfpsx.modes.geo.choice import IDLE, SKIP
 from tfpsx.modes.geo.rule import GEO_AUTO_KN_BACKGROUND
@@ -52,6 +55,53 @@ def key_bytes(tables, among: Optional[Sequence], actions: Optional[Sequence[str]
         if not t.cached and action not in (SKIP, IDLE))
 
 
+class BatchIds:
+    """The unique ids per table of the batches read ahead of the steps, each with the
+    local step that will train it (batches counted in the order the steps take them)."""
+
+    def __init__(self, tables: int = 0, first_step: int = 0):
+        self._lock = threading.Lock()
+        self._tables = tables
+        self._next = first_step  # the local step of the next batch recorded
+        self._batches = collections.deque()  # (local step, [unique ids per table])
+
+    def reset(self, tables: int, first_step: int) -> None:
+        """Drops what was recorded; the next batch is local step ``first_step``."""
+        with self._lock:
+            self._batches.clear()
+            self._tables, self._next = tables, first_step
+
+    def append(self, ids: List[np.ndarray]) -> None:
+        """The next batch's unique ids, one vector per table."""
+        with self._lock:
+            self._batches.append((self._next, ids))
+            self._next += 1
+
+    def recorded(self) -> int:
+        """The local step of the next batch to be recorded."""
+        with self._lock:
+            return self._next
+
+    def window(self, first: int, length: int) -> Optional[List[np.ndarray]]:
+        """The unique ids of each table in the batches of local steps ``first`` to
+        ``first + length`` (excluded), or None when the input was not read that far.
+        Batches before ``first`` are dropped (their steps ran)."""
+        with self._lock:
+            while self._batches and self._batches[0][0] < first:
+                self._batches.popleft()
+            if self._next < first + length:
+                return None
+            parts = [[ids[i] for step, ids in self._batches if step < first + length]
+                     for i in range(self._tables)]
+        return [np.unique(np.concatenate(p)) if p else np.zeros([0], np.int64) for p in parts]
+
+
+KERAS_NOT_READING = (
+    "its input was not given to fit as a dataset Keras distributes, no layer of the model "
+    "looks up a GEO table, or the model is not a functional one whose embedding layers' "
+    "inputs are a sub-model's outputs")
+
+
 class AheadPulls:
     """Which of a ``fit``'s (or a session's) background rounds pull ahead
     (``geo_pull_ahead=every``), and the window they read (see the module doc)."""
@@ -61,18 +111,16 @@ class AheadPulls:
         self.steps = 0    # the window a round reads ahead, in local steps
         self._rounds = 0  # rounds since the last pull of every changed row
 
-    def begin(self, reading: bool, k_steps: int, per_call: int) -> None:
+    def begin(self, reading: bool, k_steps: int, per_call: int,
+              not_reading: str = KERAS_NOT_READING) -> None:
         """Training starts with rounds ``k_steps`` apart and ``per_call`` steps an
-        execution; ``reading``: the front-end records the batches' ids. Logged."""
+        execution; ``reading``: the front-end records the batches' ids (else
+        ``not_reading`` says why not). Logged."""
         self.steps = window_steps(k_steps, per_call)
         self._rounds = 0
         if not reading:
-            logger.warning("GEO: geo_pull_ahead=%d reads no ids ahead in this fit (its "
-                           "input was not given to fit as a dataset Keras distributes, no "
-                           "layer of the model looks up a GEO table, or the model is not "
-                           "a functional one whose embedding layers' inputs are a "
-                           "sub-model's outputs): every round pulls every changed row",
-                           self.every)
+            logger.warning("GEO: geo_pull_ahead=%d reads no ids ahead here (%s): every "
+                           "round pulls every changed row", self.every, not_reading)
         elif self.steps > self.depth:
             logger.warning("GEO: geo_pull_ahead=%d: a round's pull needs the ids of %d "
                            "batches ahead (2 x k_steps=%d + 2 x steps_per_execution=%d + "
@@ -85,7 +133,7 @@ class AheadPulls:
 
     def among(self, first_step: int,
               window: Callable[[int, int], Optional[List[np.ndarray]]],
-              counters=None) -> Optional[List[tf.Tensor]]:
+              counters=None) -> Optional[List[np.ndarray]]:
         """The ids per table whose changed rows the pull of a round that started at
         local step ``first_step`` brings (``window(first, length)``: the front-end's
         recorded ids, or None where it did not read that far), or None: every changed
@@ -98,7 +146,8 @@ class AheadPulls:
             return None
         if counters is not None:
             counters.add(pulls_ahead=1)
-        return [tf.constant(k, tf.int64) for k in keys]
+        return [np.asarray(k, np.int64) for k in keys]
 
 
-__all__ = ["AheadPulls", "KEY_BYTES", "key_bytes", "read_ahead_depth", "window_steps"]
+__all__ = ["AheadPulls", "BatchIds", "KEY_BYTES", "key_bytes", "read_ahead_depth",
+           "window_steps"]

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
+from tfpsx import graph_state
 from tfpsx.embedding.sharding import as_step
 from tfpsx.embedding.updaters import TableUpdater
 from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCounters,
@@ -22,6 +23,7 @@ from tfpsx.modes.geo import (BARRIER, MIN_ROUNDS_PER_EPOCH, PULL, PUSH, GeoCount
                              auto_k_steps, caches_locked, count_round, count_trained,
                              dense_async, dense_size, pull_ops, push_ops, rule_workers,
                              table_readers)
+from tfpsx.modes.geo.ahead import AheadPulls, key_bytes, window_steps
 from tfpsx.modes.geo.choice import CATCH_UP, IDLE, SKIP
 from tfpsx.modes.geo.copies import copy_global, drop_unpushed, local_reader
 from tfpsx.modes.geo.tables import async_flag, follow_choice, quiet, table_choice
@@ -45,12 +47,6 @@ class GeoMode(Mode):
     REPORTS_STEPS = True  # a round adds the local steps it pushed to global_step
 
     def __init__(self, strategy, config, graph):
-        if getattr(strategy, "geo_pull_ahead", 0):
-            raise ValueError(
-                f"GEO: a_sync_configs['geo_pull_ahead']={strategy.geo_pull_ahead} reads the "
-                "batches a worker will train before its next pull lands, which Keras fit's "
-                "input gives tfpsx; in graph mode the input is the program's own: leave "
-                "geo_pull_ahead at 0 (every round pulls every changed row)")
         super().__init__(strategy, config, graph)
         self.k_steps = strategy.k_steps
         if strategy.k_auto:
@@ -72,6 +68,11 @@ class GeoMode(Mode):
         self.train_ops = []
         self.counters = GeoCounters()
         self.positions = PendingSteps()  # the input positions of steps not pushed
+        # geo_pull_ahead: a background round pulls the changed rows among the ids the
+        # program recorded for the steps before its next pull lands (GeoReadAhead).
+        self.ahead = (AheadPulls(strategy.geo_pull_ahead,
+                                 window_steps(self.k_steps, 1))
+                      if getattr(strategy, "geo_pull_ahead", 0) else None)
         self._sync_hook = _GeoSyncHook(self)
         self.add_hook(self._sync_hook)
 
@@ -222,6 +223,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             cached=lambda: any(t.cached for t in mode.tables),
             barrier=RUNTIME.barrier_worker, counters=mode.counters, quiet=self.quiet)
         self._choice = None
+        self._window = None   # geo_pull_ahead: the recorded ids' window (GeoReadAhead)
+        self._among = None    # ... fed to the pulls among keys, a placeholder per table
+        self._ending = False  # the final round pulls every changed row
 
     # -------------------------------------------------------------- graph
     def begin(self):
@@ -238,6 +242,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
                          for op in (table_readers(t) if not t.chosen else local_reader(t))]
         self._new_steps = tf.compat.v1.placeholder(tf.int64, [], name="geo_new_steps")
         self._choice = table_choice(mode, RUNTIME.config.is_chief, mode.counters)
+        self._begin_ahead()
         if self._choice is None:
             self._push = self._push_ops(mode.dense, mode.tables, step, report=True)
             # Deterministic: the pull is a phase of its own (after a barrier).
@@ -245,6 +250,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             # RPCs less per sync).
             after = [] if mode.in_train_thread else [self._push["done"]]
             self._pulls = {None: self._pull_ops(mode.dense, mode.tables, after)}
+            if self._among is not None:
+                self._pulls["ahead"] = self._pull_ops(mode.dense, mode.tables, after,
+                                                      self._among)
         else:
             # geo_table_choice="auto" (background rounds only): each table's push and
             # pull as the job's choice has them, fetched by the round; a catch-up is a
@@ -254,6 +262,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             self._table_pushes = [self._push_ops([], [t], step) for t in mode.tables]
             for i, t in enumerate(mode.tables):
                 self._pulls[i] = self._pull_ops([], [t], [self._table_pushes[i]["done"]])
+                if self._among is not None and self._among[i] is not None:
+                    self._pulls[("ahead", i)] = self._pull_ops(
+                        [], [t], [self._table_pushes[i]["done"]], [self._among[i]])
             zero = tf.constant(0, tf.int64)
             self._skipped = dict(rows=zero, bytes=zero, per_table=[zero])
             self._choice_ops = ChoiceOps(mode, self._choice)
@@ -282,26 +293,59 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
             return dict(rows=rows, bytes=nbytes, per_table=per_table,
                         done=tf.group(*done, name="geo_push"))
 
-    def _pull_ops(self, dense, tables, after):
-        """The pull of ``dense`` and ``tables``, after the ops ``after``."""
+    def _begin_ahead(self) -> None:
+        """geo_pull_ahead: the program's GeoReadAhead (its window of recorded ids) and a
+        key placeholder per table whose pull may take keys (not a worker cache's)."""
+        mode = self._mode
+        if mode.ahead is None:
+            return
+        reader = graph_state.of().geo_read_ahead
+        if reader is not None:
+            self._window = reader.bind(mode.tables, mode.k_steps)
+            self._among = [None if t.cached else
+                           tf.compat.v1.placeholder(tf.int64, [None], name=f"geo_among_{i}")
+                           for i, t in enumerate(mode.tables)]
+        mode.ahead.begin(reader is not None, mode.k_steps, 1, not_reading=(
+            "graph mode reads the ids the program records: create a tfpsx.GeoReadAhead of "
+            "the graph's GEO tables before the session and record each batch's ids ahead "
+            "of its step"))
+
+    def _pull_ops(self, dense, tables, after, among=None):
+        """The pull of ``dense`` and ``tables``, after the ops ``after`` (``among``: a key
+        tensor per table, geo_pull_ahead's)."""
         per_table = []
-        pulls, (rows, nbytes) = pull_ops(dense, tables, after, per_table=per_table)
+        pulls, (rows, nbytes) = pull_ops(dense, tables, after, per_table=per_table,
+                                         among=among)
         return dict(rows=rows, bytes=nbytes, per_table=per_table,
                     done=tf.group(*pulls, name="geo_pull"))
 
-    def _round_fetch(self):
+    def _round_fetch(self, ahead: bool = False):
         """What a round runs: (the pushes, the pulls, the tables' actions): every table's,
         or as the job's choice has them (geo_table_choice="auto": a table that trains
-        async pushes what its copy trained before, once, then neither pushes nor pulls)."""
+        async pushes what its copy trained before, once, then neither pushes nor pulls).
+        ``ahead``: the pulls among the keys fed to the placeholders (geo_pull_ahead)."""
         if self._choice is None:
-            return [self._push], [self._pulls[None]], None
+            return [self._push], [self._pulls["ahead" if ahead else None]], None
         actions = self._choice.actions()
         pushes = [self._push] + [self._skipped if action == IDLE else self._table_pushes[i]
                                  for i, action in enumerate(actions)]
-        pulls = [self._pulls["dense"]] + [self._skipped if action in (SKIP, IDLE)
-                                          else self._pulls[i]
-                                          for i, action in enumerate(actions)]
+        pulls = [self._pulls["dense"]] + [
+            self._skipped if action in (SKIP, IDLE) else
+            self._pulls.get(("ahead", i), self._pulls[i]) if ahead else self._pulls[i]
+            for i, action in enumerate(actions)]
         return pushes, pulls, actions
+
+    def _ahead_feed(self, phases) -> Tuple[Optional[list], dict]:
+        """(the keys per table of a background round that pulls ahead, or None; their
+        feed). Not the final round, nor a deterministic one."""
+        mode = self._mode
+        if (self._window is None or self._ending or mode.in_train_thread
+                or phases != (PUSH, PULL)):
+            return None, {}
+        among = mode.ahead.among(self._schedule.pushed, self._window, mode.counters)
+        if among is None:
+            return None, {}
+        return among, {ph: keys for ph, keys in zip(self._among, among) if ph is not None}
 
     def quiet(self) -> bool:
         """(:func:`tfpsx.modes.geo.tables.quiet`: rounds are asked for after a step's
@@ -375,6 +419,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # The last local steps must reach the PS before the worker stops (a failed
         # communicator already failed a step).
         self._session = session
+        self._ending = True  # (the final round pulls every changed row)
         self._schedule.end(self._steps, raise_failure=False)
         count_trained(self._mode.counters, self._mode.worker_index,
                       [u.trained_since(session) + (u.dim,) for u in self._mode.updaters],
@@ -397,7 +442,8 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         # The input positions of the steps so far: taken before the round reads the copy,
         # committed once it pushed (tfpsx.modes.positions).
         pending = self._mode.positions.take()
-        pushes, pulls, actions = self._round_fetch()
+        among, feed = self._ahead_feed(phases)
+        pushes, pulls, actions = self._round_fetch(among is not None)
         if self._choice is not None:
             self._choice_ops.catch_up(session, actions)
         # (geo_table_choice="auto": what the tables trained, and the job's choice)
@@ -405,7 +451,7 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
         if phases == (PUSH, PULL) and not self._mode.in_train_thread:
             with caches_locked(self._mode.tables):
                 done = session.run({"push": pushes, "pulls": pulls, "choice": choice},
-                                   new_steps)
+                                   {**new_steps, **feed})
             pushed, pulled = done["push"], done["pulls"]
         else:
             done = {}
@@ -421,8 +467,11 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
                     pulled = done["pulls"]
         self._reported = steps
         self._mode.positions.commit(pending)
+        # (a pull among keys sends them up, counted with the tables' bytes)
         count_round(self._mode.counters, start, self._dense,
-                    (sum(p["rows"] for p in pushed), sum(p["bytes"] for p in pushed)),
+                    (sum(p["rows"] for p in pushed),
+                     sum(p["bytes"] for p in pushed) +
+                     key_bytes(self._mode.tables, among, actions)),
                     (sum(p["rows"] for p in pulled), sum(p["bytes"] for p in pulled)))
         if self._choice is not None:
             self._choice_ops.after_round(session, actions,
