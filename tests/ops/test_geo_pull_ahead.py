@@ -251,6 +251,30 @@ def test_graph_modes_reader_keeps_each_batchs_ids_for_the_rounds_window():
         np.testing.assert_array_equal(  # the next round's, the last step recorded in it
             window(6, 6)[1], np.unique(np.concatenate([r[0].ravel() for r in recorded[6:]])))
         assert window(7, 6) is None  # steps 7 .. 12: step 12 not recorded yet
+        assert window(5, 2) is None  # step 5's batch was dropped: its step ran
+
+
+def test_graph_modes_reader_holds_a_bounded_number_of_batches(caplog):
+    """A program that records far ahead, or whose rounds read nothing (no GEO round with
+    geo_pull_ahead), keeps at most HELD_WINDOWS x batches_ahead batches: the oldest go,
+    with a warning, and a window that would need one is None (a pull of every changed
+    row), never a window with a batch missing."""
+    import logging
+
+    import tfpsx
+    from tfpsx.training.read_ahead import HELD_WINDOWS
+
+    with tf.Graph().as_default():
+        a = E.DynamicTable(f"ahead_a{next(_names)}", DIM, devices=[None])
+        reader = tfpsx.GeoReadAhead([a])
+        window = reader.bind([geo.GeoTable(a, None, None, None, 0)], k_steps=2)
+        most = HELD_WINDOWS * reader.batches_ahead
+        with caplog.at_level(logging.WARNING, logger="tfpsx"):
+            for i in range(most + 5):
+                reader.record({a: [i]})
+        assert caplog.text.count("the oldest are dropped") == 1, caplog.text
+        assert window(4, 3) is None  # steps 0 .. 4 dropped
+        np.testing.assert_array_equal(window(5, 3)[0], [5, 6, 7])
 
 
 def test_graph_modes_reader_names_each_mistake():

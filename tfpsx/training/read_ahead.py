@@ -26,6 +26,7 @@ recovered session) is still that batch.
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -33,6 +34,13 @@ import numpy as np
 from tfpsx import graph_state
 from tfpsx.embedding.sharding import ShardedTable
 from tfpsx.modes.geo.ahead import BatchIds, window_steps
+
+logger = logging.getLogger("tfpsx")
+
+# The batches a reader holds at most, in windows (batches_ahead): the rounds drop the
+# batches whose steps ran; a program that records far ahead, or whose rounds read none
+# (not GEO, or GEO without geo_pull_ahead), loses the oldest instead of its memory.
+HELD_WINDOWS = 8
 
 
 class GeoReadAhead:
@@ -67,6 +75,7 @@ class GeoReadAhead:
         self.tables = tables
         self._batches = BatchIds(len(tables), 0)
         self._k_steps: Optional[int] = None  # the mode's, once its rounds are built
+        self._warned = False
         state.geo_read_ahead = self
 
     @property
@@ -86,7 +95,9 @@ class GeoReadAhead:
     def record(self, ids: Dict) -> None:
         """The next batch's ids: ``ids`` maps each of the reader's tables to the ids its
         step will look up (any shape, flattened; integers). Call it in the order the
-        steps train the batches, ahead of them (:attr:`batches_ahead`)."""
+        steps train the batches, ahead of them (:attr:`batches_ahead`). It holds at most
+        HELD_WINDOWS x :attr:`batches_ahead` batches: beyond, the oldest are dropped (a
+        round that would read one pulls every changed row), with a warning."""
         if not isinstance(ids, dict) or len(ids) != len(self.tables) or \
                 any(t not in ids for t in self.tables):
             got = ([getattr(t, "name", t) for t in ids] if isinstance(ids, dict)
@@ -100,7 +111,16 @@ class GeoReadAhead:
                 raise ValueError(f"GeoReadAhead.record: the ids of table {t.name!r} must "
                                  f"be integers, got dtype {values.dtype}")
             unique.append(np.unique(values.astype(np.int64).ravel()))
-        self._batches.append(unique)
+        most = HELD_WINDOWS * self.batches_ahead
+        if self._batches.append(unique, most=most) and not self._warned:
+            self._warned = True
+            logger.warning(
+                "GeoReadAhead: %d batches recorded and not yet trained or read by a GEO "
+                "round: the oldest are dropped (%s); record about batches_ahead=%d ahead "
+                "of the step being run", most,
+                "no GEO round with geo_pull_ahead reads this reader" if self._k_steps is None
+                else "a round that would read one pulls every changed row",
+                self.batches_ahead)
 
     # ------------------------------------------------------------ GEO's side
     def bind(self, mode_tables: Sequence, k_steps: int):

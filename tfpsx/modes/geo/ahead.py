@@ -63,6 +63,7 @@ class BatchIds:
         self._lock = threading.Lock()
         self._tables = tables
         self._next = first_step  # the local step of the next batch recorded
+        self._held_from = first_step  # the first local step whose batch is still held
         self._batches = collections.deque()  # (local step, [unique ids per table])
 
     def reset(self, tables: int, first_step: int) -> None:
@@ -70,12 +71,20 @@ class BatchIds:
         with self._lock:
             self._batches.clear()
             self._tables, self._next = tables, first_step
+            self._held_from = first_step
 
-    def append(self, ids: List[np.ndarray]) -> None:
-        """The next batch's unique ids, one vector per table."""
+    def append(self, ids: List[np.ndarray], most: Optional[int] = None) -> bool:
+        """The next batch's unique ids, one vector per table. With ``most``, the oldest
+        batches beyond that many are dropped (a window that would need one is then
+        None). Returns whether one was."""
         with self._lock:
             self._batches.append((self._next, ids))
             self._next += 1
+            dropped = False
+            while most is not None and len(self._batches) > most:
+                self._held_from = self._batches.popleft()[0] + 1
+                dropped = True
+            return dropped
 
     def recorded(self) -> int:
         """The local step of the next batch to be recorded."""
@@ -84,13 +93,15 @@ class BatchIds:
 
     def window(self, first: int, length: int) -> Optional[List[np.ndarray]]:
         """The unique ids of each table in the batches of local steps ``first`` to
-        ``first + length`` (excluded), or None when the input was not read that far.
-        Batches before ``first`` are dropped (their steps ran)."""
+        ``first + length`` (excluded), or None when the input was not read that far
+        (or a batch of it is no longer held). Batches before ``first`` are dropped
+        (their steps ran)."""
         with self._lock:
             while self._batches and self._batches[0][0] < first:
                 self._batches.popleft()
-            if self._next < first + length:
+            if first < self._held_from or self._next < first + length:
                 return None
+            self._held_from = first
             parts = [[ids[i] for step, ids in self._batches if step < first + length]
                      for i in range(self._tables)]
         return [np.unique(np.concatenate(p)) if p else np.zeros([0], np.int64) for p in parts]
