@@ -33,7 +33,8 @@ import numpy as np
 
 from tfpsx import graph_state
 from tfpsx.embedding.sharding import ShardedTable
-from tfpsx.modes.geo.ahead import BatchIds, window_steps
+from tfpsx.modes.geo.ahead import BatchIds, depth_at
+from tfpsx.modes.geo.rule import GEO_AUTO_KN_BACKGROUND
 
 logger = logging.getLogger("tfpsx")
 
@@ -88,9 +89,9 @@ class GeoReadAhead:
         """How many batches ahead of the step being run the program should have recorded
         for every round to pull ahead: a round's window (2 x k_steps + 4 steps) and room.
         Known once the GEO mode built its rounds (the session's start); before, that of
-        the largest k_steps="auto" may pick (20, at one worker)."""
-        k = self._k_steps if self._k_steps is not None else 20
-        return window_steps(k, 1) + 4
+        the largest k_steps="auto" may pick (at one worker)."""
+        return depth_at(self._k_steps if self._k_steps is not None
+                        else GEO_AUTO_KN_BACKGROUND)
 
     def record(self, ids: Dict) -> None:
         """The next batch's ids: ``ids`` maps each of the reader's tables to the ids its

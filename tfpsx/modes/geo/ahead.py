@@ -29,14 +29,19 @@ logger = logging.getLogger("tfpsx")
 KEY_BYTES = 8  # a key sent up with a pull among keys
 
 
+def depth_at(k_steps: int) -> int:
+    """The batches an input must read ahead for rounds ``k_steps`` apart:
+    :func:`window_steps` at one step an execution, and room."""
+    return window_steps(k_steps, 1) + 4
+
+
 def read_ahead_depth(options, workers: int) -> int:
     """The batches the input must read ahead (the ``DistributedStrategy``'s
-    ``options``, a job of ``workers``): :func:`window_steps` at the largest K the job
-    may run (its ``k_steps``; "auto": at most GEO_AUTO_KN_BACKGROUND // N), one step an
-    execution, and room."""
+    ``options``, a job of ``workers``): :func:`depth_at` the largest K the job may run
+    (its ``k_steps``; "auto": at most GEO_AUTO_KN_BACKGROUND // N)."""
     k = (max(1, GEO_AUTO_KN_BACKGROUND // max(1, workers)) if options.k_auto
          else int(options.k_steps))
-    return 2 * k + 8
+    return depth_at(k)
 
 
 def window_steps(k_steps: int, per_call: int) -> int:
@@ -160,5 +165,5 @@ class AheadPulls:
         return [np.asarray(k, np.int64) for k in keys]
 
 
-__all__ = ["AheadPulls", "BatchIds", "KEY_BYTES", "key_bytes", "read_ahead_depth",
-           "window_steps"]
+__all__ = ["AheadPulls", "BatchIds", "KEY_BYTES", "depth_at", "key_bytes",
+           "read_ahead_depth", "window_steps"]

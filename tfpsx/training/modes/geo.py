@@ -337,10 +337,9 @@ class _GeoSyncHook(tf.compat.v1.train.SessionRunHook):
 
     def _ahead_feed(self, phases) -> Tuple[Optional[list], dict]:
         """(the keys per table of a background round that pulls ahead, or None; their
-        feed). Not the final round, nor a deterministic one."""
+        feed). Not the final round, nor a deterministic one (whose phases differ)."""
         mode = self._mode
-        if (self._window is None or self._ending or mode.in_train_thread
-                or phases != (PUSH, PULL)):
+        if self._window is None or self._ending or phases != (PUSH, PULL):
             return None, {}
         among = mode.ahead.among(self._schedule.pushed, self._window, mode.counters)
         if among is None:
